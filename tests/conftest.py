@@ -1,0 +1,56 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / "build" / "inductor-cache"))
+
+# Tiny configs of each family, as HF config.json dicts (transformers builds the reference model from them).
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0)
+FAMILIES = {
+    "llama": dict(TINY, model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False),
+    "llama31": dict(TINY, model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False,
+                    rope_theta=500000.0,
+                    # original context 64, so a 300-token prompt runs far past it (all three frequency bands used)
+                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                      original_max_position_embeddings=64)),
+    "qwen2": dict(TINY, model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
+                  rope_theta=1000000.0, use_sliding_window=False),
+    "mistral": dict(TINY, model_type="mistral", architectures=["MistralForCausalLM"], tie_word_embeddings=False,
+                    sliding_window=48),
+}
+
+
+def make_hf_checkpoint(family: str, out_dir: Path, seed: int = 0):
+    """Random-initialised HF model of `family`, saved as safetensors; returns (the HF model, out_dir)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = dict(FAMILIES[family])
+    config_cls = transformers.AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items()})
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(config_cls, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # HF's default init is tiny (std 0.02); widen it so differences would show in logits
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.normal_(0, 0.08)
+    hf.save_pretrained(out_dir, safe_serialization=True)
+    return hf, out_dir
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tmp_path_factory):
+    """family -> (hf_model, checkpoint dir), built once per session."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = make_hf_checkpoint(family, tmp_path_factory.mktemp(family))
+        return cache[family]
+    return get

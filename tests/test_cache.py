@@ -1,0 +1,98 @@
+"""cache.py mechanics against a plain dynamic-shape reference (concatenate, top-k, gather), step by step."""
+import pytest
+import torch
+
+from cache import KVCache, attention_mask, evict_fill_holes
+
+
+class TableScores:
+    """Scores from a fixed table indexed by (head, position); some positions protected with +inf."""
+
+    def __init__(self, table):
+        self.table = table  # [H, max_pos] fp32
+
+    def slot_state(self):
+        return {"acc": ((), torch.float32), "vec": ((3,), torch.float32)}
+
+    def score(self, cache, q, query_pos, S):
+        pos = cache.pos[:, :, :S].long().clamp_min(0)
+        return torch.gather(self.table[None].expand(pos.shape[0], -1, -1), 2, pos)
+
+
+def run_stream(budget, block, prompt_len, n_decode, H=3, D=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = prompt_len + n_decode
+    table = torch.rand(H, total, generator=g)
+    n_protected = min(3, budget - 1)  # never more protected tokens than the budget (ties among +inf)
+    table[:, torch.arange(0, total, 11)[:n_protected]] = float("inf")
+    policy = TableScores(table)
+    cache = KVCache(1, H, D, budget, block, torch.float32, "cpu", policy)
+    ref = [[] for _ in range(H)]  # per head: kept positions, the dynamic reference
+
+    def step(positions):
+        T = block if len(positions) > 1 or prompt_len > 0 and positions[0] < prompt_len else 1
+        pos = torch.full((T,), -1)
+        pos[:len(positions)] = torch.tensor(positions)
+        # keys/values encode (head, position) so that we can check they moved together with `pos`
+        k = (pos.float()[None, None, :, None] + 1000 * torch.arange(H).float()[None, :, None, None]).expand(1, H, T, D)
+        v = -k
+        before = cache.pos[:, :, :budget].clone()
+        keys, values, mask = cache.update(k.clone(), v.clone(), pos, torch.where(pos >= 0, pos, pos.max()))
+        for name, t in cache.state.items():  # state tags: the position + 0.5, to follow it through moves
+            sl = t[:, :, budget:budget + T]
+            sl.copy_((pos.float() + 0.5).view(1, 1, T, *([1] * (t.dim() - 3))).expand_as(sl))
+        cache.evict(torch.zeros(1, H, T, D), pos)
+        changed = (cache.pos[:, :, :budget] != before).sum(-1)
+        assert (changed <= len(positions)).all(), "more than one block of slots was rewritten"
+        for h in range(H):
+            cand = ref[h] + list(positions)
+            s = table[h, torch.tensor(cand)]
+            keep = s.topk(min(budget, len(cand))).indices
+            ref[h] = sorted(cand[i] for i in keep.tolist())
+            got = cache.pos[0, h]
+            valid = got[got >= 0]
+            assert len(valid) == min(budget, len(cand))
+            assert (got[budget:] == -1).all()  # the tail is empty after eviction
+            assert sorted(valid.tolist()) == ref[h]
+            kept = got >= 0
+            assert torch.equal(cache.k[0, h, kept, 0], valid.float() + 1000 * h)
+            assert torch.equal(cache.v[0, h, kept, 0], -(valid.float() + 1000 * h))
+            assert torch.equal(cache.state["acc"][0, h, kept], valid.float() + 0.5)
+            assert torch.equal(cache.state["vec"][0, h, kept, 2], valid.float() + 0.5)
+            assert all(p in ref[h] for p in range(0, len(cand)) if table[h, p] == float("inf"))
+
+    for start in range(0, prompt_len, block):
+        step(list(range(start, min(start + block, prompt_len))))
+    for p in range(prompt_len, total):
+        step([p])
+    return cache
+
+
+@pytest.mark.parametrize("budget,block,prompt_len,n_decode", [
+    (16, 8, 50, 20),    # prompt overflows the budget in prefill
+    (40, 8, 20, 40),    # fills up during decode: crosses the budget boundary one token at a time
+    (16, 16, 16, 5),    # exactly one block fills the budget
+    (7, 5, 23, 9),      # odd sizes, partial last block
+    (1, 4, 9, 3),       # budget 1
+])
+def test_eviction_matches_dynamic_reference(budget, block, prompt_len, n_decode):
+    run_stream(budget, block, prompt_len, n_decode)
+
+
+def test_fill_holes_pairs_holes_with_tail_survivors():
+    # budget 4, block 3: slots 0..3 kept, 4..6 new. Drop slots 1, 3 and 5 -> 4 and 6 fill holes 1 and 3.
+    pos = torch.arange(7, dtype=torch.int32).view(1, 1, 7)
+    k = torch.arange(7.0).view(1, 1, 7, 1)
+    scores = torch.tensor([[[5.0, 0.1, 5.0, 0.2, 5.0, 0.3, 5.0]]])
+    evict_fill_holes(scores, 4, [k], pos)
+    assert pos.flatten().tolist() == [0, 4, 2, 6, -1, -1, -1]
+    assert k.flatten()[:4].tolist() == [0.0, 4.0, 2.0, 6.0]
+
+
+def test_mask_causal_window_and_empty():
+    slot_pos = torch.tensor([[[0, 5, -1, 3, 9]]])
+    qpos = torch.tensor([4, 9])
+    m = attention_mask(slot_pos, qpos, None)[0, 0]
+    assert m.tolist() == [[True, False, False, True, False], [True, True, False, True, True]]
+    m = attention_mask(slot_pos, qpos, 5)[0, 0]  # window 5: positions > q - 5
+    assert m.tolist() == [[True, False, False, True, False], [False, True, False, False, True]]

@@ -1,0 +1,115 @@
+"""generate.py as a user runs it: bad input gets one line on stderr and exit code 2, good input a summary."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+import generate
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(hf_tiny, tmp_path_factory):
+    """The tiny llama checkpoint plus a small byte-level BPE tokenizer.json trained here (vocab < 512)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    _, src = hf_tiny("llama")
+    d = tmp_path_factory.mktemp("tiny_cli")
+    shutil.copytree(src, d, dirs_exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<s>", "</s>"])
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["max_position_embeddings"] = 256
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def run_main(argv, capsys):
+    code = generate.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_tiny_run_prints_summary(tiny_ckpt, capsys):
+    code, out, err = run_main(["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps over the lazy dog, " * 3,
+                               "--max-new-tokens", "5", "--json", "--policy", "random", "--budget", "8",
+                               "--block-size", "4"], capsys)
+    assert code == 0, err
+    stats = json.loads(out)
+    assert stats["generated_tokens"] == 5 and stats["prompt_tokens"] > 4
+    # 2 layers x (K and V) x 2 KV heads x (budget + block) slots x head_dim 16 x 4 bytes
+    assert stats["kv_cache_bytes"] == 2 * 2 * 2 * (8 + 4) * 16 * 4
+    for key in ("ttft_s", "prefill_tok_s", "decode_tok_s", "prefill_peak_bytes", "decode_peak_bytes",
+                "bandwidth_gb_s", "memory_measure"):
+        assert key in stats
+
+
+BAD = [
+    (["--checkpoint", "no-such-model"], "unknown checkpoint"),
+    (["--budget", "0"], "--budget must be >= 1"),
+    (["--block-size", "0"], "--block-size must be >= 1"),
+    (["--budget", "300"], "larger than the model's context"),
+    (["--block-size", "300"], "larger than the model's context"),
+    (["--prompt", "   "], "prompt is empty"),
+    (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read prompt file"),
+    (["--prompt", "the quick brown fox " * 100], "longer than the model's context"),
+    (["--policy", "nope"], "unknown policy"),
+    (["--device", "cuda"], "CUDA is not available"),
+    (["--batch-size", "2"], "not supported yet"),
+    (["--budget", "abc"], "invalid int value"),
+    (["--policy", "full", "--budget", "4"], "must be >= prompt + max-new-tokens"),
+    (["--top-p", "0"], "top-p"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_one_line_exit_2(tiny_ckpt, capsys, extra, message):
+    if extra[0] == "--device" and generate.torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    prompt = [] if {"--prompt", "--prompt-file"} & set(extra) else ["--prompt", "the fox"]
+    argv = ["--checkpoint", str(tiny_ckpt), "--max-new-tokens", "4"] + prompt + extra
+    try:
+        code = generate.main(argv)
+    except SystemExit as e:  # argparse errors exit from inside parse_args
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
+
+
+def test_bad_checkpoints(tiny_ckpt, tmp_path, capsys):
+    # a config.json for an unsupported architecture
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    code, _, err = run_main(["--checkpoint", str(d), "--prompt", "hi"], capsys)
+    assert code == 2 and "unsupported architecture 'GPT2LMHeadModel'" in err
+
+    # missing safetensors
+    d = tmp_path / "nosafe"
+    shutil.copytree(tiny_ckpt, d)
+    (d / "model.safetensors").unlink()
+    code, _, err = run_main(["--checkpoint", str(d), "--prompt", "hi"], capsys)
+    assert code == 2 and "no *.safetensors" in err
+
+    # truncated safetensors
+    d = tmp_path / "trunc"
+    shutil.copytree(tiny_ckpt, d)
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    code, _, err = run_main(["--checkpoint", str(d), "--prompt", "hi"], capsys)
+    assert code == 2 and "truncated or corrupt" in err and len(err.strip().splitlines()) == 1
+
+
+def test_no_traceback_as_a_process(tiny_ckpt):
+    r = subprocess.run([sys.executable, str(REPO / "generate.py"), "--checkpoint", str(tiny_ckpt), "--prompt", "x",
+                        "--policy", "nope"], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -1,0 +1,284 @@
+"""Tokenizers for budgetkv: HF tokenizer.json, sentencepiece and Llama 3 tiktoken files.
+
+load_tokenizer(dir) picks the backend from the files present; every backend exposes the same
+small interface (encode/decode/eos_ids/chat template) so generate.py never cares which it got.
+"""
+import base64
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class TokenizerError(Exception):
+    """Missing / corrupt tokenizer files; the message is one line meant for the user."""
+
+
+class Tokenizer:
+    bos_id: int | None = None
+    eos_ids: list[int]
+    chat_template: str | None = None
+    vocab_size: int
+    bos_token: str = ""  # strings handed to the chat template
+    eos_token: str = ""
+
+    def encode(self, text: str, add_bos: bool) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int]) -> str:
+        raise NotImplementedError
+
+    def render_chat(self, user_message: str) -> str:
+        if not self.chat_template:
+            raise ValueError("this checkpoint has no chat template")
+        return _render(self.chat_template, messages=[{"role": "user", "content": user_message}],
+                       add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token)
+
+    def chat_prompt_ids(self, user_message: str) -> list[int]:
+        # Templates write the BOS string themselves; HF apply_chat_template does not add another.
+        return self.encode(self.render_chat(user_message), add_bos=False)
+
+
+class _HFTokenizer(Tokenizer):
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as HFTok
+        try:
+            self.tok = HFTok.from_file(str(path))
+        except Exception as e:
+            raise TokenizerError(f"cannot read {path}: {_oneline(e)}") from None
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text, add_bos):
+        # add_special_tokens=True runs the file's post_processor, i.e. exactly HF's tokenizer(text).
+        # Added/special tokens written in the text are always matched by `tokenizers`.
+        return self.tok.encode(text, add_special_tokens=add_bos).ids
+
+    def decode(self, ids):
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_id(self, s):
+        return self.tok.token_to_id(s)
+
+
+class _SPTokenizer(Tokenizer):
+    def __init__(self, path: Path):
+        import sentencepiece as spm
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        except Exception as e:
+            raise TokenizerError(f"cannot read {path}: {_oneline(e)}") from None
+        n = self.vocab_size = self.sp.get_piece_size()
+        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        self.bos_token = self.sp.id_to_piece(self.bos_id) if self.bos_id is not None else ""
+        self.eos_token = self.sp.id_to_piece(self.sp.eos_id()) if self.sp.eos_id() >= 0 else ""
+        # sentencepiece never matches control pieces (<s>, </s>) in text, but chat templates write
+        # them as strings, so split them out ourselves (HF's converted tokenizers do the same).
+        self.specials = {self.sp.id_to_piece(i): i for i in range(n)
+                         if self.sp.is_control(i) or self.sp.is_unknown(i)}
+        alts = sorted(self.specials, key=len, reverse=True)
+        self.split_re = re.compile("(" + "|".join(map(re.escape, alts)) + ")") if alts else None
+
+    def encode(self, text, add_bos):
+        ids = [self.bos_id] if add_bos and self.bos_id is not None else []
+        parts = self.split_re.split(text) if self.split_re else [text]
+        for i, part in enumerate(parts):  # odd indices are the captured special tokens
+            if i % 2:
+                ids.append(self.specials[part])
+            elif part:
+                ids.extend(self.sp.encode(part))
+        return ids
+
+    def decode(self, ids):
+        return self.sp.decode(list(ids))  # sentencepiece drops control tokens itself
+
+    def token_id(self, s):
+        i = self.sp.piece_to_id(s)
+        return None if i == self.sp.unk_id() and s != self.sp.id_to_piece(i) else i
+
+
+# Llama 3 (Meta "original/tokenizer.model"): tiktoken ranks + this pre-tokenizer regex + 256 specials.
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                   "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+                   "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>",
+                   "<|python_tag|>"]
+LLAMA3_SPECIALS += [f"<|reserved_special_token_{i}|>" for i in range(2, 2 + 256 - len(LLAMA3_SPECIALS))]
+
+
+class _TiktokenTokenizer(Tokenizer):
+    def __init__(self, ranks: dict[bytes, int]):
+        import tiktoken
+        self.n_base = len(ranks)
+        self.specials = {s: self.n_base + i for i, s in enumerate(LLAMA3_SPECIALS)}
+        self.enc = tiktoken.Encoding("llama3", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
+                                     special_tokens=self.specials)
+        self.vocab_size = self.n_base + len(self.specials)
+        self.bos_id, self.bos_token = self.specials["<|begin_of_text|>"], "<|begin_of_text|>"
+        self.eos_token = "<|end_of_text|>"
+        # <|eot_id|> ends a chat turn, <|eom_id|> a tool-call message (3.1); both stop generation.
+        self.eos_ids = [self.specials[s] for s in ("<|end_of_text|>", "<|eot_id|>", "<|eom_id|>")]
+
+    def encode(self, text, add_bos):
+        ids = [self.bos_id] if add_bos else []
+        for chunk in _tiktoken_chunks(text):
+            ids.extend(self.enc.encode(chunk, allowed_special="all"))
+        return ids
+
+    def decode(self, ids):
+        return self.enc.decode([i for i in ids if i < self.n_base])
+
+    def token_id(self, s):
+        return self.specials.get(s)
+
+
+def _tiktoken_chunks(s, max_chars=400_000, max_run=25_000):
+    # tiktoken's regex backtracking overflows on huge inputs (e.g. 1M spaces), so like Meta's
+    # reference we encode 400k-char windows and cut runs of >25k (non-)whitespace chars.
+    cuts = set(range(max_chars, len(s), max_chars))
+    for m in re.finditer(r"\s{%d,}|\S{%d,}" % (max_run + 1, max_run + 1), s):
+        cuts.update(range(m.start() + max_run, m.end(), max_run))
+    bounds = [0, *sorted(cuts), len(s)]
+    return [s[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _read_tiktoken(path: Path) -> dict[bytes, int] | None:
+    """Ranks if the file is tiktoken's `base64 rank` text format, None otherwise (sentencepiece proto)."""
+    lines = [line for line in path.read_bytes().splitlines() if line]
+
+    def parse(line):
+        tok, rank = line.split()
+        return base64.b64decode(tok, validate=True), int(rank)
+
+    try:
+        parse(lines[0])  # a binary proto's first line is never "base64 int"
+    except (ValueError, IndexError):  # binascii.Error is a ValueError
+        return None
+    try:
+        return dict(map(parse, lines))
+    except ValueError:
+        raise TokenizerError(f"corrupt tiktoken file {path}: a line is not 'base64 rank'") from None
+
+
+def load_tokenizer(ckpt_dir) -> Tokenizer:
+    d = Path(ckpt_dir)
+    tok_cfg = _read_json(d / "tokenizer_config.json")
+    if (d / "tokenizer.json").is_file():
+        tok = _HFTokenizer(d / "tokenizer.json")
+        tok.bos_token, tok.eos_token = _tok_str(tok_cfg.get("bos_token")), _tok_str(tok_cfg.get("eos_token"))
+        tok.bos_id = tok.token_id(tok.bos_token) if tok.bos_token else None
+    elif (d / "tokenizer.model").is_file():
+        ranks = _read_tiktoken(d / "tokenizer.model")
+        tok = _TiktokenTokenizer(ranks) if ranks else _SPTokenizer(d / "tokenizer.model")
+    else:
+        raise TokenizerError(f"no tokenizer.json or tokenizer.model in {d}")
+    eos = list(getattr(tok, "eos_ids", []))
+    if tok.eos_token and tok.token_id(tok.eos_token) is not None:
+        eos.append(tok.token_id(tok.eos_token))
+    for name in ("generation_config.json", "config.json"):
+        cfg = _read_json(d / name)
+        e = cfg.get("eos_token_id")
+        eos += e if isinstance(e, list) else [e] if isinstance(e, int) else []
+        if tok.bos_id is None and isinstance(cfg.get("bos_token_id"), int):
+            tok.bos_id = cfg["bos_token_id"]
+    tok.eos_ids = list(dict.fromkeys(eos))  # dedupe, keep order
+    tmpl = tok_cfg.get("chat_template")
+    if isinstance(tmpl, list):  # older multi-template format: [{"name": ..., "template": ...}]
+        tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), None)
+    if (d / "chat_template.jinja").is_file():
+        tmpl = (d / "chat_template.jinja").read_text(encoding="utf-8")
+    tok.chat_template = tmpl or None
+    return tok
+
+
+def write_gguf_tokenizer(reader, out_dir) -> None:
+    """Turn a llama.cpp GGUF's byte-level BPE vocab into tokenizer.json + configs in out_dir."""
+    from tokenizers import AddedToken, Tokenizer as HFTok, decoders, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    from gguf import GGUFValueType as T
+
+    def get(name, default=None):  # strings: bytes(parts[data[i]]); numbers: parts[data[i]][0]
+        f = reader.fields.get(name)
+        if f is None:
+            return default
+        vals = [bytes(f.parts[i]).decode() if f.types[-1] == T.STRING else f.parts[i][0].item() for i in f.data]
+        return vals if f.types[0] == T.ARRAY else vals[0]
+
+    model = get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise TokenizerError(f"unsupported GGUF tokenizer {model!r} (only byte-level BPE 'gpt2' is supported)")
+    tokens, merges = get("tokenizer.ggml.tokens"), get("tokenizer.ggml.merges")
+    types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tok = HFTok(BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ", 1)) for m in merges]))
+    # Same pipeline transformers builds for a gguf "gpt2" vocab: GPT-2 regex + byte->unicode map.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    # token_type 3 = control (e.g. <|im_end|>): special; 4 = user-defined: matched whole but kept on decode.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == 3])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == 4])
+    bos, eos = get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id")
+    if get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B", special_tokens=[(tokens[bos], bos)])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    cfg = {"bos_token": tokens[bos] if bos is not None else None,
+           "eos_token": tokens[eos] if eos is not None else None}
+    if get("tokenizer.chat_template"):
+        cfg["chat_template"] = get("tokenizer.chat_template")
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
+    ends = [get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    ends = list(dict.fromkeys(e for e in ends if e is not None))
+    gen = {"bos_token_id": bos, "eos_token_id": ends[0] if len(ends) == 1 else ends}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+def _oneline(e: Exception) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # includes JSONDecodeError and UnicodeDecodeError
+        raise TokenizerError(f"cannot parse {path}: {_oneline(e)}") from None
+
+
+def _tok_str(t) -> str:
+    # tokenizer_config.json writes special tokens either as "<s>" or {"content": "<s>", ...}
+    return t.get("content", "") if isinstance(t, dict) else (t or "")
+
+
+class _GenerationTag(Extension):
+    # Some HF templates mark assistant text with {% generation %}...{% endgeneration %}; render the body.
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _raise(msg):
+    raise jinja2.exceptions.TemplateError(msg)
+
+
+def _render(template: str, **kw) -> str:
+    # Same environment flags as HF's apply_chat_template so outputs match byte for byte.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
+    # jinja's own tojson HTML-escapes <>&'; HF templates expect plain JSON.
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env.from_string(template).render(**kw)
