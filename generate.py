@@ -20,8 +20,8 @@ import torch
 REPO = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
 
-from cache import kv_bytes, setup_caches  # noqa: E402
-from model import ConfigError, ModelArgs, Transformer, rope_inv_freq  # noqa: E402
+from cache import kv_bytes, make_cache, setup_caches  # noqa: E402
+from model import ConfigError, ModelArgs, Transformer, rope_cos_sin, rope_inv_freq  # noqa: E402
 from scripts.convert_hf_checkpoint import (ENGINE_FILE, CheckpointError, convert_gguf, convert_hf_dir,  # noqa: E402
                                            read_config, read_hf_dir)
 
@@ -184,6 +184,35 @@ def block_inputs(prompt: torch.Tensor, start: int, block_size: int):
     return idx, pos
 
 
+def prefill_one_shot(model, prompt: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Dense prefill of the whole prompt, then one compression per layer (the SnapKV / RocketKV / kvpress protocol).
+
+    Layer-major: all blocks of layer 0, then of layer 1, ..., carrying the hidden state [L, dim]. The only scratch
+    is one layer's K/V for the whole prompt (a KVCache whose budget is the prompt), so peak memory is one layer's
+    full-length cache, not the model's. Returns the last position's logits [1, vocab].
+    """
+    L = prompt.numel()
+    n_blocks = -(-L // block_size)
+    idx, input_pos = block_inputs(prompt, 0, n_blocks * block_size)
+    query_pos = torch.where(input_pos >= 0, input_pos, L - 1)
+    cos, sin = rope_cos_sin(query_pos, model.inv_freq, model.tok_embeddings.weight.dtype)
+    x = model.tok_embeddings(idx)
+    for layer in model.layers:
+        cache = layer.attention.kv_cache
+        layer.attention.kv_cache = scratch = make_cache(model, 1, n_blocks * block_size, block_size, cache.policy)
+        for b in range(n_blocks):
+            blk = slice(b * block_size, (b + 1) * block_size)
+            x[:, blk] = layer(x[:, blk], cos[blk], sin[blk], input_pos[blk], query_pos[blk])
+        layer.attention.kv_cache = cache
+        if cache.policy is None:  # full: the scratch already is the whole prompt
+            cache.k[:, :, :L], cache.v[:, :, :L], cache.pos[:, :, :L] = (t[:, :, :L] for t in
+                                                                         (scratch.k, scratch.v, scratch.pos))
+        else:
+            scratch.compress_into(cache)
+        del scratch
+    return model.output(model.norm(x[:, L - 1:L]))[:, 0].float()
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -222,8 +251,9 @@ class PeakMemory:
 
 @torch.inference_mode()
 def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: int, steps, eos_ids=(),
-             temperature=0.0, top_k=0, top_p=1.0, on_token=None, device="cpu", profiler=None) -> tuple[list, dict]:
-    """Block-wise prefill then decode; returns (generated ids, stats). `steps` = (prefill_fn, decode_fn)."""
+             temperature=0.0, top_k=0, top_p=1.0, on_token=None, device="cpu", profiler=None,
+             one_shot=False) -> tuple[list, dict]:
+    """Block-wise (or one-shot) prefill then decode; returns (generated ids, stats). steps = (prefill, decode)."""
     prefill_fn, decode_fn = steps
     for layer in model.layers:
         layer.attention.kv_cache.reset()
@@ -235,9 +265,12 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: i
     mem.reset()
     sync(device)
     t0 = time.perf_counter()
-    for start in range(0, L, block_size):
-        idx, pos = block_inputs(prompt, start, block_size)
-        logits = prefill_fn(model, idx, pos)
+    if one_shot:
+        logits = prefill_one_shot(model, prompt, block_size)
+    else:
+        for start in range(0, L, block_size):
+            idx, pos = block_inputs(prompt, start, block_size)
+            logits = prefill_fn(model, idx, pos)
     token = sample(logits, temperature, top_k, top_p)
     tok = int(token.item())  # the first token is needed on the host anyway (streaming, EOS)
     t1 = time.perf_counter()
@@ -305,6 +338,18 @@ def parse_args(argv=None):
     ap.add_argument("--budget", type=int,
                     help="tokens kept per layer and KV head (default: prompt + max-new-tokens for full, 2048 else)")
     ap.add_argument("--block-size", type=int, default=128, help="prefill block size (default 128)")
+    ap.add_argument("--prefill", choices=["block", "one-shot"], default="block",
+                    help="block: evict after every block, hard budget throughout (KeyDiff protocol, default); "
+                         "one-shot: whole prompt dense (layer by layer), then one compression (SnapKV/kvpress)")
+    ap.add_argument("--evict-before-attend", action="store_true",
+                    help="score and evict before the block attends (ablation; default attends first)")
+    pol = ap.add_argument_group("policy parameters (defaults: the papers' recommended values)")
+    pol.add_argument("--window-frac", type=float, default=0.0,
+                     help="keydiff, h2o: share of the budget kept for the most recent tokens (paper: 0.1 or 0.2)")
+    pol.add_argument("--anchor", default="raw", help="keydiff: raw (paper) or normalized (kvpress) key mean")
+    pol.add_argument("--n-sink", type=int, default=4, help="sink: number of first positions kept (4)")
+    pol.add_argument("--snap-window", type=int, default=32, help="snapkv: observation window (32)")
+    pol.add_argument("--snap-kernel", type=int, default=7, help="snapkv: pooling kernel, odd (7)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -392,7 +437,7 @@ def run(a) -> int:
     else:
         budget = a.budget or 2048
         policy.check(budget, a.block_size)
-    setup_caches(model, 1, budget, a.block_size, policy)
+    setup_caches(model, 1, budget, a.block_size, policy, a.evict_before_attend)
 
     steps = (prefill_step, model_step)
     compile_s = 0.0
@@ -424,12 +469,13 @@ def run(a) -> int:
     with prof or nullcontext():
         out, stats = generate(model, ids, a.max_new_tokens, block_size=a.block_size, steps=steps,
                               eos_ids=set(tokenizer.eos_ids), temperature=a.temperature, top_k=a.top_k,
-                              top_p=a.top_p, on_token=None if a.json else stream, device=a.device)
+                              top_p=a.top_p, on_token=None if a.json else stream, device=a.device,
+                              one_shot=a.prefill == "one-shot")
     if prof is not None:
         prof.export_chrome_trace(str(a.profile))
 
     weight_b, kv_read_b = decode_bytes_per_step(model)
-    stats.update(checkpoint=str(ckpt), policy=a.policy, budget=budget, block_size=a.block_size,
+    stats.update(checkpoint=str(ckpt), policy=a.policy, budget=budget, block_size=a.block_size, prefill=a.prefill,
                  dtype=str(dtype).replace("torch.", ""), device=a.device, compiled=a.compile,
                  compile_s=round(compile_s, 2), kv_cache_bytes=kv_bytes(model), weight_bytes=weight_b,
                  kv_read_bytes_per_step=kv_read_b,

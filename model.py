@@ -155,15 +155,15 @@ class Attention(nn.Module):
         k = apply_rope(k.view(B, T, hkv, d).transpose(1, 2), cos, sin)
         v = v.view(B, T, hkv, d).transpose(1, 2)
 
-        keys, values, mask = self.kv_cache.update(k, v, input_pos, query_pos)
+        keys, values, mask = self.kv_cache.update(q, k, v, input_pos, query_pos)
         # GQA without copying K/V: the g query heads of a KV group become g*T query rows of that KV head.
         g = hq // hkv
         S = keys.shape[2]
         q_rows = q.reshape(B, hkv, g * T, d)
         mask_rows = mask[:, :, None].expand(B, hkv, g, T, S).reshape(B, hkv, g * T, S)
         out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask_rows)
-        # Attend, then let the policy evict (the KeyDiff / CAOTE block protocol).
-        self.kv_cache.evict(q, query_pos)
+        # Attend, then let the policy evict (the KeyDiff block protocol; a no-op for `full`).
+        self.kv_cache.evict(q, input_pos, query_pos)
         out = out.view(B, hq, T, d).transpose(1, 2).reshape(B, T, hq * d)
         return self.wo(out)
 

@@ -11,7 +11,6 @@ import os
 import sys
 from pathlib import Path
 
-import httpx2
 from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import (
     GatedRepoError,
@@ -25,6 +24,21 @@ from huggingface_hub.errors import (
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.jinja"]
 # fnmatch's "*" also matches "/", so "*.json" would pull original/params.json: exclude duplicates explicitly.
 IGNORE_PATTERNS = ["original/*", "*consolidated*"]
+
+
+def _http_errors() -> tuple:
+    """huggingface_hub 1.x talks through httpx, 2.x through httpx2: catch the transport errors of both."""
+    import importlib
+    found = []
+    for name in ("httpx2", "httpx"):
+        try:
+            found.append(importlib.import_module(name))
+        except ImportError:
+            pass
+    return tuple(m.TransportError for m in found), tuple(m.HTTPError for m in found)
+
+
+TRANSPORT_ERRORS, HTTP_ERRORS = _http_errors()
 
 
 class DownloadError(Exception):
@@ -46,7 +60,7 @@ def _explain(e: Exception, repo_id: str) -> str:
         return f"access to {repo_id} is refused (HTTP {status}): accept the licence on {hub}/{repo_id} and set HF_TOKEN"
     if isinstance(e, RepositoryNotFoundError):
         return f"{repo_id} not found on {hub} (HTTP {status}; if it is private, set HF_TOKEN)"
-    if isinstance(e, (httpx2.TransportError, LocalEntryNotFoundError)) or (status or 0) >= 500:
+    if isinstance(e, (*TRANSPORT_ERRORS, LocalEntryNotFoundError)) or (status or 0) >= 500:
         reason = f"HTTP {status}" if status else _one_line(e)
         return (f"cannot reach the Hugging Face hub ({hub}: {reason}): "
                 "download the model elsewhere and pass its directory as --checkpoint")
@@ -65,7 +79,7 @@ def download(repo_id: str, out_dir: Path, token: str | None = None) -> Path:
             allow_patterns=ALLOW_PATTERNS,
             ignore_patterns=IGNORE_PATTERNS,
         ))
-    except (OSError, httpx2.HTTPError, HFValidationError) as e:  # HfHubHTTPError, LocalEntryNotFound... are OSErrors
+    except (OSError, *HTTP_ERRORS, HFValidationError) as e:  # HfHubHTTPError, LocalEntryNotFound... are OSErrors
         raise DownloadError(_explain(e, repo_id)) from e
     if not (path / "config.json").is_file():
         raise DownloadError(f"{repo_id} has no config.json (looked in {path})")

@@ -3,18 +3,20 @@ import pytest
 import torch
 
 from cache import KVCache, attention_mask, evict_fill_holes
+from policies import Policy
 
 
-class TableScores:
+class TableScores(Policy):
     """Scores from a fixed table indexed by (head, position); some positions protected with +inf."""
 
     def __init__(self, table):
+        super().__init__()
         self.table = table  # [H, max_pos] fp32
 
     def slot_state(self):
         return {"acc": ((), torch.float32), "vec": ((3,), torch.float32)}
 
-    def score(self, cache, q, query_pos, S):
+    def score(self, cache, q, input_pos, query_pos, S):
         pos = cache.pos[:, :, :S].long().clamp_min(0)
         return torch.gather(self.table[None].expand(pos.shape[0], -1, -1), 2, pos)
 
@@ -37,11 +39,13 @@ def run_stream(budget, block, prompt_len, n_decode, H=3, D=4, seed=0):
         k = (pos.float()[None, None, :, None] + 1000 * torch.arange(H).float()[None, :, None, None]).expand(1, H, T, D)
         v = -k
         before = cache.pos[:, :, :budget].clone()
-        keys, values, mask = cache.update(k.clone(), v.clone(), pos, torch.where(pos >= 0, pos, pos.max()))
+        qpos = torch.where(pos >= 0, pos, pos.max())
+        q = torch.zeros(1, H, T, D)
+        keys, values, mask = cache.update(q, k.clone(), v.clone(), pos, qpos)
         for name, t in cache.state.items():  # state tags: the position + 0.5, to follow it through moves
             sl = t[:, :, budget:budget + T]
             sl.copy_((pos.float() + 0.5).view(1, 1, T, *([1] * (t.dim() - 3))).expand_as(sl))
-        cache.evict(torch.zeros(1, H, T, D), pos)
+        cache.evict(q, pos, qpos)
         changed = (cache.pos[:, :, :budget] != before).sum(-1)
         assert (changed <= len(positions)).all(), "more than one block of slots was rewritten"
         for h in range(H):
@@ -96,3 +100,12 @@ def test_mask_causal_window_and_empty():
     assert m.tolist() == [[True, False, False, True, False], [True, True, False, True, True]]
     m = attention_mask(slot_pos, qpos, 5)[0, 0]  # window 5: positions > q - 5
     assert m.tolist() == [[True, False, False, True, False], [False, True, False, False, True]]
+
+
+def test_ties_keep_the_newer_position():
+    """Spec tie rule: among equal scores the older position is dropped, whatever the slot order."""
+    pos = torch.tensor([[[5, 2, 9, 7, 1, 8]]], dtype=torch.int32)
+    k = pos.float().view(1, 1, 6, 1).clone()
+    evict_fill_holes(torch.zeros(1, 1, 6), 3, [k], pos)
+    assert sorted(pos.flatten()[:3].tolist()) == [7, 8, 9]
+    assert torch.equal(k.flatten()[:3], pos.flatten()[:3].float())

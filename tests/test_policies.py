@@ -1,0 +1,182 @@
+"""The engine's policies on the hand-checkable cases of shared/specs/keydiff.md section 8 (no model needed):
+keys (and queries) are fed straight into a KVCache, block by block, and the kept position sets are compared."""
+import math
+from argparse import Namespace
+
+import pytest
+import torch
+
+import policies
+from cache import KVCache
+
+
+def stream(policy, keys, budget, block, queries=None, n_heads=1):
+    """Feed keys [n, D] (one KV head) through a KVCache in blocks; returns the kept positions after each block."""
+    keys = torch.as_tensor(keys, dtype=torch.float32)
+    n, D = keys.shape
+    queries = torch.zeros(n, n_heads, D) if queries is None else torch.as_tensor(queries, dtype=torch.float32)
+    cache = KVCache(1, 1, D, budget, block, torch.float32, "cpu", policy, n_heads=n_heads)
+    kept = []
+    for start in range(0, n, block):
+        T = min(block, n - start)
+        pos = torch.arange(start, start + T)
+        k = keys[start:start + T].view(1, 1, T, D)
+        q = queries[start:start + T].permute(1, 0, 2).reshape(1, n_heads, T, D)
+        cache.update(q, k, k.clone(), pos, pos)
+        cache.evict(q, pos, pos)
+        p = cache.pos[0, 0]
+        kept.append(sorted(p[p >= 0].tolist()))
+        assert torch.equal(cache.v[0, 0, p >= 0], keys[p[p >= 0].long()])  # values moved with their keys
+    return kept, cache
+
+
+def keydiff(**kw):
+    return policies.KeyDiff(Namespace(**kw))
+
+
+@pytest.mark.parametrize("anchor,expect", [("raw", [2, 3, 4]), ("normalized", [2, 3, 4])])
+def test_A1(anchor, expect):
+    keys = [(1, 0), (1, 0.2), (0, 1), (1, -0.5), (-1, 0.3)]
+    assert stream(keydiff(anchor=anchor), keys, 3, 5)[0][-1] == expect
+
+
+def test_A1_scores_are_the_cosines():
+    keys = torch.tensor([(1, 0), (1, 0.2), (0, 1), (1, -0.5), (-1, 0.3)], dtype=torch.float32)
+    cache = KVCache(1, 1, 2, 5, 5, torch.float32, "cpu", keydiff())
+    cache.update(torch.zeros(1, 1, 5, 2), keys.view(1, 1, 5, 2), keys.view(1, 1, 5, 2), torch.arange(5),
+                 torch.arange(5))
+    s = keydiff().score(cache, None, torch.arange(5), torch.arange(5), 10)[0, 0, 5:]
+    assert torch.allclose(-s, torch.tensor([0.8944, 0.9648, 0.4472, 0.6000, -0.7282]), atol=1e-4)
+
+
+@pytest.mark.parametrize("anchor,expect", [("raw", [1, 2]), ("normalized", [0, 1])])
+def test_A2_raw_and_normalized_anchor_differ(anchor, expect):
+    assert stream(keydiff(anchor=anchor), [(10, 0), (0, 1), (0.1, 1)], 2, 3)[0][-1] == expect
+
+
+def test_A3():
+    e = torch.eye(4)
+    assert stream(keydiff(), torch.stack([e[0], e[0], e[0], e[1], e[2]]), 2, 5)[0][-1] == [3, 4]
+
+
+def test_A7_identical_keys_keep_the_newest():
+    kept, cache = stream(keydiff(), torch.ones(10, 4), 4, 3)
+    assert kept[-1] == [6, 7, 8, 9]
+    assert torch.isfinite(keydiff().score(cache, None, torch.arange(1), torch.arange(1), 4)).all()
+
+
+def test_A8_zero_keys_give_finite_scores():
+    _, cache = stream(keydiff(), torch.zeros(6, 4), 3, 2)
+    assert torch.isfinite(keydiff().score(cache, None, torch.arange(1), torch.arange(1), 5)[cache.pos[:, :, :5] >= 0]).all()
+
+
+B_STREAM = [(0, -1), (-2, 0), (2, 1), (-2, 2), (1, 2), (2, -2)]
+
+
+@pytest.mark.parametrize("block,expect", [(2, [[0, 1], [0, 1, 2], [0, 1, 4]]), (6, [[0, 1, 5]]),
+                                          (1, [[0], [0, 1], [0, 1, 2], [0, 1, 2], [0, 1, 2], [0, 1, 2]])])
+def test_B1_B2_B3_block_size_changes_the_selection(block, expect):
+    assert stream(keydiff(), B_STREAM, 3, block)[0] == expect
+
+
+def test_B4_recent_window():
+    keys = [(1, 0), (0, 1), (1, 0.1), (1, -0.1), (-1, 0), (0.9, 0.05)]
+    assert stream(keydiff(window_frac=1 / 3), keys, 3, 2)[0] == [[0, 1], [0, 1, 3], [1, 4, 5]]
+    assert stream(keydiff(), keys, 3, 2)[0][-1] == [1, 3, 4]
+
+
+def test_B5_counts():
+    kept, _ = stream(keydiff(), torch.randn(600, 8, generator=torch.Generator().manual_seed(0)), 300, 128)
+    assert [len(k) for k in kept] == [128, 256, 300, 300, 300]
+
+
+@pytest.mark.parametrize("block", [4, 3])
+def test_C1_sink(block):
+    policy = policies.Sink(Namespace(n_sink=4))
+    kept, cache = stream(policy, torch.randn(20, 2), 8, block)
+    assert kept[-1] == [0, 1, 2, 3, 16, 17, 18, 19]
+    for p in range(20, 23):  # three decode steps
+        k = torch.randn(1, 1, 1, 2)
+        cache.update(k, k, k, torch.tensor([p]), torch.tensor([p]))
+        cache.evict(k, torch.tensor([p]), torch.tensor([p]))
+    assert sorted(cache.pos[0, 0][cache.pos[0, 0] >= 0].tolist()) == [0, 1, 2, 3, 19, 20, 21, 22]
+
+
+def test_C2_h2o_accumulates_from_the_first_block_and_favours_old_tokens():
+    policy = policies.H2O()
+    keys = torch.randn(10, 4, generator=torch.Generator().manual_seed(1))
+    cache = KVCache(1, 1, 4, 4, 2, torch.float32, "cpu", policy)
+    for start in range(0, 10, 2):
+        pos = torch.arange(start, start + 2)
+        k = keys[start:start + 2].view(1, 1, 2, 4)
+        q = torch.zeros(1, 1, 2, 4)  # zero queries: uniform attention over the visible keys
+        cache.update(q, k, k, pos, pos)
+        if start == 4:  # running sums at block {4, 5}, before selection, current block included
+            policy.observe(cache, q, pos, pos, 6)
+            acc = {int(p): float(a) for p, a in zip(cache.pos[0, 0, :6], cache.state["acc"][0, 0, :6]) if p >= 0}
+            expect = {0: 2.45, 1: 1.45, 2: 0.95, 3: 0.6167, 4: 0.3667, 5: 0.1667}
+            assert all(abs(acc[p] - v) < 1e-3 for p, v in expect.items()), acc
+            cache.drop_to(4, policy.score(cache, q, pos, pos, 6))
+        else:
+            cache.evict(q, pos, pos)
+    assert sorted(cache.pos[0, 0][cache.pos[0, 0] >= 0].tolist()) == [0, 1, 2, 3]
+
+
+def test_C3_tova_averages_within_the_gqa_group():
+    keys = [(3, 0), (0, 2), (1.8, 1.8), (0, 0)]
+    queries = torch.zeros(4, 2, 2)
+    queries[3] = torch.tensor([[math.sqrt(2), 0], [0, math.sqrt(2)]])  # last query of heads a and b
+    kept, _ = stream(policies.TOVA(), keys, 2, 4, queries=queries, n_heads=2)
+    assert kept[-1] == [0, 2]
+
+
+def test_C4_snapkv_pools_window_votes(monkeypatch):
+    row6 = [0.5, 0, 0.05, 0.3, 0, 0, 0.15, 0]
+    row7 = [0.4, 0, 0.05, 0, 0, 0.45, 0.05, 0.05]
+    weights = torch.tensor([row6, row7]).view(1, 1, 2, 8)
+    monkeypatch.setattr(policies, "attention_weights", lambda cache, q, q_pos, S: weights)
+    policy = policies.SnapKV(Namespace(snap_window=2, snap_kernel=3))
+    cache = KVCache(1, 1, 2, 4, 4, torch.float32, "cpu", policy)
+    pos = torch.arange(8)
+    k = torch.randn(1, 1, 8, 2)
+    cache.pos[0, 0, :8] = pos  # candidates 0..7 in slots 0..7
+    scores = policy.score(cache, k, pos, pos, 8)[0, 0]
+    assert torch.allclose(scores[:6], torch.tensor([0.3, 0.3333, 0.1333, 0.1333, 0.25, 0.15]), atol=1e-4)
+    cache.drop_to(4, policy.score(cache, k, pos, pos, 8))
+    assert sorted(cache.pos[0, 0, :4].tolist()) == [0, 1, 6, 7]
+
+
+def test_C6_snapkv_window_always_kept():
+    policy = policies.SnapKV(Namespace(snap_window=8, snap_kernel=7))
+    n = 120
+    g = torch.Generator().manual_seed(2)
+    kept, _ = stream(policy, torch.randn(n, 4, generator=g), 20, 16, queries=torch.randn(n, 2, 4, generator=g),
+                     n_heads=2)
+    for i, k in enumerate(kept):
+        newest = min(n, (i + 1) * 16)
+        assert set(range(newest - 8, newest)) <= set(k)
+
+
+def test_C7_keynorm():
+    keys = [(3, 0), (0, 1), (2, 0), (0.5, 0)]
+    assert stream(policies.KeyNorm(), keys, 2, 4)[0][-1] == [1, 3]
+
+
+def test_snapkv_ring_keeps_the_latest_queries():
+    policy = policies.SnapKV(Namespace(snap_window=4, snap_kernel=3))
+    _, cache = stream(policy, torch.randn(11, 2), 6, 3, queries=torch.arange(11.0).view(11, 1, 1).expand(11, 1, 2))
+    assert sorted(cache.layer_state["ring_pos"].tolist()) == [7, 8, 9, 10]
+    assert sorted(cache.layer_state["ring_q"][0, 0, :, 0].tolist()) == [7.0, 8.0, 9.0, 10.0]
+
+
+@pytest.mark.parametrize("name,params,budget,message", [
+    ("sink", dict(n_sink=4), 4, "must exceed the 4 sink tokens"),
+    ("snapkv", dict(snap_window=32, snap_kernel=7), 32, "must exceed the SnapKV observation window"),
+    ("snapkv", dict(snap_window=32, snap_kernel=6), 64, "odd"),
+    ("keydiff", dict(window_frac=1.0), 64, "--window-frac"),
+    ("h2o", dict(window_frac=-0.1), 64, "--window-frac"),
+    ("keydiff", dict(anchor="median"), 64, "--anchor"),
+])
+def test_bad_parameters(name, params, budget, message):
+    with pytest.raises(policies.PolicyError, match=message):
+        policies.REGISTRY[name](Namespace(**params)).check(budget, 16)
