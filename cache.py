@@ -30,7 +30,10 @@ def attention_mask(slot_pos: Tensor, query_pos: Tensor, window: int | None) -> T
 
 def drop_lowest(scores: Tensor, pos: Tensor, T: int) -> Tensor:
     """Slots [B, H, T] of the T lowest scores, ascending by slot. Ties drop the older position (spec: keep newer);
-    torch.topk's order among equal values is unspecified, so rank by (score, position) with two stable sorts."""
+    torch.topk's order among equal values is unspecified, so rank by (score, position)."""
+    if T == 1:  # decode: a lexicographic argmin, O(S) without sorting
+        lowest = scores == scores.min(dim=-1, keepdim=True).values
+        return torch.where(lowest, pos, torch.iinfo(pos.dtype).max).argmin(dim=-1, keepdim=True)
     by_pos = pos.argsort(dim=-1, stable=True)
     rank = scores.gather(-1, by_pos).argsort(dim=-1, stable=True)[..., :T]
     return by_pos.gather(-1, rank).sort(dim=-1).values
@@ -47,10 +50,13 @@ def evict_fill_holes(scores: Tensor, budget: int, buffers: list[Tensor], pos: Te
     S = scores.shape[-1]
     T = S - budget
     drop = drop_lowest(scores, pos[:, :, :S], T)  # ascending: holes (< budget) come first
-    in_tail = drop >= budget
-    tail_dropped = torch.zeros_like(drop).scatter_add_(-1, (drop - budget).clamp_min(0), in_tail.long())
-    # Stable sort puts the surviving tail slots (flag 0) first, in slot order: they pair with the holes.
-    src = budget + torch.argsort(tail_dropped.clamp_max(1), dim=-1, stable=True)
+    if T == 1:  # decode: the one new token fills the hole (or is itself the one dropped: a self-copy)
+        src = torch.full_like(drop, budget)
+    else:
+        in_tail = drop >= budget
+        tail_dropped = torch.zeros_like(drop).scatter_add_(-1, (drop - budget).clamp_min(0), in_tail.long())
+        # Stable sort puts the surviving tail slots (flag 0) first, in slot order: they pair with the holes.
+        src = budget + torch.argsort(tail_dropped.clamp_max(1), dim=-1, stable=True)
     for buf in [pos, *buffers]:
         extra = buf.shape[3:]
         shape = (*src.shape, *extra)

@@ -350,6 +350,9 @@ def parse_args(argv=None):
     pol.add_argument("--n-sink", type=int, default=4, help="sink: number of first positions kept (4)")
     pol.add_argument("--snap-window", type=int, default=32, help="snapkv: observation window (32)")
     pol.add_argument("--snap-kernel", type=int, default=7, help="snapkv: pooling kernel, odd (7)")
+    pol.add_argument("--tova-heads", default="group", choices=["group", "all"],
+                     help="tova: mean over the KV group's query heads (paper) or all heads (kvpress, original TOVA)")
+    pol.add_argument("--tova-keep-last", action="store_true", help="tova: always keep the newest token (kvpress)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")

@@ -127,13 +127,28 @@ class Sink(Policy):
 
 class TOVA(Policy):
     """TOVA (Oren et al. 2024), block-wise as in KeyDiff App. F.2: the attention of the block's last query,
-    averaged over the query heads of each KV group (not over all heads), evicted per KV head."""
+    averaged over the query heads of each KV group (not over all heads), evicted per KV head.
+
+    Two options reproduce kvpress's TOVAPress (tests/test_kvpress.py), which differs from this default:
+    `--tova-heads all` averages over all query heads of the layer and gives every KV head that one score, so the
+    heads keep one shared set (the official TOVA code, src/tova_cache.py, and kvpress do this). Every head then
+    evicts identically from identical slot layouts, so slot s holds the same position in every head and the
+    per-slot mean over KV heads is the mean over positions. `--tova-keep-last` always keeps the newest position
+    (kvpress pads the last token's score with max + 1; the paper and the official code do not protect it).
+    """
     name = "tova"
-    help = "attention of the last query, group mean"
+    help = "attention of the last query, group mean; --tova-heads group|all, --tova-keep-last"
+
+    def check(self, budget, block_size):
+        if self.param("tova_heads", "group") not in ("group", "all"):
+            raise PolicyError(f"--tova-heads must be group or all, got {self.param('tova_heads', 'group')!r}")
 
     def score(self, cache, q, input_pos, query_pos, S):
         q_last, p_last = last_query(q, input_pos, query_pos)
-        return attention_weights(cache, q_last, p_last, S)[:, :, 0]
+        w = attention_weights(cache, q_last, p_last, S)[:, :, 0]  # [B, H_kv, S], mean over each group
+        if self.param("tova_heads", "group") == "all":  # groups are equal-sized: mean of group means = mean
+            w = w.mean(1, keepdim=True).expand_as(w).contiguous()
+        return protect_recent(w, cache.pos[:, :, :S], query_pos, 1 if self.param("tova_keep_last", False) else 0)
 
 
 class H2O(WindowMixin, Policy):

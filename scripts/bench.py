@@ -1,0 +1,235 @@
+"""Benchmark: per policy, block-wise prefill throughput and decode step time, as ratios measured in the same run.
+
+    python scripts/bench.py --checkpoint smollm2-135m --prompt-tokens 4096 --budget 512 [--compile] [--kvpress]
+
+Baselines, all in the same process and run:
+- `no-evict`: the same budget + block buffer and the same writes and attention, with eviction switched off. A
+  policy's overhead is its step time over this one (scoring + hole filling, nothing else).
+- `full`: no eviction, buffer = prompt + new tokens (what every speedup in the papers is relative to).
+- `--kvpress`: the same prompt ids, policy and budget through HF transformers + kvpress (one-shot press after the
+  prefill, as kvpress does), run in .venv-kv (kvpress needs transformers < 5.3); decode tok/s and peak memory.
+Timings are medians over --repeats; prefill = the whole block-wise prompt; decode = median per-step time.
+Memory: process peak RSS (VmHWM, reset at the start of each phase) on CPU, max_memory_allocated on CUDA.
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import policies  # noqa: E402
+from cache import kv_bytes, setup_caches  # noqa: E402
+from generate import (PeakMemory, block_inputs, compile_steps, decode_bytes_per_step, load_model,  # noqa: E402
+                      model_step, prefill_step, resolve_checkpoint, sync)
+from tokenizer import load_tokenizer  # noqa: E402
+
+KVPRESS = {"keydiff": "KeyDiffPress", "snapkv": "SnapKVPress", "tova": "TOVAPress", "sink": "StreamingLLMPress",
+           "keynorm": "KnormPress"}
+
+
+def make_document(tokenizer, n_tokens: int, seed: int = 0) -> tuple[str, list[int]]:
+    """A prompt of at most n_tokens (chat-formatted): a fact at the start, filler sentences, a question about the
+    fact at the end. Returns (text, ids)."""
+    import random
+    rng = random.Random(seed)
+    subjects = ["The river", "A merchant", "The old library", "Our committee", "The northern valley", "A young engineer",
+                "The harbour", "The observatory", "A travelling musician", "The city council"]
+    verbs = ["described", "measured", "rebuilt", "visited", "recorded", "painted", "studied", "discussed"]
+    objects = ["the bridge near the mill", "a map of the eastern hills", "the winter festival", "an old clock tower",
+               "the results of the harvest", "a letter from the coast", "the new railway line", "a garden of herbs"]
+    fact = "The secret password for the archive is BLUE-HERON-42."
+    filler = []
+    while len(tokenizer.encode(" ".join(filler), add_bos=False)) < n_tokens - 60:
+        filler += [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} in {1800 + rng.randrange(200)}."
+                   for _ in range(50)]
+    question = "\n\nQuestion: what is the secret password for the archive, stated at the very start?"
+
+    def encode(t):
+        return tokenizer.chat_prompt_ids(t) if tokenizer.chat_template else tokenizer.encode(t, add_bos=True)
+
+    words = (fact + " " + " ".join(filler)).split(" ")
+    while True:  # trim filler words until the formatted prompt fits
+        text = " ".join(words) + question
+        ids = encode(text)
+        if len(ids) <= n_tokens:
+            return text, ids
+        words = words[: len(words) - max(1, (len(ids) - n_tokens) // 2)]
+
+
+def disable_eviction(model) -> None:
+    for layer in model.layers:
+        layer.attention.kv_cache.evict = lambda *args, **kwargs: None
+
+
+def time_policy(model, ids, steps, args, device) -> dict:
+    """Median block-wise prefill time and median decode step time over repeats."""
+    prefill_fn, decode_fn = steps
+    prompt = torch.tensor(ids, device=device)
+    mem = PeakMemory(device)
+    prefill_s, step_s, prefill_peak, decode_peak = [], [], [], []
+    with torch.inference_mode():
+        t = time.perf_counter()  # warm-up: compiles both steps when compiled, so no repeat pays for it
+        logits = prefill_fn(model, *block_inputs(prompt, 0, args.block_size))
+        decode_fn(model, logits.argmax(-1).view(1, 1), torch.tensor([args.block_size], device=device))
+        sync(device)
+        warmup_s = time.perf_counter() - t
+        torch._dynamo.config.error_on_recompile = True  # a recompile inside the timed loop would be a bug
+        for _ in range(args.repeats):
+            for layer in model.layers:
+                layer.attention.kv_cache.reset()
+            mem.reset()
+            sync(device)
+            t0 = time.perf_counter()
+            for start in range(0, len(ids), args.block_size):
+                logits = prefill_fn(model, *block_inputs(prompt, start, args.block_size))
+            tok = logits.argmax(-1).view(1, 1)
+            sync(device)
+            prefill_s.append(time.perf_counter() - t0)
+            prefill_peak.append(mem.peak())
+            mem.reset()
+            for i in range(args.decode_steps):
+                t = time.perf_counter()
+                logits = decode_fn(model, tok, torch.tensor([len(ids) + i], device=device))
+                tok = logits.argmax(-1).view(1, 1)
+                sync(device)
+                step_s.append(time.perf_counter() - t)
+            decode_peak.append(mem.peak())
+        torch._dynamo.config.error_on_recompile = False
+    weights_b, kv_read_b = decode_bytes_per_step(model)
+    return {"warmup_s": warmup_s, "prefill_s": statistics.median(prefill_s), "prefill_tok_s": len(ids) / statistics.median(prefill_s),
+            "decode_step_ms": 1e3 * statistics.median(step_s), "decode_tok_s": 1 / statistics.median(step_s),
+            "prefill_peak_mib": max(prefill_peak) / 2**20, "decode_peak_mib": max(decode_peak) / 2**20,
+            "kv_cache_mib": kv_bytes(model) / 2**20, "bytes_per_step": weights_b + kv_read_b}
+
+
+def read_bandwidth_gb_s(device: str) -> float:
+    """Measured streaming-read bandwidth: median time of summing a 512 MiB fp32 tensor."""
+    x = torch.ones(2**27, device=device)
+    times = []
+    for _ in range(5):
+        sync(device)
+        t = time.perf_counter()
+        x.sum()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return x.nbytes / statistics.median(times) / 1e9
+
+
+def run_kvpress(ckpt_dir: Path, ids: list[int], policy: str, budget: int, args) -> dict | None:
+    py = REPO / ".venv-kv" / "bin" / "python"
+    if not py.is_file():
+        print("  (.venv-kv missing: run `bash scripts/setup.sh test`; kvpress skipped)", file=sys.stderr)
+        return None
+    ids_file = REPO / "build" / "bench_ids.json"
+    ids_file.parent.mkdir(exist_ok=True)
+    ids_file.write_text(json.dumps(ids))
+    cmd = [str(py), str(REPO / "scripts" / "bench_kvpress.py"), "--model", str(args.hf_model), "--press",
+           KVPRESS.get(policy, "none"), "--budget", str(budget), "--ids-file", str(ids_file),
+           "--decode-steps", str(args.decode_steps), "--repeats", str(args.repeats)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"  kvpress run failed: {r.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default="smollm2-135m")
+    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--policies", default="keydiff,sink,tova,snapkv,h2o,keynorm,random")
+    ap.add_argument("--compile", action="store_true", help="compile prefill-block and decode steps per policy")
+    ap.add_argument("--compile-mode", default=None)
+    ap.add_argument("--kvpress", action="store_true", help="also run HF transformers + kvpress (in .venv-kv)")
+    ap.add_argument("--hf-model", type=Path, default=REPO / "build" / "smollm2-hf",
+                    help="HF-format copy of the model for kvpress (made from the GGUF if missing)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", type=Path, help="also write all results here")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one configuration, print JSON
+    args = ap.parse_args()
+
+    names = [n for n in args.policies.split(",") if n]
+    for n in names:
+        policies.lookup(n)
+    ckpt = resolve_checkpoint(args.checkpoint)
+    tok = load_tokenizer(ckpt)
+    model = load_model(ckpt, torch.float32, args.device)
+    _, ids = make_document(tok, args.prompt_tokens)
+    if args.one:
+        label = args.one
+        name = "keydiff" if label == "no-evict" else None if label == "full" else label
+        budget = len(ids) + args.decode_steps if label == "full" else args.budget
+        setup_caches(model, 1, budget, args.block_size, policies.REGISTRY[name](Namespace()) if name else None)
+        if label == "no-evict":
+            disable_eviction(model)
+        t = time.perf_counter()
+        steps = compile_steps(args.device, args.compile_mode) if args.compile else (prefill_step, model_step)
+        r = time_policy(model, ids, steps, args, args.device)
+        r["wall_s"] = time.perf_counter() - t
+        print(json.dumps(r))
+        return
+    print(f"{args.checkpoint}: prompt {len(ids)} tokens, budget {args.budget}, block {args.block_size}, "
+          f"{args.decode_steps} decode steps x {args.repeats} repeats, float32 on {args.device}, "
+          f"{'compiled' if args.compile else 'eager'}, torch threads {torch.get_num_threads()}", file=sys.stderr)
+    bw = read_bandwidth_gb_s(args.device)
+    results = {}
+    configs = [("no-evict", "keydiff", args.budget), ("full", None, len(ids) + args.decode_steps)]
+    configs += [(n, n, args.budget) for n in names]
+    for label, name, budget in configs:
+        # Each configuration in a fresh process: peak memory is then not polluted by earlier runs or compiles.
+        r = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", label], capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"{label} failed: {r.stderr.strip()[-2000:]}")
+        r = results[label] = json.loads(r.stdout.strip().splitlines()[-1])
+        r["bandwidth_fraction"] = r["bytes_per_step"] * r["decode_tok_s"] / 1e9 / bw
+        print(f"  {label:9s} prefill {r['prefill_tok_s']:7.1f} tok/s  decode {r['decode_step_ms']:6.2f} ms/step "
+              f"({r['decode_tok_s']:5.1f} tok/s)  KV {r['kv_cache_mib']:.1f} MiB  "
+              f"[warm-up/compile {r['warmup_s']:.0f} s, total {r['wall_s']:.0f} s]", file=sys.stderr)
+        if args.kvpress and (label == "full" or label == name and name in KVPRESS):
+            results[label]["kvpress"] = run_kvpress(ckpt, ids, "none" if label == "full" else name, budget, args)
+
+    base, full = results["no-evict"], results["full"]
+    print(f"\nmeasured read bandwidth {bw:.1f} GB/s; ratios from this run (medians of {args.repeats})\n")
+    print("| policy | prefill tok/s | prefill vs no-evict | decode ms/step | step overhead vs no-evict | "
+          "decode vs full | decode / bandwidth bound | peak MiB prefill / decode |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, r in results.items():
+        print(f"| {label} | {r['prefill_tok_s']:.0f} | {r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x | "
+              f"{r['decode_step_ms']:.2f} | {r['decode_step_ms'] / base['decode_step_ms'] - 1:+.1%} | "
+              f"{r['decode_tok_s'] / full['decode_tok_s']:.2f}x | {r['bandwidth_fraction']:.0%} | "
+              f"{r['prefill_peak_mib']:.0f} / {r['decode_peak_mib']:.0f} |")
+    if "keydiff" in results:
+        kd = results["keydiff"]
+        slow = {n: kd["prefill_tok_s"] / results[n]["prefill_tok_s"] for n in ("snapkv", "tova", "h2o") if n in results}
+        if slow:
+            print("\nkeydiff block-wise prefill speed-up over " +
+                  ", ".join(f"{n} {v:.2f}x" for n, v in slow.items()))
+    kv_rows = [(label, r) for label, r in results.items() if r.get("kvpress")]
+    if kv_rows:
+        print("\n| policy | ours decode tok/s | HF+kvpress decode tok/s | ratio | ours peak MiB (decode) | "
+              "HF+kvpress peak MiB (decode) | ratio |")
+        print("|---|---|---|---|---|---|---|")
+        for label, r in kv_rows:
+            k = r["kvpress"]
+            print(f"| {label} | {r['decode_tok_s']:.1f} | {k['decode_tok_s']:.1f} | "
+                  f"{r['decode_tok_s'] / k['decode_tok_s']:.2f}x | {r['decode_peak_mib']:.0f} | "
+                  f"{k['decode_peak_mib']:.0f} | {r['decode_peak_mib'] / k['decode_peak_mib']:.2f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "read_gb_s": bw,
+                                         "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
