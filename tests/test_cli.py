@@ -66,6 +66,12 @@ BAD = [
     (["--budget", "abc"], "invalid int value"),
     (["--policy", "full", "--budget", "4"], "must be >= prompt + max-new-tokens"),
     (["--top-p", "0"], "top-p"),
+    (["--policy", "sink", "--budget", "3"], "must exceed the 4 sink tokens"),
+    (["--policy", "snapkv", "--budget", "16"], "observation window"),
+    (["--policy", "keydiff", "--budget", "16", "--window-frac", "-0.1"], "--window-frac"),
+    (["--policy", "h2o", "--budget", "16", "--window-frac", "1.5"], "--window-frac"),
+    (["--policy", "snapkv", "--budget", "64", "--snap-kernel", "4"], "odd"),
+    (["--prefill", "sideways"], "invalid choice"),
 ]
 
 

@@ -148,3 +148,20 @@ def test_peak_memory_does_not_grow_with_prompt(tmp_path):
     assert large <= 1.10 * small, (small, large)
     dense_small, dense_large = peak(2 * 64, "dense"), peak(8 * 64 * 4, "dense")
     assert dense_large > 1.10 * dense_small, (dense_small, dense_large)  # the measure does see growth
+
+
+@pytest.mark.parametrize("policy", list(policies.REGISTRY))
+@pytest.mark.parametrize("one_shot", [False, True])
+def test_every_policy_reproduces_full_when_the_budget_holds_everything(hf_tiny, policy, one_shot):
+    """Spec D1: budget >= prompt + new tokens -> the same tokens as `full` (nothing is ever dropped)."""
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    prompt, new = ids_of(70, seed=9), 12
+    setup_caches(model, 1, 70 + new, 16)
+    ref, _ = generate(model, prompt, new, block_size=16, steps=EAGER, one_shot=one_shot)
+    params = Namespace(window_frac=0.1, anchor="raw", n_sink=4, snap_window=8, snap_kernel=7, seed=0)
+    setup_caches(model, 1, 70 + new, 16, policies.REGISTRY[policy](params))
+    out, _ = generate(model, prompt, new, block_size=16, steps=EAGER, one_shot=one_shot)
+    assert out == ref
+    for layer in model.layers:
+        assert (layer.attention.kv_cache.n_valid() == 70 + new - 1).all()
