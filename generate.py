@@ -199,7 +199,8 @@ def prefill_one_shot(model, prompt: torch.Tensor, block_size: int) -> torch.Tens
     x = model.tok_embeddings(idx)
     for layer in model.layers:
         cache = layer.attention.kv_cache
-        layer.attention.kv_cache = scratch = make_cache(model, 1, n_blocks * block_size, block_size, cache.policy)
+        layer.attention.kv_cache = scratch = make_cache(model, 1, n_blocks * block_size, block_size, cache.policy,
+                                                        scratch=True)
         for b in range(n_blocks):
             blk = slice(b * block_size, (b + 1) * block_size)
             x[:, blk] = layer(x[:, blk], cos[blk], sin[blk], input_pos[blk], query_pos[blk])
@@ -259,6 +260,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: i
         layer.attention.kv_cache.reset()
     prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     L = len(prompt_ids)
+    check_capacity(model, L, max_new_tokens, one_shot)
     mem = PeakMemory(device)
     stats = {"prompt_tokens": L, "memory_measure": mem.measure}
 
@@ -302,8 +304,22 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: i
     return out, stats
 
 
+def check_capacity(model, prompt_len: int, max_new_tokens: int, one_shot: bool) -> None:
+    """A compress-once policy (SnapKV++, RocketKV, Exact-TopK) never evicts, so its cache must hold the kept prompt
+    plus every token written during decode (the last sampled one is never written). Generation past that capacity
+    is an error, never a silent eviction (RocketKV spec A14)."""
+    c = model.layers[0].attention.kv_cache
+    if c.policy is None or c.policy.evicts:
+        return
+    kept = min(prompt_len, c.policy.prompt_slots(c)) if one_shot else prompt_len
+    if kept + max_new_tokens - 1 > c.budget:
+        raise UserError(f"{c.policy.name}: {kept} kept prompt tokens + {max_new_tokens} new tokens exceed the cache's "
+                        f"{c.budget} slots (size it with policy.plan for this prompt and --max-new-tokens)")
+
+
 def decode_bytes_per_step(model) -> tuple[int, int]:
-    """(weight bytes, KV bytes) read by one decode step: every weight once, K and V of every slot it attends."""
+    """(weight bytes, KV bytes) read by one decode step: every weight once, K and V of every slot it attends (for
+    RocketKV the token-equivalents of its top-k and page scan, for Exact-TopK its top-k)."""
     seen, weights = set(), 0
     for t in model.parameters():
         if t.data_ptr() not in seen:
@@ -312,7 +328,7 @@ def decode_bytes_per_step(model) -> tuple[int, int]:
     kv = 0
     for layer in model.layers:
         c = layer.attention.kv_cache
-        kv += 2 * c.k[:, :, :c.slots(1)].nbytes
+        kv += int(2 * c.k[:, :, :1].nbytes * c.read_tokens())
     return weights, kv
 
 
@@ -338,9 +354,10 @@ def parse_args(argv=None):
     ap.add_argument("--budget", type=int,
                     help="tokens kept per layer and KV head (default: prompt + max-new-tokens for full, 2048 else)")
     ap.add_argument("--block-size", type=int, default=128, help="prefill block size (default 128)")
-    ap.add_argument("--prefill", choices=["block", "one-shot"], default="block",
+    ap.add_argument("--prefill", choices=["block", "one-shot"], default=None,
                     help="block: evict after every block, hard budget throughout (KeyDiff protocol, default); "
-                         "one-shot: whole prompt dense (layer by layer), then one compression (SnapKV/kvpress)")
+                         "one-shot: whole prompt dense (layer by layer), then one compression (SnapKV/kvpress; "
+                         "the default and only protocol of snapkv++ and rocketkv)")
     ap.add_argument("--evict-before-attend", action="store_true",
                     help="score and evict before the block attends (ablation; default attends first)")
     pol = ap.add_argument_group("policy parameters (defaults: the papers' recommended values)")
@@ -353,6 +370,14 @@ def parse_args(argv=None):
     pol.add_argument("--tova-heads", default="group", choices=["group", "all"],
                      help="tova: mean over the KV group's query heads (paper) or all heads (kvpress, original TOVA)")
     pol.add_argument("--tova-keep-last", action="store_true", help="tova: always keep the newest token (kvpress)")
+    pol.add_argument("--rocket-kernel", type=int, default=None,
+                     help="snapkv++, rocketkv: max-pool kernel, odd (default: the paper's adaptive rule, 63; 511 for "
+                          "prompts >= 48K on Llama-3.1 and >= 12K on LongChat)")
+    pol.add_argument("--rocket-alpha", default="0.5",
+                     help="rocketkv: stage-1 share of the compression c, storage C = S / c^alpha (0.5 = the paper's "
+                          "even split; icml = the ICML version's adaptive rule)")
+    pol.add_argument("--rocket-local-window", type=int, default=0,
+                     help="rocketkv: always attend the n newest tokens, counted inside the top-k (0 = paper)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -408,6 +433,12 @@ def run(a) -> int:
 
     check_args(a)
     policy_cls = policies.lookup(a.policy)  # unknown names fail before any loading
+    one_shot_only = policy_cls is not None and policy_cls.one_shot
+    if a.prefill is None:
+        a.prefill = "one-shot" if one_shot_only else "block"
+    elif a.prefill == "block" and one_shot_only:  # RocketKV spec 2.1 / 6: dense prefill, then one compression
+        raise UserError(f"--policy {a.policy} compresses the prompt once after a dense prefill; "
+                        "use --prefill one-shot (its default)")
     text = read_prompt(a)
     dtype = {"auto": torch.bfloat16 if a.device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
@@ -440,6 +471,9 @@ def run(a) -> int:
     else:
         budget = a.budget or 2048
         policy.check(budget, a.block_size)
+    token_budget = budget
+    if policy is not None:  # compress-once policies size their cache here (RocketKV: C = sqrt(S t) >= t)
+        budget = policy.plan(budget, L, a.max_new_tokens, args)
     setup_caches(model, 1, budget, a.block_size, policy, a.evict_before_attend)
 
     steps = (prefill_step, model_step)
@@ -478,7 +512,8 @@ def run(a) -> int:
         prof.export_chrome_trace(str(a.profile))
 
     weight_b, kv_read_b = decode_bytes_per_step(model)
-    stats.update(checkpoint=str(ckpt), policy=a.policy, budget=budget, block_size=a.block_size, prefill=a.prefill,
+    stats.update(checkpoint=str(ckpt), policy=a.policy, budget=token_budget, cache_budget=budget,
+                 block_size=a.block_size, prefill=a.prefill,
                  dtype=str(dtype).replace("torch.", ""), device=a.device, compiled=a.compile,
                  compile_s=round(compile_s, 2), kv_cache_bytes=kv_bytes(model), weight_bytes=weight_b,
                  kv_read_bytes_per_step=kv_read_b,
@@ -492,8 +527,9 @@ def run(a) -> int:
             sys.stdout.write(text_out[len(printed[0]):])
         print(flush=True)
         mib = 2 ** 20
+        slots = f" (cache {budget} slots)" if budget != token_budget else ""
         print(f"--- {stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated | "
-              f"policy {a.policy}, budget {budget}, block {a.block_size}, {stats['dtype']} on {a.device}"
+              f"policy {a.policy}, budget {token_budget}{slots}, block {a.block_size}, {stats['dtype']} on {a.device}"
               f"{', compiled in %.1f s' % compile_s if a.compile else ''}\n"
               f"TTFT {stats['ttft_s']:.3f} s | prefill {stats['prefill_tok_s']:.1f} tok/s | "
               f"decode {stats['decode_tok_s']:.2f} tok/s | bandwidth {stats['bandwidth_gb_s']:.2f} GB/s "

@@ -156,11 +156,13 @@ class Attention(nn.Module):
         v = v.view(B, T, hkv, d).transpose(1, 2)
 
         keys, values, mask = self.kv_cache.update(q, k, v, input_pos, query_pos)
-        # GQA without copying K/V: the g query heads of a KV group become g*T query rows of that KV head.
-        g = hq // hkv
+        # GQA without copying K/V: the g query heads of a KV group become g*T query rows of that KV head. The cache
+        # may return keys per query head instead (a per-head decode-time selection): then h = hq and g = 1.
+        h = keys.shape[1]
+        g = hq // h
         S = keys.shape[2]
-        q_rows = q.reshape(B, hkv, g * T, d)
-        mask_rows = mask[:, :, None].expand(B, hkv, g, T, S).reshape(B, hkv, g * T, S)
+        q_rows = q.reshape(B, h, g * T, d)
+        mask_rows = mask[:, :, None].expand(B, h, g, T, S).reshape(B, h, g * T, S)
         out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask_rows)
         # Attend, then let the policy evict (the KeyDiff block protocol; a no-op for `full`).
         self.kv_cache.evict(q, input_pos, query_pos)

