@@ -540,18 +540,22 @@ def run(a) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    a = parse_args(argv)
+def run_cli(run_fn, a) -> int:
+    """Run a command; bad input of any kind becomes one line on stderr and exit code 2 (shared with scripts/)."""
     from policies import PolicyError
     from tokenizer import TokenizerError
     try:
-        return run(a)
+        return run_fn(a)
     except (UserError, ConfigError, CheckpointError, TokenizerError, PolicyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+
+
+def main(argv=None) -> int:
+    return run_cli(run, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -152,6 +152,8 @@ def run_figure(args) -> None:
     print(f"{args.checkpoint}: --figure rocketkv, contexts {contexts}, budgets {budgets}, N = {args.decode_steps}, "
           f"1 warm-up + {args.repeats} samples, float32 on {args.device}, {'compiled' if args.compile else 'eager'}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    out = args.out_dir / "rocketkv_figure"
     rows = []
     for T in contexts:
         for label in ["full"] + [f"rocketkv-{t}" for t in budgets]:
@@ -163,6 +165,22 @@ def run_figure(args) -> None:
             x = rows[-1]
             print(f"  T={T:6d} {label:14s} decode {x['decode_step_ms']:7.2f} ms/step  peak {x['decode_peak_mib']:6.0f}"
                   f" MiB  [prefill {x['prefill_s']:.0f} s, warm-up {x['warmup_s']:.0f} s]", file=sys.stderr)
+            add_ratios(rows)  # JSON and plot after every configuration: a stopped run keeps what it measured
+            out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                            "rows": rows}, indent=2))
+            plot_figure(rows, budgets, out.with_suffix(".png"))
+    print("\n| context | policy | cache slots | decode ms/step | speedup vs full | ideal (bandwidth model) | "
+          "of ideal | decode peak MiB | peak saving | weights+cache saving |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for x in sorted(rows, key=lambda x: x["T"]):
+        print(f"| {x['T']} | {x['label']} | {x['cache_slots']} | {x['decode_step_ms']:.2f} | {x['speedup']:.2f}x | "
+              f"{x['ideal_speedup']:.2f}x | {x['speedup'] / x['ideal_speedup']:.0%} | {x['decode_peak_mib']:.0f} | "
+              f"{x['peak_saving']:.1%} | {x['tensor_saving']:.1%} |")
+    print(f"\nwrote {out}.json and {out}.png", file=sys.stderr)
+
+
+def add_ratios(rows) -> None:
+    """Speedup, bandwidth-model ideal and memory savings of each row against `full` at the same context."""
     full = {x["T"]: x for x in rows if x["label"] == "full"}
     for x in rows:
         f = full[x["T"]]
@@ -170,44 +188,37 @@ def run_figure(args) -> None:
         x["ideal_speedup"] = f["bytes_per_step"] / x["bytes_per_step"]
         x["peak_saving"] = 1 - x["decode_peak_mib"] / f["decode_peak_mib"]
         x["tensor_saving"] = 1 - (x["weights_mib"] + x["cache_mib"]) / (f["weights_mib"] + f["cache_mib"])
-    print("\n| context | policy | cache slots | decode ms/step | speedup vs full | ideal (bandwidth model) | "
-          "of ideal | decode peak MiB | peak saving | weights+cache saving |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for x in rows:
-        print(f"| {x['T']} | {x['label']} | {x['cache_slots']} | {x['decode_step_ms']:.2f} | {x['speedup']:.2f}x | "
-              f"{x['ideal_speedup']:.2f}x | {x['speedup'] / x['ideal_speedup']:.0%} | {x['decode_peak_mib']:.0f} | "
-              f"{x['peak_saving']:.1%} | {x['tensor_saving']:.1%} |")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    out = args.out_dir / "rocketkv_figure"
-    out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                    "rows": rows}, indent=2))
-    plot_figure(rows, budgets, contexts, out.with_suffix(".png"))
-    print(f"\nwrote {out}.json and {out}.png", file=sys.stderr)
 
 
-def plot_figure(rows, budgets, contexts, path) -> None:
+def plot_figure(rows, budgets, path) -> None:
     """Like the paper's Figure 5: decode speedup (measured; bandwidth-model ideal dashed) and peak-memory saving
     against context length, one line per token budget, both relative to full."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    contexts = sorted({x["T"] for x in rows})
     for t in budgets:
-        xs = [x for x in rows if x["label"] == f"rocketkv-{t}"]
-        line, = a.plot(contexts, [x["speedup"] for x in xs], "o-", label=f"t={t}")
-        a.plot(contexts, [x["ideal_speedup"] for x in xs], "--", color=line.get_color(), alpha=0.6)
-        b.plot(contexts, [100 * x["peak_saving"] for x in xs], "o-", label=f"t={t}")
+        xs = sorted((x for x in rows if x["label"] == f"rocketkv-{t}"), key=lambda x: x["T"])
+        if not xs:
+            continue
+        ts = [x["T"] for x in xs]
+        line, = a.plot(ts, [x["speedup"] for x in xs], "o-", label=f"t={t}")
+        a.plot(ts, [x["ideal_speedup"] for x in xs], "--", color=line.get_color(), alpha=0.6)
+        b.plot(ts, [100 * x["peak_saving"] for x in xs], "o-", label=f"t={t}")
     a.set(xlabel="context (tokens)", ylabel="decode speedup vs full (x)", title="end-to-end decode speedup")
     b.set(xlabel="context (tokens)", ylabel="decode peak memory saving (%)", title="peak memory saving")
     for ax in (a, b):
         ax.set_xscale("log", base=2)
         ax.set_xticks(contexts, [f"{c // 1024}K" for c in contexts])
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.lines:
+            ax.legend()
     a.axhline(1, color="grey", lw=0.8)
     fig.suptitle("RocketKV vs full (dashed: bandwidth-model ideal)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def disable_eviction(model) -> None:

@@ -43,11 +43,11 @@ sys.path.insert(0, str(REPO))
 import policies  # noqa: E402
 from cache import setup_caches  # noqa: E402
 from generate import (Parser, UserError, block_inputs, compile_steps, load_model, model_step,  # noqa: E402
-                      prefill_one_shot, prefill_step, resolve_checkpoint)
-from model import ConfigError, ModelArgs  # noqa: E402
+                      prefill_one_shot, prefill_step, resolve_checkpoint, run_cli)
+from model import ModelArgs  # noqa: E402
 from scripts import eval_tasks  # noqa: E402
-from scripts.convert_hf_checkpoint import CheckpointError, read_config  # noqa: E402
-from tokenizer import TokenizerError, load_tokenizer  # noqa: E402
+from scripts.convert_hf_checkpoint import read_config  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
 
 POLICIES = "full,random,sink,h2o,tova,snapkv,keydiff,keynorm"
 SYNTHETIC = ["passkey", "niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "common_words"]
@@ -542,15 +542,7 @@ def write_outputs(a, ckpt, dtype, records, timings, wall_s) -> int:
 
 
 def main(argv=None) -> int:
-    a = parse_args(argv)
-    try:
-        return run(a)
-    except (UserError, ConfigError, CheckpointError, TokenizerError, policies.PolicyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+    return run_cli(run, parse_args(argv))
 
 
 if __name__ == "__main__":

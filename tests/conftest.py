@@ -44,6 +44,23 @@ def make_hf_checkpoint(family: str, out_dir: Path, seed: int = 0):
     return hf, out_dir
 
 
+def with_tiny_tokenizer(src: Path, dst: Path, corpus: str) -> Path:
+    """Copy a tiny checkpoint and add a small byte-level BPE tokenizer.json trained here (vocab 400 < 512)."""
+    import json
+    import shutil
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<s>", "</s>"])
+    tok.train_from_iterator([corpus] * 50, trainer)
+    tok.save(str(dst / "tokenizer.json"))
+    (dst / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return dst
+
+
 @pytest.fixture(scope="session")
 def hf_tiny(tmp_path_factory):
     """family -> (hf_model, checkpoint dir), built once per session."""

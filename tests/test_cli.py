@@ -12,19 +12,10 @@ import generate
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(hf_tiny, tmp_path_factory):
-    """The tiny llama checkpoint plus a small byte-level BPE tokenizer.json trained here (vocab < 512)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """The tiny llama checkpoint with a small tokenizer and a context of 256 (for the length errors)."""
+    from conftest import with_tiny_tokenizer
     _, src = hf_tiny("llama")
-    d = tmp_path_factory.mktemp("tiny_cli")
-    shutil.copytree(src, d, dirs_exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<s>", "</s>"])
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    d = with_tiny_tokenizer(src, tmp_path_factory.mktemp("tiny_cli"), "the quick brown fox jumps over the lazy dog")
     cfg = json.loads((d / "config.json").read_text())
     cfg["max_position_embeddings"] = 256
     (d / "config.json").write_text(json.dumps(cfg))

@@ -4,7 +4,6 @@ outputs (and refuses bad input with one line, exit 2)."""
 import argparse
 import json
 import math
-import shutil
 
 import pytest
 import torch
@@ -101,20 +100,11 @@ def test_snapshot_teacher_force_then_generation_as_generate(tiny, protocol):
 
 @pytest.fixture(scope="module")
 def tiny_tok_ckpt(hf_tiny, tmp_path_factory):
-    """The tiny llama checkpoint plus a small byte-level BPE tokenizer.json (as in test_cli.py)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """The tiny llama checkpoint plus a small byte-level BPE tokenizer.json."""
+    from conftest import with_tiny_tokenizer
     _, src = hf_tiny("llama")
-    d = tmp_path_factory.mktemp("tiny_eval")
-    shutil.copytree(src, d, dirs_exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<s>", "</s>"])
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog 0123456789"] * 50, trainer)
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    return d
+    return with_tiny_tokenizer(src, tmp_path_factory.mktemp("tiny_eval"),
+                               "the quick brown fox jumps over the lazy dog 0123456789")
 
 
 def test_quick_cli_writes_outputs(tiny_tok_ckpt, tmp_path, capsys):
