@@ -179,7 +179,8 @@ class KVCache(nn.Module):
             return
         S = self.slots(q.shape[2])
         self.policy.observe(self, q, input_pos, query_pos, S)
-        self.last_step = (q, input_pos, query_pos)  # one-shot prefill scores the whole prompt with the last block
+        if self.scratch:  # one-shot prefill scores the whole prompt with its last block (compress_into)
+            self.last_step = (q, input_pos, query_pos)
         if self.policy.evicts:
             self.drop_to(self.budget, self.policy.score(self, q, input_pos, query_pos, S))
 
