@@ -72,10 +72,11 @@ def evict_fill_holes(scores: Tensor, budget: int, buffers: list[Tensor], pos: Te
     pos[:, :, budget:S] = -1
 
 
-def attention_weights(cache: "KVCache", q: Tensor, q_pos: Tensor, S: int) -> Tensor:
+def attention_weights(cache: "KVCache", q: Tensor, q_pos: Tensor, S: int, group_mean: bool = True) -> Tensor:
     """Softmax attention of query rows q [B, Hq, R, D] (positions q_pos [R], -1 = ignore the row) over the first
-    S slots, fp32, averaged over the query heads of each KV group: [B, H_kv, R, S]. A small separate matmul for
-    the few rows a policy needs, so the main attention stays SDPA/flash. Masked rows come out all zero."""
+    S slots, fp32, averaged over the query heads of each KV group: [B, H_kv, R, S] (group_mean=False: per query
+    head, [B, H_kv, G, R, S]). A small separate matmul for the few rows a policy needs, so the main attention
+    stays SDPA/flash. Masked rows come out all zero."""
     B, Hq, R, D = q.shape
     k = cache.k[:, :, :S].float()
     H = k.shape[1]
@@ -83,7 +84,7 @@ def attention_weights(cache: "KVCache", q: Tensor, q_pos: Tensor, S: int) -> Ten
     mask = attention_mask(cache.pos[:, :, :S], q_pos, cache.window) & (q_pos >= 0)[None, None, :, None]
     mask = mask[:, :, None]
     w = logits.masked_fill(~mask, torch.finfo(torch.float32).min).softmax(-1) * mask
-    return w.mean(2)
+    return w.mean(2) if group_mean else w
 
 
 class KVCache(nn.Module):
@@ -195,6 +196,8 @@ class KVCache(nn.Module):
         unless the policy reserves room for generated tokens) by the policy's scores (the last block's queries
         stand for the prompt's end), copy the survivors into dst's slots, then let the policy finish
         (`policy.compressed`: e.g. RocketKV sorts the slots by position and builds its page min/max)."""
+        if dst.policy.compress(self, dst):  # a policy with its own slot layout (SAGE-KV) wrote dst itself
+            return
         S = self.budget
         keep = dst.policy.prompt_slots(dst)
         n = min(S, keep)

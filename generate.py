@@ -378,6 +378,9 @@ def parse_args(argv=None):
                           "even split; icml = the ICML version's adaptive rule)")
     pol.add_argument("--rocket-local-window", type=int, default=0,
                      help="rocketkv: always attend the n newest tokens, counted inside the top-k (0 = paper)")
+    # --- caote flags
+    # --- sagekv flags
+    # --- kvec flags
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")

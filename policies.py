@@ -62,6 +62,12 @@ class Policy:
         """How many prompt tokens a one-shot compression keeps (the rest of the budget is left for new tokens)."""
         return cache.budget
 
+    def compress(self, scratch, cache) -> bool:
+        """One-shot prefill: write the kept prompt tokens of `scratch` (the whole prompt, dense, with its last
+        step's queries in scratch.last_step) into `cache` with a layout of the policy's own and return True; the
+        default returns False and cache.compress_into keeps prompt_slots(cache) slots by `score`."""
+        return False
+
     def compressed(self, cache, n: int) -> None:
         """After a one-shot compression wrote n slots into cache (e.g. sort them, build decode-time state)."""
 
@@ -554,8 +560,15 @@ class ExactTopK(Policy):
         return None if self.k is None else min(cache.n_heads // cache.k.shape[1] * self.k, cache.k.shape[2])
 
 
+# ------------------------------------------------------------------------------------------------------- SAGE-KV
+SAGEKV_POLICIES = []
+
+# --------------------------------------------------------------------------------------------------------- K-VEC
+KVEC_POLICIES = []
+
+# ---------------------------------------------------------------------------------------------------------------
 REGISTRY = {p.name: p for p in [KeyDiff, Sink, TOVA, SnapKV, H2O, KeyNorm, RandomScores, SnapKVPlusPlus, RocketKV,
-                                ExactTopK]}
+                                ExactTopK, *SAGEKV_POLICIES, *KVEC_POLICIES]}
 
 
 def describe() -> str:
