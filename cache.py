@@ -24,6 +24,17 @@ import torch.nn as nn
 from torch import Tensor
 
 
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 per row (one key or value of one head): x [..., D] -> (int8 [..., D], scale [...]) with
+    x ~= q * scale, scale = max|x| / 127; the error of an element is at most scale / 2."""
+    scale = x.float().abs().amax(-1).clamp_min(1e-12) / 127
+    return (x.float() / scale[..., None]).round().clamp(-127, 127).to(torch.int8), scale.to(x.dtype)
+
+
+def dequantize_rows(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    return (q.to(scale.dtype) * scale[..., None]).to(dtype)
+
+
 def attention_mask(slot_pos: Tensor, query_pos: Tensor, window: int | None) -> Tensor:
     """Bool mask [B, H, T, S]: a query sees every valid slot at or before its position (within the window)."""
     sp = slot_pos[:, :, None, :]
@@ -78,7 +89,7 @@ def attention_weights(cache: "KVCache", q: Tensor, q_pos: Tensor, S: int, group_
     head, [B, H_kv, G, R, S]). A small separate matmul for the few rows a policy needs, so the main attention
     stays SDPA/flash. Masked rows come out all zero."""
     B, Hq, R, D = q.shape
-    k = cache.k[:, :, :S].float()
+    k = cache.keys(S).float()
     H = k.shape[1]
     logits = torch.einsum("bhgrd,bhsd->bhgrs", q.float().view(B, H, Hq // H, R, D), k) / D ** 0.5
     mask = attention_mask(cache.pos[:, :, :S], q_pos, cache.window) & (q_pos >= 0)[None, None, :, None]
@@ -92,14 +103,21 @@ class KVCache(nn.Module):
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, budget: int, block_size: int,
                  dtype: torch.dtype, device, policy=None, window: int | None = None, n_heads: int | None = None,
-                 scratch: bool = False):
+                 scratch: bool = False, kv_dtype: torch.dtype | None = None):
         super().__init__()
+        # kv_dtype int8: K and V stored as int8 with one scale per token and head (the buffer shrinks ~2x vs
+        # bf16, ~4x vs fp32); `keys`/`values` dequantize to `dtype` for attention and for every policy's scores.
+        self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
+        self.quantized = self.kv_dtype == torch.int8
         self.budget, self.block_size, self.window, self.policy = budget, block_size, window, policy
         self.scratch = scratch  # a one-shot prefill's full-length scratch: always dense, no decode-time state
         self.n_heads = n_heads or n_kv_heads  # query heads, for policies that keep queries
         C = budget + block_size
-        self.register_buffer("k", torch.zeros(batch, n_kv_heads, C, head_dim, dtype=dtype, device=device))
-        self.register_buffer("v", torch.zeros(batch, n_kv_heads, C, head_dim, dtype=dtype, device=device))
+        self.register_buffer("k", torch.zeros(batch, n_kv_heads, C, head_dim, dtype=self.kv_dtype, device=device))
+        self.register_buffer("v", torch.zeros(batch, n_kv_heads, C, head_dim, dtype=self.kv_dtype, device=device))
+        if self.quantized:
+            self.register_buffer("k_scale", torch.zeros(batch, n_kv_heads, C, dtype=dtype, device=device))
+            self.register_buffer("v_scale", torch.zeros(batch, n_kv_heads, C, dtype=dtype, device=device))
         self.register_buffer("pos", torch.full((batch, n_kv_heads, C), -1, dtype=torch.int32, device=device))
         self.evict_before_attend = False
         # Per-slot policy state (e.g. H2O's accumulated attention) moves with its slot on eviction; per-layer state
@@ -107,6 +125,7 @@ class KVCache(nn.Module):
         self.state, self.layer_state = {}, {}
         if policy is not None:
             for name, (extra_shape, state_dtype) in policy.slot_state().items():
+                extra_shape = [self.n_heads // n_kv_heads if d == "group" else d for d in extra_shape]
                 t = torch.zeros(batch, n_kv_heads, C, *extra_shape, dtype=state_dtype, device=device)
                 self.register_buffer(f"state_{name}", t)
                 self.state[name] = t
@@ -114,6 +133,25 @@ class KVCache(nn.Module):
                 t = torch.full(shape, fill, dtype=state_dtype, device=device)
                 self.register_buffer(f"layer_{name}", t)
                 self.layer_state[name] = t
+
+    def slot_buffers(self) -> list[Tensor]:
+        """Every [B, H, C, ...] tensor whose slots move together: keys, values (+ their int8 scales), policy state."""
+        scales = [self.k_scale, self.v_scale] if self.quantized else []
+        return [self.k, self.v, *scales, *self.state.values()]
+
+    def keys(self, S: int | None = None) -> Tensor:
+        """Keys of the first S slots (all when None) in the compute dtype (dequantized when stored as int8)."""
+        k = self.k if S is None else self.k[:, :, :S]
+        return dequantize_rows(k, self.k_scale[:, :, :k.shape[2]], self.dtype) if self.quantized else k
+
+    def values(self, S: int | None = None) -> Tensor:
+        v = self.v if S is None else self.v[:, :, :S]
+        return dequantize_rows(v, self.v_scale[:, :, :v.shape[2]], self.dtype) if self.quantized else v
+
+    def key_rows(self, slot: Tensor) -> Tensor:
+        """Keys [B, H, n, D] of the slots `slot` [n] (compute dtype)."""
+        k = self.k.index_select(2, slot)
+        return dequantize_rows(k, self.k_scale.index_select(2, slot), self.dtype) if self.quantized else k
 
     def reset(self) -> None:
         self.pos.fill_(-1)
@@ -145,6 +183,10 @@ class KVCache(nn.Module):
             dst = torch.where(input_pos >= 0, n + torch.arange(T, device=k.device), tail)
         else:
             dst = tail
+        if self.quantized:
+            (k, k_scale), (v, v_scale) = quantize_rows(k), quantize_rows(v)
+            self.k_scale.index_copy_(2, dst, k_scale)
+            self.v_scale.index_copy_(2, dst, v_scale)
         self.k.index_copy_(2, dst, k)
         self.v.index_copy_(2, dst, v)
         self.pos.index_copy_(2, dst, input_pos.to(torch.int32).expand(*self.pos.shape[:2], T))
@@ -157,7 +199,7 @@ class KVCache(nn.Module):
             idx = self.policy.select(self, q, query_pos, dst)
             if idx is not None:
                 return self.gather(idx, query_pos)
-        return self.k[:, :, :S], self.v[:, :, :S], attention_mask(self.pos[:, :, :S], query_pos, self.window)
+        return self.keys(S), self.values(S), attention_mask(self.pos[:, :, :S], query_pos, self.window)
 
     def gather(self, idx: Tensor, query_pos: Tensor):
         """Keys, values [B, Hs, k, D] and mask [B, Hs, 1, k] of slots idx [B, Hs, k]; Hs = the KV heads (one
@@ -168,6 +210,9 @@ class KVCache(nn.Module):
         flat = (idx.view(B, H, g * n) + C * torch.arange(B * H, device=idx.device).view(B, H, 1)).view(-1)
         k, v = (t.view(B * H * C, D).index_select(0, flat).view(B, H * g, n, D) for t in (self.k, self.v))
         pos = self.pos.view(B * H * C).index_select(0, flat).view(B, H * g, n)
+        if self.quantized:
+            k, v = (dequantize_rows(t, s.view(B * H * C).index_select(0, flat).view(B, H * g, n), self.dtype)
+                    for t, s in ((k, self.k_scale), (v, self.v_scale)))
         return k, v, attention_mask(pos, query_pos, self.window)
 
     def evict(self, q: Tensor, input_pos: Tensor, query_pos: Tensor) -> None:
@@ -189,7 +234,7 @@ class KVCache(nn.Module):
         """Keep the `budget` best of the first scores.shape[-1] slots (empty slots are never kept over real ones)."""
         S = scores.shape[-1]
         scores = scores.float().masked_fill(self.pos[:, :, :S] < 0, float("-inf"))
-        evict_fill_holes(scores, budget, [self.k, self.v, *self.state.values()], self.pos)
+        evict_fill_holes(scores, budget, self.slot_buffers(), self.pos)
 
     def compress_into(self, dst: "KVCache") -> None:
         """One-shot prefill: this scratch cache holds a whole prompt; keep `policy.prompt_slots(dst)` of it (dst.budget
@@ -203,8 +248,7 @@ class KVCache(nn.Module):
         n = min(S, keep)
         if S > keep:
             self.drop_to(keep, self.policy.score(self, *self.last_step, S))
-        for src_t, dst_t in [(self.k, dst.k), (self.v, dst.v), (self.pos, dst.pos),
-                             *((self.state[k], dst.state[k]) for k in self.state)]:
+        for src_t, dst_t in [(self.pos, dst.pos), *zip(self.slot_buffers(), dst.slot_buffers())]:
             dst_t[:, :, :n] = src_t[:, :, :n]
         for name, t in self.layer_state.items():
             if name in dst.layer_state:  # decode-time state (RocketKV's pages) exists in dst only
@@ -216,7 +260,7 @@ class KVCache(nn.Module):
         appending at the valid count stays correct), e.g. after compress_into."""
         pos = self.pos[:, :, :n]
         order = torch.where(pos >= 0, pos, torch.iinfo(pos.dtype).max).argsort(dim=-1)
-        for buf in [self.k, self.v, self.pos, *self.state.values()]:
+        for buf in [self.pos, *self.slot_buffers()]:
             extra = buf.shape[3:]
             idx = order.view(*order.shape, *([1] * len(extra))).expand(*order.shape, *extra)
             buf[:, :, :n] = buf[:, :, :n].gather(2, idx)
@@ -225,19 +269,22 @@ class KVCache(nn.Module):
         return (self.pos >= 0).sum(-1)
 
 
-def make_cache(model, batch: int, budget: int, block_size: int, policy=None, scratch=False) -> KVCache:
+def make_cache(model, batch: int, budget: int, block_size: int, policy=None, scratch=False,
+               kv_dtype: torch.dtype | None = None) -> KVCache:
     args, p = model.args, model.tok_embeddings.weight
     return KVCache(batch, args.n_kv_heads, args.head_dim, budget, block_size, p.dtype, p.device, policy,
-                   args.sliding_window, args.n_heads, scratch)
+                   args.sliding_window, args.n_heads, scratch, kv_dtype)
 
 
-def setup_caches(model, batch: int, budget: int, block_size: int, policy=None, evict_before_attend=False) -> None:
-    """Attach a fresh KVCache to every attention layer of `model`."""
+def setup_caches(model, batch: int, budget: int, block_size: int, policy=None, evict_before_attend=False,
+                 kv_dtype: torch.dtype | None = None) -> None:
+    """Attach a fresh KVCache to every attention layer of `model` (kv_dtype torch.int8: the quantized buffer)."""
     for layer in model.layers:
-        layer.attention.kv_cache = make_cache(model, batch, budget, block_size, policy)
+        layer.attention.kv_cache = make_cache(model, batch, budget, block_size, policy, kv_dtype=kv_dtype)
         layer.attention.kv_cache.evict_before_attend = evict_before_attend
 
 
 def kv_bytes(model) -> int:
-    """Bytes of the key and value buffers of all layers (positions and policy state not included)."""
-    return sum(l.attention.kv_cache.k.nbytes + l.attention.kv_cache.v.nbytes for l in model.layers)
+    """Bytes of the key and value buffers of all layers, int8 scales included (positions and policy state not)."""
+    return sum(t.nbytes for l in model.layers for t in l.attention.kv_cache.slot_buffers()[:4 if
+               l.attention.kv_cache.quantized else 2])

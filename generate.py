@@ -103,8 +103,13 @@ def resolve_checkpoint(name: str) -> Path:
 
 
 def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str) -> Transformer:
-    """Build the model from config.json and load weights without a second copy (meta init + assign)."""
-    args = ModelArgs.from_config(read_config(ckpt_dir))
+    """Build the model from config.json and load weights without a second copy (meta init + assign).
+
+    A checkpoint written by quantize.py (a "budgetkv_quantization" entry in config.json) gets its Linears swapped
+    for quantized ones before loading, and repacked for the device's kernel after."""
+    config = read_config(ckpt_dir)
+    args = ModelArgs.from_config(config)
+    quant = config.get("budgetkv_quantization")
     engine_file = ckpt_dir / ENGINE_FILE
     if engine_file.is_file():
         from safetensors import SafetensorError
@@ -115,21 +120,27 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str) -> Transformer:
             raise CheckpointError(f"cannot read {engine_file} (truncated or corrupt?): {e}") from None
     else:
         tensors = read_hf_dir(ckpt_dir)
-    tensors = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+    # Float tensors take the run's dtype (quantization scales included); packed integer weights keep theirs.
+    tensors = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in tensors.items()}
     with torch.device("meta"):
         model = Transformer(args)
+        if quant is not None:
+            import quantize
+            quantize.swap_linears(model, quant)
     try:
         missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     except RuntimeError as e:
         first = str(e).strip().splitlines()
         raise CheckpointError(f"weights in {ckpt_dir} do not match its config.json: {first[-1].strip()}") from None
-    if args.tie_embeddings:
+    if args.tie_embeddings and isinstance(model.output, torch.nn.Linear):  # not when the head was quantized
         model.output.weight = model.tok_embeddings.weight
         missing = [m for m in missing if m != "output.weight"]
     if missing or unexpected:
         raise CheckpointError(f"weights in {ckpt_dir} do not match its config.json: "
                               f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     model.inv_freq = rope_inv_freq(args).to(device)
+    if quant is not None:
+        quantize.prepare(model)  # pick each Linear's kernel for this device; says once if it falls back
     return model.eval()
 
 
@@ -200,14 +211,14 @@ def prefill_one_shot(model, prompt: torch.Tensor, block_size: int) -> torch.Tens
     for layer in model.layers:
         cache = layer.attention.kv_cache
         layer.attention.kv_cache = scratch = make_cache(model, 1, n_blocks * block_size, block_size, cache.policy,
-                                                        scratch=True)
+                                                        scratch=True, kv_dtype=cache.kv_dtype)
         for b in range(n_blocks):
             blk = slice(b * block_size, (b + 1) * block_size)
             x[:, blk] = layer(x[:, blk], cos[blk], sin[blk], input_pos[blk], query_pos[blk])
         layer.attention.kv_cache = cache
         if cache.policy is None:  # full: the scratch already is the whole prompt
-            cache.k[:, :, :L], cache.v[:, :, :L], cache.pos[:, :, :L] = (t[:, :, :L] for t in
-                                                                         (scratch.k, scratch.v, scratch.pos))
+            for dst, src in zip([cache.pos, *cache.slot_buffers()], [scratch.pos, *scratch.slot_buffers()]):
+                dst[:, :, :L] = src[:, :, :L]
         else:
             scratch.compress_into(cache)
         del scratch
@@ -318,9 +329,15 @@ def check_capacity(model, prompt_len: int, max_new_tokens: int, one_shot: bool) 
 
 
 def decode_bytes_per_step(model) -> tuple[int, int]:
-    """(weight bytes, KV bytes) read by one decode step: every weight once, K and V of every slot it attends (for
+    """(weight bytes, KV bytes) read by one decode step: every weight once (of the embedding table one row, unless
+    it is also the output head), K and V of every slot it attends (for
     RocketKV the token-equivalents of its top-k and page scan, for Exact-TopK its top-k)."""
+    emb = model.tok_embeddings.weight
+    head = getattr(model.output, "weight", None)
     seen, weights = set(), 0
+    if head is None or head.data_ptr() != emb.data_ptr():  # untied (or quantized head): one embedding row is read
+        seen.add(emb.data_ptr())
+        weights += emb[0].nbytes
     for t in model.parameters():
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
@@ -328,7 +345,8 @@ def decode_bytes_per_step(model) -> tuple[int, int]:
     kv = 0
     for layer in model.layers:
         c = layer.attention.kv_cache
-        kv += int(2 * c.k[:, :, :1].nbytes * c.read_tokens())
+        per_token = sum(t[:, :, :1].nbytes for t in c.slot_buffers()[:4 if c.quantized else 2])  # K+V (+scales)
+        kv += int(per_token * c.read_tokens())
     return weights, kv
 
 
@@ -357,7 +375,7 @@ def parse_args(argv=None):
     ap.add_argument("--prefill", choices=["block", "one-shot"], default=None,
                     help="block: evict after every block, hard budget throughout (KeyDiff protocol, default); "
                          "one-shot: whole prompt dense (layer by layer), then one compression (SnapKV/kvpress; "
-                         "the default and only protocol of snapkv++ and rocketkv)")
+                         "the default and only protocol of snapkv++, rocketkv, sagekv and kvec)")
     ap.add_argument("--evict-before-attend", action="store_true",
                     help="score and evict before the block attends (ablation; default attends first)")
     pol = ap.add_argument_group("policy parameters (defaults: the papers' recommended values)")
@@ -380,7 +398,30 @@ def parse_args(argv=None):
                      help="rocketkv: always attend the n newest tokens, counted inside the top-k (0 = paper)")
     # --- caote flags
     # --- sagekv flags
+    pol.add_argument("--sage-sink", type=int, default=None,
+                     help="sagekv: sink tokens S (default: the paper's budget / 4)")
+    pol.add_argument("--sage-topk", type=int, default=None,
+                     help="sagekv: tokens selected per query head k (default: the paper's budget / (2 x GQA group), "
+                          "floored to a power of two; 0 = sink + recent only, StreamLLM_Abs)")
+    pol.add_argument("--sage-skip-if-fits", action="store_true",
+                     help="sagekv: keep a prompt dense when prompt + max-new-tokens <= budget (default: the paper's "
+                          "literal rule, always select)")
     # --- kvec flags
+    pol.add_argument("--kvec-lambda", type=float, default=1.0,
+                     help="kvec: weight of the cross-layer coverage bonus (1.0; 0 = off)")
+    pol.add_argument("--kvec-delta", type=int, default=3,
+                     help="kvec: KV heads per layer (lowest score std) re-scored over the long window (3; 0 = off)")
+    pol.add_argument("--kvec-beta", type=float, default=0.25,
+                     help="kvec: share of --budget each head pins by its own un-biased score (0.25)")
+    pol.add_argument("--kvec-window", type=int, default=16,
+                     help="kvec: latest prompt tokens always kept, counted in --budget (16)")
+    pol.add_argument("--kvec-obs-window", type=int, default=16, help="kvec: observation window O of the score (16)")
+    pol.add_argument("--kvec-long-window", type=int, default=32,
+                     help="kvec: extended observation window O' of the least focused heads (32)")
+    pol.add_argument("--kvec-kernel", type=int, default=7,
+                     help="kvec: max-pool kernel along positions, odd (7; 1 = off)")
+    pol.add_argument("--kvec-pin-value", type=float, default=float("inf"),
+                     help="kvec: score of pinned tokens (inf; the paper's literal value is 1.0)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -392,6 +433,9 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="auto = bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"],
+                    help="KV cache storage: auto = --dtype; int8 = one scale per token and head (the buffer ~4x "
+                         "smaller than fp32, ~2x than bf16; every policy scores the dequantized keys)")
     ap.add_argument("--batch-size", type=int, default=1, help="only 1 for now")
     ap.add_argument("--profile", type=Path, help="write a torch.profiler chrome trace here")
     ap.add_argument("--json", action="store_true", help="print one JSON object (text and summary) instead")
@@ -477,7 +521,8 @@ def run(a) -> int:
     token_budget = budget
     if policy is not None:  # compress-once policies size their cache here (RocketKV: C = sqrt(S t) >= t)
         budget = policy.plan(budget, L, a.max_new_tokens, args)
-    setup_caches(model, 1, budget, a.block_size, policy, a.evict_before_attend)
+    kv_dtype = torch.int8 if a.kv_dtype == "int8" else None
+    setup_caches(model, 1, budget, a.block_size, policy, a.evict_before_attend, kv_dtype)
 
     steps = (prefill_step, model_step)
     compile_s = 0.0
@@ -516,7 +561,7 @@ def run(a) -> int:
 
     weight_b, kv_read_b = decode_bytes_per_step(model)
     stats.update(checkpoint=str(ckpt), policy=a.policy, budget=token_budget, cache_budget=budget,
-                 block_size=a.block_size, prefill=a.prefill,
+                 block_size=a.block_size, prefill=a.prefill, kv_dtype=a.kv_dtype,
                  dtype=str(dtype).replace("torch.", ""), device=a.device, compiled=a.compile,
                  compile_s=round(compile_s, 2), kv_cache_bytes=kv_bytes(model), weight_bytes=weight_b,
                  kv_read_bytes_per_step=kv_read_b,
@@ -538,7 +583,8 @@ def run(a) -> int:
               f"decode {stats['decode_tok_s']:.2f} tok/s | bandwidth {stats['bandwidth_gb_s']:.2f} GB/s "
               f"(weights + KV read per step)\n"
               f"peak memory ({stats['memory_measure']}): prefill {stats['prefill_peak_bytes'] / mib:.1f} MiB, "
-              f"decode {stats['decode_peak_bytes'] / mib:.1f} MiB | KV cache {stats['kv_cache_bytes'] / mib:.2f} MiB",
+              f"decode {stats['decode_peak_bytes'] / mib:.1f} MiB | KV cache {stats['kv_cache_bytes'] / mib:.2f} MiB"
+              f"{' (int8)' if a.kv_dtype == 'int8' else ''}",
               file=sys.stderr)
     return 0
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cache import attention_mask, attention_weights
+from cache import attention_mask, attention_weights, drop_lowest
 
 INF = float("inf")
 
@@ -38,7 +38,8 @@ class Policy:
         return getattr(self.args, name, default) if self.args is not None else default
 
     def slot_state(self) -> dict:
-        """Per-slot state moved with its slot: name -> (extra shape, dtype)."""
+        """Per-slot state moved with its slot: name -> (extra shape, dtype); "group" in the shape stands for the
+        query heads per KV head (per-query-head state)."""
         return {}
 
     def layer_state(self, cache) -> dict:
@@ -85,7 +86,12 @@ def protect_recent(scores: Tensor, slot_pos: Tensor, query_pos: Tensor, n_recent
     """+inf on the slots holding the `n_recent` latest positions seen so far (query_pos.max() is the newest)."""
     if n_recent <= 0:
         return scores
-    return scores.masked_fill(slot_pos > query_pos.max() - n_recent, INF)
+    return scores.masked_fill(recent_mask(slot_pos, query_pos, n_recent), INF)
+
+
+def recent_mask(slot_pos: Tensor, query_pos: Tensor, n_recent: int) -> Tensor:
+    """True on the slots holding the `n_recent` latest positions seen so far (the ones protect_recent protects)."""
+    return slot_pos > query_pos.max() - n_recent
 
 
 def last_query(q: Tensor, input_pos: Tensor, query_pos: Tensor) -> tuple[Tensor, Tensor]:
@@ -121,15 +127,24 @@ class KeyDiff(WindowMixin, Policy):
         if self.param("anchor", "raw") not in ("raw", "normalized"):
             raise PolicyError(f"--anchor must be raw or normalized, got {self.param('anchor', 'raw')!r}")
 
-    def score(self, cache, q, input_pos, query_pos, S):
+    def cosine(self, cache, S):
+        """cos(k_j, mu) [B, H, S] of the first S slots."""
         pos = cache.pos[:, :, :S]
-        k = cache.k[:, :, :S].float()
+        k = cache.keys(S).float()
         norms = k.norm(dim=-1).clamp_min(1e-8)
         src = k if self.param("anchor", "raw") == "raw" else k / norms[..., None]
         valid = (pos >= 0)[..., None].float()
         mu = (src * valid).sum(-2) / valid.sum(-2).clamp_min(1.0)
-        cos = (k @ mu[..., None])[..., 0] / (norms * mu.norm(dim=-1, keepdim=True).clamp_min(1e-8))
-        return protect_recent(-cos, pos, query_pos, self.n_recent(cache))
+        return (k @ mu[..., None])[..., 0] / (norms * mu.norm(dim=-1, keepdim=True).clamp_min(1e-8))
+
+    def score(self, cache, q, input_pos, query_pos, S):
+        return protect_recent(-self.cosine(cache, S), cache.pos[:, :, :S], query_pos, self.n_recent(cache))
+
+    def head_scores(self, cache, q, input_pos, query_pos, S):
+        """For CAOTE: 1 - cos >= 0 (CAOTE spec A8's affine map), the same for every query head of a group."""
+        h = 1.0 - self.cosine(cache, S)
+        G = cache.n_heads // h.shape[1]
+        return h[:, :, None].expand(-1, -1, G, -1), recent_mask(cache.pos[:, :, :S], query_pos, self.n_recent(cache))
 
 
 class KeyNorm(Policy):
@@ -138,7 +153,7 @@ class KeyNorm(Policy):
     help = "keep the smallest key L2 norms"
 
     def score(self, cache, q, input_pos, query_pos, S):
-        return -cache.k[:, :, :S].float().norm(dim=-1)
+        return -cache.keys(S).float().norm(dim=-1)
 
 
 class Sink(Policy):
@@ -183,6 +198,12 @@ class TOVA(Policy):
             w = w.mean(1, keepdim=True).expand_as(w).contiguous()
         return protect_recent(w, cache.pos[:, :, :S], query_pos, 1 if self.param("tova_keep_last", False) else 0)
 
+    def head_scores(self, cache, q, input_pos, query_pos, S):
+        """For CAOTE: each query head's own last-row attention [B, H, G, S] (sums to 1: CAOTE's exact case)."""
+        q_last, p_last = last_query(q, input_pos, query_pos)
+        w = attention_weights(cache, q_last, p_last, S, group_mean=False)[:, :, :, 0]
+        return w, recent_mask(cache.pos[:, :, :S], query_pos, 1 if self.param("tova_keep_last", False) else 0)
+
 
 class H2O(WindowMixin, Policy):
     """H2O (Zhang et al. 2023) as used by KeyDiff/CAOTE (spec 3, decisions 12-13): raw running sum of the group-mean
@@ -190,17 +211,23 @@ class H2O(WindowMixin, Policy):
     by default (`--window-frac` adds one, as in the original H2O)."""
     name = "h2o"
     help = "accumulated attention (heavy hitters); --window-frac"
+    per_head = False  # CAOTE needs each query head's own sums: acc [B, H, C, G] instead of the group mean [B, H, C]
 
     def slot_state(self):
-        return {"acc": ((), torch.float32)}
+        return {"acc": (("group",) if self.per_head else (), torch.float32)}
 
     def observe(self, cache, q, input_pos, query_pos, S):
         acc = cache.state["acc"]
-        acc[:, :, :S] += attention_weights(cache, q, input_pos, S).sum(2)  # padding rows (-1) weigh nothing
+        w = attention_weights(cache, q, input_pos, S, group_mean=not self.per_head)  # padding rows (-1) weigh 0
+        acc[:, :, :S] += w.sum(3).transpose(-1, -2) if self.per_head else w.sum(2)
 
     def score(self, cache, q, input_pos, query_pos, S):
         return protect_recent(cache.state["acc"][:, :, :S].clone(), cache.pos[:, :, :S], query_pos,
                               self.n_recent(cache))
+
+    def head_scores(self, cache, q, input_pos, query_pos, S):
+        return (cache.state["acc"][:, :, :S].transpose(-1, -2),
+                recent_mask(cache.pos[:, :, :S], query_pos, self.n_recent(cache)))
 
 
 class SnapKV(Policy):
@@ -238,12 +265,24 @@ class SnapKV(Policy):
         return pool_votes(window_votes(cache, S), cache.pos[:, :, :S], query_pos.max(), self.window(),
                           self.param("snap_kernel", 7), "avg")
 
+    def head_scores(self, cache, q, input_pos, query_pos, S):
+        """For CAOTE: each query head's pooled votes; the protected window keeps its raw votes, so that the
+        pseudo-output X~ still counts the attention the window receives (CAOTE spec 1.6)."""
+        votes = window_votes(cache, S, group_mean=False)  # [B, H, G, S]
+        B, H, G, _ = votes.shape
+        pos = cache.pos[:, :, :S]
+        pooled = pool_votes(votes.reshape(B, H * G, S), pos.repeat_interleave(G, 1), query_pos.max(),
+                            self.window(), self.param("snap_kernel", 7), "avg").view(B, H, G, S)
+        win = recent_mask(pos, query_pos, self.window())
+        return torch.where(win[:, :, None], votes, pooled), win
 
-def window_votes(cache, S: int) -> Tensor:
+
+def window_votes(cache, S: int, group_mean: bool = True) -> Tensor:
     """Softmax attention of the ring's window queries over the first S slots (causal: each query sees positions up
-    to its own), summed over the window queries, averaged over each KV group's query heads: [B, H_kv, S]."""
+    to its own), summed over the window queries, averaged over each KV group's query heads: [B, H_kv, S]
+    (group_mean=False: per query head, [B, H_kv, G, S])."""
     ring_q, ring_pos = cache.layer_state["ring_q"], cache.layer_state["ring_pos"]
-    return attention_weights(cache, ring_q, ring_pos, S).sum(2)
+    return attention_weights(cache, ring_q, ring_pos, S, group_mean).sum(-2)
 
 
 def pool_votes(votes: Tensor, pos: Tensor, newest: Tensor, window: int, kernel: int, pool: str) -> Tensor:
@@ -274,6 +313,79 @@ class RandomScores(Policy):
         head = torch.arange(pos.shape[1], device=pos.device, dtype=torch.float64)[None, :, None]
         x = torch.sin(pos * 12.9898 + head * 78.233 + self.param("seed", 0) * 37.719) * 43758.5453
         return (x - x.floor()).float()
+
+
+# --------------------------------------------------------------------------------------------------------- CAOTE
+# CAOTE (Goel et al., arXiv 2504.14051) as specified in shared/specs/caote.md: a modifier of any score-based policy.
+
+
+def caote_scores(h: Tensor, v: Tensor, valid: Tensor, fast: bool = False) -> Tensor:
+    """CAOTE's eviction error (paper Eq. 8, 21; spec 1.1-1.3, 1.5): if slot j alone left, the (pseudo) attention
+    output of query head g would move by c_gj = h~_gj / (1 - h~_gj) * ||X~_g - v_j||, where h~ = the base scores
+    h [B, H, G, S] (>= 0) normalised over the valid slots and X~_g = sum_j h~_gj v_j (the real output when h is an
+    attention row: TOVA). FastCAOTE (Eq. 23): X~ = the plain mean of the valid values, shared by the group (A9).
+    A group's errors combine as the L2 norm of their concatenation (spec 1.5, agg `l2`, A2): [B, H, S].
+    Values v [B, H, S, D] fp32. ||X - v||^2 is expanded around the mean value (no [G, S, D] temporary; centring
+    keeps the cancellation small when v_j is close to X)."""
+    h = h * valid[:, :, None]
+    hn = h / h.sum(-1, keepdim=True).clamp_min(1e-12)
+    w = hn / (1 - hn).clamp_min(1e-6)
+    n = valid.sum(-1)[..., None, None].clamp_min(1)
+    vbar = (v * valid[..., None]).sum(2, keepdim=True) / n  # [B, H, 1, D]
+    vc = (v - vbar) * valid[..., None]
+    x = torch.zeros_like(vbar) if fast else hn @ vc  # centred X~: [B, H, 1 or G, D]
+    d2 = (vc * vc).sum(-1)[:, :, None] - 2 * (x @ vc.transpose(-1, -2)) + (x * x).sum(-1, keepdim=True)
+    c = w * d2.clamp_min(0).sqrt()
+    return c.square().sum(2).sqrt()
+
+
+class CAOTE(Policy):
+    """CAOTE over a base policy (`--policy caote:h2o|tova|snapkv|keydiff`, `fastcaote:...`; paper 3.2-3.3):
+    the base scores each query head's slots (`head_scores`: non-negative, plus the slots it protects), CAOTE
+    re-ranks them by the error their eviction would cause in that head's attention output, and the lowest are
+    dropped, each scored independently (paper App. A, spec A4). The base keeps its own state (H2O's sums, per query
+    head here; SnapKV's query ring) and its protection (+inf). Block-wise, after each block and decode step, like
+    the base. KeyDiff enters as 1 - cos (A8); SnapKV's protected window enters X~ with its raw votes.
+    Ties keep the newer token (the engine's rule; the spec's base-score tie-break, A15, is not applied)."""
+    base_cls = None
+    fast = False
+
+    def __init__(self, args=None):
+        super().__init__(args)
+        self.base = self.base_cls(args)
+        self.base.per_head = True
+
+    def slot_state(self):
+        return self.base.slot_state()
+
+    def layer_state(self, cache):
+        return self.base.layer_state(cache)
+
+    def check(self, budget, block_size):
+        self.base.check(budget, block_size)
+        if self.param("tova_heads", "group") != "group" and self.base.name == "tova":
+            raise PolicyError(f"{self.name} scores each query head: --tova-heads all is not supported")
+
+    def observe(self, cache, q, input_pos, query_pos, S):
+        self.base.observe(cache, q, input_pos, query_pos, S)
+
+    def score(self, cache, q, input_pos, query_pos, S):
+        h, protected = self.base.head_scores(cache, q, input_pos, query_pos, S)
+        c = caote_scores(h, cache.values(S).float(), cache.pos[:, :, :S] >= 0, self.fast)
+        return c.masked_fill(protected, INF)
+
+
+def caote_policies():
+    """caote:<base> and fastcaote:<base> for every base the spec covers (and KeyDiff, its extension)."""
+    out = []
+    for base in [H2O, TOVA, SnapKV, KeyDiff]:
+        for fast in (False, True):
+            kind = "fastcaote" if fast else "caote"
+            what = "mean-value " if fast else ""
+            out.append(type(f"{kind}_{base.name}", (CAOTE,), dict(
+                name=f"{kind}:{base.name}", base_cls=base, fast=fast,
+                help=f"CAOTE ({what}attention-output error) over {base.name}'s scores")))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------- RocketKV
@@ -505,20 +617,20 @@ class RocketKV(SnapKVPlusPlus):
         state = super().layer_state(cache)
         if not cache.scratch and self.rp is not None and self.rp.sparse:
             B, H, _, D = cache.k.shape
-            state["pages"] = ((B, H, 2 * D, -(-cache.budget // self.rp.p)), cache.k.dtype, 0.0)
+            state["pages"] = ((B, H, 2 * D, -(-cache.budget // self.rp.p)), cache.dtype, 0.0)
         return state
 
     def compressed(self, cache, n):
         super().compressed(cache, n)
         if "pages" in cache.layer_state:
             C = cache.budget
-            cache.layer_state["pages"].copy_(build_pages(cache.k[:, :, :C], cache.pos[:, :, :C] >= 0, self.rp.p))
+            cache.layer_state["pages"].copy_(build_pages(cache.keys(C), cache.pos[:, :, :C] >= 0, self.rp.p))
 
     def select(self, cache, q, query_pos, slot):
         if "pages" not in cache.layer_state:
             return None
         rp, pages, C = self.rp, cache.layer_state["pages"], cache.budget
-        update_page(pages, cache.k.index_select(2, slot), slot, rp.p)
+        update_page(pages, cache.key_rows(slot), slot, rp.p)
         B, Hq, _, D = q.shape
         H = cache.k.shape[1]
         scores, tau = hybrid_scores(q.float().reshape(B, H, Hq // H, D), pages, rp.r)
@@ -550,7 +662,7 @@ class ExactTopK(Policy):
     def select(self, cache, q, query_pos, slot):
         B, Hq, _, D = q.shape
         H, S = cache.k.shape[1], cache.k.shape[2]
-        logits = torch.einsum("bhgd,bhsd->bhgs", q.float().reshape(B, H, Hq // H, D), cache.k.float())
+        logits = torch.einsum("bhgd,bhsd->bhgs", q.float().reshape(B, H, Hq // H, D), cache.keys().float())
         valid = attention_mask(cache.pos, query_pos, cache.window)[:, :, 0]
         logits = logits.masked_fill(~valid[:, :, None], -INF)
         k = min(self.k or S, S)
@@ -561,18 +673,348 @@ class ExactTopK(Policy):
 
 
 # ------------------------------------------------------------------------------------------------------- SAGE-KV
-SAGEKV_POLICIES = []
+# SAGE-KV (Wang et al., "LLMs Know What to Drop", arXiv 2503.08879, section 2 and App. A.3) as specified in
+# shared/specs/sagekv.md: a dense one-shot prefill, then ONE token- and head-level top-k per layer from the last
+# prompt token's query; during decode only the recent window slides. Ambiguities follow the spec's section 5.
+
+
+def sage_sizes(B: int, G: int, sink: int | None = None, topk: int | None = None) -> tuple[int, int, int]:
+    """(S, k, W) for budget B and GQA group G (paper App. A.3, spec 1.2): sink S = B/4, k = B/(2G) per query head
+    floored to a power of two (A2: Qwen's 585 -> 512), ring W = B - S - G k, counting the current token (A3), so
+    that S + G k + W = B slots per KV head exactly. --sage-sink / --sage-topk override S / k (k = 0: StreamLLM_Abs)."""
+    S = B // 4 if sink is None else sink
+    if topk is None:
+        if B < 2 * G:
+            raise PolicyError(f"sagekv: --budget {B} is below 2 x the GQA group ({G}): no token to select per "
+                              "query head (--sage-topk 0 keeps sink + recent only)")
+        topk = 1 << ((B // (2 * G)).bit_length() - 1)  # the largest power of two <= B / (2G)
+    W = B - S - G * topk
+    if W < 1:
+        raise PolicyError(f"sagekv: --budget {B} leaves no recent window: sink {S} + {G} query heads x top-k {topk} "
+                          f"= {S + G * topk} slots")
+    return S, topk, W
+
+
+@dataclass(frozen=True)
+class SageLayout:
+    """One run's slot layout per KV head, fixed once the prompt length N is known (spec 1.3 and 1.7):
+
+        [0, n_sink)                          sink: positions 0 .. n_sink-1
+        [n_sink, ring_start)                 G blocks of kk: block g = the top-kk of query head j G + g
+        [ring_start, ring_start + W - 1)     the recent ring: the W - 1 newest tokens
+        slot `budget` (the decode tail)      the current token, so a decode step attends S + kk + W per query head
+
+    n_sink = min(S, N), kk = min(k, n_E) with candidates E = [n_sink, rs), rs = max(n_sink, N - W): the sink and
+    selection hold no empty slot (the spec's masked empty slots are left out, not stored), so that decode eviction
+    can only ever replace a ring token (empty slots score -inf in cache.drop_to)."""
+    S: int
+    k: int
+    W: int
+    G: int
+    N: int
+
+    @property
+    def n_sink(self) -> int:
+        return min(self.S, self.N)
+
+    @property
+    def rs(self) -> int:
+        return max(self.n_sink, self.N - self.W)
+
+    @property
+    def kk(self) -> int:
+        return min(self.k, self.rs - self.n_sink)
+
+    @property
+    def ring_start(self) -> int:
+        return self.n_sink + self.G * self.kk
+
+    @property
+    def budget(self) -> int:
+        return self.ring_start + self.W - 1
+
+
+class SageKV(Policy):
+    """SAGE-KV (paper section 2, Steps 1-4; App. A.3; spec 1): after a dense one-shot prefill, each layer keeps
+    the sink [0, S), for EVERY QUERY HEAD its own top-k of the candidates E = [S, N - W) by the attention logits
+    of the last prompt token's post-RoPE query (A6: q_last . k_i in fp32, no softmax or 1/sqrt(d), same ranking;
+    A7: that one query, no window), and the recent ring. Decode: a query head attends sink + its own k + the ring;
+    each new token enters the ring and the oldest ring token is gone for good (Step 4, A10: never re-scored).
+
+    Resolved ambiguities (spec section 5, each the spec's recommendation):
+    A1 per-query-head private blocks (G k selected slots per KV head; a token picked by two heads is stored twice);
+    A2 k floored to a power of two; A3 ring W = B - S - G k includes the last prompt token and the current token,
+    so --budget B counts every slot a decode step reads per KV head (the spec's R = W - 1); A4 keys keep their
+    absolute RoPE positions; A5 the literal rule by default (`--sage-skip-if-fits` keeps a prompt with
+    N + --max-new-tokens <= B dense); A6 ties go to the lower position (stable_topk); A8 all layers; A9 one-shot
+    layer-major prefill; A11 each head's selection in ascending position order; A16 write then attend.
+    Engine form (spec 1.6-1.7): the cache keeps B - 1 slots between steps (SageLayout); a decode token is written to
+    the tail slot B - 1, attends through `select` (a constant slot pattern per query head), then `score` protects
+    sink and selection (+inf) and ranks the ring by recency, so cache.py drops the oldest ring token and the new
+    token takes its slot: the ring stays in the ring slots. Extra memory: none beyond the budget (no policy state)."""
+    name = "sagekv"
+    help = ("SAGE-KV: one-shot top-k per query head from the last prompt query + sink B/4 + sliding recent window; "
+            "--sage-sink, --sage-topk, --sage-skip-if-fits")
+    one_shot = True
+    layout = None
+
+    def check(self, budget, block_size):
+        for flag in ("sage_sink", "sage_topk"):
+            value = self.param(flag, None)
+            if value is not None and value < 0:
+                raise PolicyError(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
+
+    def plan(self, budget, prompt_len, max_new_tokens, model_args=None):
+        G = model_args.n_heads // model_args.n_kv_heads
+        S, k, W = sage_sizes(budget, G, self.param("sage_sink", None), self.param("sage_topk", None))
+        if self.param("sage_skip_if_fits", False) and prompt_len + max_new_tokens <= budget:
+            S, k, W = prompt_len, 0, budget - prompt_len  # the whole prompt as "sink": nothing is ever dropped
+        self.layout = SageLayout(S, k, W, G, prompt_len)
+        return self.layout.budget
+
+    def compress(self, scratch, cache):
+        """Steps 1-3 for one layer: sink, each query head's top-kk of E, the W - 1 newest prompt tokens."""
+        lay = self.layout
+        B, H, _, D = scratch.k.shape
+        dev = scratch.k.device
+        pos = scratch.pos[:, :, :scratch.budget]
+        by_pos = torch.where(pos >= 0, pos, torch.iinfo(pos.dtype).max).argsort(dim=-1)[..., :lay.N]  # slot of i
+        keep = [torch.arange(lay.n_sink, device=dev).expand(B, H, -1)]
+        if lay.kk > 0:
+            q_last, _ = last_query(*scratch.last_step)  # [B, Hq, 1, D], post-RoPE at position N - 1
+            cand = take_rows(scratch.keys(), by_pos[..., lay.n_sink:lay.rs]).float()  # [B, H, n_E, D]
+            logits = torch.einsum("bhgd,bhnd->bhgn", q_last.float().view(B, H, lay.G, D), cand)
+            keep.append((stable_topk(logits, lay.kk) + lay.n_sink).view(B, H, lay.G * lay.kk))
+        keep.append(torch.arange(max(lay.rs, lay.N - lay.W + 1), lay.N, device=dev).expand(B, H, -1))
+        keep = torch.cat(keep, dim=-1)  # positions, in slot order
+        n = keep.shape[-1]
+        src = by_pos.gather(-1, keep)
+        for dst_t, src_t in zip(cache.slot_buffers(), scratch.slot_buffers()):  # K, V (+ int8 scales)
+            dst_t[:, :, :n] = take_rows(src_t, src)
+        cache.pos[:, :, :n] = keep.to(cache.pos.dtype)
+        cache.pos[:, :, n:] = -1
+        return True
+
+    def select(self, cache, q, query_pos, slot):
+        """Query head j G + g attends the sink, its own block g of the selection, the ring and the new token."""
+        lay = self.layout
+        if lay.kk == 0:  # no selection: every head sees the same slots, i.e. dense attention
+            return None
+        B, Hq = q.shape[:2]
+        G, kk, dev = lay.G, lay.kk, q.device
+        own = lay.n_sink + kk * torch.arange(G, device=dev)[:, None] + torch.arange(kk, device=dev)  # [G, kk]
+        shared = torch.cat([torch.arange(lay.n_sink, device=dev), torch.arange(lay.ring_start, cache.budget,
+                                                                                device=dev), slot])
+        per_head = torch.cat([own, shared.expand(G, -1)], dim=1)  # [G, n]
+        return per_head.repeat(Hq // G, 1).expand(B, -1, -1).contiguous()
+
+    def score(self, cache, q, input_pos, query_pos, S):
+        """Decode: +inf on sink and selection, recency (the position) on the ring and the new token: the oldest
+        ring token is dropped. In the one-shot scratch the budget holds the whole prompt: only empty slots go."""
+        recency = cache.pos[:, :, :S].float()
+        if cache.scratch:
+            return recency
+        return recency.masked_fill(torch.arange(S, device=recency.device) < self.layout.ring_start, INF)
+
+
+SAGEKV_POLICIES = [SageKV]
 
 # --------------------------------------------------------------------------------------------------------- K-VEC
-KVEC_POLICIES = []
+# K-VEC ("Coverage-Driven KV Cache Eviction for Efficient and Improved Inference of LLM", anonymous TMLR submission,
+# shared/papers/002_*.txt) as specified in shared/specs/kvec.md: one-shot SnapKV-style selection per layer (paper 4,
+# Eq. 8) plus a cross-head module (paper 4.1) and a cross-layer coverage bonus (paper 4.2) computed layer by layer in
+# the prefill pass. The equations are pure functions below; the class wires them to the one-shot engine.
+
+
+def window_means(A: Tensor, q_pos: Tensor, O: int, O2: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Eqs. 8, 11, 13 from per-query-head attention rows A [B, H_kv, G, R, S] of queries at positions q_pos [R]
+    (-1 = unused row; rows in any order). P, P2 [B, H_kv, S]: mean attention each slot receives from the last O and
+    last O2 queries, averaged over each KV group's query heads (A4). I [B, S]: max over ALL query heads, then the mean
+    over the last O queries (Eq. 13, A8; not max_h P, test T3). Means, not SnapKV's sums (A9), over the queries that
+    exist (a prompt shorter than the window has fewer)."""
+    newest = q_pos.max()
+
+    def last(x, n):  # mean over the rows (dim -2) of the n newest queries
+        rows = ((q_pos >= 0) & (q_pos > newest - n)).to(x.dtype)
+        return (x * rows[:, None]).sum(-2) / rows.sum().clamp_min(1)
+    A_kv = A.mean(2)
+    return last(A_kv, O), last(A_kv, O2), last(A.amax(dim=(1, 2)), O)
+
+
+def head_spread(P: Tensor, cand: Tensor) -> Tensor:
+    """Eq. 10: sigma [B, H], the population std of each head's score over its candidate slots only (A3)."""
+    n = cand.sum(-1).clamp_min(1)
+    x = P.masked_fill(~cand, 0.0)
+    mean = x.sum(-1, keepdim=True) / n[..., None]
+    return ((x - mean).masked_fill(~cand, 0.0) ** 2).sum(-1).div(n).sqrt()
+
+
+def cross_head(P: Tensor, P2: Tensor, cand: Tensor, delta: int) -> Tensor:
+    """Eqs. 9-11 (Alg. 1 lines 2-7): the delta heads of LOWEST sigma (least focused: spec 1.3, against Alg. 1's
+    comment; ties to the lower head index, A3), measured on P (A20), take their long-window score P2."""
+    if delta <= 0:
+        return P
+    low = head_spread(P, cand).argsort(dim=-1, stable=True)[..., :delta]
+    chosen = torch.zeros(P.shape[:2], dtype=torch.bool, device=P.device).scatter(-1, low, True)
+    return torch.where(chosen[..., None], P2, P)
+
+
+def focus(I: Tensor, n: Tensor, layer: int) -> Tensor:
+    """Eqs. 12 and 14: I_t (1 - n_t / (l + 1)); n_t = how many layers before l (0-based, A7, A12) kept t."""
+    return I * (1 - n.to(I.dtype) / (layer + 1))
+
+
+def best_slots(scores: Tensor, pos: Tensor, k: int) -> Tensor:
+    """Bool mask [B, H, S] of the k best scores per head; among equal scores the newer position wins, exactly as
+    cache.drop_to keeps slots (cache.drop_lowest)."""
+    drop = drop_lowest(scores, pos, scores.shape[-1] - k)
+    return torch.ones_like(scores, dtype=torch.bool).scatter(-1, drop, False)
+
+
+def biased_scores(P: Tensor, focus_t: Tensor, cand: Tensor, pos: Tensor, lam: float, K: int,
+                  pin_value: float) -> Tensor:
+    """Eqs. 15-16: P' = P + lambda focus (focus broadcast over heads), then each head's own top K candidates by the
+    unbiased P (per head, A5) score pin_value (A6: +inf; the paper's 1.0 can lose to P + lambda focus > 1, test T8).
+    Non-candidates keep P's value (the window's +inf)."""
+    out = P + lam * focus_t
+    if K > 0:
+        pinned = best_slots(P.masked_fill(~cand, -INF), pos, K) & cand
+        out = out.masked_fill(pinned, pin_value)
+    return out
+
+
+def kept_any(pos: Tensor, length: int) -> Tensor:
+    """Alg. 1 line 14 (A15): [B, length] int32, 1 at every position some head keeps in slot positions pos
+    [B, H, n] (-1 = empty): a token kept by several heads counts once per layer (test T9)."""
+    idx = torch.where(pos >= 0, pos, length).long().flatten(1)  # empty slots go to a dump column
+    hit = torch.zeros(pos.shape[0], length + 1, dtype=torch.bool, device=pos.device).scatter(1, idx, True)
+    return hit[:, :length].int()
+
+
+class KVec(SnapKVPlusPlus):
+    """K-VEC (paper 4, Alg. 1; spec 1), one-shot: after the dense prefill of layer l (attention first, so the
+    prompt's hidden states and first logits are untouched, spec 1.7) each KV head keeps B = --budget prompt tokens:
+    the W = --kvec-window latest plus the best B - W candidates (positions [0, T - W)) by
+        P'_t = P_t + lambda I_t (1 - n_t / (l + 1)),   the head's top K = min(floor(beta B), B - W) by P pinned,
+    where P is SnapKV's window score (Eq. 8: mean attention from the last O queries, group mean) max-pooled along
+    positions (A2), except for the delta heads of lowest std of P, which use the last O' queries (Eq. 11); I is the
+    per-token max over query heads averaged over the O window (Eq. 13); n_t counts the layers before l that kept t in
+    any head (a per-position counter zeroed at layer 0 and updated after each layer, so layer l reads the decisions of
+    layers 0..l-1 in the same forward pass; no second pass, A15). Never evicts during decode: generated tokens are
+    appended (spec 1.7). lambda = 0 with delta = 0 is SnapKV (snapkv++ with --snap-window W = O, kernel 7).
+
+    Spec ambiguities, resolved by its recommendations: O = 16, O' = 32, W = 16 independent of O (A1); max-pool
+    kernel 7 on P and P' (window excluded; not on I or the focus, A2); sigma = population std over candidates, on the
+    pooled score, lowest sigma chosen, ties to the lower head (A3, A20); GQA: P and sigma per KV head from the group
+    mean, I from the max over all query heads (A4, 1.6); pins per head (A5) at +inf (A6; --kvec-pin-value 1 is the
+    paper's literal value); n counts layers strictly before l, once per layer however many heads keep a token, the
+    window included, denominator l + 1 with l 0-based (A7, A12); I over O, unpooled (A8); means, not sums (A9);
+    B per KV head includes the window and excludes generated tokens (A10: the cache holds B + --max-new-tokens);
+    T <= B keeps everything and counts every token as kept (A11); delta > H_kv re-scores every head (A21: delta = 3
+    whatever the model); softmax in fp32 (attention_weights). One deviation: A17 asks for deterministic ties and
+    suggests keeping the lower position; the cache's shared rule (the newer position is kept, used by every policy
+    here) is just as deterministic and makes lambda = 0, delta = 0 equal snapkv++ tie for tie, so pins and
+    selection use it. Not implemented: the chunked-prefill and decode-eviction extensions (A13, A14), padding
+    inside a batch (A16: the engine runs batch 1; block padding is excluded), --gqa max (A4's alternative).
+
+    Layer index: the policy object is shared by all layers; `compress` (called first for every layer by
+    cache.compress_into) numbers each destination cache in order of first compression. generate.prefill_one_shot
+    compresses layers 0..L-1 in order, so that is the module's place in the stack for every later prompt too (the
+    same caches); plan() forgets the numbering (new caches follow). Cross-layer state: `n_cov` [batch, padded
+    prompt] int32, allocated when layer 0 starts a prompt; `coverage()` is the paper's coverage metric (A23)."""
+    name = "kvec"
+    help = ("K-VEC: one-shot SnapKV + cross-head (lowest-std heads over a longer window) + cross-layer coverage "
+            "bonus; --kvec-lambda (1), --kvec-delta (3), --kvec-beta (0.25), --kvec-window (16), --kvec-obs-window "
+            "(16), --kvec-long-window (32), --kvec-kernel (7), --kvec-pin-value (inf)")
+    layer = 0  # index of the layer being compressed
+    keep = None  # B: prompt slots per KV head of the layer being compressed
+    n_cov = None  # [batch, padded prompt] int32: for each position, how many layers so far kept it (any head)
+    prompt = None  # [batch, padded prompt] bool: real prompt positions (for coverage())
+
+    def __init__(self, args=None):
+        super().__init__(args)
+        self.layer_of = {}  # destination KVCache -> its layer index
+
+    def recent(self):
+        return self.param("kvec_window", 16)
+
+    def obs(self):
+        return self.param("kvec_obs_window", 16)
+
+    def long_obs(self):
+        return self.param("kvec_long_window", 32)
+
+    def window(self):  # SnapKV's query ring (layer_state, observe) holds the last max(O, O') prompt queries
+        return max(self.obs(), self.long_obs())
+
+    def check(self, budget, block_size):
+        lam, delta, beta = self.param("kvec_lambda", 1.0), self.param("kvec_delta", 3), self.param("kvec_beta", 0.25)
+        W, O, O2, k = self.recent(), self.obs(), self.long_obs(), self.param("kvec_kernel", 7)
+        if not lam >= 0:
+            raise PolicyError(f"--kvec-lambda must be >= 0, got {lam}")
+        if delta < 0:
+            raise PolicyError(f"--kvec-delta must be >= 0, got {delta}")
+        if not 0 <= beta <= 1:
+            raise PolicyError(f"--kvec-beta must be in [0, 1], got {beta}")
+        if W < 0 or O < 1 or O2 < O:
+            raise PolicyError(f"need --kvec-window >= 0, --kvec-obs-window >= 1 and --kvec-long-window >= "
+                              f"--kvec-obs-window, got {W}, {O} and {O2}")
+        if k < 1 or k % 2 == 0:
+            raise PolicyError(f"--kvec-kernel must be odd and >= 1, got {k}")
+        if not self.param("kvec_pin_value", INF) > 0:
+            raise PolicyError(f"--kvec-pin-value must be > 0, got {self.param('kvec_pin_value', INF)}")
+        if budget <= W:
+            raise PolicyError(f"--budget {budget} must exceed the K-VEC recent window --kvec-window ({W})")
+
+    def plan(self, budget, prompt_len, max_new_tokens, model_args=None):
+        self.P = budget  # prompt_slots: B prompt tokens per KV head (A10)
+        self.layer_of = {}
+        return budget + max_new_tokens  # generated tokens are appended, never charged to B (A10, A14)
+
+    def compress(self, scratch, cache):
+        """Start of one layer's compression (the default layout follows: score, then compressed)."""
+        self.layer = self.layer_of.setdefault(cache, len(self.layer_of))
+        if self.layer == 0:  # a new prompt: no layer has kept anything yet (A7)
+            B, S = scratch.pos.shape[0], scratch.budget  # the scratch's slot s holds position s (or padding)
+            self.n_cov = torch.zeros(B, S, dtype=torch.int32, device=scratch.pos.device)
+            self.prompt = scratch.pos[:, 0, :S] >= 0
+        self.keep = self.prompt_slots(cache)
+        return False
+
+    def score(self, cache, q, input_pos, query_pos, S):
+        pos, newest, W = cache.pos[:, :, :S], query_pos.max(), self.recent()
+        ring_q, ring_pos = cache.layer_state["ring_q"], cache.layer_state["ring_pos"]
+        A = attention_weights(cache, ring_q, ring_pos, S, group_mean=False)  # [B, H_kv, G, R, S], fp32
+        P, P2, I = window_means(A, ring_pos, self.obs(), self.long_obs())
+        kernel = self.param("kvec_kernel", 7)
+        P, P2 = (pool_votes(x, pos, newest, W, kernel, "max") for x in (P, P2))  # window slots +inf
+        cand = (pos >= 0) & (pos <= newest - W)
+        P = cross_head(P, P2, cand, self.param("kvec_delta", 3))
+        n = self.n_cov.gather(1, pos.clamp_min(0).long().flatten(1)).view_as(pos)
+        K = min(int(self.param("kvec_beta", 0.25) * self.keep), self.keep - W)
+        return biased_scores(P, focus(I[:, None], n, self.layer), cand, pos, self.param("kvec_lambda", 1.0), K,
+                             self.param("kvec_pin_value", INF))
+
+    def compressed(self, cache, n):
+        super().compressed(cache, n)  # slots sorted by position (A18)
+        self.n_cov += kept_any(cache.pos[:, :, :n], self.n_cov.shape[1])
+
+    def coverage(self) -> Tensor:
+        """A23 (paper Tables 6-7): share of the prompt's positions kept by >= 1 head in >= 1 layer so far, [batch]."""
+        return (self.n_cov > 0).sum(-1) / self.prompt.sum(-1)
+
+
+KVEC_POLICIES = [KVec]
 
 # ---------------------------------------------------------------------------------------------------------------
 REGISTRY = {p.name: p for p in [KeyDiff, Sink, TOVA, SnapKV, H2O, KeyNorm, RandomScores, SnapKVPlusPlus, RocketKV,
-                                ExactTopK, *SAGEKV_POLICIES, *KVEC_POLICIES]}
+                                ExactTopK, *caote_policies(), *SAGEKV_POLICIES, *KVEC_POLICIES]}
 
 
 def describe() -> str:
-    return "full (no eviction); " + "; ".join(f"{n} ({p.help})" for n, p in REGISTRY.items())
+    plain = "; ".join(f"{n} ({p.help})" for n, p in REGISTRY.items() if not issubclass(p, CAOTE))
+    return (f"full (no eviction); {plain}; caote:BASE, fastcaote:BASE (CAOTE's attention-output-error score over "
+            f"BASE = h2o, tova, snapkv or keydiff; fast = mean value)")
 
 
 def lookup(name: str):

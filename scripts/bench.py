@@ -20,6 +20,11 @@ one loop, 1 warm-up + --repeats samples (the cache is rewound to its post-prefil
 decode-phase peak memory. Speedup and memory saving are relative to `full` in the same run; next to the speedup,
 the bandwidth-model ideal: (weights + KV bytes read per step) of full over rocketkv's (t token-equivalents).
 Writes --out-dir/rocketkv_figure.{json,png}.
+
+    python scripts/bench.py --quant [float32,bfloat16,int8,int4-g64,int4-g32] --prompt-tokens 512
+
+`--quant`: weight-only quantization (quantize.py), each mode in a fresh process: decode tok/s with the `full` cache,
+bytes read per decode step (weights + KV), and the perplexity of the evaluation harness's fidelity text.
 """
 import argparse
 import dataclasses
@@ -221,21 +226,97 @@ def plot_figure(rows, budgets, path) -> None:
     plt.close(fig)
 
 
+def quant_one(mode: str, args) -> dict:
+    """One --quant row in this process: --checkpoint in fp32 / bf16, or its quantize.py checkpoint (int8; int4-gN =
+    group size N; written beside it on first use, as a user would) loaded by generate.load_model; decode tok/s and
+    bytes read per step with the `full` cache on the synthetic document (block-wise prefill, as the main table);
+    perplexity of the evaluation harness's fidelity text (teacher-forced continuations, scripts/eval.py)."""
+    import math
+    import quantize
+    from scripts import eval as ev
+    ckpt = resolve_checkpoint(args.checkpoint)
+    tok = load_tokenizer(ckpt)
+    if mode.startswith("int"):
+        kind, _, g = mode.partition("-g")
+        qdir = quantize.default_out(ckpt, kind, int(g) if g else None)
+        if not (qdir / "config.json").is_file():
+            argv = ["--checkpoint", str(ckpt), "--mode", kind] + (["--groupsize", g] if g else [])
+            if quantize.main(argv) != 0:
+                sys.exit(f"quantize.py {' '.join(argv)} failed")
+        ckpt = qdir
+    model = load_model(ckpt, torch.bfloat16 if mode == "bfloat16" else torch.float32, args.device)
+    _, ids = make_document(tok, args.prompt_tokens)
+    setup_caches(model, 1, len(ids) + args.decode_steps, args.block_size)
+    steps = compile_steps(args.device, args.compile_mode) if args.compile else (prefill_step, model_step)
+    r = time_policy(model, ids, steps, args, args.device)
+    texts = ev.fidelity_texts(tok, args.ppl_texts, args.ppl_prefix + args.ppl_tokens, seed=0)
+    records = ev.fidelity(model, texts, args.ppl_prefix, [("block", "full", None)], block_size=args.block_size,
+                          steps=steps, policy_args=Namespace())
+    r["nll"] = sum(x["nll"] for x in records) / len(records)
+    r["ppl"] = math.exp(r["nll"])
+    r["mode"] = mode
+    r["kernels"] = quantize.summary(model)["kernels"]
+    return r
+
+
+def run_quant(args) -> None:
+    modes = [m for m in args.quant.split(",") if m]
+    print(f"{args.checkpoint}: --quant {modes}; decode: full cache, prompt {args.prompt_tokens} tokens, "
+          f"{args.decode_steps} decode steps x {args.repeats} repeats; perplexity: {args.ppl_texts} fidelity texts, "
+          f"{args.ppl_tokens} tokens after {args.ppl_prefix}; {args.device}, "
+          f"{'compiled' if args.compile else 'eager'}, torch threads {torch.get_num_threads()}", file=sys.stderr)
+    rows = []
+    for mode in modes:
+        r = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one-quant", mode], capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            sys.exit(f"{mode} failed: {r.stderr.strip()[-2000:]}")
+        rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+        x = rows[-1]
+        print(f"  {mode:10s} decode {x['decode_tok_s']:5.1f} tok/s  prefill {x['prefill_tok_s']:6.1f} tok/s  "
+              f"ppl {x['ppl']:.4f}  [{x['kernels']}, total {x['wall_s']:.0f} s]", file=sys.stderr)
+    base = next((x for x in rows if x["mode"] == "float32"), rows[0])
+    print(f"\n| mode | bytes read / decode step (MiB) | decode tok/s | vs {base['mode']} | prefill tok/s | "
+          f"perplexity | vs {base['mode']} | peak MiB decode |")
+    print("|---|---|---|---|---|---|---|---|")
+    for x in rows:
+        print(f"| {x['mode']} | {x['bytes_per_step'] / 2**20:.0f} | {x['decode_tok_s']:.1f} | "
+              f"{x['decode_tok_s'] / base['decode_tok_s']:.2f}x | {x['prefill_tok_s']:.0f} | {x['ppl']:.4f} | "
+              f"{x['ppl'] / base['ppl'] - 1:+.2%} | {x['decode_peak_mib']:.0f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
+                                        indent=2))
+
+
 def disable_eviction(model) -> None:
     for layer in model.layers:
         layer.attention.kv_cache.evict = lambda *args, **kwargs: None
 
 
-def time_policy(model, ids, steps, args, device) -> dict:
-    """Median block-wise prefill time and median decode step time over repeats."""
+def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
+    """Median prefill time (block-wise, or one-shot: dense layer-major prefill then one compression) and median
+    decode step time over repeats."""
+    from generate import prefill_one_shot
     prefill_fn, decode_fn = steps
     prompt = torch.tensor(ids, device=device)
     mem = PeakMemory(device)
     prefill_s, step_s, prefill_peak, decode_peak = [], [], [], []
+
+    def prefill():
+        if one_shot:
+            return prefill_one_shot(model, prompt, args.block_size)
+        for start in range(0, len(ids), args.block_size):
+            logits = prefill_fn(model, *block_inputs(prompt, start, args.block_size))
+        return logits
+
     with torch.inference_mode():
         t = time.perf_counter()  # warm-up: compiles both steps when compiled, so no repeat pays for it
-        logits = prefill_fn(model, *block_inputs(prompt, 0, args.block_size))
-        decode_fn(model, logits.argmax(-1).view(1, 1), torch.tensor([args.block_size], device=device))
+        if one_shot:
+            logits = prefill()
+            decode_fn(model, logits.argmax(-1).view(1, 1), torch.tensor([len(ids)], device=device))
+        else:
+            logits = prefill_fn(model, *block_inputs(prompt, 0, args.block_size))
+            decode_fn(model, logits.argmax(-1).view(1, 1), torch.tensor([args.block_size], device=device))
         sync(device)
         warmup_s = time.perf_counter() - t
         torch._dynamo.config.error_on_recompile = True  # a recompile inside the timed loop would be a bug
@@ -245,8 +326,7 @@ def time_policy(model, ids, steps, args, device) -> dict:
             mem.reset()
             sync(device)
             t0 = time.perf_counter()
-            for start in range(0, len(ids), args.block_size):
-                logits = prefill_fn(model, *block_inputs(prompt, start, args.block_size))
+            logits = prefill()
             tok = logits.argmax(-1).view(1, 1)
             sync(device)
             prefill_s.append(time.perf_counter() - t0)
@@ -320,6 +400,12 @@ def main():
     ap.add_argument("--budgets", default="256,512,1024", help="--figure: RocketKV token budgets")
     ap.add_argument("--out-dir", type=Path, default=REPO / "build", help="--figure: where the JSON and PNG go")
     ap.add_argument("--one-figure", help=argparse.SUPPRESS)  # internal: one --figure configuration, "label@T"
+    ap.add_argument("--quant", nargs="?", const="float32,bfloat16,int8,int4-g64,int4-g32",
+                    help="weight quantization table (modes: float32, bfloat16, int8, int4-gN; default all)")
+    ap.add_argument("--ppl-texts", type=int, default=4, help="--quant: fidelity texts for the perplexity")
+    ap.add_argument("--ppl-prefix", type=int, default=256, help="--quant: context tokens before each scored span")
+    ap.add_argument("--ppl-tokens", type=int, default=128, help="--quant: scored tokens per text")
+    ap.add_argument("--one-quant", help=argparse.SUPPRESS)  # internal: one --quant row
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is steadier on a shared machine)")
     args = ap.parse_args()
     if args.threads:
@@ -336,6 +422,14 @@ def main():
         return
     if args.figure:
         return run_figure(args)
+    if args.one_quant:
+        t = time.perf_counter()
+        r = quant_one(args.one_quant, args)
+        r["wall_s"] = time.perf_counter() - t
+        print(json.dumps(r))
+        return
+    if args.quant:
+        return run_quant(args)
 
     names = [n for n in args.policies.split(",") if n]
     for n in names:
@@ -348,12 +442,16 @@ def main():
         label = args.one
         name = "keydiff" if label == "no-evict" else None if label == "full" else label
         budget = len(ids) + args.decode_steps if label == "full" else args.budget
-        setup_caches(model, 1, budget, args.block_size, policies.REGISTRY[name](Namespace()) if name else None)
+        policy = policies.lookup(name)(Namespace()) if name else None
+        if policy is not None:  # compress-once policies size their cache from the prompt (the others: budget)
+            budget = policy.plan(budget, len(ids), args.decode_steps, model.args)
+        setup_caches(model, 1, budget, args.block_size, policy)
         if label == "no-evict":
             disable_eviction(model)
         t = time.perf_counter()
         steps = compile_steps(args.device, args.compile_mode) if args.compile else (prefill_step, model_step)
-        r = time_policy(model, ids, steps, args, args.device)
+        r = time_policy(model, ids, steps, args, args.device, one_shot=policy is not None and policy.one_shot)
+        r["protocol"] = "one-shot" if policy is not None and policy.one_shot else "block"
         r["wall_s"] = time.perf_counter() - t
         print(json.dumps(r))
         return
@@ -379,11 +477,11 @@ def main():
 
     base, full = results["no-evict"], results["full"]
     print(f"\nmeasured read bandwidth {bw:.1f} GB/s; ratios from this run (medians of {args.repeats})\n")
-    print("| policy | prefill tok/s | prefill vs no-evict | decode ms/step | step overhead vs no-evict | "
+    print("| policy | protocol | prefill tok/s | prefill vs no-evict | decode ms/step | step overhead vs no-evict | "
           "decode vs full | decode / bandwidth bound | peak MiB prefill / decode |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for label, r in results.items():
-        print(f"| {label} | {r['prefill_tok_s']:.0f} | {r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x | "
+        print(f"| {label} | {r['protocol']} | {r['prefill_tok_s']:.0f} | {r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x | "
               f"{r['decode_step_ms']:.2f} | {r['decode_step_ms'] / base['decode_step_ms'] - 1:+.1%} | "
               f"{r['decode_tok_s'] / full['decode_tok_s']:.2f}x | {r['bandwidth_fraction']:.0%} | "
               f"{r['prefill_peak_mib']:.0f} / {r['decode_peak_mib']:.0f} |")

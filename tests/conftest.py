@@ -71,3 +71,28 @@ def hf_tiny(tmp_path_factory):
             cache[family] = make_hf_checkpoint(family, tmp_path_factory.mktemp(family))
         return cache[family]
     return get
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and on a busy 2-core machine OpenMP spinning makes them ~50x slower.
+    Test modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def generate_compiled(model, prompt, max_new_tokens: int, block_size: int, one_shot: bool = False) -> list:
+    """generate() with both steps compiled (fullgraph=True, inductor) under error_on_recompile; resets dynamo and
+    inductor's freezing flag afterwards so later tests start clean."""
+    from generate import compile_steps, generate
+    torch._dynamo.reset()
+    steps = compile_steps("cpu")
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            out, _ = generate(model, prompt, max_new_tokens, block_size=block_size, steps=steps, one_shot=one_shot)
+    finally:
+        torch._inductor.config.freezing = False
+        torch._dynamo.reset()
+    return out

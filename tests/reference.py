@@ -223,8 +223,72 @@ class RefRandom(RefPolicy):
         return random_scores(P, _get(self.params, "seed", 0))
 
 
+def caote_reference(h: Tensor, V: Tensor, fast: bool) -> Tensor:
+    """CAOTE spec 1.1-1.5 written out directly for one KV head: h [G, n] >= 0 base scores of its query heads,
+    V [n, d]. Per head: h~ = h / sum h, X = sum h~ v (FastCAOTE: the mean value), c = h~/(1-h~) ||v - X||;
+    the group combines as sqrt(sum_g c_g^2). Returns [n]."""
+    c2 = torch.zeros(V.shape[0], dtype=torch.float64)
+    for hg in h.double():
+        hn = hg / hg.sum()
+        X = V.double().mean(0) if fast else hn @ V.double()
+        c2 += (hn / (1 - hn).clamp_min(1e-6) * (V.double() - X).norm(dim=-1)) ** 2
+    return c2.sqrt().float()
+
+
+class RefCAOTE(RefPolicy):
+    """`caote:<base>` / `fastcaote:<base>`: the base's per-query-head scores h [Hq, n] and protected set, re-ranked
+    by caote_reference."""
+    def __init__(self, params=None, base="tova", fast=False):
+        super().__init__(params)
+        self.base, self.fast = base, fast
+        self.snap = RefSnapKV(params)
+
+    def observe(self, layer, q, q_pos, A, K, P):
+        g = layer.n_heads // layer.n_kv_heads
+        if self.base == "h2o":  # per query head sums; entry i holds query head j*g + i of KV head j
+            n = K.shape[1]
+            for i in range(g):
+                acc = layer.slot_state.get(f"acc{i}", torch.zeros(layer.n_kv_heads, 0))
+                acc = torch.cat([acc, torch.zeros(layer.n_kv_heads, n - acc.shape[1])], dim=1)
+                layer.slot_state[f"acc{i}"] = acc + A.sum(dim=1).view(layer.n_kv_heads, g, n)[:, i]
+        if self.base == "snapkv":
+            self.snap.observe(layer, q, q_pos, A, K, P)
+
+    def score(self, layer, q, q_pos, A, K, P):
+        Hkv, n = P.shape
+        g = layer.n_heads // Hkv
+        newest = int(q_pos.max())
+        protected = torch.zeros(Hkv, n, dtype=torch.bool)
+        r = int(math.floor(_get(self.params, "window_frac", 0.0) * layer.budget))
+        if self.base == "tova":
+            last = int(torch.argmax(q_pos))
+            h = A[:, last]                                                            # [Hq, n]
+            if _get(self.params, "tova_keep_last", False):
+                protected = P > newest - 1
+        elif self.base == "h2o":
+            h = torch.stack([layer.slot_state[f"acc{i}"] for i in range(g)], 1).reshape(Hkv * g, n)
+            protected = P > newest - r if r > 0 else protected
+        elif self.base == "snapkv":
+            rq, rp = layer.layer_state["ring_q"], layer.layer_state["ring_pos"]
+            votes = attention_probs(rq, K, P, rp, layer.sliding_window).sum(dim=1)     # [Hq, n]
+            w = self.snap.window()
+            pooled = snapkv_pool(votes, P.repeat_interleave(g, 0), newest, w, _get(self.params, "snap_kernel", 7))
+            protected = P > newest - w
+            h = torch.where(protected.repeat_interleave(g, 0), votes, pooled)
+        else:  # keydiff: 1 - cos
+            h = (1 + keydiff_scores(K, _get(self.params, "anchor", "raw"))).repeat_interleave(g, 0)
+            protected = P > newest - r if r > 0 else protected
+        V = layer.cand_V
+        c = torch.stack([caote_reference(h[j * g:(j + 1) * g], V[j], self.fast) for j in range(Hkv)])
+        return c.masked_fill(protected, INF)
+
+
 REF_POLICIES = {"keydiff": RefKeyDiff, "sink": RefSink, "keynorm": RefKeyNorm, "tova": RefTOVA, "h2o": RefH2O,
                 "snapkv": RefSnapKV, "random": RefRandom}
+for _base in ["h2o", "tova", "snapkv", "keydiff"]:
+    for _kind in ["caote", "fastcaote"]:
+        REF_POLICIES[f"{_kind}:{_base}"] = (lambda b, f: lambda params=None: RefCAOTE(params, b, f))(
+            _base, _kind == "fastcaote")
 
 
 # ------------------------------------------------------------------------------------------------- one layer
@@ -261,6 +325,7 @@ class RefLayer:
         g = self.n_heads // self.n_kv_heads
         out = torch.matmul(A, V.repeat_interleave(g, dim=0))
         n = K.shape[1]
+        self.cand_V = V  # the candidates' values (CAOTE reads them)
         if self.policy is not None:
             self.policy.observe(self, q, pos, A, K, P)
         if self.policy is not None and n > self.budget:

@@ -42,6 +42,16 @@ def test_tiny_run_prints_summary(tiny_ckpt, capsys):
         assert key in stats
 
 
+def test_int8_kv_run_reports_the_smaller_buffer(tiny_ckpt, capsys):
+    code, out, err = run_main(["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps over the lazy dog, " * 3,
+                               "--max-new-tokens", "5", "--json", "--policy", "keydiff", "--budget", "8",
+                               "--block-size", "4", "--kv-dtype", "int8"], capsys)
+    assert code == 0, err
+    stats = json.loads(out)
+    # 2 layers x (K and V) x 2 KV heads x (budget + block) slots x (head_dim 16 int8 + one fp32 scale)
+    assert stats["kv_cache_bytes"] == 2 * 2 * 2 * (8 + 4) * (16 + 4) and stats["kv_dtype"] == "int8"
+
+
 BAD = [
     (["--checkpoint", "no-such-model"], "unknown checkpoint"),
     (["--budget", "0"], "--budget must be >= 1"),
@@ -63,6 +73,9 @@ BAD = [
     (["--policy", "h2o", "--budget", "16", "--window-frac", "1.5"], "--window-frac"),
     (["--policy", "snapkv", "--budget", "64", "--snap-kernel", "4"], "odd"),
     (["--prefill", "sideways"], "invalid choice"),
+    (["--kv-dtype", "int4"], "invalid choice"),
+    (["--policy", "caote:sink"], "unknown policy"),
+    (["--policy", "caote:tova", "--budget", "16", "--tova-heads", "all"], "--tova-heads all"),
 ]
 
 

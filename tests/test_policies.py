@@ -134,7 +134,7 @@ def test_C4_snapkv_pools_window_votes(monkeypatch):
     row6 = [0.5, 0, 0.05, 0.3, 0, 0, 0.15, 0]
     row7 = [0.4, 0, 0.05, 0, 0, 0.45, 0.05, 0.05]
     weights = torch.tensor([row6, row7]).view(1, 1, 2, 8)
-    monkeypatch.setattr(policies, "attention_weights", lambda cache, q, q_pos, S: weights)
+    monkeypatch.setattr(policies, "attention_weights", lambda cache, q, q_pos, S, group_mean=True: weights)
     policy = policies.SnapKV(Namespace(snap_window=2, snap_kernel=3))
     cache = KVCache(1, 1, 2, 4, 4, torch.float32, "cpu", policy)
     pos = torch.arange(8)

@@ -209,13 +209,7 @@ def _case_id(case):
     return name + "".join(f"-{k}={v}" for k, v in params.items())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core machine OpenMP spinning makes them ~50x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import generate_compiled
 import torch.nn.functional as F
 
 import policies
 from cache import KVCache, attention_weights, setup_caches
-from generate import UserError, compile_steps, generate, load_model, model_step, prefill_step
+from generate import UserError, generate, load_model, model_step, prefill_step
 from policies import (ExactTopK, RocketKV, SnapKVPlusPlus, adaptive_kernel, build_pages, hybrid_scores, pool_votes,
                       rocket_params, stable_topk, token_scores, update_page)
 from scripts.bench import paper_peak_memory
@@ -379,14 +380,7 @@ def test_compiled_decode_matches_eager_and_never_recompiles(hf_tiny):
     assert pol.rp.sparse and pol.rp.k < pol.rp.C
     state_e = [(l.attention.kv_cache.pos.clone(), l.attention.kv_cache.layer_state["pages"].clone())
                for l in model.layers]
-    torch._dynamo.reset()
-    steps = compile_steps("cpu")
-    try:
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            out_c, _ = generate(model, prompt, N, block_size=16, steps=steps, one_shot=True)
-    finally:
-        torch._inductor.config.freezing = False
-        torch._dynamo.reset()
+    out_c = generate_compiled(model, prompt, N, 16, one_shot=True)
     assert out_c == out_e and len(out_c) == N
     for l, (pos, pages) in zip(model.layers, state_e):
         assert torch.equal(l.attention.kv_cache.pos, pos)

@@ -1,0 +1,530 @@
+"""K-VEC (shared/specs/kvec.md): the spec's section-6 hand-checkable cases on the equation functions, a bare scratch
+cache and the cache's own keep rule; then the engine on tiny random GQA models against an independent dynamic-shape
+reference written here (spec pseudocode A, plain loops and sorts: kept positions per layer and KV head, the coverage
+counter, logits over decode steps), the reduction to SnapKV (lambda = 0, delta = 0 == snapkv++), a budget >= the
+prompt == `full`, the compiled decode step (fullgraph, error_on_recompile) and the parameter errors.
+"""
+import json
+import math
+from argparse import Namespace
+
+import pytest
+import torch
+from conftest import generate_compiled
+import torch.nn.functional as F
+
+from cache import KVCache, attention_weights, setup_caches
+from generate import (block_inputs, generate, load_model, model_step, prefill_one_shot,
+                      prefill_step)
+from model import ModelArgs, Transformer
+from policies import (KVec, PolicyError, SnapKVPlusPlus, biased_scores, cross_head, focus, head_spread, kept_any,
+                      pool_votes, window_means)
+from reference import RefLayer, RefModel
+from test_cli import tiny_ckpt  # noqa: F401  (fixture)
+
+EAGER = (prefill_step, model_step)
+INF = float("inf")
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ------------------------------------------------------------------------- the spec's cases on the equations
+
+def select(P, I, n, layer, W, B, lam, beta, kernel=1, pin=INF):
+    """One KV head, one layer, scores given (spec T7, T8, T10, T23): the engine's pooling / focus / bias / pin
+    functions, then the cache's own drop_to keeps B of the T slots. Returns (kept positions, P' on candidates)."""
+    T = len(P)
+    pos = torch.arange(T, dtype=torch.int32).view(1, 1, T)
+    Pp = pool_votes(torch.tensor(P).view(1, 1, T), pos, torch.tensor(T - 1), W, kernel, "max")
+    cand = pos < T - W
+    K = min(int(beta * B), B - W)
+    f = focus(torch.tensor(I).view(1, 1, T), torch.tensor(n).view(1, 1, T), layer)
+    scores = biased_scores(Pp, f, cand, pos, lam, K, pin)
+    c = KVCache(1, 1, 1, B, T - B, torch.float32, "cpu")
+    c.pos.copy_(pos)
+    c.drop_to(B, scores)
+    return sorted(c.pos[0, 0, :B].tolist()), scores[0, 0, :T - W].tolist()
+
+
+def test_T1_window_score_and_causal_mask():
+    """q = k = 0: each query attends uniformly to its causal prefix; O = 2 -> P = [7/24, 7/24, 7/24, 1/8]."""
+    pol = KVec(Namespace(kvec_obs_window=2, kvec_long_window=2))
+    c = KVCache(1, 1, 1, 4, 4, torch.float32, "cpu", pol, n_heads=1, scratch=True)
+    pos = torch.arange(4)
+    c.update(torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1), pos, pos)
+    c.evict(torch.zeros(1, 1, 4, 1), pos, pos)  # observe: the query ring keeps the last max(O, O') = 2 queries
+    ring_pos = c.layer_state["ring_pos"]
+    A = attention_weights(c, c.layer_state["ring_q"], ring_pos, 4, group_mean=False)
+    P, P2, I = window_means(A, ring_pos, 2, 2)
+    assert torch.allclose(P[0, 0], torch.tensor([7 / 24, 7 / 24, 7 / 24, 1 / 8]))
+    assert torch.allclose(P2, P) and torch.allclose(I[0], P[0, 0])  # one head: max over heads = the head
+
+
+def test_T2_gqa_group_mean_and_I_max_over_query_heads():
+    rows = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
+    A = rows.view(1, 2, 2, 1, 3)  # [B, H_kv, G, R, S]: query head h -> KV head h // 2
+    P, _, I = window_means(A, torch.tensor([2]), 1, 1)
+    assert torch.allclose(P[0], torch.tensor([[0.40, 0.25, 0.35], [0.20, 0.55, 0.25]]))
+    assert torch.allclose(I[0], torch.tensor([0.6, 0.8, 0.6]))  # not max over the KV scores [0.40, 0.55, 0.35]
+
+
+def test_T3_I_is_max_then_mean():
+    A = torch.tensor([[[0.9, 0.1], [0.1, 0.9]], [[0.5, 0.5], [0.5, 0.5]]]).view(1, 1, 2, 2, 2)
+    P, _, I = window_means(A, torch.tensor([0, 1]), 2, 2)
+    assert torch.allclose(I[0], torch.tensor([0.7, 0.7]))
+    assert torch.allclose(P[0, 0], torch.tensor([0.5, 0.5]))  # mean-then-max would give 0.5
+
+
+def test_T4_T5_lowest_std_heads_take_the_long_window():
+    P = torch.tensor([[.25, .25, .25, .25], [.7, .1, .1, .1], [.4, .3, .2, .1]]).view(1, 3, 4)
+    cand = torch.ones(1, 3, 4, dtype=torch.bool)
+    assert torch.allclose(head_spread(P, cand)[0], torch.tensor([0.0, 0.2598, 0.1118]), atol=1e-4)
+    P2 = torch.tensor([0.1, 0.2, 0.3, 0.4]).expand(1, 3, 4)
+
+    def replaced(delta):
+        out = cross_head(P, P2, cand, delta)[0]
+        return [h for h in range(3) if torch.equal(out[h], P2[0, h])]
+    assert replaced(0) == [] and replaced(1) == [0] and replaced(2) == [0, 2] and replaced(5) == [0, 1, 2]
+    assert torch.equal(cross_head(P, P, cand, 1), P)  # O' = O: P2 == P, nothing changes
+    # sigma over candidates only: a huge non-candidate value (a window slot) must not make head 0 look focused
+    wide = torch.cat([P, torch.tensor([INF, 0, 0]).view(1, 3, 1)], -1)
+    wide_cand = torch.cat([cand, torch.zeros(1, 3, 1, dtype=torch.bool)], -1)
+    assert torch.allclose(head_spread(wide, wide_cand), head_spread(P, cand))
+
+
+def test_T6_coverage_and_focus():
+    I, n = torch.tensor([0.6, 0.3, 0.3]), torch.tensor([2, 1, 0])
+    assert torch.allclose(focus(I, n, 2), torch.tensor([0.2, 0.2, 0.3]))
+    assert torch.equal(focus(I, torch.zeros(3, dtype=torch.long), 0), I)
+
+
+def test_T7_one_layer_end_to_end():
+    P = [0.30, 0.20, 0.05, 0.10, 0.15, 0.02, 0, 0]
+    I = [0.40, 0.30, 0.10, 0.28, 0.20, 0.05, 0, 0]
+    n = [1, 1, 0, 0, 1, 0, 0, 0]
+    kept, Pp = select(P, I, n, 1, W=2, B=4, lam=1.0, beta=0.25)
+    assert kept == [0, 3, 6, 7]
+    assert Pp[0] == INF and torch.allclose(torch.tensor(Pp[1:]), torch.tensor([0.35, 0.15, 0.38, 0.25, 0.07]))
+    assert select(P, I, n, 1, W=2, B=4, lam=1.0, beta=0.5)[0] == [0, 1, 6, 7]  # K = 2 pins {0, 1}
+    assert select(P, I, n, 1, W=2, B=4, lam=0.0, beta=0.25)[0] == [0, 1, 6, 7]  # SnapKV
+
+
+def test_T8_pin_value_inf_vs_the_papers_one():
+    P, I = [0.5, 0.45, 0], [0.1, 0.9, 0]
+    kept, Pp = select(P, I, [0, 0, 0], 0, W=1, B=2, lam=1.0, beta=0.5)
+    assert kept == [0, 2] and Pp == [INF, pytest.approx(1.35)]
+    assert select(P, I, [0, 0, 0], 0, W=1, B=2, lam=1.0, beta=0.5, pin=1.0)[0] == [1, 2]  # 1.35 > 1.0
+
+
+def test_T9_counter_counts_a_token_once_per_layer():
+    pos = torch.tensor([[0, 3, 6, 7, -1], [0, 2, 6, 7, -1]]).view(1, 2, 5)
+    assert kept_any(pos, 8)[0].tolist() == [1, 0, 1, 1, 0, 0, 1, 1]  # 0 is +1, not +2; empty slots add nothing
+
+
+def run_T10(lam):
+    P, I = [0.30, 0.25, 0.20, 0.05, 0.05, 0], [0.30, 0.25, 0.20, 0.10, 0.05, 0]
+    n = torch.zeros(1, 6, dtype=torch.int32)
+    rows = []
+    for layer in range(3):
+        kept, Pp = select(P, I, n[0].tolist(), layer, W=1, B=3, lam=lam, beta=0.0)
+        rows.append((Pp, kept))
+        n += kept_any(torch.tensor(kept).view(1, 1, 3), 6)
+    return rows, n[0].tolist()
+
+
+def test_T10_T21_three_layer_recursion_raises_coverage():
+    rows, n = run_T10(1.0)
+    want = [([0.60, 0.50, 0.40, 0.15, 0.10], [0, 1, 5]),
+            ([0.45, 0.375, 0.40, 0.15, 0.10], [0, 2, 5]),
+            ([0.40, 0.25 + 0.25 * 2 / 3, 0.20 + 0.20 * 2 / 3, 0.15, 0.10], [0, 1, 5])]
+    for (Pp, kept), (want_Pp, want_kept) in zip(rows, want):
+        assert kept == want_kept and torch.allclose(torch.tensor(Pp), torch.tensor(want_Pp))
+    assert n == [3, 2, 1, 0, 0, 3] and sum(c > 0 for c in n) / 6 == pytest.approx(4 / 6)  # coverage 66.7%
+    rows, n = run_T10(0.0)
+    assert all(kept == [0, 1, 5] for _, kept in rows)
+    assert n == [3, 3, 0, 0, 0, 3] and sum(c > 0 for c in n) / 6 == 0.5  # SnapKV: 3/6
+
+
+def test_T12_max_pooling_and_T23_snapkv_without_pooling():
+    one_hot = torch.zeros(1, 1, 10)
+    one_hot[0, 0, 3] = 1
+    pos = torch.arange(10).view(1, 1, 10)
+    assert pool_votes(one_hot, pos, torch.tensor(9), 0, 7, "max")[0, 0].tolist() == [1] * 7 + [0] * 3
+    scores = [0.10, 0.50, 0.05, 0.30, 0.20, 0.01, 0.02, 0.40, 0, 0]
+    assert select(scores, [0] * 10, [0] * 10, 0, W=2, B=5, lam=0.0, beta=0.0)[0] == [1, 3, 7, 8, 9]
+
+
+# --------------------------------------------------------------- an independent reference of one layer (spec A)
+
+def best(scores: list, k: int) -> set:
+    """The k highest scores; among equal scores the newer position wins (the engine's keep rule)."""
+    return set(sorted(range(len(scores)), key=lambda t: (scores[t], t), reverse=True)[:k])
+
+
+def ref_layer(q, K, layer, n_cov, B, p):
+    """K-VEC on one layer of one prompt, spec pseudocode A (section 1.9) written out plainly: q [Hq, T, d], K
+    [Hkv, T, d] post-RoPE prompt queries and keys at positions 0..T-1; n_cov a list of T counts, updated in place;
+    p the parameters. Returns the kept positions per KV head (sorted) and the pinned ones."""
+    Hq, T, d = q.shape
+    Hkv = K.shape[0]
+    G = Hq // Hkv
+    if T <= B:  # A11: nothing is scored, every token counts as kept
+        n_cov[:] = [c + 1 for c in n_cov]
+        return [list(range(T))] * Hkv, [[]] * Hkv
+    W, O, O2, k = p["W"], p["O"], p["O2"], p["kernel"]
+    C = T - W
+    R = min(max(O, O2), T)
+    logits = q[:, T - R:].float() @ K.float().repeat_interleave(G, 0).transpose(1, 2) / math.sqrt(d)
+    future = torch.arange(T)[None, :] > torch.arange(T - R, T)[:, None]
+    A = logits.masked_fill(future, -INF).softmax(-1)  # [Hq, R, T]
+    AO, AO2 = A[:, R - min(O, T):, :C], A[:, R - min(O2, T):, :C]
+    P = AO.mean(1).view(Hkv, G, C).mean(1)
+    P2 = AO2.mean(1).view(Hkv, G, C).mean(1)
+    P, P2 = (F.max_pool1d(x[:, None], k, 1, k // 2)[:, 0] for x in (P, P2))
+    sigma = P.std(-1, correction=0).tolist()
+    for h in sorted(range(Hkv), key=lambda h: (sigma[h], h))[:p["delta"]]:
+        P[h] = P2[h]
+    I = AO.amax(0).mean(0)
+    focus_t = I * (1 - torch.tensor(n_cov[:C], dtype=torch.float32) / (layer + 1))
+    K_pin = min(int(p["beta"] * B), B - W)
+    kept, pins = [], []
+    for h in range(Hkv):
+        pin = best(P[h].tolist(), K_pin)
+        biased = (P[h] + p["lam"] * focus_t).tolist()
+        biased = [p["pin"] if t in pin else biased[t] for t in range(C)]
+        kept.append(sorted(best(biased, B - W)) + list(range(C, T)))
+        pins.append(sorted(pin))
+    for t in set().union(*kept):
+        n_cov[t] += 1
+    return kept, pins
+
+
+DEFAULTS = dict(W=16, O=16, O2=32, delta=3, lam=1.0, beta=0.25, kernel=7, pin=INF)
+
+
+def namespace(p):
+    return Namespace(kvec_window=p["W"], kvec_obs_window=p["O"], kvec_long_window=p["O2"], kvec_delta=p["delta"],
+                     kvec_lambda=p["lam"], kvec_beta=p["beta"], kvec_kernel=p["kernel"], kvec_pin_value=p["pin"])
+
+
+def random_scratch(pol, T, Hkv=2, G=2, D=8, block=None, seed=0):
+    """A one-shot scratch of `pol` holding T random tokens, written in blocks as prefill_one_shot does (the last one
+    padded), its query ring filled by observe. Returns (scratch, q, k, v) with q, k, v [H, T, D]."""
+    g = torch.Generator().manual_seed(seed)
+    block = block or T
+    n_blocks = -(-T // block)
+    S = n_blocks * block
+    scratch = KVCache(1, Hkv, D, S, block, torch.float32, "cpu", pol, n_heads=Hkv * G, scratch=True)
+    q, k, v = (torch.randn(1, H, S, D, generator=g) for H in (Hkv * G, Hkv, Hkv))
+    for b in range(n_blocks):
+        _, pos = block_inputs(torch.zeros(T, dtype=torch.long), b * block, block)
+        qp = torch.where(pos >= 0, pos, T - 1)
+        blk = slice(b * block, (b + 1) * block)
+        scratch.update(q[:, :, blk], k[:, :, blk], v[:, :, blk], pos, qp)
+        scratch.evict(q[:, :, blk], pos, qp)
+    return scratch, q[0, :, :T], k[0, :, :T], v[0, :, :T]
+
+
+def compress_random(T, B, p, Hkv=2, G=2, D=8, block=None, seed=0):
+    """A random scratch compressed by K-VEC with parameters p into a fresh destination cache (B prompt slots + 1),
+    as layer 0. Returns (policy, dst, q, k, v)."""
+    pol = KVec(namespace(p))
+    pol.check(B, block or T)
+    budget = pol.plan(B, T, 1)
+    scratch, q, k, v = random_scratch(pol, T, Hkv, G, D, block, seed)
+    dst = KVCache(1, Hkv, D, budget, block or T, torch.float32, "cpu", pol, n_heads=Hkv * G)
+    scratch.compress_into(dst)
+    return pol, dst, q, k, v
+
+
+def kept_sets(cache):
+    return [sorted(x for x in cache.pos[0, h].tolist() if x >= 0) for h in range(cache.pos.shape[1])]
+
+
+@pytest.mark.parametrize("p,B,block", [
+    (dict(DEFAULTS, W=4, O=4, O2=8, delta=1), 16, 16),
+    (dict(DEFAULTS, W=4, O=4, O2=8, delta=1, kernel=1, pin=1.0, lam=3.0), 12, 7),
+    (DEFAULTS, 24, 64),
+])
+def test_T14_T19_scratch_compression_equals_reference_and_invariants(p, B, block):
+    """A random layer (T = 40, Hq = 4, Hkv = 2): the engine keeps the reference's sets; every head holds exactly B
+    tokens, the last W among them, no position twice, every pinned token; block padding is never counted."""
+    T = 40
+    pol, dst, q, k, v = compress_random(T, B, p, block=block)
+    n_ref = [0] * T
+    want, pins = ref_layer(q, k, 0, n_ref, B, p)
+    got = kept_sets(dst)
+    assert got == want
+    for h, kept in enumerate(got):
+        assert len(kept) == B == len(set(kept)) and set(range(T - p["W"], T)) <= set(kept)
+        assert set(pins[h]) <= set(kept) or p["pin"] != INF  # the paper's pin value 1.0 can lose (T8)
+    assert pol.n_cov[0, :T].tolist() == n_ref and (pol.n_cov[0, T:] == 0).all()
+    assert pol.coverage().item() == pytest.approx(sum(c > 0 for c in n_ref) / T)
+    assert dst.pos[0, :, :B].tolist() == got  # slots sorted by position (A18), new tokens go after them
+
+
+def test_T15_kept_keys_and_values_attend_like_the_masked_full_prompt():
+    T, B = 30, 10
+    pol, dst, q, k, v = compress_random(T, B, dict(DEFAULTS, W=4, O=4, O2=8))
+    kept = torch.zeros(2, T, dtype=torch.bool)
+    for h, s in enumerate(kept_sets(dst)):
+        kept[h, s] = True
+    qd = torch.randn(1, 4, 1, 8)
+    compact = F.scaled_dot_product_attention(qd.view(1, 2, 2, 8), dst.k[:, :, :B], dst.v[:, :, :B])
+    masked = F.scaled_dot_product_attention(qd.view(1, 2, 2, 8), k[None], v[None], attn_mask=kept[None, :, None])
+    assert torch.allclose(compact, masked, atol=1e-6)
+    assert torch.equal(dst.k[0, 0, :B], k[0, kept_sets(dst)[0]])
+
+
+def test_T13_short_prompt_keeps_everything_and_counts_it():
+    """T = 5 <= B = 8: nothing is dropped; slots 0..4 hold positions 0..4, the rest are empty; n = 1 after layer 0.
+    With block padding (scratch of 16 slots > B) the scores run but can only drop the padding: same result."""
+    for block in (5, 16):
+        pol, dst, q, k, v = compress_random(5, 8, dict(DEFAULTS, W=2, O=2, O2=4), block=block)
+        assert dst.pos[0, :, :5].tolist() == [list(range(5))] * 2 and (dst.pos[0, :, 5:] == -1).all()
+        assert pol.n_cov[0, :5].tolist() == [1] * 5 and (pol.n_cov[0, 5:] == 0).all()
+
+
+def test_T20_huge_lambda_makes_every_head_keep_the_same_set():
+    pol, dst, *_ = compress_random(40, 12, dict(DEFAULTS, W=4, O=4, O2=8, delta=0, beta=0.0, lam=1e6))
+    a, b = kept_sets(dst)
+    assert a == b
+    pol, dst, *_ = compress_random(40, 12, dict(DEFAULTS, W=4, O=4, O2=8, delta=0, beta=0.0, lam=0.0))
+    a, b = kept_sets(dst)
+    assert a != b  # the control: without the shared focus term the heads differ
+
+
+@pytest.mark.parametrize("O2", [4, 32])
+@pytest.mark.parametrize("beta", [0.0, 0.25, 1.0])
+def test_T11_lambda_zero_without_cross_head_is_snapkv(beta, O2):
+    """Seeded random layer (T = 64, Hq = 8, Hkv = 2, B = 16, W = O = 4, max-pool 7): K-VEC with lambda = 0 and delta = 0
+    (any beta, any O') keeps exactly what snapkv++ keeps with the same window, kernel and prompt slots."""
+    p = dict(DEFAULTS, W=4, O=4, O2=O2, delta=0, lam=0.0, beta=beta)
+    for seed in range(3):
+        pol, dst, *_ = compress_random(64, 16, p, Hkv=2, G=4, block=16, seed=seed)
+        snap = SnapKVPlusPlus(Namespace(snap_window=4, rocket_kernel=7))
+        snap.plan(17, 64, 1)
+        assert snap.P == 16
+        scratch, *_ = random_scratch(snap, 64, Hkv=2, G=4, block=16, seed=seed)  # the same tokens and queries
+        snap_dst = KVCache(1, 2, 8, 17, 16, torch.float32, "cpu", snap, n_heads=8)
+        scratch.compress_into(snap_dst)
+        assert kept_sets(dst) == kept_sets(snap_dst)
+
+
+# ------------------------------------------------------------------------ the engine against the reference
+
+class OneShotKVecLayer(RefLayer):
+    """The reference's dynamic cache for one layer: a dense prompt step (attention over the whole prompt), then
+    K-VEC keeps its per-head sets (ref_layer, reading the counter shared by the layers); decode steps append."""
+    index: int = 0
+    counter: list = None
+    params: dict = None
+    B: int = 0
+    pins: list = None
+
+    def step(self, q, k, v, pos):
+        out = super().step(q, k, v, pos)  # no policy, unbounded budget: append and attend
+        if pos.numel() > 1:  # the prompt: compress once, after its attention
+            kept, self.pins = ref_layer(q, self.K, self.index, self.counter, self.B, self.params)
+            idx = torch.tensor(kept)
+            self.K, self.V = (torch.stack([x[h, idx[h]] for h in range(len(kept))]) for x in (self.K, self.V))
+            self.P = torch.gather(self.P, 1, idx)
+        return out
+
+
+def reference_for(model, T, B, p):
+    ref = RefModel(model, 10 ** 9, None)
+    counter = [0] * T
+    a = model.args
+    ref.layers = []
+    for i in range(a.n_layers):
+        layer = OneShotKVecLayer(a.n_heads, a.n_kv_heads, a.head_dim, 10 ** 9, None, a.sliding_window)
+        layer.index, layer.counter, layer.params, layer.B = i, counter, p, B
+        ref.layers.append(layer)
+    return ref, counter
+
+
+def random_gqa_model(n_layers=4, seed=0):
+    """A random Llama-style model (Hq = 4, Hkv = 2, head_dim 16) with 4 layers, so the counter reaches n = 3."""
+    args = ModelArgs(vocab_size=256, dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=16,
+                     intermediate_size=128, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=1024)
+    g = torch.Generator().manual_seed(seed)
+    model = Transformer(args)
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            t.copy_(1 + 0.1 * torch.randn(t.shape, generator=g) if "norm" in name else
+                    0.15 * torch.randn(t.shape, generator=g))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def gqa_model():
+    return random_gqa_model()
+
+
+def ids_of(n, seed=3, vocab=256):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def engine_kept(model):
+    return [kept_sets(layer.attention.kv_cache) for layer in model.layers]
+
+
+ENGINE_CASES = [
+    (DEFAULTS, 150, 48, 16),
+    (dict(DEFAULTS, W=8, O=8, O2=16, delta=1), 150, 24, 16),
+    (dict(DEFAULTS, W=8, O=8, O2=24, delta=1, lam=2.0, pin=1.0, kernel=3, beta=0.5), 131, 20, 32),
+    (dict(DEFAULTS, W=8, O=8, delta=0, lam=0.0), 120, 24, 16),
+    (DEFAULTS, 40, 48, 16),  # the prompt fits: nothing dropped
+]
+
+
+@pytest.mark.parametrize("p,T,B,block", ENGINE_CASES)
+def test_engine_equals_reference(gqa_model, p, T, B, block):
+    """One-shot prefill then 6 decode steps: the engine's kept positions per layer and KV head, the coverage counter
+    and the logits of every step equal the independent reference's."""
+    model, ids, n_decode = gqa_model, ids_of(T), 6
+    pol = KVec(namespace(p))
+    pol.check(B, block)
+    setup_caches(model, 1, pol.plan(B, T, n_decode + 1, model.args), block, pol)
+    ref, counter = reference_for(model, T, B, p)
+    with torch.inference_mode():
+        logits = prefill_one_shot(model, torch.tensor(ids), block)
+        ref_logits = ref.block(ids, range(T))
+        assert engine_kept(model) == ref.kept()
+        assert pol.n_cov[0, :T].tolist() == counter
+        assert torch.allclose(logits[0], ref_logits, atol=1e-4)
+        for i, layer in enumerate(ref.layers):  # every pinned token survived (with pins at +inf)
+            for h, pins in enumerate(layer.pins):
+                assert set(pins) <= set(engine_kept(model)[i][h]) or p["pin"] != INF
+        for t in range(n_decode):
+            tok = int(logits[0].argmax())
+            logits = model_step(model, torch.tensor([[tok]]), torch.tensor([T + t]))
+            ref_logits = ref.block([tok], [T + t])
+            assert torch.allclose(logits[0], ref_logits, atol=1e-4), f"decode step {t}"
+        assert engine_kept(model) == ref.kept()  # the new tokens were appended at positions T, T + 1, ...
+    if T > B:
+        assert all(len(h) == B + n_decode for layer in engine_kept(model) for h in layer)
+        assert model.layers[0].attention.kv_cache.pos[0, 0, B].item() == T  # T16(c): first decode token at T
+
+
+def test_coverage_modules_change_the_choice_and_coverage_is_measured(gqa_model):
+    """The negative control of the reference comparison: K-VEC's defaults keep other sets than its lambda = 0,
+    delta = 0 reduction. coverage() (A23) is the share of prompt positions some layer and head kept, counted here
+    from the kept sets. (Whether coverage rises is an empirical claim about trained models: on this random model
+    the shared focus term pulls the two heads of a layer together, the paper's Fig. 4 "dark dots", and it falls.)"""
+    T, B = 150, 32
+    kept = {}
+    for lam, delta in [(1.0, 3), (0.0, 0)]:
+        pol = KVec(namespace(dict(DEFAULTS, lam=lam, delta=delta)))
+        setup_caches(gqa_model, 1, pol.plan(B, T, 1, gqa_model.args), 16, pol)
+        with torch.inference_mode():
+            prefill_one_shot(gqa_model, torch.tensor(ids_of(T)), 16)
+        kept[lam] = engine_kept(gqa_model)
+        covered = {t for layer in kept[lam] for head in layer for t in head}
+        assert pol.coverage().item() == pytest.approx(len(covered) / T)
+    assert kept[1.0] != kept[0.0]
+
+
+def test_lambda_zero_without_cross_head_equals_snapkv_on_the_engine(gqa_model):
+    """lambda = 0, delta = 0, W = O = --snap-window, kernel 7: the same kept sets and tokens as snapkv++ with the
+    same prompt slots (snapkv++ --budget = K-VEC's B + the new tokens)."""
+    T, B, N = 150, 24, 8
+    ids = ids_of(T, seed=5)
+    pol = KVec(namespace(dict(DEFAULTS, W=8, O=8, delta=0, lam=0.0)))
+    setup_caches(gqa_model, 1, pol.plan(B, T, N, gqa_model.args), 16, pol)
+    out_k, _ = generate(gqa_model, ids, N, block_size=16, steps=EAGER, one_shot=True)
+    kept_k = engine_kept(gqa_model)
+    snap = SnapKVPlusPlus(Namespace(snap_window=8, rocket_kernel=7))
+    setup_caches(gqa_model, 1, snap.plan(B + N, T, N, gqa_model.args), 16, snap)
+    out_s, _ = generate(gqa_model, ids, N, block_size=16, steps=EAGER, one_shot=True)
+    assert out_k == out_s and kept_k == engine_kept(gqa_model)
+
+
+def test_repeated_prompts_restart_the_counter(gqa_model):
+    """Layer numbering survives several prompts on the same caches (no re-plan): the second prompt's kept sets and
+    counter equal those of a fresh run."""
+    T, B = 100, 24
+    p = dict(DEFAULTS, W=8, O=8, O2=16, delta=1)
+
+    def run(prompts):
+        pol = KVec(namespace(p))
+        setup_caches(gqa_model, 1, pol.plan(B, T, 2, gqa_model.args), 16, pol)
+        for ids in prompts:
+            generate(gqa_model, ids, 2, block_size=16, steps=EAGER, one_shot=True)
+        return engine_kept(gqa_model), pol.n_cov.clone()
+    fresh_kept, fresh_n = run([ids_of(T, seed=12)])
+    again_kept, again_n = run([ids_of(T, seed=11), ids_of(T, seed=12)])
+    assert again_kept == fresh_kept and torch.equal(again_n, fresh_n)
+
+
+# ------------------------------------------------------------------------------- full, compile, parameters
+
+def test_budget_covering_the_prompt_reproduces_full(gqa_model):
+    """T16(a, b): B >= T drops nothing: every step's logits equal `full`'s; with B < T the first token's logits are
+    still `full`'s (compression happens after the prompt's attention)."""
+    T, N = 90, 10
+    ids = ids_of(T, seed=8)
+
+    def logits_of(policy, budget):
+        setup_caches(gqa_model, 1, budget, 16, policy)
+        out = []
+        with torch.inference_mode():
+            logits = prefill_one_shot(gqa_model, torch.tensor(ids), 16)
+            for t in range(N):
+                out.append(logits[0])
+                logits = model_step(gqa_model, logits.argmax(-1).view(1, 1), torch.tensor([T + t]))
+        return torch.stack(out)
+    full = logits_of(None, T + N)
+    for B in (T, T + 7):
+        pol = KVec(Namespace())
+        assert torch.allclose(logits_of(pol, pol.plan(B, T, N, gqa_model.args)), full, atol=1e-5)
+    pol = KVec(Namespace())
+    small = logits_of(pol, pol.plan(24, T, N, gqa_model.args))
+    assert torch.allclose(small[0], full[0], atol=1e-5) and not torch.allclose(small, full, atol=1e-3)
+
+
+def test_compiled_decode_matches_eager_and_never_recompiles(hf_tiny):
+    """The decode step after a K-VEC compression (append, dense attention over B + generated slots) compiles with
+    fullgraph=True and holds error_on_recompile over 70 decode steps; tokens and kept positions equal eager's."""
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    ids, N, B = ids_of(200, seed=7), 70, 40
+    pol = KVec(Namespace())
+    setup_caches(model, 1, pol.plan(B, len(ids), N, model.args), 16, pol)
+    out_e, _ = generate(model, ids, N, block_size=16, steps=EAGER, one_shot=True)
+    kept_e = engine_kept(model)
+    out_c = generate_compiled(model, ids, N, 16, one_shot=True)
+    assert out_c == out_e and len(out_c) == N
+    assert engine_kept(model) == kept_e
+    assert all(len(h) == B + N - 1 for layer in kept_e for h in layer)
+
+
+@pytest.mark.parametrize("params,budget,message", [
+    (dict(kvec_lambda=-1.0), 64, "--kvec-lambda"),
+    (dict(kvec_lambda=float("nan")), 64, "--kvec-lambda"),
+    (dict(kvec_delta=-1), 64, "--kvec-delta"),
+    (dict(kvec_beta=1.5), 64, "--kvec-beta"),
+    (dict(kvec_window=-1), 64, "--kvec-window"),
+    (dict(kvec_obs_window=0), 64, "--kvec-obs-window"),
+    (dict(kvec_long_window=8), 64, "--kvec-long-window"),
+    (dict(kvec_kernel=4), 64, "--kvec-kernel"),
+    (dict(kvec_pin_value=0.0), 64, "--kvec-pin-value"),
+    (dict(), 16, "must exceed the K-VEC recent window"),
+])
+def test_bad_parameters(params, budget, message):
+    with pytest.raises(PolicyError, match=message):
+        KVec(Namespace(**params)).check(budget, 16)
+
+
+def test_cli(tiny_ckpt, capsys):  # noqa: F811
+    import generate as cli
+    base = ["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps over the lazy dog, " * 6,
+            "--max-new-tokens", "8", "--budget", "24", "--no-chat", "--policy", "kvec"]
+    assert cli.main(base + ["--json", "--kvec-delta", "1"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["prefill"] == "one-shot" and stats["prompt_tokens"] > 24 and stats["cache_budget"] == 24 + 8
+    assert cli.main(base + ["--kvec-beta", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--kvec-beta" in err[0]
