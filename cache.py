@@ -27,12 +27,13 @@ from torch import Tensor
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """Symmetric int8 per row (one key or value of one head): x [..., D] -> (int8 [..., D], scale [...]) with
     x ~= q * scale, scale = max|x| / 127; the error of an element is at most scale / 2."""
-    scale = x.float().abs().amax(-1).clamp_min(1e-12) / 127
-    return (x.float() / scale[..., None]).round().clamp(-127, 127).to(torch.int8), scale.to(x.dtype)
+    scale = (x.float().abs().amax(-1).clamp_min(1e-12) / 127).to(x.dtype)  # stored as x.dtype: quantize with that
+    q = (x.float() / scale.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale
 
 
 def dequantize_rows(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    return (q.to(scale.dtype) * scale[..., None]).to(dtype)
+    return (q.float() * scale.float()[..., None]).to(dtype)  # fp32 product: one rounding, at the final cast
 
 
 def attention_mask(slot_pos: Tensor, query_pos: Tensor, window: int | None) -> Tensor:
@@ -248,7 +249,7 @@ class KVCache(nn.Module):
         n = min(S, keep)
         if S > keep:
             self.drop_to(keep, self.policy.score(self, *self.last_step, S))
-        for src_t, dst_t in [(self.pos, dst.pos), *zip(self.slot_buffers(), dst.slot_buffers())]:
+        for src_t, dst_t in [(self.pos, dst.pos), *zip(self.slot_buffers(), dst.slot_buffers(), strict=True)]:
             dst_t[:, :, :n] = src_t[:, :, :n]
         for name, t in self.layer_state.items():
             if name in dst.layer_state:  # decode-time state (RocketKV's pages) exists in dst only

@@ -217,7 +217,8 @@ def prefill_one_shot(model, prompt: torch.Tensor, block_size: int) -> torch.Tens
             x[:, blk] = layer(x[:, blk], cos[blk], sin[blk], input_pos[blk], query_pos[blk])
         layer.attention.kv_cache = cache
         if cache.policy is None:  # full: the scratch already is the whole prompt
-            for dst, src in zip([cache.pos, *cache.slot_buffers()], [scratch.pos, *scratch.slot_buffers()]):
+            for dst, src in zip([cache.pos, *cache.slot_buffers()], [scratch.pos, *scratch.slot_buffers()],
+                                strict=True):
                 dst[:, :, :L] = src[:, :, :L]
         else:
             scratch.compress_into(cache)
@@ -435,7 +436,8 @@ def parse_args(argv=None):
                     help="auto = bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"],
                     help="KV cache storage: auto = --dtype; int8 = one scale per token and head (the buffer ~4x "
-                         "smaller than fp32, ~2x than bf16; every policy scores the dequantized keys)")
+                         "smaller than fp32, ~2x than bf16; every policy scores the dequantized keys). Saves memory, "
+                         "not decode time: attention runs on a dequantized copy of the attended slots")
     ap.add_argument("--batch-size", type=int, default=1, help="only 1 for now")
     ap.add_argument("--profile", type=Path, help="write a torch.profiler chrome trace here")
     ap.add_argument("--json", action="store_true", help="print one JSON object (text and summary) instead")
@@ -483,7 +485,9 @@ def run(a) -> int:
     one_shot_only = policy_cls is not None and policy_cls.one_shot
     if a.prefill is None:
         a.prefill = "one-shot" if one_shot_only else "block"
-    elif a.prefill == "block" and one_shot_only:  # RocketKV spec 2.1 / 6: dense prefill, then one compression
+    if a.evict_before_attend and policy_cls is not None and (policy_cls.one_shot or not policy_cls.evicts):
+        raise UserError(f"--evict-before-attend applies to the block-wise evicting policies, not to {a.policy}")
+    if a.prefill == "block" and one_shot_only:  # RocketKV spec 2.1 / 6: dense prefill, then one compression
         raise UserError(f"--policy {a.policy} compresses the prompt once after a dense prefill; "
                         "use --prefill one-shot (its default)")
     text = read_prompt(a)
@@ -532,7 +536,8 @@ def run(a) -> int:
         with torch.inference_mode():  # compile both graphs before timing; then start from an empty cache
             idx, pos = block_inputs(torch.tensor(ids[:1], device=a.device), 0, a.block_size)
             steps[0](model, idx, pos)
-            steps[1](model, idx[:, :1], torch.tensor([1], device=a.device))
+            # a fresh [1, 1] tensor as decode passes it (a view of idx has other strides: dynamo would recompile)
+            steps[1](model, torch.tensor([ids[:1]], device=a.device), torch.tensor([1], device=a.device))
         sync(a.device)
         compile_s = time.perf_counter() - t
 

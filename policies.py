@@ -346,6 +346,10 @@ class CAOTE(Policy):
     dropped, each scored independently (paper App. A, spec A4). The base keeps its own state (H2O's sums, per query
     head here; SnapKV's query ring) and its protection (+inf). Block-wise, after each block and decode step, like
     the base. KeyDiff enters as 1 - cos (A8); SnapKV's protected window enters X~ with its raw votes.
+    The bases are this engine's policies as the KeyDiff spec defines them, not CAOTE spec A7's block-wise SnapKV:
+    `snapkv` keeps a ring of the last 32 queries across blocks and decode steps, average-pools (kernel 7) and
+    protects its window, where A7 recommends the block's own min(32, block) queries (decode: the current row),
+    max-pooling and no protection; results with caote:snapkv are therefore not the paper's SnapKV+CAOTE exactly.
     Ties keep the newer token (the engine's rule; the spec's base-score tie-break, A15, is not applied)."""
     base_cls = None
     fast = False
@@ -904,7 +908,7 @@ class KVec(SnapKVPlusPlus):
     appended (spec 1.7). lambda = 0 with delta = 0 is SnapKV (snapkv++ with --snap-window W = O, kernel 7).
 
     Spec ambiguities, resolved by its recommendations: O = 16, O' = 32, W = 16 independent of O (A1); max-pool
-    kernel 7 on P and P' (window excluded; not on I or the focus, A2); sigma = population std over candidates, on the
+    kernel 7 on P and P2, the O' score (window excluded; not on I or the focus, A2); sigma = population std over candidates, on the
     pooled score, lowest sigma chosen, ties to the lower head (A3, A20); GQA: P and sigma per KV head from the group
     mean, I from the max over all query heads (A4, 1.6); pins per head (A5) at +inf (A6; --kvec-pin-value 1 is the
     paper's literal value); n counts layers strictly before l, once per layer however many heads keep a token, the

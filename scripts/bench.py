@@ -237,10 +237,13 @@ def quant_one(mode: str, args) -> dict:
     ckpt = resolve_checkpoint(args.checkpoint)
     tok = load_tokenizer(ckpt)
     if mode.startswith("int"):
-        kind, _, g = mode.partition("-g")
+        spec, qhead = mode.removesuffix("-qhead"), mode.endswith("-qhead")  # -qhead: int4 with a quantized head
+        kind, _, g = spec.partition("-g")
         qdir = quantize.default_out(ckpt, kind, int(g) if g else None)
+        qdir = qdir.with_name(qdir.name + "-qhead") if qhead else qdir
         if not (qdir / "config.json").is_file():
-            argv = ["--checkpoint", str(ckpt), "--mode", kind] + (["--groupsize", g] if g else [])
+            argv = ["--checkpoint", str(ckpt), "--mode", kind, "--out", str(qdir)] + (["--groupsize", g] if g else [])
+            argv += ["--head", "quantize"] if qhead else []
             if quantize.main(argv) != 0:
                 sys.exit(f"quantize.py {' '.join(argv)} failed")
         ckpt = qdir
@@ -261,6 +264,10 @@ def quant_one(mode: str, args) -> dict:
 
 def run_quant(args) -> None:
     modes = [m for m in args.quant.split(",") if m]
+    for m in modes:
+        kind, _, g = m.removesuffix("-qhead").partition("-g")
+        if not (m in ("float32", "bfloat16", "int8") or kind == "int4" and g.isdigit()):
+            sys.exit(f"error: unknown --quant mode {m!r} (float32, bfloat16, int8, int4-gN, int4-gN-qhead)")
     print(f"{args.checkpoint}: --quant {modes}; decode: full cache, prompt {args.prompt_tokens} tokens, "
           f"{args.decode_steps} decode steps x {args.repeats} repeats; perplexity: {args.ppl_texts} fidelity texts, "
           f"{args.ppl_tokens} tokens after {args.ppl_prefix}; {args.device}, "
@@ -294,8 +301,8 @@ def disable_eviction(model) -> None:
 
 
 def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
-    """Median prefill time (block-wise, or one-shot: dense layer-major prefill then one compression) and median
-    decode step time over repeats."""
+    """Median prefill time (block-wise, or one-shot: dense layer-major prefill then one compression, eager even with
+    --compile, as in generate.py) and median decode step time over repeats."""
     from generate import prefill_one_shot
     prefill_fn, decode_fn = steps
     prompt = torch.tensor(ids, device=device)
@@ -400,8 +407,9 @@ def main():
     ap.add_argument("--budgets", default="256,512,1024", help="--figure: RocketKV token budgets")
     ap.add_argument("--out-dir", type=Path, default=REPO / "build", help="--figure: where the JSON and PNG go")
     ap.add_argument("--one-figure", help=argparse.SUPPRESS)  # internal: one --figure configuration, "label@T"
-    ap.add_argument("--quant", nargs="?", const="float32,bfloat16,int8,int4-g64,int4-g32",
-                    help="weight quantization table (modes: float32, bfloat16, int8, int4-gN; default all)")
+    ap.add_argument("--quant", nargs="?", const="float32,bfloat16,int8,int4-g32,int4-g64,int4-g32-qhead",
+                    help="weight quantization table (modes: float32, bfloat16, int8, int4-gN; -qhead = int4 with a "
+                         "quantized output head; default all of these)")
     ap.add_argument("--ppl-texts", type=int, default=4, help="--quant: fidelity texts for the perplexity")
     ap.add_argument("--ppl-prefix", type=int, default=256, help="--quant: context tokens before each scored span")
     ap.add_argument("--ppl-tokens", type=int, default=128, help="--quant: scored tokens per text")
@@ -444,6 +452,7 @@ def main():
         budget = len(ids) + args.decode_steps if label == "full" else args.budget
         policy = policies.lookup(name)(Namespace()) if name else None
         if policy is not None:  # compress-once policies size their cache from the prompt (the others: budget)
+            policy.check(budget, args.block_size)
             budget = policy.plan(budget, len(ids), args.decode_steps, model.args)
         setup_caches(model, 1, budget, args.block_size, policy)
         if label == "no-evict":

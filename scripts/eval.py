@@ -135,6 +135,22 @@ def label(protocol: str, policy: str) -> str:
     return policy if protocol == "block" or policy == "full" else f"{policy} ({protocol})"
 
 
+NOT_APPLICABLE = {}  # (task, row label, budget) -> why: a compress-once policy that cannot fit the new tokens
+
+
+def fits(task, protocol, policy, budget, bar, use_args) -> bool:
+    """Set up the caches (`use`); False, noted in NOT_APPLICABLE and shown as n/a in the table, when the policy
+    cannot run this prompt at this budget (e.g. SnapKV++ keeps budget - new tokens < its window: the paper's N/A)."""
+    try:
+        use(*use_args)
+        return True
+    except policies.PolicyError as e:
+        NOT_APPLICABLE[task, label(protocol, policy), budget] = str(e)
+        if bar is not None:
+            bar.update()
+        return False
+
+
 def show(bar, protocol, policy, budget) -> None:
     if bar is not None:
         bar.set_postfix_str(label(protocol, policy) + ("" if budget is None else f" @ {budget}"))
@@ -171,7 +187,9 @@ def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: in
             if policy == "full":
                 logp = ref[i]
             else:
-                use(model, policy, budget, block_size, policy_args, prefix, len(t) - prefix)
+                if not fits("fidelity", protocol, policy, budget, bar,
+                            (model, policy, budget, block_size, policy_args, prefix, len(t) - prefix)):
+                    continue
                 logp = teacher_force(model, prefill(model, t[:prefix], steps, block_size, protocol == "one-shot"),
                                      prefix, t[prefix:], steps)
             target = torch.tensor(t[prefix:], device=logp.device)[:, None]
@@ -256,8 +274,9 @@ def run_task(model, tok, task: str, items: list[dict], cfgs, *, block_size: int,
         show(bar, protocol, policy, budget)
         for it in items:
             ids, answer = it["ids"], it["answer_ids"]
-            use(model, policy, budget or full_budget, block_size, policy_args, len(ids),
-                max(it["max_new"], len(answer)))
+            if not fits(task, protocol, policy, budget, bar, (model, policy, budget or full_budget, block_size,
+                                                           policy_args, len(ids), max(it["max_new"], len(answer)))):
+                continue
             logits = prefill(model, ids, steps, block_size, protocol == "one-shot")
             logp = {}
             if not task.startswith("longbench/"):
@@ -325,7 +344,8 @@ def markdown(summary: dict, budgets: list[int], header: str) -> str:
                   "|---|" + "---:|" * len(budgets)]
         for row, by_budget in rows.items():
             ms = [by_budget.get("all") or by_budget.get(str(b)) for b in budgets]
-            cells = [cell(task, m) if m else "" for m in ms]
+            cells = [cell(task, m) if m else "n/a" if (task, row, b) in NOT_APPLICABLE else ""
+                     for m, b in zip(ms, budgets)]
             lines.append(f"| {row if row != 'full' else 'full (no eviction)'} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -530,6 +550,9 @@ def write_outputs(a, ckpt, dtype, records, timings, wall_s) -> int:
               f"{a.block_size}, prefill {','.join(a.prefill)}, lengths {','.join(map(str, a.lengths))}, "
               f"{a.samples} sample(s) per task/length/depth, fidelity {a.fid_texts} x ({a.fid_prefix} + "
               f"{a.fid_tokens}) tokens, seed {a.seed}; {wall_s:.0f} s")
+    reasons = sorted({why for why in NOT_APPLICABLE.values()})
+    if reasons:
+        header += "\n\nn/a: " + "; ".join(reasons)
     (a.out_dir / "results.md").write_text(markdown(summary, a.budgets, header))
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}
     (a.out_dir / "results.json").write_text(json.dumps(

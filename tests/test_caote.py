@@ -206,7 +206,7 @@ def test_engine_equals_reference_fill_during_decode(tiny_model, case):  # noqa: 
 
 
 def test_caote_changes_the_decision(tiny_model):  # noqa: F811
-    """Negative control: CAOTE is not its base in disguise (the kept sets differ somewhere on the 1000-token run)."""
+    """Negative control: CAOTE is not its base in disguise (the kept sets differ somewhere on a 300-token run)."""
     ids = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(3)).tolist()
     base = compare_run(tiny_model, "tova", {}, ids, budget=64, block=32, n_decode=2).kept()
     caote = compare_run(tiny_model, "caote:tova", {}, ids, budget=64, block=32, n_decode=2).kept()

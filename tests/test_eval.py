@@ -163,3 +163,16 @@ def test_bad_input_one_line_exit_2(extra, message, tiny_tok_ckpt, tmp_path, caps
     assert code == 2 and len(err) == 1 and err[0].startswith("error:") and message in err[0], err
     assert not list(tmp_path.iterdir())
 
+
+
+def test_policy_that_cannot_fit_is_not_applicable(tiny):
+    """SnapKV++ keeping budget - new tokens < its window cannot run (the paper's N/A): the config is skipped and the
+    table says n/a, while the other budgets still run."""
+    _, model, texts = tiny
+    ev.NOT_APPLICABLE.clear()
+    records = run_fidelity(model, texts, [("one-shot", "snapkv++", 20), ("one-shot", "snapkv++", 50)])
+    assert {r["budget"] for r in records} == {50} and len(records) == len(texts)
+    assert ("fidelity", "snapkv++ (one-shot)", 20) in ev.NOT_APPLICABLE
+    table = ev.markdown(ev.summarize(records), [20, 50], "header")
+    assert "| snapkv++ (one-shot) | n/a |" in table
+    ev.NOT_APPLICABLE.clear()

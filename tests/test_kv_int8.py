@@ -29,6 +29,11 @@ def test_round_trip_error_bound():
     assert (err <= scale[..., None] / 2 + 1e-6).all()  # rounding: at most half a step per element
     assert (err.amax(-1) / x.abs().amax(-1)).max() <= 1 / 254 + 1e-6
     assert q.abs().amax(-1).eq(127).all()  # the largest element of each row uses the full range
+    xb = x.bfloat16()  # a bf16 cache stores bf16 scales: the bound holds for the stored scale too
+    qb, sb = quantize_rows(xb)
+    assert sb.dtype == torch.bfloat16
+    errb = (dequantize_rows(qb, sb, torch.float32) - xb.float()).abs()
+    assert (errb <= sb.float()[..., None] / 2 * (1 + 1e-5) + 1e-6).all()
     z, zs = quantize_rows(torch.zeros(4, 8))  # an all-zero row stays zero (no division by zero)
     assert (dequantize_rows(z, zs, torch.float32) == 0).all()
 

@@ -221,7 +221,7 @@ TOLERANCE = {("int8", None): 0.04, ("int4", 32): 0.4, ("int4", 64): 0.4}
 def test_quantized_checkpoint_logits(hf_tiny, tmp_path, monkeypatch, capsys, family, mode, groupsize):
     _, src = hf_tiny(family)
     qdir = tmp_path / "q"
-    assert quantize_cli(src, qdir, mode, groupsize) == 0
+    assert quantize_cli(src, qdir, mode, groupsize, "--head", "quantize") == 0  # int4 too: the head's kernel
     fp32 = prompt_and_decode_logits(load_model(src, torch.float32, "cpu"))
     exact = prompt_and_decode_logits(dequantized_float_model(src, qdir, mode, groupsize))
 
@@ -247,9 +247,20 @@ def test_quantized_checkpoint_logits(hf_tiny, tmp_path, monkeypatch, capsys, fam
         assert (got.argmax(-1) == fp32.argmax(-1)).all()
 
 
+def test_head_defaults_int8_quantized_int4_float(hf_tiny, tmp_path):
+    _, src = hf_tiny("qwen2")
+    for mode, groupsize, extra, quantized in [("int8", None, (), True), ("int4", 32, (), False),
+                                              ("int4", 32, ("--head", "quantize"), True)]:
+        out = tmp_path / f"{mode}{len(extra)}"
+        assert quantize_cli(src, out, mode, groupsize, *extra) == 0
+        assert json.loads((out / "config.json").read_text())[quantize.MARKER]["head"] is quantized
+        model = load_model(out, torch.float32, "cpu")
+        assert (type(model.output) is not nn.Linear) is quantized
+
+
 def test_float_head_stays_tied(hf_tiny, tmp_path):
     _, src = hf_tiny("qwen2")
-    assert quantize_cli(src, tmp_path / "q", "int8", None, "--float-head") == 0
+    assert quantize_cli(src, tmp_path / "q", "int8", None, "--head", "float") == 0
     assert json.loads((tmp_path / "q" / "config.json").read_text())[quantize.MARKER]["head"] is False
     model = load_model(tmp_path / "q", torch.float32, "cpu")
     assert type(model.output) is nn.Linear and model.output.weight is model.tok_embeddings.weight
@@ -326,6 +337,18 @@ def test_load_rejects_an_unknown_quantization_entry(hf_tiny, tmp_path):
     (qdir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="unsupported budgetkv_quantization entry"):
         load_model(qdir, torch.float32, "cpu")
+    cfg[quantize.MARKER] = "int8"  # not an object at all
+    (qdir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="expected an object"):
+        load_model(qdir, torch.float32, "cpu")
+
+
+def test_out_that_is_a_file_is_one_line(hf_tiny, tmp_path, capsys):
+    _, src = hf_tiny("llama")
+    (tmp_path / "afile").write_text("x")
+    assert quantize_cli(src, tmp_path / "afile", "int8", None) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: cannot create --out"), err
 
 
 def test_generate_cli_runs_a_quantized_checkpoint(hf_tiny, tmp_path, capsys):
