@@ -52,14 +52,14 @@ def test_int8_kv_run_reports_the_smaller_buffer(tiny_ckpt, capsys):
     assert stats["kv_cache_bytes"] == 2 * 2 * 2 * (8 + 4) * (16 + 4) and stats["kv_dtype"] == "int8"
 
 
-def test_compiled_run_never_recompiles(tiny_ckpt, capsys, monkeypatch):
+def test_compiled_run_never_recompiles(tiny_ckpt, capsys):
     """--compile warms both graphs up with the shapes and strides generation uses: no recompile afterwards."""
     import torch
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     try:
-        code, out, err = run_main(["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps, " * 4,
-                                   "--max-new-tokens", "6", "--json", "--policy", "keydiff", "--budget", "8",
-                                   "--block-size", "4", "--compile"], capsys)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            code, out, err = run_main(["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps, " * 4,
+                                       "--max-new-tokens", "6", "--json", "--policy", "keydiff", "--budget", "8",
+                                       "--block-size", "4", "--compile"], capsys)
     finally:
         torch._inductor.config.freezing = False
         torch._dynamo.reset()
