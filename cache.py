@@ -36,6 +36,11 @@ def dequantize_rows(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return (q.float() * scale.float()[..., None]).to(dtype)  # fp32 product: one rounding, at the final cast
 
 
+def position_order(pos: Tensor) -> Tensor:
+    """Slot indices [..., S] that list slots by ascending position, empty slots (-1) last."""
+    return torch.where(pos >= 0, pos, torch.iinfo(pos.dtype).max).argsort(dim=-1)
+
+
 def attention_mask(slot_pos: Tensor, query_pos: Tensor, window: int | None) -> Tensor:
     """Bool mask [B, H, T, S]: a query sees every valid slot at or before its position (within the window)."""
     sp = slot_pos[:, :, None, :]
@@ -260,7 +265,7 @@ class KVCache(nn.Module):
         """Permute the first n slots (and their state) into ascending position order, empty slots last (so that
         appending at the valid count stays correct), e.g. after compress_into."""
         pos = self.pos[:, :, :n]
-        order = torch.where(pos >= 0, pos, torch.iinfo(pos.dtype).max).argsort(dim=-1)
+        order = position_order(pos)
         for buf in [self.pos, *self.slot_buffers()]:
             extra = buf.shape[3:]
             idx = order.view(*order.shape, *([1] * len(extra))).expand(*order.shape, *extra)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cache import attention_mask, attention_weights, drop_lowest
+from cache import attention_mask, attention_weights, drop_lowest, position_order
 
 INF = float("inf")
 
@@ -782,7 +782,7 @@ class SageKV(Policy):
         B, H, _, D = scratch.k.shape
         dev = scratch.k.device
         pos = scratch.pos[:, :, :scratch.budget]
-        by_pos = torch.where(pos >= 0, pos, torch.iinfo(pos.dtype).max).argsort(dim=-1)[..., :lay.N]  # slot of i
+        by_pos = position_order(pos)[..., :lay.N]  # the slot of position i
         keep = [torch.arange(lay.n_sink, device=dev).expand(B, H, -1)]
         if lay.kk > 0:
             q_last, _ = last_query(*scratch.last_step)  # [B, Hq, 1, D], post-RoPE at position N - 1

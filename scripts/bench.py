@@ -318,12 +318,10 @@ def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
 
     with torch.inference_mode():
         t = time.perf_counter()  # warm-up: compiles both steps when compiled, so no repeat pays for it
-        if one_shot:
-            logits = prefill()
-            decode_fn(model, logits.argmax(-1).view(1, 1), torch.tensor([len(ids)], device=device))
-        else:
-            logits = prefill_fn(model, *block_inputs(prompt, 0, args.block_size))
-            decode_fn(model, logits.argmax(-1).view(1, 1), torch.tensor([args.block_size], device=device))
+        # one-shot prefill is eager (nothing to compile): warm up with the whole prompt; block-wise, one block
+        logits = prefill() if one_shot else prefill_fn(model, *block_inputs(prompt, 0, args.block_size))
+        next_pos = len(ids) if one_shot else args.block_size
+        decode_fn(model, logits.argmax(-1).view(1, 1), torch.tensor([next_pos], device=device))
         sync(device)
         warmup_s = time.perf_counter() - t
         torch._dynamo.config.error_on_recompile = True  # a recompile inside the timed loop would be a bug
