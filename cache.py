@@ -252,7 +252,10 @@ class KVCache(nn.Module):
         S = self.budget
         keep = dst.policy.prompt_slots(dst)
         n = min(S, keep)
-        if S > keep:
+        # A compress-once scratch fills [0, n_real) in order: with only the last block's padding beyond `keep`
+        # (Exact-TopK: keep = prompt + new tokens) there is nothing to drop (and Exact-TopK has no scores).
+        n_real = S if self.policy.evicts else int(self.n_valid().max())
+        if n_real > keep:
             self.drop_to(keep, self.policy.score(self, *self.last_step, S))
         for src_t, dst_t in [(self.pos, dst.pos), *zip(self.slot_buffers(), dst.slot_buffers(), strict=True)]:
             dst_t[:, :, :n] = src_t[:, :, :n]

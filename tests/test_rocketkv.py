@@ -360,6 +360,16 @@ def test_budget_covering_the_context_reproduces_full(tiny, name, slack):
     assert out == ref
 
 
+@pytest.mark.parametrize("name", ["snapkv++", "exact-topk"])
+def test_padding_past_prompt_plus_new_tokens_reproduces_full(tiny, name):
+    """A prompt of 100 in blocks of 16 pads to 112 scratch slots, more than the 100 + 4 an uncompressed cache
+    holds: the one-shot compression drops only the padding (Exact-TopK has no scores to drop by)."""
+    prompt, N = ids_of(100, seed=5), 4
+    ref, _ = run(tiny, "full", prompt, N, 0)
+    out, _ = run(tiny, name, prompt, N, len(prompt) + N)
+    assert out == ref
+
+
 def test_small_budget_compresses_and_differs_from_full(tiny):
     """The negative control: at t = 16 RocketKV keeps P < T prompt tokens and attends k = 8 per step."""
     prompt, N = ids_of(200, seed=6), 24
