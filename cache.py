@@ -80,12 +80,14 @@ def evict_fill_holes(scores: Tensor, budget: int, buffers: list[Tensor], pos: Te
         tail_dropped = torch.zeros_like(drop).scatter_add_(-1, (drop - budget).clamp_min(0), in_tail.long())
         # Stable sort puts the surviving tail slots (flag 0) first, in slot order: they pair with the holes.
         src = budget + torch.argsort(tail_dropped.clamp_max(1), dim=-1, stable=True)
+    # Row copies over the flattened [B*H*C] slots: compiled, a scatter_ into the buffer was functionalized into a
+    # copy of the whole buffer and back (4 full K/V copies per layer per step, measured); index_copy_ stays in place.
+    B, H, C = pos.shape
+    base = C * torch.arange(B * H, device=pos.device).view(B, H, 1)
+    src_rows, dst_rows = (src + base).view(-1), (drop + base).view(-1)
     for buf in [pos, *buffers]:
-        extra = buf.shape[3:]
-        shape = (*src.shape, *extra)
-        idx_src = src.view(*src.shape, *([1] * len(extra))).expand(shape)
-        idx_dst = drop.view(*drop.shape, *([1] * len(extra))).expand(shape)
-        buf.scatter_(2, idx_dst, buf.gather(2, idx_src))
+        rows = buf.view(B * H * C, -1)
+        rows.index_copy_(0, dst_rows, rows.index_select(0, src_rows))
     pos[:, :, budget:S] = -1
 
 
