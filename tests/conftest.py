@@ -83,15 +83,17 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def generate_compiled(model, prompt, max_new_tokens: int, block_size: int, one_shot: bool = False) -> list:
+def generate_compiled(model, prompt, max_new_tokens: int, block_size: int, one_shot: bool = False,
+                      device: str = "cpu") -> list:
     """generate() with both steps compiled (fullgraph=True, inductor) under error_on_recompile; resets dynamo and
     inductor's freezing flag afterwards so later tests start clean."""
     from generate import compile_steps, generate
     torch._dynamo.reset()
-    steps = compile_steps("cpu")
+    steps = compile_steps(device)
     try:
         with torch._dynamo.config.patch(error_on_recompile=True):
-            out, _ = generate(model, prompt, max_new_tokens, block_size=block_size, steps=steps, one_shot=one_shot)
+            out, _ = generate(model, prompt, max_new_tokens, block_size=block_size, steps=steps, one_shot=one_shot,
+                              device=device)
     finally:
         torch._inductor.config.freezing = False
         torch._dynamo.reset()

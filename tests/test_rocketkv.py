@@ -319,14 +319,14 @@ def ids_of(n, seed=3, vocab=512):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run(model, name, prompt, N, budget, block=16, steps=EAGER, k=None):
+def run(model, name, prompt, N, budget, block=16, steps=EAGER, k=None, device="cpu"):
     """One-shot generation with policy `name` sized by its plan; k overrides RocketKV's top-k."""
     pol = policies.REGISTRY[name](Namespace(snap_window=8)) if name != "full" else None
     C = pol.plan(budget, len(prompt), N, model.args) if pol is not None else len(prompt) + N
     if k is not None:
         pol.rp = dataclasses.replace(pol.rp, k=k)
     setup_caches(model, 1, C, block, pol)
-    out, _ = generate(model, prompt, N, block_size=block, steps=steps, one_shot=True)
+    out, _ = generate(model, prompt, N, block_size=block, steps=steps, one_shot=True, device=device)
     return out, pol
 
 
@@ -395,6 +395,21 @@ def test_compiled_decode_matches_eager_and_never_recompiles(hf_tiny):
     for l, (pos, pages) in zip(model.layers, state_e):
         assert torch.equal(l.attention.kv_cache.pos, pos)
         assert torch.allclose(l.attention.kv_cache.layer_state["pages"], pages, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_decode_replays_as_a_cuda_graph(hf_tiny):
+    """On CUDA the decode step compiles with mode="reduce-overhead": RocketKV's step (in-place page update, hybrid
+    top-k, gathered sparse attention) must be captured as a CUDA graph (inductor skips none) and equal eager."""
+    from torch._dynamo.utils import counters
+    _, ckpt = hf_tiny("qwen2")
+    model = load_model(ckpt, torch.float32, "cuda")
+    prompt, N = ids_of(200, seed=7), 40
+    out_e, _ = run(model, "rocketkv", prompt, N, 32, device="cuda")
+    counters.clear()
+    out_c = generate_compiled(model, prompt, N, 16, one_shot=True, device="cuda")
+    assert out_c == out_e and len(out_c) == N
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
 def test_cli_defaults_to_one_shot_and_refuses_block_prefill(tiny_ckpt, capsys):
