@@ -55,16 +55,21 @@ def test_int8_kv_run_reports_the_smaller_buffer(tiny_ckpt, capsys):
 def test_compiled_run_never_recompiles(tiny_ckpt, capsys):
     """--compile warms both graphs up with the shapes and strides generation uses: no recompile afterwards."""
     import torch
+    argv = ["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps, " * 4, "--max-new-tokens", "6",
+            "--json", "--policy", "keydiff", "--budget", "8", "--block-size", "4"]
     try:
         with torch._dynamo.config.patch(error_on_recompile=True):
-            code, out, err = run_main(["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps, " * 4,
-                                       "--max-new-tokens", "6", "--json", "--policy", "keydiff", "--budget", "8",
-                                       "--block-size", "4", "--compile"], capsys)
+            code, out, err = run_main(argv + ["--compile"], capsys)
     finally:
         torch._inductor.config.freezing = False
         torch._dynamo.reset()
     assert code == 0, err
-    assert json.loads(out)["generated_tokens"] == 6
+    stats = json.loads(out)
+    assert stats["generated_tokens"] == 6
+    assert stats["compile_mode"] == "max-autotune-no-cudagraphs"  # --compile-mode auto on CPU, fp32
+    code, out, err = run_main(argv, capsys)
+    assert code == 0, err
+    assert json.loads(out)["text"] == stats["text"]  # the autotuned kernels generate what eager does
 
 
 BAD = [
@@ -77,6 +82,7 @@ BAD = [
     (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read prompt file"),
     (["--prompt", "the quick brown fox " * 100], "longer than the model's context"),
     (["--policy", "nope"], "unknown policy"),
+    (["--compile", "--compile-mode", "fastest"], "invalid choice"),
     (["--device", "cuda"], "CUDA is not available"),
     (["--batch-size", "2"], "not supported yet"),
     (["--budget", "abc"], "invalid int value"),
