@@ -24,6 +24,10 @@ FAMILIES = {
                   rope_theta=1000000.0, use_sliding_window=False),
     "mistral": dict(TINY, model_type="mistral", architectures=["MistralForCausalLM"], tie_word_embeddings=False,
                     sliding_window=48),
+    # 1,000+ distinct token ids fit: no two layer-0 keys share a pre-RoPE key, so KeyL2Norm has no exact ties for
+    # RoPE rounding to break differently in the engine and the reference (tests/test_policy_reference.py)
+    "llama_vocab2k": dict(TINY, model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False,
+                          vocab_size=2048),
 }
 
 
