@@ -214,9 +214,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def tiny_model(hf_tiny):
+    """The tiny GQA llama with a 2,048-token vocab, fed distinct ids (`distinct_ids`): a repeated id gives two layer-0
+    keys of exactly the same norm, and KeyL2Norm's choice between them would come down to RoPE rounding, which
+    differs between the engine and the reference and between CPUs (one CI run failed so). Exact ties have their own
+    test (test_engine_tie_rule_keeps_newest)."""
     from generate import load_model
-    _, ckpt = hf_tiny("llama")
+    _, ckpt = hf_tiny("llama_vocab2k")
     return load_model(ckpt, torch.float32, "cpu")
+
+
+def distinct_ids(n: int, seed: int) -> list[int]:
+    return torch.randperm(2048, generator=torch.Generator().manual_seed(seed))[:n].tolist()
 
 
 def engine_policy(name, params, budget, block):
@@ -303,27 +311,16 @@ D3_CASES = [
 @pytest.mark.parametrize("case", D3_CASES, ids=_case_id)
 def test_D3_engine_equals_reference(tiny_model, case):
     name, params = case
-    ids = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(37)).tolist()
-    compare_run(tiny_model, name, params, ids, budget=8, block=5, n_decode=6)
-
-
-@pytest.fixture(scope="module")
-def vocab2k_model(hf_tiny):
-    from generate import load_model
-    _, ckpt = hf_tiny("llama_vocab2k")
-    return load_model(ckpt, torch.float32, "cpu")
+    ids = distinct_ids(37 + 6, 37)
+    compare_run(tiny_model, name, params, ids[:37], budget=8, block=5, n_decode=6,
+                decode_ids=ids[37:])
 
 
 @pytest.mark.parametrize("case", POLICY_CASES, ids=_case_id)
-def test_engine_equals_reference_1000(vocab2k_model, case):
-    """1,000 prompt tokens and 8 decode tokens, all distinct ids. With repeated ids (a 512-token vocab) a layer-0
-    key and its repeat have the same norm exactly, and KeyL2Norm's choice between them came down to RoPE rounding,
-    which differs between the engine and the reference and between CPUs (one CI run failed so). Exact ties have
-    their own test (test_engine_tie_rule_keeps_newest)."""
+def test_engine_equals_reference_1000(tiny_model, case):
     name, params = case
-    ids = torch.randperm(2048, generator=torch.Generator().manual_seed(1000))[:1008].tolist()
-    ref = compare_run(vocab2k_model, name, params, ids[:1000], budget=96, block=32, n_decode=8,
-                      decode_ids=ids[1000:])
+    ids = distinct_ids(1008, 1000)
+    ref = compare_run(tiny_model, name, params, ids[:1000], budget=96, block=32, n_decode=8, decode_ids=ids[1000:])
     assert all(len(h) == 96 for layer in ref.kept() for h in layer)
 
 
@@ -346,8 +343,9 @@ def test_engine_equals_reference_fill_during_decode(tiny_model, case):
     name, params = case
     if name == "snapkv":
         params = {}
-    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(40)).tolist()
-    compare_run(tiny_model, name, params, ids, budget=48, block=16, n_decode=14)
+    ids = distinct_ids(40 + 14, 40)
+    compare_run(tiny_model, name, params, ids[:40], budget=48, block=16, n_decode=14,
+                decode_ids=ids[40:])
 
 
 @pytest.fixture(scope="module")
@@ -389,5 +387,5 @@ def test_engine_equals_reference_odd_sizes(tiny_model, case, sizes):
     budget, block, L, n_decode = sizes
     if name == "sink" and budget <= 4 or name == "snapkv" and budget <= 32:
         pytest.skip("budget too small for this policy")
-    ids = torch.randint(0, 512, (L,), generator=torch.Generator().manual_seed(L)).tolist()
-    compare_run(tiny_model, name, params, ids, budget, block, n_decode)
+    ids = distinct_ids(L + n_decode, L)
+    compare_run(tiny_model, name, params, ids[:L], budget, block, n_decode, decode_ids=ids[L:])
