@@ -25,6 +25,14 @@ Writes --out-dir/rocketkv_figure.{json,png}.
 
 `--quant`: weight-only quantization (quantize.py), each mode in a fresh process: decode tok/s with the `full` cache,
 bytes read per decode step (weights + KV), and the perplexity of the evaluation harness's fidelity text.
+
+    python scripts/bench.py --paired --compile --policies keydiff [--decode-steps 96]
+
+`--paired`: a policy's decode-step overhead over `no-evict`, measured in ONE process: one model per configuration
+(the weights are the same mmapped file), each prefilled block-wise (eager), then their decode steps alternate, one
+step of each in turn, and the overhead is the median over steps of (policy step / no-evict step) - 1. On a shared
+VM whose speed drifts by 10% and more between processes, configurations timed in separate processes (the table
+above) cannot resolve a few percent; alternating steps puts both under the same conditions.
 """
 import argparse
 import dataclasses
@@ -44,7 +52,7 @@ sys.path.insert(0, str(REPO))
 import policies  # noqa: E402
 from cache import kv_bytes, setup_caches  # noqa: E402
 from generate import (PeakMemory, block_inputs, compile_steps, decode_bytes_per_step, load_model,  # noqa: E402
-                      model_step, prefill_step, resolve_checkpoint, sync)
+                      model_step, prefill_step, resolve_checkpoint, run_cli, sync)
 from tokenizer import load_tokenizer  # noqa: E402
 
 KVPRESS = {"keydiff": "KeyDiffPress", "snapkv": "SnapKVPress", "tova": "TOVAPress", "sink": "StreamingLLMPress",
@@ -352,6 +360,61 @@ def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
             "kv_cache_mib": kv_bytes(model) / 2**20, "bytes_per_step": weights_b + kv_read_b}
 
 
+def run_paired(args) -> None:
+    """--paired: decode-step overhead of each policy over no-evict, steps alternating in one process."""
+    labels = ["no-evict", *(n for n in args.policies.split(",") if n)]
+    classes = [policies.lookup("keydiff" if label == "no-evict" else label) for label in labels]
+    for label, cls in zip(labels, classes):
+        if cls is None or not cls.evicts or cls.one_shot:
+            raise policies.PolicyError(f"--paired measures block-wise evicting policies, not {label}")
+        cls(Namespace()).check(args.budget, args.block_size)
+    ckpt = resolve_checkpoint(args.checkpoint)
+    _, ids = make_document(load_tokenizer(ckpt), args.prompt_tokens)
+    prompt = torch.tensor(ids, device=args.device)
+    models = {}
+    for label, cls in zip(labels, classes):
+        policy = cls(Namespace())
+        model = models[label] = load_model(ckpt, torch.float32, args.device)
+        setup_caches(model, 1, args.budget, args.block_size, policy)
+        if label == "no-evict":
+            disable_eviction(model)
+    decode_fn = compile_steps(args.device, args.compile_mode)[1] if args.compile else model_step
+    toks, compile_s = {}, {}
+    with torch.inference_mode():
+        for label, model in models.items():
+            for start in range(0, len(ids), args.block_size):
+                logits = prefill_step(model, *block_inputs(prompt, start, args.block_size))
+            t = time.perf_counter()  # the first decode step compiles this model's graph
+            toks[label] = decode_fn(model, logits.argmax(-1).view(1, 1), torch.tensor([len(ids)], device=args.device))
+            sync(args.device)
+            compile_s[label] = time.perf_counter() - t
+        step_s = {label: [] for label in models}
+        with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile inside the timed loop would be a bug
+            for i in range(args.decode_steps):
+                order = list(models) if i % 2 == 0 else list(models)[::-1]  # neither side always goes first
+                for label in order:
+                    tok = toks[label].argmax(-1).view(1, 1)
+                    t = time.perf_counter()
+                    toks[label] = decode_fn(models[label], tok, torch.tensor([len(ids) + 1 + i], device=args.device))
+                    sync(args.device)
+                    step_s[label].append(time.perf_counter() - t)
+    bw = read_bandwidth_gb_s(args.device)  # after the timed loop: the same process and conditions
+    mode = (args.compile_mode or "default") + (" + cpp_wrapper" if args.cpp_wrapper else "") if args.compile else "eager"
+    print(f"\n{args.checkpoint}, prompt {len(ids)} tokens, budget {args.budget}, {args.decode_steps} alternating decode "
+          f"steps, float32 on {args.device}, {mode}, torch threads {torch.get_num_threads()}, measured read "
+          f"bandwidth {bw:.1f} GB/s\n")
+    print("| policy | decode ms/step (median) | overhead vs no-evict (median of per-step ratios) | "
+          "quartiles of the ratio | decode / bandwidth bound | compile s |")
+    print("|---|---|---|---|---|---|")
+    base = step_s["no-evict"]
+    for label, s in step_s.items():
+        ratios = sorted(a / b - 1 for a, b in zip(s, base))
+        q = statistics.quantiles(ratios, n=4)
+        bound = sum(decode_bytes_per_step(models[label])) / (bw * 1e9)  # seconds to read what one step reads
+        print(f"| {label} | {1e3 * statistics.median(s):.2f} | {statistics.median(ratios):+.1%} | "
+              f"{q[0]:+.1%} .. {q[2]:+.1%} | {bound / statistics.median(s):.0%} | {compile_s[label]:.0f} |")
+
+
 def read_bandwidth_gb_s(device: str) -> float:
     """Measured streaming-read bandwidth: median time of summing a 512 MiB fp32 tensor."""
     x = torch.ones(2**27, device=device)
@@ -394,6 +457,10 @@ def main():
     ap.add_argument("--policies", default="keydiff,sink,tova,snapkv,h2o,keynorm,random")
     ap.add_argument("--compile", action="store_true", help="compile prefill-block and decode steps per policy")
     ap.add_argument("--compile-mode", default=None)
+    ap.add_argument("--cpp-wrapper", action="store_true",
+                    help="inductor's C++ wrapper (torch._inductor.config.cpp_wrapper): no Python between kernels")
+    ap.add_argument("--paired", action="store_true",
+                    help="decode-step overhead of --policies over no-evict, steps alternating in one process")
     ap.add_argument("--kvpress", action="store_true", help="also run HF transformers + kvpress (in .venv-kv)")
     ap.add_argument("--hf-model", type=Path, default=REPO / "build" / "smollm2-hf",
                     help="HF-format copy of the model for kvpress (made from the GGUF if missing)")
@@ -413,9 +480,14 @@ def main():
     ap.add_argument("--ppl-tokens", type=int, default=128, help="--quant: scored tokens per text")
     ap.add_argument("--one-quant", help=argparse.SUPPRESS)  # internal: one --quant row
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is steadier on a shared machine)")
-    args = ap.parse_args()
+    return run_cli(run, ap.parse_args())
+
+
+def run(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpp_wrapper:
+        torch._inductor.config.cpp_wrapper = True
     if args.decode_steps is None:
         args.decode_steps = 50 if args.figure else 32
     if args.one_figure:
@@ -436,6 +508,8 @@ def main():
         return
     if args.quant:
         return run_quant(args)
+    if args.paired:
+        return run_paired(args)
 
     names = [n for n in args.policies.split(",") if n]
     for n in names:
@@ -514,4 +588,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -145,3 +145,12 @@ def test_no_traceback_as_a_process(tiny_ckpt):
     r = subprocess.run([sys.executable, str(REPO / "generate.py"), "--checkpoint", str(tiny_ckpt), "--prompt", "x",
                         "--policy", "nope"], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("extra, message", [(["--policies", "nope"], "unknown policy 'nope'"),
+                                            (["--paired", "--policies", "nope"], "unknown policy 'nope'")])
+def test_bench_bad_policy_one_line_exit_2(extra, message):
+    """scripts/bench.py checks its policy names before loading anything: one line, exit 2, no traceback."""
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), *extra], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and message in r.stderr and "Traceback" not in r.stderr
