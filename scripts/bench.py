@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO))
 import policies  # noqa: E402
 from cache import kv_bytes, setup_caches  # noqa: E402
 from generate import (PeakMemory, block_inputs, compile_steps, decode_bytes_per_step, load_model,  # noqa: E402
-                      model_step, prefill_step, resolve_checkpoint, run_cli, sync)
+                      model_step, prefill_step, resolve_checkpoint, run_cli, sync, UserError)
 from tokenizer import load_tokenizer  # noqa: E402
 
 KVPRESS = {"keydiff": "KeyDiffPress", "snapkv": "SnapKVPress", "tova": "TOVAPress", "sink": "StreamingLLMPress",
@@ -490,6 +490,8 @@ def run(args) -> None:
         torch._inductor.config.cpp_wrapper = True
     if args.decode_steps is None:
         args.decode_steps = 50 if args.figure else 32
+    if args.decode_steps < 2 or args.repeats < 1 or args.prompt_tokens < 1 or args.budget < 1:
+        raise UserError("--decode-steps must be >= 2, --repeats, --prompt-tokens and --budget >= 1")
     if args.one_figure:
         label, T = args.one_figure.split("@")
         model = load_model(resolve_checkpoint(args.checkpoint), torch.float32, args.device)
