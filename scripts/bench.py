@@ -360,34 +360,39 @@ def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
             "kv_cache_mib": kv_bytes(model) / 2**20, "bytes_per_step": weights_b + kv_read_b}
 
 
+def config_policy(label: str):
+    """The policy instance of a configuration: `no-evict` is KeyDiff's buffer with eviction off, `full` None."""
+    cls = policies.lookup("keydiff" if label == "no-evict" else label)
+    return cls(Namespace()) if cls is not None else None
+
+
 def run_paired(args) -> None:
     """--paired: decode-step overhead of each policy over no-evict, steps alternating in one process."""
     labels = ["no-evict", *(n for n in args.policies.split(",") if n)]
-    classes = [policies.lookup("keydiff" if label == "no-evict" else label) for label in labels]
-    for label, cls in zip(labels, classes):
-        if cls is None or not cls.evicts or cls.one_shot:
+    pols = [config_policy(label) for label in labels]
+    for label, policy in zip(labels, pols):
+        if policy is None or not policy.evicts or policy.one_shot:
             raise policies.PolicyError(f"--paired measures block-wise evicting policies, not {label}")
-        cls(Namespace()).check(args.budget, args.block_size)
+        policy.check(args.budget, args.block_size)
     ckpt = resolve_checkpoint(args.checkpoint)
     _, ids = make_document(load_tokenizer(ckpt), args.prompt_tokens)
     prompt = torch.tensor(ids, device=args.device)
     models = {}
-    for label, cls in zip(labels, classes):
-        policy = cls(Namespace())
+    for label, policy in zip(labels, pols):
         model = models[label] = load_model(ckpt, torch.float32, args.device)
         setup_caches(model, 1, args.budget, args.block_size, policy)
         if label == "no-evict":
             disable_eviction(model)
     decode_fn = compile_steps(args.device, args.compile_mode)[1] if args.compile else model_step
-    toks, compile_s = {}, {}
+    toks, first_s = {}, {}
     with torch.inference_mode():
         for label, model in models.items():
             for start in range(0, len(ids), args.block_size):
                 logits = prefill_step(model, *block_inputs(prompt, start, args.block_size))
-            t = time.perf_counter()  # the first decode step compiles this model's graph
+            t = time.perf_counter()  # the first decode step (with --compile: compiles this model's graph)
             toks[label] = decode_fn(model, logits.argmax(-1).view(1, 1), torch.tensor([len(ids)], device=args.device))
             sync(args.device)
-            compile_s[label] = time.perf_counter() - t
+            first_s[label] = time.perf_counter() - t
         step_s = {label: [] for label in models}
         with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile inside the timed loop would be a bug
             for i in range(args.decode_steps):
@@ -404,7 +409,7 @@ def run_paired(args) -> None:
           f"steps, float32 on {args.device}, {mode}, torch threads {torch.get_num_threads()}, measured read "
           f"bandwidth {bw:.1f} GB/s\n")
     print("| policy | decode ms/step (median) | overhead vs no-evict (median of per-step ratios) | "
-          "quartiles of the ratio | decode / bandwidth bound | compile s |")
+          "quartiles of the ratio | decode / bandwidth bound | first step s (incl. compile) |")
     print("|---|---|---|---|---|---|")
     base = step_s["no-evict"]
     for label, s in step_s.items():
@@ -412,7 +417,7 @@ def run_paired(args) -> None:
         q = statistics.quantiles(ratios, n=4)
         bound = sum(decode_bytes_per_step(models[label])) / (bw * 1e9)  # seconds to read what one step reads
         print(f"| {label} | {1e3 * statistics.median(s):.2f} | {statistics.median(ratios):+.1%} | "
-              f"{q[0]:+.1%} .. {q[2]:+.1%} | {bound / statistics.median(s):.0%} | {compile_s[label]:.0f} |")
+              f"{q[0]:+.1%} .. {q[2]:+.1%} | {bound / statistics.median(s):.0%} | {first_s[label]:.1f} |")
 
 
 def read_bandwidth_gb_s(device: str) -> float:
@@ -522,9 +527,8 @@ def run(args) -> None:
     _, ids = make_document(tok, args.prompt_tokens)
     if args.one:
         label = args.one
-        name = "keydiff" if label == "no-evict" else None if label == "full" else label
         budget = len(ids) + args.decode_steps if label == "full" else args.budget
-        policy = policies.lookup(name)(Namespace()) if name else None
+        policy = config_policy(label)
         if policy is not None:  # compress-once policies size their cache from the prompt (the others: budget)
             policy.check(budget, args.block_size)
             budget = policy.plan(budget, len(ids), args.decode_steps, model.args)

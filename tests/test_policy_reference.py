@@ -223,8 +223,11 @@ def tiny_model(hf_tiny):
     return load_model(ckpt, torch.float32, "cpu")
 
 
-def distinct_ids(n: int, seed: int) -> list[int]:
-    return torch.randperm(2048, generator=torch.Generator().manual_seed(seed))[:n].tolist()
+def distinct_ids(n_prompt: int, n_decode: int, seed: int) -> tuple[list[int], list[int]]:
+    """Prompt ids and decode ids, all distinct (see tiny_model)."""
+    from conftest import FAMILIES
+    ids = torch.randperm(FAMILIES["llama_vocab2k"]["vocab_size"], generator=torch.Generator().manual_seed(seed))
+    return ids[:n_prompt].tolist(), ids[n_prompt:n_prompt + n_decode].tolist()
 
 
 def engine_policy(name, params, budget, block):
@@ -311,16 +314,15 @@ D3_CASES = [
 @pytest.mark.parametrize("case", D3_CASES, ids=_case_id)
 def test_D3_engine_equals_reference(tiny_model, case):
     name, params = case
-    ids = distinct_ids(37 + 6, 37)
-    compare_run(tiny_model, name, params, ids[:37], budget=8, block=5, n_decode=6,
-                decode_ids=ids[37:])
+    ids, decode_ids = distinct_ids(37, 6, 37)
+    compare_run(tiny_model, name, params, ids, budget=8, block=5, n_decode=6, decode_ids=decode_ids)
 
 
 @pytest.mark.parametrize("case", POLICY_CASES, ids=_case_id)
 def test_engine_equals_reference_1000(tiny_model, case):
     name, params = case
-    ids = distinct_ids(1008, 1000)
-    ref = compare_run(tiny_model, name, params, ids[:1000], budget=96, block=32, n_decode=8, decode_ids=ids[1000:])
+    ids, decode_ids = distinct_ids(1000, 8, 1000)
+    ref = compare_run(tiny_model, name, params, ids, budget=96, block=32, n_decode=8, decode_ids=decode_ids)
     assert all(len(h) == 96 for layer in ref.kept() for h in layer)
 
 
@@ -343,9 +345,8 @@ def test_engine_equals_reference_fill_during_decode(tiny_model, case):
     name, params = case
     if name == "snapkv":
         params = {}
-    ids = distinct_ids(40 + 14, 40)
-    compare_run(tiny_model, name, params, ids[:40], budget=48, block=16, n_decode=14,
-                decode_ids=ids[40:])
+    ids, decode_ids = distinct_ids(40, 14, 40)
+    compare_run(tiny_model, name, params, ids, budget=48, block=16, n_decode=14, decode_ids=decode_ids)
 
 
 @pytest.fixture(scope="module")
@@ -387,5 +388,5 @@ def test_engine_equals_reference_odd_sizes(tiny_model, case, sizes):
     budget, block, L, n_decode = sizes
     if name == "sink" and budget <= 4 or name == "snapkv" and budget <= 32:
         pytest.skip("budget too small for this policy")
-    ids = distinct_ids(L + n_decode, L)
-    compare_run(tiny_model, name, params, ids[:L], budget, block, n_decode, decode_ids=ids[L:])
+    ids, decode_ids = distinct_ids(L, n_decode, L)
+    compare_run(tiny_model, name, params, ids, budget, block, n_decode, decode_ids=decode_ids)
