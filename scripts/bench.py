@@ -258,7 +258,8 @@ def quant_one(mode: str, args) -> dict:
     model = load_model(ckpt, torch.bfloat16 if mode == "bfloat16" else torch.float32, args.device)
     _, ids = make_document(tok, args.prompt_tokens)
     setup_caches(model, 1, len(ids) + args.decode_steps, args.block_size)
-    steps = compile_steps(args.device, args.compile_mode) if args.compile else (prefill_step, model_step)
+    steps = (compile_steps(args.device, args.compile_mode, prefill=not args.no_compile_prefill) if args.compile
+             else (prefill_step, model_step))
     r = time_policy(model, ids, steps, args, args.device)
     texts = ev.fidelity_texts(tok, args.ppl_texts, args.ppl_prefix + args.ppl_tokens, seed=0)
     records = ev.fidelity(model, texts, args.ppl_prefix, [("block", "full", None)], block_size=args.block_size,
@@ -462,6 +463,8 @@ def main():
     ap.add_argument("--policies", default="keydiff,sink,tova,snapkv,h2o,keynorm,random")
     ap.add_argument("--compile", action="store_true", help="compile prefill-block and decode steps per policy")
     ap.add_argument("--compile-mode", default=None)
+    ap.add_argument("--no-compile-prefill", action="store_true",
+                    help="with --compile: compile the decode step only, prefill stays eager (generate.py's flag)")
     ap.add_argument("--cpp-wrapper", action="store_true",
                     help="inductor's C++ wrapper (torch._inductor.config.cpp_wrapper): no Python between kernels")
     ap.add_argument("--paired", action="store_true",
@@ -497,6 +500,8 @@ def run(args) -> None:
         args.decode_steps = 50 if args.figure else 32
     if args.decode_steps < 2 or args.repeats < 1 or args.prompt_tokens < 1 or args.budget < 1:
         raise UserError("--decode-steps must be >= 2, --repeats, --prompt-tokens and --budget >= 1")
+    if args.no_compile_prefill and not args.compile:
+        raise UserError("--no-compile-prefill needs --compile")
     if args.one_figure:
         label, T = args.one_figure.split("@")
         model = load_model(resolve_checkpoint(args.checkpoint), torch.float32, args.device)
@@ -536,7 +541,8 @@ def run(args) -> None:
         if label == "no-evict":
             disable_eviction(model)
         t = time.perf_counter()
-        steps = compile_steps(args.device, args.compile_mode) if args.compile else (prefill_step, model_step)
+        steps = (compile_steps(args.device, args.compile_mode, prefill=not args.no_compile_prefill) if args.compile
+                 else (prefill_step, model_step))
         r = time_policy(model, ids, steps, args, args.device, one_shot=policy is not None and policy.one_shot)
         r["protocol"] = "one-shot" if policy is not None and policy.one_shot else "block"
         r["wall_s"] = time.perf_counter() - t
@@ -544,7 +550,8 @@ def run(args) -> None:
         return
     print(f"{args.checkpoint}: prompt {len(ids)} tokens, budget {args.budget}, block {args.block_size}, "
           f"{args.decode_steps} decode steps x {args.repeats} repeats, float32 on {args.device}, "
-          f"{'compiled' if args.compile else 'eager'}, torch threads {torch.get_num_threads()}", file=sys.stderr)
+          f"{('compiled (decode only)' if args.no_compile_prefill else 'compiled') if args.compile else 'eager'}, "
+          f"torch threads {torch.get_num_threads()}", file=sys.stderr)
     bw = read_bandwidth_gb_s(args.device)
     results = {}
     configs = [("no-evict", "keydiff", args.budget), ("full", None, len(ids) + args.decode_steps)]

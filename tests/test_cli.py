@@ -52,20 +52,26 @@ def test_int8_kv_run_reports_the_smaller_buffer(tiny_ckpt, capsys):
     assert stats["kv_cache_bytes"] == 2 * 2 * 2 * (8 + 4) * (16 + 4) and stats["kv_dtype"] == "int8"
 
 
-def test_compiled_run_never_recompiles(tiny_ckpt, capsys):
-    """--compile warms both graphs up with the shapes and strides generation uses: no recompile afterwards."""
+@pytest.mark.parametrize("compile_prefill", [True, False], ids=["both-steps", "decode-only"])
+def test_compiled_run_never_recompiles(tiny_ckpt, capsys, compile_prefill):
+    """--compile warms both graphs up with the shapes and strides generation uses: no recompile afterwards.
+    On CPU the default compiles the decode step alone (one frame, prefill eager) and generates the same text."""
     import torch
+    from torch._dynamo.utils import counters
     argv = ["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps, " * 4, "--max-new-tokens", "6",
             "--json", "--policy", "keydiff", "--budget", "8", "--block-size", "4"]
+    counters.clear()
     try:
         with torch._dynamo.config.patch(error_on_recompile=True):
-            code, out, err = run_main(argv + ["--compile"], capsys)
+            code, out, err = run_main(argv + ["--compile"] + (["--compile-prefill"] if compile_prefill else []),
+                                      capsys)
     finally:
         torch._inductor.config.freezing = False
         torch._dynamo.reset()
     assert code == 0, err
+    assert counters["stats"]["unique_graphs"] == (2 if compile_prefill else 1)  # the compiled steps, nothing else
     stats = json.loads(out)
-    assert stats["generated_tokens"] == 6
+    assert stats["generated_tokens"] == 6 and stats["compiled_prefill"] is compile_prefill
     assert stats["compile_mode"] == "max-autotune-no-cudagraphs"  # --compile-mode auto on CPU, fp32
     code, out, err = run_main(argv, capsys)
     assert code == 0, err
@@ -83,6 +89,8 @@ BAD = [
     (["--prompt", "the quick brown fox " * 100], "longer than the model's context"),
     (["--policy", "nope"], "unknown policy"),
     (["--compile", "--compile-mode", "fastest"], "invalid choice"),
+    (["--no-compile-prefill"], "need --compile"),
+    (["--compile-prefill"], "need --compile"),
     (["--device", "cuda"], "CUDA is not available"),
     (["--batch-size", "2"], "not supported yet"),
     (["--budget", "abc"], "invalid int value"),
@@ -149,7 +157,8 @@ def test_no_traceback_as_a_process(tiny_ckpt):
 
 @pytest.mark.parametrize("extra, message", [(["--policies", "nope"], "unknown policy 'nope'"),
                                             (["--paired", "--policies", "nope"], "unknown policy 'nope'"),
-                                            (["--paired", "--decode-steps", "1"], "--decode-steps must be >= 2")])
+                                            (["--paired", "--decode-steps", "1"], "--decode-steps must be >= 2"),
+                                            (["--no-compile-prefill"], "--no-compile-prefill needs --compile")])
 def test_bench_bad_policy_one_line_exit_2(extra, message):
     """scripts/bench.py checks its policy names before loading anything: one line, exit 2, no traceback."""
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), *extra], capture_output=True, text=True)
