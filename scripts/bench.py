@@ -258,8 +258,7 @@ def quant_one(mode: str, args) -> dict:
     model = load_model(ckpt, torch.bfloat16 if mode == "bfloat16" else torch.float32, args.device)
     _, ids = make_document(tok, args.prompt_tokens)
     setup_caches(model, 1, len(ids) + args.decode_steps, args.block_size)
-    steps = (compile_steps(args.device, args.compile_mode, prefill=not args.no_compile_prefill) if args.compile
-             else (prefill_step, model_step))
+    steps = bench_steps(args)
     r = time_policy(model, ids, steps, args, args.device)
     texts = ev.fidelity_texts(tok, args.ppl_texts, args.ppl_prefix + args.ppl_tokens, seed=0)
     records = ev.fidelity(model, texts, args.ppl_prefix, [("block", "full", None)], block_size=args.block_size,
@@ -279,8 +278,8 @@ def run_quant(args) -> None:
             sys.exit(f"error: unknown --quant mode {m!r} (float32, bfloat16, int8, int4-gN, int4-gN-qhead)")
     print(f"{args.checkpoint}: --quant {modes}; decode: full cache, prompt {args.prompt_tokens} tokens, "
           f"{args.decode_steps} decode steps x {args.repeats} repeats; perplexity: {args.ppl_texts} fidelity texts, "
-          f"{args.ppl_tokens} tokens after {args.ppl_prefix}; {args.device}, "
-          f"{'compiled' if args.compile else 'eager'}, torch threads {torch.get_num_threads()}", file=sys.stderr)
+          f"{args.ppl_tokens} tokens after {args.ppl_prefix}; {args.device}, {steps_label(args)}, "
+          f"torch threads {torch.get_num_threads()}", file=sys.stderr)
     rows = []
     for mode in modes:
         r = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one-quant", mode], capture_output=True,
@@ -302,6 +301,17 @@ def run_quant(args) -> None:
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
                                         indent=2))
+
+
+def bench_steps(args):
+    """(prefill, decode) steps: eager, or compiled (the prefill step too unless --no-compile-prefill)."""
+    if not args.compile:
+        return prefill_step, model_step
+    return compile_steps(args.device, args.compile_mode, prefill=not args.no_compile_prefill)
+
+
+def steps_label(args) -> str:
+    return ("compiled (decode only)" if args.no_compile_prefill else "compiled") if args.compile else "eager"
 
 
 def disable_eviction(model) -> None:
@@ -464,7 +474,9 @@ def main():
     ap.add_argument("--compile", action="store_true", help="compile prefill-block and decode steps per policy")
     ap.add_argument("--compile-mode", default=None)
     ap.add_argument("--no-compile-prefill", action="store_true",
-                    help="with --compile: compile the decode step only, prefill stays eager (generate.py's flag)")
+                    help="with --compile: compile the decode step only, prefill stays eager (what generate.py "
+                         "--compile does on CPU; bench's --compile compiles both unless this is given; --paired and "
+                         "--figure time compiled decode steps only anyway)")
     ap.add_argument("--cpp-wrapper", action="store_true",
                     help="inductor's C++ wrapper (torch._inductor.config.cpp_wrapper): no Python between kernels")
     ap.add_argument("--paired", action="store_true",
@@ -541,16 +553,14 @@ def run(args) -> None:
         if label == "no-evict":
             disable_eviction(model)
         t = time.perf_counter()
-        steps = (compile_steps(args.device, args.compile_mode, prefill=not args.no_compile_prefill) if args.compile
-                 else (prefill_step, model_step))
+        steps = bench_steps(args)
         r = time_policy(model, ids, steps, args, args.device, one_shot=policy is not None and policy.one_shot)
         r["protocol"] = "one-shot" if policy is not None and policy.one_shot else "block"
         r["wall_s"] = time.perf_counter() - t
         print(json.dumps(r))
         return
     print(f"{args.checkpoint}: prompt {len(ids)} tokens, budget {args.budget}, block {args.block_size}, "
-          f"{args.decode_steps} decode steps x {args.repeats} repeats, float32 on {args.device}, "
-          f"{('compiled (decode only)' if args.no_compile_prefill else 'compiled') if args.compile else 'eager'}, "
+          f"{args.decode_steps} decode steps x {args.repeats} repeats, float32 on {args.device}, {steps_label(args)}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
     bw = read_bandwidth_gb_s(args.device)
     results = {}

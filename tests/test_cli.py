@@ -52,19 +52,22 @@ def test_int8_kv_run_reports_the_smaller_buffer(tiny_ckpt, capsys):
     assert stats["kv_cache_bytes"] == 2 * 2 * 2 * (8 + 4) * (16 + 4) and stats["kv_dtype"] == "int8"
 
 
-@pytest.mark.parametrize("compile_prefill", [True, False], ids=["both-steps", "decode-only"])
-def test_compiled_run_never_recompiles(tiny_ckpt, capsys, compile_prefill):
+@pytest.mark.parametrize("flag,prefill,compile_prefill", [(["--compile-prefill"], "block", True),
+                                                         ([], "block", False),
+                                                         (["--compile-prefill"], "one-shot", False)],
+                         ids=["both-steps", "decode-only", "one-shot"])
+def test_compiled_run_never_recompiles(tiny_ckpt, capsys, flag, prefill, compile_prefill):
     """--compile warms both graphs up with the shapes and strides generation uses: no recompile afterwards.
-    On CPU the default compiles the decode step alone (one frame, prefill eager) and generates the same text."""
+    On CPU the default compiles the decode step alone (one frame, prefill eager) and generates the same text;
+    one-shot prefill never runs the block step, so it is not compiled even when asked for."""
     import torch
     from torch._dynamo.utils import counters
     argv = ["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps, " * 4, "--max-new-tokens", "6",
-            "--json", "--policy", "keydiff", "--budget", "8", "--block-size", "4"]
+            "--json", "--policy", "keydiff", "--budget", "8", "--block-size", "4", "--prefill", prefill]
     counters.clear()
     try:
         with torch._dynamo.config.patch(error_on_recompile=True):
-            code, out, err = run_main(argv + ["--compile"] + (["--compile-prefill"] if compile_prefill else []),
-                                      capsys)
+            code, out, err = run_main(argv + ["--compile"] + flag, capsys)
     finally:
         torch._inductor.config.freezing = False
         torch._dynamo.reset()
