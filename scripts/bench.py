@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 
 import policies  # noqa: E402
 from cache import kv_bytes, setup_caches  # noqa: E402
-from generate import (PeakMemory, block_inputs, compile_steps, decode_bytes_per_step, load_model,  # noqa: E402
+from generate import (Parser, PeakMemory, block_inputs, compile_steps, decode_bytes_per_step, load_model,  # noqa: E402
                       model_step, prefill_step, resolve_checkpoint, run_cli, sync, UserError)
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -463,7 +463,7 @@ def run_kvpress(ckpt_dir: Path, ids: list[int], policy: str, budget: int, args) 
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default="smollm2-135m")
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--budget", type=int, default=512)

@@ -161,7 +161,8 @@ def test_no_traceback_as_a_process(tiny_ckpt):
 @pytest.mark.parametrize("extra, message", [(["--policies", "nope"], "unknown policy 'nope'"),
                                             (["--paired", "--policies", "nope"], "unknown policy 'nope'"),
                                             (["--paired", "--decode-steps", "1"], "--decode-steps must be >= 2"),
-                                            (["--no-compile-prefill"], "--no-compile-prefill needs --compile")])
+                                            (["--no-compile-prefill"], "--no-compile-prefill needs --compile"),
+                                            (["--budget", "abc"], "invalid int value")])
 def test_bench_bad_policy_one_line_exit_2(extra, message):
     """scripts/bench.py checks its policy names before loading anything: one line, exit 2, no traceback."""
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), *extra], capture_output=True, text=True)
