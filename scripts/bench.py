@@ -125,7 +125,7 @@ def figure_one(model, label: str, T: int, args) -> dict:
         policy = policies.REGISTRY["rocketkv"](Namespace())
         budget = policy.plan(int(label.split("-")[1]), T, N, model.args)
     setup_caches(model, 1, budget, args.block_size, policy)
-    decode_fn = compile_steps(args.device, args.compile_mode)[1] if args.compile else model_step
+    decode_fn = bench_steps(args)[1]
     mem = PeakMemory(args.device)
     with torch.inference_mode():
         t = time.perf_counter()
@@ -394,7 +394,7 @@ def run_paired(args) -> None:
         setup_caches(model, 1, args.budget, args.block_size, policy)
         if label == "no-evict":
             disable_eviction(model)
-    decode_fn = compile_steps(args.device, args.compile_mode)[1] if args.compile else model_step
+    decode_fn = bench_steps(args)[1]
     toks, first_s = {}, {}
     with torch.inference_mode():
         for label, model in models.items():
