@@ -32,7 +32,9 @@ bytes read per decode step (weights + KV), and the perplexity of the evaluation 
 (the weights are the same mmapped file), each prefilled block-wise (eager), then their decode steps alternate, one
 step of each in turn, and the overhead is the median over steps of (policy step / no-evict step) - 1. On a shared
 VM whose speed drifts by 10% and more between processes, configurations timed in separate processes (the table
-above) cannot resolve a few percent; alternating steps puts both under the same conditions.
+above) cannot resolve a few percent; alternating steps puts both under the same conditions. The bandwidth-bound
+fraction is paired the same way: a 256 MiB read probe is timed before each round of steps, and each step's bytes
+are costed at the bandwidth of its own round. `--profile [ROWS]` then prints each configuration's top kernels.
 """
 import argparse
 import dataclasses
@@ -394,8 +396,13 @@ def run_paired(args) -> None:
         setup_caches(model, 1, args.budget, args.block_size, policy)
         if label == "no-evict":
             disable_eviction(model)
+    if args.profile:  # name each compiled kernel in the profile (inductor's CPU kernels are anonymous otherwise)
+        torch._inductor.config.cpp.enable_kernel_profile = True
     decode_fn = bench_steps(args)[1]
-    toks, first_s = {}, {}
+    # Bandwidth probe, timed once per round of steps: each step's bandwidth-bound fraction is taken against the
+    # read bandwidth measured next to it, since both drift together on a shared VM.
+    probe = torch.ones(2**26, device=args.device)
+    toks, first_s, probe_s = {}, {}, []
     with torch.inference_mode():
         for label, model in models.items():
             for start in range(0, len(ids), args.block_size):
@@ -407,6 +414,11 @@ def run_paired(args) -> None:
         step_s = {label: [] for label in models}
         with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile inside the timed loop would be a bug
             for i in range(args.decode_steps):
+                sync(args.device)
+                t = time.perf_counter()
+                probe.sum()
+                sync(args.device)
+                probe_s.append(time.perf_counter() - t)
                 order = list(models) if i % 2 == 0 else list(models)[::-1]  # neither side always goes first
                 for label in order:
                     tok = toks[label].argmax(-1).view(1, 1)
@@ -414,21 +426,46 @@ def run_paired(args) -> None:
                     toks[label] = decode_fn(models[label], tok, torch.tensor([len(ids) + 1 + i], device=args.device))
                     sync(args.device)
                     step_s[label].append(time.perf_counter() - t)
-    bw = read_bandwidth_gb_s(args.device)  # after the timed loop: the same process and conditions
+    bw = [probe.nbytes / b / 1e9 for b in probe_s]
     mode = (args.compile_mode or "default") + (" + cpp_wrapper" if args.cpp_wrapper else "") if args.compile else "eager"
     print(f"\n{args.checkpoint}, prompt {len(ids)} tokens, budget {args.budget}, {args.decode_steps} alternating decode "
-          f"steps, float32 on {args.device}, {mode}, torch threads {torch.get_num_threads()}, measured read "
-          f"bandwidth {bw:.1f} GB/s\n")
+          f"steps, float32 on {args.device}, {mode}, torch threads {torch.get_num_threads()}, read bandwidth "
+          f"(probe next to each round) median {statistics.median(bw):.1f} GB/s, quartiles "
+          f"{statistics.quantiles(bw, n=4)[0]:.1f} .. {statistics.quantiles(bw, n=4)[2]:.1f}\n")
     print("| policy | decode ms/step (median) | overhead vs no-evict (median of per-step ratios) | "
-          "quartiles of the ratio | decode / bandwidth bound | first step s (incl. compile) |")
-    print("|---|---|---|---|---|---|")
+          "quartiles of the ratio | MB read / step | decode / bandwidth bound (median of per-step ratios) | "
+          "quartiles | first step s (incl. compile) |")
+    print("|---|---|---|---|---|---|---|---|")
     base = step_s["no-evict"]
     for label, s in step_s.items():
         ratios = sorted(a / b - 1 for a, b in zip(s, base))
         q = statistics.quantiles(ratios, n=4)
-        bound = sum(decode_bytes_per_step(models[label])) / (bw * 1e9)  # seconds to read what one step reads
+        step_bytes = sum(decode_bytes_per_step(models[label]))
+        # the time reading this step's bytes at the bandwidth probed in its round, over the step's time
+        fractions = [step_bytes / (g * 1e9) / t for g, t in zip(bw, s)]
+        f = statistics.quantiles(fractions, n=4)
         print(f"| {label} | {1e3 * statistics.median(s):.2f} | {statistics.median(ratios):+.1%} | "
-              f"{q[0]:+.1%} .. {q[2]:+.1%} | {bound / statistics.median(s):.0%} | {first_s[label]:.1f} |")
+              f"{q[0]:+.1%} .. {q[2]:+.1%} | {step_bytes / 1e6:.1f} | {statistics.median(fractions):.0%} | "
+              f"{f[0]:.0%} .. {f[2]:.0%} | "
+              f"{first_s[label]:.1f} |")
+    if args.profile:
+        with torch._dynamo.config.patch(error_on_recompile=True):  # profile the graphs just timed, not new ones
+            profile_steps(models, toks, len(ids) + 1 + args.decode_steps, decode_fn, args)
+
+
+def profile_steps(models, toks, next_pos, decode_fn, args, n_steps: int = 10) -> None:
+    """--profile: torch.profiler over n_steps decode steps of each configuration, the top kernels by self time."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    sort_by = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+    for label, model in models.items():
+        with torch.inference_mode(), profile(activities=activities) as prof:
+            tok = toks[label].argmax(-1).view(1, 1)  # an inference tensor, as when the step was compiled
+            for i in range(n_steps):
+                tok = decode_fn(model, tok, torch.tensor([next_pos + i], device=args.device)).argmax(-1).view(1, 1)
+            sync(args.device)
+        print(f"\n{label}: {n_steps} decode steps, top kernels by self time\n")
+        print(prof.key_averages().table(sort_by=sort_by, row_limit=args.profile, max_name_column_width=60))
 
 
 def read_bandwidth_gb_s(device: str) -> float:
@@ -481,6 +518,9 @@ def main():
                     help="inductor's C++ wrapper (torch._inductor.config.cpp_wrapper): no Python between kernels")
     ap.add_argument("--paired", action="store_true",
                     help="decode-step overhead of --policies over no-evict, steps alternating in one process")
+    ap.add_argument("--profile", type=int, nargs="?", const=15, metavar="ROWS",
+                    help="with --paired: after the timed steps, profile 10 decode steps of each configuration and "
+                         "print the top ROWS (15) kernels by self time (with --compile: inductor's named kernels)")
     ap.add_argument("--kvpress", action="store_true", help="also run HF transformers + kvpress (in .venv-kv)")
     ap.add_argument("--hf-model", type=Path, default=REPO / "build" / "smollm2-hf",
                     help="HF-format copy of the model for kvpress (made from the GGUF if missing)")
@@ -514,6 +554,9 @@ def run(args) -> None:
         raise UserError("--decode-steps must be >= 2, --repeats, --prompt-tokens and --budget >= 1")
     if args.no_compile_prefill and not args.compile:
         raise UserError("--no-compile-prefill needs --compile")
+    if args.profile is not None and (not args.paired or args.profile < 1):
+        raise UserError(f"--profile needs --paired and >= 1 rows, got {args.profile}" if args.paired
+                        else "--profile needs --paired")
     if args.one_figure:
         label, T = args.one_figure.split("@")
         model = load_model(resolve_checkpoint(args.checkpoint), torch.float32, args.device)

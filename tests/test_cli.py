@@ -1,5 +1,6 @@
 """generate.py as a user runs it: bad input gets one line on stderr and exit code 2, good input a summary."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -162,9 +163,35 @@ def test_no_traceback_as_a_process(tiny_ckpt):
                                             (["--paired", "--policies", "nope"], "unknown policy 'nope'"),
                                             (["--paired", "--decode-steps", "1"], "--decode-steps must be >= 2"),
                                             (["--no-compile-prefill"], "--no-compile-prefill needs --compile"),
-                                            (["--budget", "abc"], "invalid int value")])
+                                            (["--budget", "abc"], "invalid int value"),
+                                            (["--profile"], "--profile needs --paired"),
+                                            (["--paired", "--profile", "0"], "--profile needs --paired and >= 1")])
 def test_bench_bad_policy_one_line_exit_2(extra, message):
     """scripts/bench.py checks its policy names before loading anything: one line, exit 2, no traceback."""
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), *extra], capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().count("\n") == 0 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_paired_table_and_profile(tiny_ckpt):
+    """bench.py --paired --compile on the tiny model: a row per configuration whose bandwidth-bound fraction is the
+    step's bytes at the probed bandwidth over its step time, then --profile's kernel table of each configuration's
+    compiled step: inductor's kernels by name, and no recompile (the profile runs under error_on_recompile)."""
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--checkpoint", str(tiny_ckpt), "--paired",
+                        "--compile", "--prompt-tokens", "120", "--budget", "32", "--block-size", "16",
+                        "--decode-steps", "8", "--policies", "keydiff,tova", "--profile", "40", "--threads", "1"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    bw = float(re.search(r"read bandwidth \(probe next to each round\) median ([0-9.]+) GB/s", r.stdout).group(1))
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in r.stdout.splitlines() if re.match(r"\| (no-evict|keydiff|tova) \|", line)}
+    assert list(rows) == ["no-evict", "keydiff", "tova"]
+    assert rows["no-evict"][1] == "+0.0%"  # its own per-step ratio
+    for label, (ms, _, _, mb, frac, _, _) in rows.items():
+        # the median of per-step fractions against the fraction of the medians: the same within timing noise
+        expected = float(mb) * 1e6 / (bw * 1e9) / (float(ms) / 1e3)
+        assert 0.5 < float(frac.rstrip("%")) / 100 / expected < 2.0, (label, frac, expected)
+    profiles = r.stdout.split("decode steps, top kernels by self time")[1:]
+    assert len(profiles) == 3
+    for p in profiles:  # the timed graphs' own kernels, named (cpp.enable_kernel_profile), and no compile in there
+        assert re.search(r"graph_\d+_cpp_fused", p) and "dynamo_timed" not in p
