@@ -457,7 +457,7 @@ def profile_steps(models, toks, next_pos, decode_fn, args, n_steps: int = 10) ->
     """--profile: torch.profiler over n_steps decode steps of each configuration, the top kernels by self time."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
-    sort_by = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+    sort_by = "self_device_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
     for label, model in models.items():
         with torch.inference_mode(), profile(activities=activities) as prof:
             tok = toks[label].argmax(-1).view(1, 1)  # an inference tensor, as when the step was compiled
