@@ -427,11 +427,11 @@ def run_paired(args) -> None:
                     sync(args.device)
                     step_s[label].append(time.perf_counter() - t)
     bw = [probe.nbytes / b / 1e9 for b in probe_s]
+    bw_q = statistics.quantiles(bw, n=4)
     mode = (args.compile_mode or "default") + (" + cpp_wrapper" if args.cpp_wrapper else "") if args.compile else "eager"
     print(f"\n{args.checkpoint}, prompt {len(ids)} tokens, budget {args.budget}, {args.decode_steps} alternating decode "
           f"steps, float32 on {args.device}, {mode}, torch threads {torch.get_num_threads()}, read bandwidth "
-          f"(probe next to each round) median {statistics.median(bw):.1f} GB/s, quartiles "
-          f"{statistics.quantiles(bw, n=4)[0]:.1f} .. {statistics.quantiles(bw, n=4)[2]:.1f}\n")
+          f"(probe next to each round) median {statistics.median(bw):.1f} GB/s, quartiles {bw_q[0]:.1f} .. {bw_q[2]:.1f}\n")
     print("| policy | decode ms/step (median) | overhead vs no-evict (median of per-step ratios) | "
           "quartiles of the ratio | MB read / step | decode / bandwidth bound (median of per-step ratios) | "
           "quartiles | first step s (incl. compile) |")
@@ -446,8 +446,7 @@ def run_paired(args) -> None:
         f = statistics.quantiles(fractions, n=4)
         print(f"| {label} | {1e3 * statistics.median(s):.2f} | {statistics.median(ratios):+.1%} | "
               f"{q[0]:+.1%} .. {q[2]:+.1%} | {step_bytes / 1e6:.1f} | {statistics.median(fractions):.0%} | "
-              f"{f[0]:.0%} .. {f[2]:.0%} | "
-              f"{first_s[label]:.1f} |")
+              f"{f[0]:.0%} .. {f[2]:.0%} | {first_s[label]:.1f} |")
     if args.profile:
         with torch._dynamo.config.patch(error_on_recompile=True):  # profile the graphs just timed, not new ones
             profile_steps(models, toks, len(ids) + 1 + args.decode_steps, decode_fn, args)
