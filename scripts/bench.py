@@ -431,7 +431,8 @@ def run_paired(args) -> None:
     mode = (args.compile_mode or "default") + (" + cpp_wrapper" if args.cpp_wrapper else "") if args.compile else "eager"
     print(f"\n{args.checkpoint}, prompt {len(ids)} tokens, budget {args.budget}, {args.decode_steps} alternating decode "
           f"steps, float32 on {args.device}, {mode}, torch threads {torch.get_num_threads()}, read bandwidth "
-          f"(probe next to each round) median {statistics.median(bw):.1f} GB/s, quartiles {bw_q[0]:.1f} .. {bw_q[2]:.1f}\n")
+          f"(probe next to each round) median {statistics.median(bw):.1f} GB/s, quartiles {bw_q[0]:.1f} .. "
+          f"{bw_q[2]:.1f}\n")
     print("| policy | decode ms/step (median) | overhead vs no-evict (median of per-step ratios) | "
           "quartiles of the ratio | MB read / step | decode / bandwidth bound (median of per-step ratios) | "
           "quartiles | first step s (incl. compile) |")
