@@ -43,8 +43,7 @@ def position_order(pos: Tensor) -> Tensor:
 
 def flat_rows(slot: Tensor, C: int) -> Tensor:
     """Row numbers [B*H*n] in a [B, H, C, ...] buffer viewed as [B*H*C, ...] of per-head slots slot [B, H, n]: one
-    index_select / index_copy_ over rows (on CPU ~3x faster than an element-wise gather; compiled, it stays in place
-    where a scatter_ was turned into a copy of the whole buffer and back)."""
+    index_select over rows (on CPU ~3x faster than an element-wise gather)."""
     B, H = slot.shape[:2]
     return (slot + C * torch.arange(B * H, device=slot.device).view(B, H, 1)).view(-1)
 
@@ -88,11 +87,14 @@ def evict_fill_holes(scores: Tensor, budget: int, buffers: list[Tensor], pos: Te
         tail_dropped = torch.zeros_like(drop).scatter_add_(-1, (drop - budget).clamp_min(0), in_tail.long())
         # Stable sort puts the surviving tail slots (flag 0) first, in slot order: they pair with the holes.
         src = budget + torch.argsort(tail_dropped.clamp_max(1), dim=-1, stable=True)
-    B, H, C = pos.shape
-    src_rows, dst_rows = flat_rows(src, C), flat_rows(drop, C)
+    # index_put_ on each buffer itself, never through a view: compiled, a mutation through a view (an index_copy_ of
+    # flat rows; before that a scatter_) made inductor copy the whole K and V buffers onto themselves in every layer
+    # and step, O(budget) traffic the hole filling exists to avoid (tests/test_engine.py checks the kernels).
+    B, H = drop.shape[:2]
+    b = torch.arange(B, device=drop.device).view(B, 1, 1).expand_as(drop)
+    h = torch.arange(H, device=drop.device).view(1, H, 1).expand_as(drop)
     for buf in [pos, *buffers]:
-        rows = buf.view(B * H * C, -1)
-        rows.index_copy_(0, dst_rows, rows.index_select(0, src_rows))
+        buf.index_put_((b, h, drop), buf[b, h, src])
     pos[:, :, budget:S] = -1
 
 

@@ -74,6 +74,31 @@ def test_compiled_matches_eager_with_eviction_and_never_recompiles(hf_tiny, poli
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("policy", ["keydiff", "h2o"])
+def test_compiled_decode_never_copies_a_whole_kv_buffer(hf_tiny, policy):
+    """Hole filling stays in place when compiled: no kernel of the compiled decode step loops over a whole K or V
+    buffer (B*H*C*D elements, C = budget + block, where a decode step reads budget + 1 slots). A mutation through
+    a view of the buffer (the former index_copy_ of flat rows) made inductor copy each buffer onto itself in every
+    layer and step: O(budget) traffic per step, which DESIGN's hole filling rules out."""
+    from torch._inductor.utils import run_and_get_code
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    setup_caches(model, 1, 40, 8, policies.REGISTRY[policy](Namespace()))
+    generate(model, ids_of(60), 2, block_size=8, steps=EAGER)  # past the budget: the step evicts
+    numel = model.layers[0].attention.kv_cache.k.numel()
+    torch._dynamo.reset()
+    _, decode = compile_steps("cpu")
+    try:
+        with torch.inference_mode():
+            _, code = run_and_get_code(decode, model, torch.zeros(1, 1, dtype=torch.long), torch.tensor([61]))
+    finally:
+        torch._inductor.config.freezing = False
+        torch._dynamo.reset()
+    src = "\n".join(code)
+    assert "argmin" in src  # the decode eviction (drop_lowest) is in the captured kernels
+    assert f"<static_cast<int64_t>({numel}L)" not in src, "a kernel loops over a whole K/V buffer"
+
+
 def kept_state(model, policy):
     """Per layer, the kept positions. For keynorm only layer 0's sorted kept key norms: a token repeated by greedy
     decoding has the same key norm at every position up to RoPE's rounding (measured: 2e-7 apart), so eager and
