@@ -75,7 +75,8 @@ def evict_fill_holes(scores: Tensor, budget: int, buffers: list[Tensor], pos: Te
     scores: fp32 [B, H, S] over slots [0, S); +inf = protected, -inf = empty. buffers: tensors [B, H, C, ...]
     whose slots move together (keys, values, policy state); pos [B, H, C] moves too and its tail is then cleared.
     The i-th dropped slot below `budget` (a hole) receives the i-th surviving tail slot. Pairs past the number of
-    holes copy a dropped tail slot onto another dropped tail slot, which is harmless: the tail is cleared after.
+    holes copy each dropped tail slot onto itself (both lists end with those slots in order): harmless, and the tail
+    is cleared after.
     """
     S = scores.shape[-1]
     T = S - budget

@@ -400,7 +400,8 @@ def run_paired(args) -> None:
         torch._inductor.config.cpp.enable_kernel_profile = True
     decode_fn = bench_steps(args)[1]
     # Bandwidth probe, timed once per round of steps: each step's bandwidth-bound fraction is taken against the
-    # read bandwidth measured next to it, since both drift together on a shared VM.
+    # read bandwidth measured next to it, since both drift together on a shared VM. The probe also flushes the
+    # caches before each round, which a model smaller than the last-level cache would otherwise sit in.
     probe = torch.ones(2**26, device=args.device)
     toks, first_s, probe_s = {}, {}, []
     with torch.inference_mode():
@@ -426,7 +427,7 @@ def run_paired(args) -> None:
                     toks[label] = decode_fn(models[label], tok, torch.tensor([len(ids) + 1 + i], device=args.device))
                     sync(args.device)
                     step_s[label].append(time.perf_counter() - t)
-    bw = [probe.nbytes / b / 1e9 for b in probe_s]
+    bw = [probe.nbytes / t / 1e9 for t in probe_s]
     bw_q = statistics.quantiles(bw, n=4)
     mode = (args.compile_mode or "default") + (" + cpp_wrapper" if args.cpp_wrapper else "") if args.compile else "eager"
     print(f"\n{args.checkpoint}, prompt {len(ids)} tokens, budget {args.budget}, {args.decode_steps} alternating decode "
@@ -446,8 +447,8 @@ def run_paired(args) -> None:
         fractions = [step_bytes / (g * 1e9) / t for g, t in zip(bw, s)]
         f = statistics.quantiles(fractions, n=4)
         print(f"| {label} | {1e3 * statistics.median(s):.2f} | {statistics.median(ratios):+.1%} | "
-              f"{q[0]:+.1%} .. {q[2]:+.1%} | {step_bytes / 1e6:.1f} | {statistics.median(fractions):.0%} | "
-              f"{f[0]:.0%} .. {f[2]:.0%} | {first_s[label]:.1f} |")
+              f"{q[0]:+.1%} .. {q[2]:+.1%} | {step_bytes / 1e6:.4g} | {statistics.median(fractions):.1%} | "
+              f"{f[0]:.1%} .. {f[2]:.1%} | {first_s[label]:.1f} |")
     if args.profile:
         with torch._dynamo.config.patch(error_on_recompile=True):  # profile the graphs just timed, not new ones
             profile_steps(models, toks, len(ids) + 1 + args.decode_steps, decode_fn, args)
@@ -520,7 +521,8 @@ def main():
                     help="decode-step overhead of --policies over no-evict, steps alternating in one process")
     ap.add_argument("--profile", type=int, nargs="?", const=15, metavar="ROWS",
                     help="with --paired: after the timed steps, profile 10 decode steps of each configuration and "
-                         "print the top ROWS (15) kernels by self time (with --compile: inductor's named kernels)")
+                         "print the top ROWS (15) kernels by self time (with --compile: inductor's named kernels, "
+                         "whose record hooks then run in the timed steps too)")
     ap.add_argument("--kvpress", action="store_true", help="also run HF transformers + kvpress (in .venv-kv)")
     ap.add_argument("--hf-model", type=Path, default=REPO / "build" / "smollm2-hf",
                     help="HF-format copy of the model for kvpress (made from the GGUF if missing)")

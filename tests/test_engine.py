@@ -79,7 +79,8 @@ def test_compiled_decode_never_copies_a_whole_kv_buffer(hf_tiny, policy):
     """Hole filling stays in place when compiled: no kernel of the compiled decode step loops over a whole K or V
     buffer (B*H*C*D elements, C = budget + block, where a decode step reads budget + 1 slots). A mutation through
     a view of the buffer (the former index_copy_ of flat rows) made inductor copy each buffer onto itself in every
-    layer and step: O(budget) traffic per step, which DESIGN's hole filling rules out."""
+    layer and step: O(budget) traffic per step, which DESIGN's hole filling rules out. With that code this test
+    fails (checked when it was written)."""
     from torch._inductor.utils import run_and_get_code
     _, ckpt = hf_tiny("llama")
     model = load_model(ckpt, torch.float32, "cpu")
