@@ -415,11 +415,7 @@ def run_paired(args) -> None:
         step_s = {label: [] for label in models}
         with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile inside the timed loop would be a bug
             for i in range(args.decode_steps):
-                sync(args.device)
-                t = time.perf_counter()
-                probe.sum()
-                sync(args.device)
-                probe_s.append(time.perf_counter() - t)
+                probe_s.append(timed_read(probe, args.device))
                 order = list(models) if i % 2 == 0 else list(models)[::-1]  # neither side always goes first
                 for label in order:
                     tok = toks[label].argmax(-1).view(1, 1)
@@ -469,17 +465,19 @@ def profile_steps(models, toks, next_pos, decode_fn, args, n_steps: int = 10) ->
         print(prof.key_averages().table(sort_by=sort_by, row_limit=args.profile, max_name_column_width=60))
 
 
+def timed_read(x: torch.Tensor, device: str) -> float:
+    """Seconds to read x once (a sum: streaming reads, one scalar written)."""
+    sync(device)
+    t = time.perf_counter()
+    x.sum()
+    sync(device)
+    return time.perf_counter() - t
+
+
 def read_bandwidth_gb_s(device: str) -> float:
     """Measured streaming-read bandwidth: median time of summing a 512 MiB fp32 tensor."""
     x = torch.ones(2**27, device=device)
-    times = []
-    for _ in range(5):
-        sync(device)
-        t = time.perf_counter()
-        x.sum()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return x.nbytes / statistics.median(times) / 1e9
+    return x.nbytes / statistics.median(timed_read(x, device) for _ in range(5)) / 1e9
 
 
 def run_kvpress(ckpt_dir: Path, ids: list[int], policy: str, budget: int, args) -> dict | None:
