@@ -27,7 +27,9 @@ from torch import Tensor
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """Symmetric int8 per row (one key or value of one head): x [..., D] -> (int8 [..., D], scale [...]) with
     x ~= q * scale, scale = max|x| / 127; the error of an element is at most scale / 2."""
-    scale = (x.float().abs().amax(-1).clamp_min(1e-12) / 127).to(x.dtype)  # stored as x.dtype: quantize with that
+    # Stored as x.dtype, so quantize with that; floored at its smallest normal after the cast (in fp16 a tiny row's
+    # scale would round to 0, and 0 / 0 is NaN).
+    scale = (x.float().abs().amax(-1) / 127).to(x.dtype).clamp_min(torch.finfo(x.dtype).tiny)
     q = (x.float() / scale.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
     return q, scale
 
@@ -119,13 +121,16 @@ class KVCache(nn.Module):
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, budget: int, block_size: int,
                  dtype: torch.dtype, device, policy=None, window: int | None = None, n_heads: int | None = None,
-                 scratch: bool = False, kv_dtype: torch.dtype | None = None):
+                 scratch: bool = False, kv_dtype: torch.dtype | None = None, keep_budget: int | None = None):
         super().__init__()
         # kv_dtype int8: K and V stored as int8 with one scale per token and head (the buffer shrinks ~2x vs
         # bf16, ~4x vs fp32); `keys`/`values` dequantize to `dtype` for attention and for every policy's scores.
         self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
         self.quantized = self.kv_dtype == torch.int8
         self.budget, self.block_size, self.window, self.policy = budget, block_size, window, policy
+        # The budget the policy keeps to, which a recent window is a fraction of: a one-shot scratch's budget is
+        # the prompt, its keep_budget the destination cache's.
+        self.keep_budget = keep_budget or budget
         self.scratch = scratch  # a one-shot prefill's full-length scratch: always dense, no decode-time state
         self.n_heads = n_heads or n_kv_heads  # query heads, for policies that keep queries
         C = budget + block_size
@@ -192,7 +197,9 @@ class KVCache(nn.Module):
         With evict_before_attend the policy evicts first and the block attends over the kept slots only."""
         T = k.shape[2]
         tail = torch.arange(self.budget, self.budget + T, device=k.device)
-        if self.policy is None:  # full: slot == position; padding goes to the tail, which no real position reaches
+        if self.policy is None or self.scratch:
+            # full, and a one-shot scratch (which holds the whole prompt): slot == position; padding goes to the
+            # tail, which no real position reaches. The scratch never evicts until compress_into.
             dst = torch.where(input_pos >= 0, input_pos, tail)
         elif not self.policy.evicts:  # compress-once: append after the valid slots, which fill [0, n) in order
             n = (self.pos[0, 0, :self.budget] >= 0).sum()
@@ -242,7 +249,7 @@ class KVCache(nn.Module):
         self.policy.observe(self, q, input_pos, query_pos, S)
         if self.scratch:  # one-shot prefill scores the whole prompt with its last block (compress_into)
             self.last_step = (q, input_pos, query_pos)
-        if self.policy.evicts:
+        elif self.policy.evicts:
             self.drop_to(self.budget, self.policy.score(self, q, input_pos, query_pos, S))
 
     def drop_to(self, budget: int, scores: Tensor) -> None:
@@ -288,10 +295,10 @@ class KVCache(nn.Module):
 
 
 def make_cache(model, batch: int, budget: int, block_size: int, policy=None, scratch=False,
-               kv_dtype: torch.dtype | None = None) -> KVCache:
+               kv_dtype: torch.dtype | None = None, keep_budget: int | None = None) -> KVCache:
     args, p = model.args, model.tok_embeddings.weight
     return KVCache(batch, args.n_kv_heads, args.head_dim, budget, block_size, p.dtype, p.device, policy,
-                   args.sliding_window, args.n_heads, scratch, kv_dtype)
+                   args.sliding_window, args.n_heads, scratch, kv_dtype, keep_budget)
 
 
 def setup_caches(model, batch: int, budget: int, block_size: int, policy=None, evict_before_attend=False,

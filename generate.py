@@ -9,6 +9,7 @@ evicts down to --budget tokens per layer and KV head, so the cache never holds m
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -23,7 +24,7 @@ sys.path.insert(0, str(REPO))
 from cache import kv_bytes, make_cache, setup_caches  # noqa: E402
 from model import ConfigError, ModelArgs, Transformer, rope_cos_sin, rope_inv_freq  # noqa: E402
 from scripts.convert_hf_checkpoint import (ENGINE_FILE, CheckpointError, convert_gguf, convert_hf_dir,  # noqa: E402
-                                           read_config, read_hf_dir)
+                                           gguf_converted, read_config, read_hf_dir)
 
 # Short names -> Hugging Face repos. Weights are downloaded once into checkpoints/<repo>.
 MODELS = {
@@ -68,7 +69,7 @@ def resolve_checkpoint(name: str) -> Path:
         if not path.is_file():
             raise UserError(f"GGUF file not found: {path}")
         out = CHECKPOINTS / path.stem
-        if not (out / ENGINE_FILE).is_file():
+        if not gguf_converted(out, path):
             print(f"converting {path} -> {out} (once)", file=sys.stderr)
             convert_gguf(path, out)
         return out
@@ -86,7 +87,7 @@ def resolve_checkpoint(name: str) -> Path:
     gguf_path = embedded_gguf() if name == "smollm2-135m" else None
     if gguf_path is not None and not (local / "config.json").is_file():
         out = CHECKPOINTS / name
-        if not (out / ENGINE_FILE).is_file():
+        if not gguf_converted(out, gguf_path):
             print(f"converting the embedded {gguf_path.name} -> {out} (once)", file=sys.stderr)
             convert_gguf(gguf_path, out)
         return out
@@ -154,6 +155,16 @@ def prefill_step(model, idx, input_pos):  # a separate function so that its comp
     return model(idx, input_pos)
 
 
+def step_modes(device: str, mode: str | None) -> tuple[str | None, str | None]:
+    """torch.compile modes of (prefill step, decode step) for --compile-mode (None = auto). On CUDA, auto puts decode
+    under CUDA graphs ("default" does not), and prefill stays out of them in every mode: max-autotune would turn
+    them on too."""
+    if not device.startswith("cuda"):
+        return mode, mode
+    no_graphs = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
+    return no_graphs.get(mode, mode), mode or "reduce-overhead"
+
+
 def compile_steps(device: str, mode: str | None = None, prefill: bool = True):
     """(prefill_step, decode_step), each compiled once with fullgraph=True; decode under CUDA graphs on GPU.
 
@@ -161,13 +172,10 @@ def compile_steps(device: str, mode: str | None = None, prefill: bool = True):
     holds its own packed copy of the weights: measured on SmolLM2-135M fp32 (README, Performance), compiling the
     prefill step too raised the peak RSS from 1,664 to 2,990 MiB and warm-up + compile from 133 to 267 s for 1.1x the
     block-wise prefill tok/s."""
-    if device.startswith("cuda"):
-        decode_mode = mode or "reduce-overhead"
-        prefill_mode = mode if mode and "cudagraphs" not in mode and mode != "reduce-overhead" else None
-    else:
+    if not device.startswith("cuda"):
         # On CPU freezing lets inductor fold the weights and pick packed GEMM kernels (measured +20% decode).
         torch._inductor.config.freezing = True
-        decode_mode = prefill_mode = mode
+    prefill_mode, decode_mode = step_modes(device, mode)
     prefill_fn = prefill_step
     if prefill:
         prefill_fn = torch.compile(prefill_step, fullgraph=True, dynamic=False, mode=prefill_mode)
@@ -226,7 +234,8 @@ def prefill_one_shot(model, prompt: torch.Tensor, block_size: int) -> torch.Tens
     for layer in model.layers:
         cache = layer.attention.kv_cache
         layer.attention.kv_cache = scratch = make_cache(model, 1, n_blocks * block_size, block_size, cache.policy,
-                                                        scratch=True, kv_dtype=cache.kv_dtype)
+                                                        scratch=True, kv_dtype=cache.kv_dtype,
+                                                        keep_budget=cache.budget)
         for b in range(n_blocks):
             blk = slice(b * block_size, (b + 1) * block_size)
             x[:, blk] = layer(x[:, blk], cos[blk], sin[blk], input_pos[blk], query_pos[blk])
@@ -453,7 +462,8 @@ def parse_args(argv=None):
                                                                "max-autotune-no-cudagraphs"],
                     help="torch.compile mode; auto = max-autotune-no-cudagraphs on CPU in fp32 (about 2x the default "
                          "mode's decode, ~1.5x the compile time), else torch's default (reduce-overhead for CUDA "
-                         "decode); 'default' forces torch's default")
+                         "decode); 'default' forces torch's default (no CUDA graphs). The prefill step never "
+                         "runs under CUDA graphs")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="auto = bfloat16 on CUDA, float32 on CPU")
@@ -482,19 +492,36 @@ def read_prompt(a) -> str:
     return text
 
 
+def check_writable(path: Path, flag: str) -> None:
+    """Fail before the work, not after it, when an output file cannot be written (the permission bits alone do not
+    tell: root passes them, and /proc refuses anyway)."""
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write there ({e.strerror})") from None
+    if not existed:
+        path.unlink()
+
+
 def check_args(a) -> None:
     if a.batch_size != 1:
-        raise UserError("--batch-size > 1 is not supported yet (the engine runs batch 1)")
+        raise UserError(f"--batch-size {a.batch_size}: only batch 1 is supported yet")
     if a.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be >= 1")
     if a.block_size < 1:
         raise UserError("--block-size must be >= 1")
     if a.budget is not None and a.budget < 1:
         raise UserError("--budget must be >= 1")
-    if a.temperature < 0 or a.top_k < 0 or not 0 < a.top_p <= 1:
-        raise UserError("need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
-    if a.compile_prefill is not None and not a.compile:
-        raise UserError("--compile-prefill / --no-compile-prefill need --compile")
+    if not 0 <= a.temperature < math.inf or a.top_k < 0 or not 0 < a.top_p <= 1:  # NaN fails every comparison
+        raise UserError("need a finite --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
+    if not 0 <= a.seed < 2 ** 63:
+        raise UserError(f"--seed must be in [0, 2**63), got {a.seed}")
+    if a.profile is not None:
+        check_writable(a.profile, "--profile")
+    if (a.compile_prefill is not None or a.compile_mode != "auto") and not a.compile:
+        raise UserError("--compile-prefill / --no-compile-prefill / --compile-mode need --compile")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but CUDA is not available (use --device cpu)")
     if not (a.device == "cpu" or a.device.startswith("cuda")):
@@ -547,6 +574,8 @@ def run(a) -> int:
     else:
         budget = a.budget or 2048
         policy.check(budget, a.block_size)
+        if a.evict_before_attend and budget < a.block_size:  # else a block's first queries may keep no key to see
+            raise UserError(f"--evict-before-attend needs --budget >= --block-size ({budget} < {a.block_size})")
     token_budget = budget
     if policy is not None:  # compress-once policies size their cache here (RocketKV: C = sqrt(S t) >= t)
         budget = policy.plan(budget, L, a.max_new_tokens, args)
@@ -562,14 +591,15 @@ def run(a) -> int:
         if a.compile_prefill is None:
             a.compile_prefill = a.device != "cpu"
         a.compile_prefill = a.compile_prefill and a.prefill == "block"  # one-shot prefill never runs the block step
-        steps = compile_steps(a.device, None if a.compile_mode == "default" else a.compile_mode,
-                              prefill=a.compile_prefill)
+        steps = compile_steps(a.device, a.compile_mode, prefill=a.compile_prefill)
         t = time.perf_counter()
         with torch.inference_mode():  # compile both graphs before timing; then start from an empty cache
             idx, pos = block_inputs(torch.tensor(ids[:1], device=a.device), 0, a.block_size)
             steps[0](model, idx, pos)
-            # a fresh [1, 1] tensor as decode passes it (a view of idx has other strides: dynamo would recompile)
-            steps[1](model, torch.tensor([ids[:1]], device=a.device), torch.tensor([1], device=a.device))
+            # a fresh [1, 1] tensor as decode passes it (a view of idx has other strides: dynamo would recompile);
+            # twice, since CUDA graph trees warm up on the first call and record on the second: not in the timing
+            for _ in range(2):
+                steps[1](model, torch.tensor([ids[:1]], device=a.device), torch.tensor([1], device=a.device))
         sync(a.device)
         compile_s = time.perf_counter() - t
 

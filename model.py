@@ -50,6 +50,11 @@ class ModelArgs:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"unsupported activation {act!r} (only silu / SwiGLU)")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window"):
+            v = cfg.get(key)
+            if v is not None and (type(v) is not int or v < 1):  # None: absent, or a default applies
+                raise ConfigError(f"config.json: {key} must be a positive integer, got {v!r}")
         try:
             n_heads = cfg["num_attention_heads"]
             dim = cfg["hidden_size"]
@@ -63,11 +68,24 @@ class ModelArgs:
                 if kind not in ("llama3", "linear", "default"):
                     raise ConfigError(f"unsupported rope scaling {kind!r} (llama3 and linear are supported)")
                 scaling["rope_type"] = kind
+                need = {"linear": ["factor"], "default": [],
+                        "llama3": ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]}
+                missing = [k for k in need[kind] if not isinstance(scaling.get(k), (int, float))]
+                if missing:
+                    raise ConfigError(f"config.json: rope_scaling {kind} lacks {', '.join(missing)}")
                 if kind == "default":
                     scaling = None
             window = None
             if model_type == "mistral" or cfg.get("use_sliding_window", False):
                 window = cfg.get("sliding_window")
+            if model_type == "qwen2" and window is not None:  # HF: only layers >= max_window_layers slide
+                n_layers = cfg["num_hidden_layers"]
+                kinds = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", n_layers)
+                                                   else "full_attention" for i in range(n_layers)]
+                if len(set(kinds)) > 1:
+                    raise ConfigError("unsupported config: sliding-window attention in some layers only "
+                                      "(use_sliding_window with max_window_layers < num_hidden_layers)")
+                window = window if kinds[0] == "sliding_attention" else None
             args = cls(
                 vocab_size=cfg["vocab_size"],
                 dim=dim,

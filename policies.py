@@ -104,7 +104,7 @@ class WindowMixin:
     """`--window-frac p`: the floor(p * budget) most recent tokens are always kept (KeyDiff + SW, spec 1.8)."""
 
     def n_recent(self, cache) -> int:
-        return int(self.param("window_frac", 0.0) * cache.budget)
+        return int(self.param("window_frac", 0.0) * cache.keep_budget)
 
     def check(self, budget, block_size):
         p = self.param("window_frac", 0.0)

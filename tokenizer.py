@@ -195,6 +195,31 @@ def load_tokenizer(ckpt_dir) -> Tokenizer:
     return tok
 
 
+# How text is split before BPE, by llama.cpp's tokenizer.ggml.pre name: the regexes of the models' own
+# tokenizer.json files (Llama 3: digits in runs of up to 3; Qwen2: single digits; both case-insensitive contractions).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+GGUF_PRE = {"default": "gpt2", "gpt2": "gpt2", "gpt-2": "gpt2", "smollm": "digits", "starcoder": "digits",
+            "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+            "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+
+
+def gguf_pre_tokenizer(pre: str):
+    """The pre-tokenizer for a GGUF's tokenizer.ggml.pre; an unknown one is refused rather than guessed, since a
+    wrong split gives token ids the model was never trained on."""
+    from tokenizers import Regex, pre_tokenizers
+    split = GGUF_PRE.get(pre)
+    if split is None:
+        raise TokenizerError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(sorted(GGUF_PRE))})")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split in ("gpt2", "digits"))
+    if split == "gpt2":  # the GPT-2 regex inside ByteLevel
+        return byte_level
+    if split == "digits":  # SmolLM2 / StarCoder: every digit alone, then the GPT-2 regex
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+
+
 def write_gguf_tokenizer(reader, out_dir) -> None:
     """Turn a llama.cpp GGUF's byte-level BPE vocab into tokenizer.json + configs in out_dir."""
     from tokenizers import AddedToken, Tokenizer as HFTok, decoders, pre_tokenizers, processors
@@ -212,11 +237,12 @@ def write_gguf_tokenizer(reader, out_dir) -> None:
     model = get("tokenizer.ggml.model")
     if model != "gpt2":
         raise TokenizerError(f"unsupported GGUF tokenizer {model!r} (only byte-level BPE 'gpt2' is supported)")
-    tokens, merges = get("tokenizer.ggml.tokens"), get("tokenizer.ggml.merges")
+    tokens, merges = get("tokenizer.ggml.tokens"), get("tokenizer.ggml.merges") or []
+    if not tokens:
+        raise TokenizerError("the GGUF file has no tokenizer.ggml.tokens")
     types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
     tok = HFTok(BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ", 1)) for m in merges]))
-    # Same pipeline transformers builds for a gguf "gpt2" vocab: GPT-2 regex + byte->unicode map.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = gguf_pre_tokenizer(get("tokenizer.ggml.pre", "default"))
     tok.decoder = decoders.ByteLevel()
     # token_type 3 = control (e.g. <|im_end|>): special; 4 = user-defined: matched whole but kept on decode.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == 3])

@@ -54,7 +54,9 @@ sys.path.insert(0, str(REPO))
 import policies  # noqa: E402
 from cache import kv_bytes, setup_caches  # noqa: E402
 from generate import (Parser, PeakMemory, block_inputs, compile_steps, decode_bytes_per_step, load_model,  # noqa: E402
-                      model_step, prefill_step, resolve_checkpoint, run_cli, sync, UserError)
+                      check_writable, model_step, prefill_step, resolve_checkpoint, run_cli, sync, UserError)
+from model import ModelArgs  # noqa: E402
+from scripts.convert_hf_checkpoint import read_config  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 KVPRESS = {"keydiff": "KeyDiffPress", "snapkv": "SnapKVPress", "tova": "TOVAPress", "sink": "StreamingLLMPress",
@@ -87,6 +89,8 @@ def make_document(tokenizer, n_tokens: int, seed: int = 0) -> tuple[str, list[in
         ids = encode(text)
         if len(ids) <= n_tokens:
             return text, ids
+        if not words:
+            raise UserError(f"--prompt-tokens {n_tokens} is too small: the question alone takes {len(ids)} tokens")
         words = words[: len(words) - max(1, (len(ids) - n_tokens) // 2)]
 
 
@@ -162,8 +166,11 @@ def figure_one(model, label: str, T: int, args) -> dict:
 
 
 def run_figure(args) -> None:
-    contexts = [int(x) for x in args.contexts.split(",")]
-    budgets = [int(x) for x in args.budgets.split(",")]
+    contexts, budgets = int_list(args.contexts, "--contexts"), int_list(args.budgets, "--budgets")
+    ctx = ModelArgs.from_config(read_config(resolve_checkpoint(args.checkpoint))).max_seq_len
+    if max(contexts) + args.decode_steps > ctx:
+        raise UserError(f"--contexts {max(contexts)} + --decode-steps {args.decode_steps} exceed the model's context "
+                        f"({ctx})")
     print(f"{args.checkpoint}: --figure rocketkv, contexts {contexts}, budgets {budgets}, N = {args.decode_steps}, "
           f"1 warm-up + {args.repeats} samples, float32 on {args.device}, {'compiled' if args.compile else 'eager'}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
@@ -273,11 +280,8 @@ def quant_one(mode: str, args) -> dict:
 
 
 def run_quant(args) -> None:
-    modes = [m for m in args.quant.split(",") if m]
-    for m in modes:
-        kind, _, g = m.removesuffix("-qhead").partition("-g")
-        if not (m in ("float32", "bfloat16", "int8") or kind == "int4" and g.isdigit()):
-            sys.exit(f"error: unknown --quant mode {m!r} (float32, bfloat16, int8, int4-gN, int4-gN-qhead)")
+    modes = [m for m in args.quant.split(",") if m]  # checked in check_args
+    check_context(resolve_checkpoint(args.checkpoint), args)
     print(f"{args.checkpoint}: --quant {modes}; decode: full cache, prompt {args.prompt_tokens} tokens, "
           f"{args.decode_steps} decode steps x {args.repeats} repeats; perplexity: {args.ppl_texts} fidelity texts, "
           f"{args.ppl_tokens} tokens after {args.ppl_prefix}; {args.device}, {steps_label(args)}, "
@@ -388,6 +392,7 @@ def run_paired(args) -> None:
             raise policies.PolicyError(f"--paired measures block-wise evicting policies, not {label}")
         policy.check(args.budget, args.block_size)
     ckpt = resolve_checkpoint(args.checkpoint)
+    check_context(ckpt, args)
     _, ids = make_document(load_tokenizer(ckpt), args.prompt_tokens)
     prompt = torch.tensor(ids, device=args.device)
     models = {}
@@ -543,7 +548,50 @@ def main():
     return run_cli(run, ap.parse_args())
 
 
+def int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise UserError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise UserError(f"{flag} needs integers >= 1, got {text!r}")
+    return values
+
+
+def check_context(ckpt, args) -> None:
+    ctx = ModelArgs.from_config(read_config(ckpt)).max_seq_len
+    if args.prompt_tokens + args.decode_steps > ctx or args.budget > ctx:
+        raise UserError(f"--prompt-tokens + --decode-steps ({args.prompt_tokens} + {args.decode_steps}) and --budget "
+                        f"({args.budget}) must fit the model's context ({ctx})")
+
+
+def check_args(args) -> None:
+    """Bad input fails here, before any model is loaded or any configuration has run."""
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    if args.block_size < 1:
+        raise UserError("--block-size must be >= 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but CUDA is not available (use --device cpu)")
+    if args.json is not None:
+        check_writable(args.json, "--json")
+    if args.figure:
+        int_list(args.contexts, "--contexts")
+        int_list(args.budgets, "--budgets")
+    if args.quant is not None:
+        modes = [m for m in args.quant.split(",") if m]
+        if not modes:
+            raise UserError("--quant is empty")
+        for m in modes:
+            kind, _, g = m.removesuffix("-qhead").partition("-g")
+            if not (m in ("float32", "bfloat16", "int8") or kind == "int4" and g.isdigit() and int(g) > 0):
+                raise UserError(f"unknown --quant mode {m!r} (float32, bfloat16, int8, int4-gN, int4-gN-qhead)")
+        if min(args.ppl_texts, args.ppl_prefix, args.ppl_tokens) < 1:
+            raise UserError("--ppl-texts, --ppl-prefix and --ppl-tokens must be >= 1")
+
+
 def run(args) -> None:
+    check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.cpp_wrapper:
@@ -579,10 +627,13 @@ def run(args) -> None:
         return run_paired(args)
 
     names = [n for n in args.policies.split(",") if n]
-    for n in names:
-        policies.lookup(n)
+    for n in names:  # each policy's parameters against the budget, before any configuration runs
+        policy = config_policy(n)
+        if policy is not None:
+            policy.check(args.budget, args.block_size)
     ckpt = resolve_checkpoint(args.checkpoint)
     tok = load_tokenizer(ckpt)
+    check_context(ckpt, args)
     model = load_model(ckpt, torch.float32, args.device)
     _, ids = make_document(tok, args.prompt_tokens)
     if args.one:

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 ENGINE_FILE = "budgetkv.safetensors"
+# Written into a converted GGUF's config.json; an older conversion is redone (2: tokenizer.ggml.pre honoured).
+GGUF_CONVERTER = 2
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
 
@@ -83,9 +85,12 @@ def read_config(ckpt_dir: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{ckpt_dir} has no config.json")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return config
 
 
 def save_engine(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -133,16 +138,28 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     arch = _gguf_value(reader, "general.architecture")
     if arch not in ("llama", "qwen2"):
         raise CheckpointError(f"unsupported GGUF architecture {arch!r} (llama and qwen2 are supported)")
-    tensors = {}
-    for t in reader.tensors:
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
-        tensors[t.name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
 
     def meta(key, default=None):
         return _gguf_value(reader, f"{arch}.{key}", default)
 
     n_heads, n_kv = meta("attention.head_count"), meta("attention.head_count_kv", meta("attention.head_count"))
     dim = meta("embedding_length")
+    eps = meta("attention.layer_norm_rms_epsilon")
+    if eps is None:
+        raise CheckpointError(f"GGUF file {gguf_path.name} lacks {arch}.attention.layer_norm_rms_epsilon")
+    # llama.cpp keeps Llama 3.1-style RoPE scaling as per-frequency factors (a rope_freqs tensor) instead of the
+    # parameters the engine's config takes; converting without them would silently misplace every position.
+    scaling = meta("rope.scaling.type", "none")
+    factor = meta("rope.scaling.factor")
+    freq_factors = any(t.name == "rope_freqs.weight" for t in reader.tensors)
+    if freq_factors or scaling not in ("none", "linear") or (scaling == "linear" and not factor):
+        kind = "per-frequency factors (rope_freqs)" if freq_factors else repr(scaling)
+        raise CheckpointError(f"GGUF file {gguf_path.name} uses RoPE scaling by {kind}, which the GGUF converter "
+                              "does not carry over; use the model's HF checkpoint instead")
+    tensors = {}
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        tensors[t.name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
     config = {
         "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
         "model_type": arch,
@@ -153,11 +170,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
         "head_dim": meta("rope.dimension_count", dim // n_heads),
-        "rms_norm_eps": float(f'{meta("attention.layer_norm_rms_epsilon"):.7g}'),  # stored as float32: 1e-5
+        "rms_norm_eps": float(f"{eps:.7g}"),  # stored as float32: 1e-5
         "rope_theta": meta("rope.freq_base", 10000.0),
+        "rope_scaling": {"rope_type": "linear", "factor": factor} if scaling == "linear" else None,
         "max_position_embeddings": meta("context_length"),
         "tie_word_embeddings": "output.weight" not in tensors,
         "source": f"converted from {gguf_path.name}",
+        "gguf_converter": GGUF_CONVERTER,
+        "gguf_source": gguf_identity(gguf_path),
     }
     names = {
         "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -185,6 +205,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     save_engine(engine, out_dir / ENGINE_FILE)
     return out_dir
+
+
+def gguf_identity(gguf_path: Path) -> dict:
+    return {"path": str(gguf_path.resolve()), "bytes": gguf_path.stat().st_size}
+
+
+def gguf_converted(out_dir: Path, gguf_path: Path) -> bool:
+    """Whether out_dir holds a conversion of this very file (two GGUFs may share a name) by this convert_gguf."""
+    try:
+        cfg = json.loads((out_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return ((out_dir / ENGINE_FILE).is_file() and cfg.get("gguf_converter") == GGUF_CONVERTER
+            and cfg.get("gguf_source") == gguf_identity(gguf_path))
 
 
 def main(argv=None) -> int:

@@ -423,7 +423,10 @@ def plot(summary: dict, records: list[dict], budgets: list[int], out_dir: Path) 
 # -------------------------------------------------------------------------------------------------------- CLI
 
 def csv(kind):
-    return lambda s: [kind(x) for x in s.split(",") if x.strip()]
+    def parse(s):
+        return [kind(x) for x in s.split(",") if x.strip()]
+    parse.__name__ = f"comma-separated {kind.__name__}"  # argparse names the type in its error line
+    return parse
 
 
 def parse_args(argv=None):
@@ -520,6 +523,12 @@ def run(a) -> int:
     ctx = ModelArgs.from_config(read_config(ckpt)).max_seq_len
     if a.fid_prefix + a.fid_tokens > ctx and "fidelity" in a.tasks:
         raise UserError(f"--fid-prefix + --fid-tokens exceeds the model's context ({ctx})")
+    if max(a.budgets) > ctx:
+        raise UserError(f"--budgets {max(a.budgets)} is larger than the model's context ({ctx})")
+    try:  # the outputs' folder before the run, not after it
+        a.out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out-dir {a.out_dir}: {e.strerror}") from None
     tok = load_tokenizer(ckpt)
     items = make_items(tok, a, ctx)
     model = load_model(ckpt, dtype, a.device)

@@ -95,8 +95,9 @@ BAD = [
     (["--compile", "--compile-mode", "fastest"], "invalid choice"),
     (["--no-compile-prefill"], "need --compile"),
     (["--compile-prefill"], "need --compile"),
+    (["--compile-mode", "default"], "--compile-mode need --compile"),
     (["--device", "cuda"], "CUDA is not available"),
-    (["--batch-size", "2"], "not supported yet"),
+    (["--batch-size", "2"], "only batch 1 is supported yet"),
     (["--budget", "abc"], "invalid int value"),
     (["--policy", "full", "--budget", "4"], "must be >= prompt + max-new-tokens"),
     (["--top-p", "0"], "top-p"),
@@ -108,7 +109,15 @@ BAD = [
     (["--prefill", "sideways"], "invalid choice"),
     (["--kv-dtype", "int4"], "invalid choice"),
     (["--policy", "sagekv", "--budget", "64", "--evict-before-attend"], "--evict-before-attend applies"),
+    (["--policy", "keydiff", "--budget", "8", "--block-size", "16", "--evict-before-attend"],
+     "needs --budget >= --block-size (8 < 16)"),
     (["--policy", "caote:sink"], "unknown policy"),
+    (["--temperature", "nan"], "finite --temperature"),
+    (["--temperature", "inf"], "finite --temperature"),
+    (["--seed", "99999999999999999999999"], "--seed must be in [0, 2**63)"),
+    (["--batch-size", "0"], "--batch-size 0: only batch 1"),
+    (["--profile", "/proc/no/such/dir/t.json"], "--profile /proc/no/such/dir/t.json: cannot write there"),
+    (["--profile", "/proc/t.json"], "--profile /proc/t.json: cannot write there"),
     (["--policy", "caote:tova", "--budget", "16", "--tova-heads", "all"], "--tova-heads all"),
 ]
 
@@ -153,6 +162,25 @@ def test_bad_checkpoints(tiny_ckpt, tmp_path, capsys):
     assert code == 2 and "truncated or corrupt" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: [1, 2], "is not a JSON object"),
+    (lambda c: dict(c, vocab_size="abc"), "vocab_size must be a positive integer, got 'abc'"),
+    (lambda c: dict(c, num_attention_heads=0), "num_attention_heads must be a positive integer, got 0"),
+    (lambda c: dict(c, model_type="mistral", sliding_window=0), "sliding_window must be a positive integer"),
+    (lambda c: dict(c, rope_scaling={"rope_type": "linear"}), "rope_scaling linear lacks factor"),
+    (lambda c: dict(c, rope_scaling={"rope_type": "llama3", "factor": 8}),
+     "rope_scaling llama3 lacks low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+], ids=["list", "vocab-type", "zero-heads", "zero-window", "linear-no-factor", "llama3-partial"])
+def test_bad_config_values_one_line(tiny_ckpt, tmp_path, capsys, edit, message):
+    """Malformed config.json values are named in one line (they used to raise from deep inside model building)."""
+    d = tmp_path / "cfg"
+    shutil.copytree(tiny_ckpt, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(edit(cfg)))
+    code, _, err = run_main(["--checkpoint", str(d), "--prompt", "hi", "--max-new-tokens", "2"], capsys)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_no_traceback_as_a_process(tiny_ckpt):
     r = subprocess.run([sys.executable, str(REPO / "generate.py"), "--checkpoint", str(tiny_ckpt), "--prompt", "x",
                         "--policy", "nope"], capture_output=True, text=True)
@@ -165,7 +193,16 @@ def test_no_traceback_as_a_process(tiny_ckpt):
                                             (["--no-compile-prefill"], "--no-compile-prefill needs --compile"),
                                             (["--budget", "abc"], "invalid int value"),
                                             (["--profile"], "--profile needs --paired"),
-                                            (["--paired", "--profile", "0"], "--profile needs --paired and >= 1")])
+                                            (["--paired", "--profile", "0"], "--profile needs --paired and >= 1"),
+                                            (["--threads", "0"], "--threads must be >= 1"),
+                                            (["--block-size", "0"], "--block-size must be >= 1"),
+                                            (["--quant", ","], "--quant is empty"),
+                                            (["--quant", "int3"], "unknown --quant mode 'int3'"),
+                                            (["--figure", "rocketkv", "--contexts", "abc"], "comma-separated"),
+                                            (["--json", "/proc/x.json"], "--json /proc/x.json: cannot write"),
+                                            (["--policies", "sink", "--budget", "2"], "must exceed the 4 sink"),
+                                            (["--prompt-tokens", "9000"], "must fit the model's context (8192)"),
+                                            (["--prompt-tokens", "10", "--policies", ""], "is too small")])
 def test_bench_bad_policy_one_line_exit_2(extra, message):
     """scripts/bench.py checks its policy names before loading anything: one line, exit 2, no traceback."""
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), *extra], capture_output=True, text=True)
@@ -195,3 +232,17 @@ def test_bench_paired_table_and_profile(tiny_ckpt):
     assert len(profiles) == 3
     for p in profiles:  # the timed graphs' own kernels, named (cpp.enable_kernel_profile), and no compile in there
         assert re.search(r"graph_\d+_cpp_fused", p) and "dynamo_timed" not in p
+
+
+@pytest.mark.parametrize("device,mode,want", [
+    ("cuda", None, (None, "reduce-overhead")),  # auto: CUDA graphs for decode only
+    ("cuda", "default", ("default", "default")),  # torch's default, no CUDA graphs (it used to mean auto)
+    ("cuda", "reduce-overhead", (None, "reduce-overhead")),
+    ("cuda", "max-autotune", ("max-autotune-no-cudagraphs", "max-autotune")),  # prefill never under CUDA graphs
+    ("cuda", "max-autotune-no-cudagraphs", ("max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs")),
+    ("cpu", "max-autotune-no-cudagraphs", ("max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs")),
+    ("cpu", "default", ("default", "default")),
+])
+def test_compile_modes_of_the_two_steps(device, mode, want):
+    from generate import step_modes
+    assert step_modes(device, mode) == want

@@ -195,3 +195,29 @@ def test_every_policy_reproduces_full_when_the_budget_holds_everything(hf_tiny, 
     assert out == ref
     for layer in model.layers:
         assert (layer.attention.kv_cache.n_valid() == 70 + new - 1).all()
+
+
+def test_one_shot_window_is_a_fraction_of_the_budget(hf_tiny):
+    """KeyDiff + SW under --prefill one-shot keeps the floor(p * budget) newest tokens and the best-scored rest (spec
+    1.8), as block-wise does. The window was once a fraction of the one-shot scratch (the whole padded prompt), which
+    protected more tokens than the budget holds and left pure recency. Reference: the raw-anchor KeyDiff scores of
+    every prompt key, read from a `full` one-shot prefill (slot == position), and a plain top-k."""
+    from generate import prefill_one_shot
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    L, N, p, block = 200, 40, 0.2, 16
+    prompt = torch.tensor(ids_of(L, seed=5))
+    window = int(p * N)
+    with torch.inference_mode():
+        setup_caches(model, 1, L, block)
+        prefill_one_shot(model, prompt, block)
+        keys = [layer.attention.kv_cache.k[0, :, :L].clone() for layer in model.layers]  # [H, L, D] per layer
+        setup_caches(model, 1, N, block, policies.REGISTRY["keydiff"](Namespace(window_frac=p)))
+        prefill_one_shot(model, prompt, block)
+    for layer, k in zip(model.layers, keys):
+        pos = layer.attention.kv_cache.pos[0]
+        for h in range(k.shape[0]):
+            score = -torch.cosine_similarity(k[h], k[h].mean(0, keepdim=True), dim=-1)
+            best = score[:L - window].topk(N - window).indices.tolist()
+            want = sorted(best + list(range(L - window, L)))
+            assert sorted(pos[h][pos[h] >= 0].tolist()) == want

@@ -149,7 +149,10 @@ BAD = [(["--policies", "full,nope"], "unknown policy"), (["--tasks", "fidelity,n
        (["--policies", "snapkv", "--budgets", "16"], "observation window"),
        (["--longbench", "nope"], "unknown LongBench task"), (["--depths", "2"], "--depths must be in [0, 1]"),
        (["--checkpoint", "no-such-model"], "unknown checkpoint"),
-       (["--tasks", "passkey", "--lengths", "5"], "too small")]
+       (["--tasks", "passkey", "--lengths", "5"], "too small"),
+       (["--budgets", "x"], "invalid comma-separated int value: 'x'"),
+       (["--tasks", "passkey", "--budgets", "4096"], "--budgets 4096 is larger than the model's context (2048)"),
+       (["--tasks", "passkey", "--out-dir", "/proc/no-such-dir"], "--out-dir /proc/no-such-dir: No such file or directory")]
 
 
 @pytest.mark.parametrize("extra,message", BAD, ids=[m for _, m in BAD])

@@ -36,6 +36,14 @@ def test_round_trip_error_bound():
     assert (errb <= sb.float()[..., None] / 2 * (1 + 1e-5) + 1e-6).all()
     z, zs = quantize_rows(torch.zeros(4, 8))  # an all-zero row stays zero (no division by zero)
     assert (dequantize_rows(z, zs, torch.float32) == 0).all()
+    # fp16 scales of tiny rows (max |x| / 127 below fp16's normal range) once rounded to 0: 0 / 0 made NaN codes.
+    # Floored at fp16's smallest normal, the error stays within half a step of the stored scale.
+    tiny = torch.tensor([[0.0, 0.0, 0.0, 0.0], [3e-6, -1e-6, 2e-6, 0.0], [1e-2, -5e-3, 2e-3, 0.0]],
+                        dtype=torch.float16)
+    qt, st = quantize_rows(tiny)
+    assert (st > 0).all() and (qt[0] == 0).all() and qt[2].abs().max() == 127
+    errt = (dequantize_rows(qt, st, torch.float32) - tiny.float()).abs()
+    assert (errt <= st.float()[..., None] / 2 * (1 + 1e-3)).all()
 
 
 def kept(model):

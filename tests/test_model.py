@@ -63,3 +63,20 @@ def test_sliding_window_matters(hf_tiny):
     with torch.no_grad():
         ref = hf(ids[None]).logits[0, -1]
     assert (logits[0] - ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("max_window_layers,want", [(0, 48), (2, None), (5, None), (1, "error")])
+def test_qwen2_sliding_window_follows_max_window_layers(max_window_layers, want):
+    """HF Qwen2 slides only in layers >= max_window_layers; the engine has one window for all layers, so it takes the
+    window when every layer slides, none when no layer does, and refuses a mix (it once slid in every layer)."""
+    from model import ConfigError, ModelArgs
+    cfg = dict(FAMILIES["qwen2"], use_sliding_window=True, sliding_window=48, max_window_layers=max_window_layers)
+    if want == "error":
+        with pytest.raises(ConfigError, match="sliding-window attention in some layers only"):
+            ModelArgs.from_config(cfg)
+    else:
+        assert ModelArgs.from_config(cfg).sliding_window == want
+    if want != "error":  # transformers 5 writes layer_types; it wins
+        types = ["sliding_attention", "full_attention"]
+        with pytest.raises(ConfigError):
+            ModelArgs.from_config(dict(cfg, layer_types=types))

@@ -68,6 +68,12 @@ def smol(tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2_tok")
     write_gguf_tokenizer(gguf.GGUFReader(os.path.join(SMOL_DIR, SMOL_FILE)), out)
     hf = transformers.AutoTokenizer.from_pretrained(SMOL_DIR, gguf_file=SMOL_FILE)
+    # transformers' GGUF loader ignores tokenizer.ggml.pre ("smollm") and splits with GPT-2's regex alone; llama.cpp
+    # and SmolLM2's own tokenizer.json split every digit first. Everything else stays transformers' own.
+    from tokenizers import pre_tokenizers
+    hf._tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
     return load_tokenizer(out), hf, out
 
 
@@ -77,7 +83,9 @@ def test_gguf_writes_files(smol):
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
     assert isinstance(tok, Tokenizer)
     j = json.loads((out / "tokenizer.json").read_text())
-    assert j["pre_tokenizer"] == {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    assert j["pre_tokenizer"] == {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
     assert j["normalizer"] is None and j["decoder"]["type"] == "ByteLevel"
 
 
@@ -164,6 +172,38 @@ def test_gguf_tiny_bpe_with_bos_and_eot(tmp_path):
 def test_gguf_unsupported_model(tmp_path):
     reader = _write_gguf(tmp_path / "x.gguf", tokenizer_model="llama")
     with pytest.raises(TokenizerError, match="unsupported GGUF tokenizer 'llama'"):
+        write_gguf_tokenizer(reader, tmp_path / "out")
+
+
+# Hand-split by each family's regex: GPT-2 keeps a digit run whole and splits "'M" case-sensitively; SmolLM2 splits
+# every digit first; Llama 3 takes digits in runs of up to three and contractions case-insensitively; Qwen2 like
+# Llama 3 with single digits.
+PRE_CASES = {
+    "default": ["I", "'", "M", "Ġhere", "Ġ12345", "Ġcats", "ĊĊĠ", "Ġok"],
+    "smollm": ["I", "'", "M", "Ġhere", "Ġ", "1", "2", "3", "4", "5", "Ġcats", "ĊĊĠ", "Ġok"],
+    "llama-bpe": ["I", "'M", "Ġhere", "Ġ", "123", "45", "Ġcats", "ĊĊ", "Ġ", "Ġok"],
+    "qwen2": ["I", "'M", "Ġhere", "Ġ", "1", "2", "3", "4", "5", "Ġcats", "ĊĊ", "Ġ", "Ġok"],
+}
+
+
+@pytest.mark.parametrize("pre", sorted(PRE_CASES))
+def test_gguf_pre_tokenizer_follows_tokenizer_ggml_pre(tmp_path, pre):
+    """The split before BPE follows the GGUF's tokenizer.ggml.pre (it used to be GPT-2's for every file)."""
+    pytest.importorskip("transformers")
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    tokens = ["<s>", "</s>"] + sorted(bytes_to_unicode().values())
+    reader = _write_gguf(tmp_path / "p.gguf", tokenizer_model="gpt2", tokenizer_pre=pre, token_list=tokens,
+                         token_merges=[], bos_token_id=0, eos_token_id=1)
+    write_gguf_tokenizer(reader, tmp_path / "out")
+    from tokenizers import Tokenizer as HFTok
+    pre_tok = HFTok.from_file(str(tmp_path / "out" / "tokenizer.json")).pre_tokenizer
+    assert [w for w, _ in pre_tok.pre_tokenize_str("I'M here 12345 cats\n\n  ok")] == PRE_CASES[pre]
+
+
+def test_gguf_unknown_pre_tokenizer_is_refused(tmp_path):
+    reader = _write_gguf(tmp_path / "x.gguf", tokenizer_model="gpt2", tokenizer_pre="tekken", token_list=["a"],
+                         token_merges=[])
+    with pytest.raises(TokenizerError, match="unsupported GGUF pre-tokenizer 'tekken'"):
         write_gguf_tokenizer(reader, tmp_path / "out")
 
 

@@ -1,0 +1,128 @@
+"""GGUF -> budgetkv conversion of what llama.cpp stores differently from an HF config: RoPE scaling and the norm eps.
+A silently dropped RoPE scaling would misplace every position, so those files must be refused in one line."""
+import json
+
+import numpy as np
+import pytest
+
+from scripts.convert_hf_checkpoint import CheckpointError, convert_gguf
+
+gguf = pytest.importorskip("gguf")
+
+DIM, N_HEADS, N_KV, HEAD_DIM, FFN, VOCAB = 32, 4, 2, 8, 64, 260
+
+
+def write_tiny_llama(path, eps=1e-5, rope_freqs=False, **kv):
+    """A 1-layer llama GGUF with random fp32 weights and a byte-level BPE vocab; kv: extra add_* metadata."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(2048)
+    w.add_embedding_length(DIM)
+    w.add_block_count(1)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(N_HEADS)
+    w.add_head_count_kv(N_KV)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_freq_base(10000.0)
+    if eps is not None:
+        w.add_layer_norm_rms_eps(eps)
+    for k, v in kv.items():
+        getattr(w, "add_" + k)(v)
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    tokens = ["<s>", "</s>"] + sorted(bytes_to_unicode().values())
+    tokens += [f"<extra_{i}>" for i in range(VOCAB - len(tokens))]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges([])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (VOCAB, DIM), "output_norm.weight": (DIM,), "output.weight": (VOCAB, DIM),
+              "blk.0.attn_norm.weight": (DIM,), "blk.0.ffn_norm.weight": (DIM,),
+              "blk.0.attn_q.weight": (N_HEADS * HEAD_DIM, DIM), "blk.0.attn_k.weight": (N_KV * HEAD_DIM, DIM),
+              "blk.0.attn_v.weight": (N_KV * HEAD_DIM, DIM), "blk.0.attn_output.weight": (DIM, N_HEADS * HEAD_DIM),
+              "blk.0.ffn_gate.weight": (FFN, DIM), "blk.0.ffn_up.weight": (FFN, DIM),
+              "blk.0.ffn_down.weight": (DIM, FFN)}
+    if rope_freqs:
+        shapes["rope_freqs.weight"] = (HEAD_DIM // 2,)
+    for name, shape in shapes.items():
+        w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_plain_llama_converts_and_loads(tmp_path):
+    pytest.importorskip("transformers")
+    import torch
+
+    from generate import load_model
+    out = convert_gguf(write_tiny_llama(tmp_path / "t.gguf"), tmp_path / "out")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["rope_scaling"] is None and cfg["rms_norm_eps"] == 1e-5 and cfg["num_key_value_heads"] == N_KV
+    model = load_model(out, torch.float32, "cpu")
+    assert model.layers[0].attention.wqkv.weight.shape == ((N_HEADS + 2 * N_KV) * HEAD_DIM, DIM)
+
+
+def test_llama31_rope_freqs_is_refused(tmp_path):
+    """llama.cpp writes Llama 3.1 / 3.2's RoPE scaling as a rope_freqs tensor; it used to be dropped silently."""
+    pytest.importorskip("transformers")
+    with pytest.raises(CheckpointError, match=r"RoPE scaling by per-frequency factors \(rope_freqs\).*HF checkpoint"):
+        convert_gguf(write_tiny_llama(tmp_path / "t31.gguf", rope_freqs=True), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_linear_rope_scaling_is_carried_over(tmp_path):
+    pytest.importorskip("transformers")
+    import torch
+
+    from model import ModelArgs, rope_inv_freq
+    path = write_tiny_llama(tmp_path / "lin.gguf", rope_scaling_type=gguf.RopeScalingType.LINEAR,
+                            rope_scaling_factor=4.0)
+    cfg = json.loads((convert_gguf(path, tmp_path / "out") / "config.json").read_text())
+    assert cfg["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    plain = 1.0 / 10000.0 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)
+    torch.testing.assert_close(rope_inv_freq(ModelArgs.from_config(cfg)), plain / 4.0)
+
+
+def test_yarn_scaling_and_missing_eps_are_refused(tmp_path):
+    pytest.importorskip("transformers")
+    path = write_tiny_llama(tmp_path / "yarn.gguf", rope_scaling_type=gguf.RopeScalingType.YARN,
+                            rope_scaling_factor=4.0)
+    with pytest.raises(CheckpointError, match="RoPE scaling by 'yarn'"):
+        convert_gguf(path, tmp_path / "out")
+    with pytest.raises(CheckpointError, match="lacks llama.attention.layer_norm_rms_epsilon"):
+        convert_gguf(write_tiny_llama(tmp_path / "noeps.gguf", eps=None), tmp_path / "out2")
+
+
+def test_an_older_conversion_is_redone(tmp_path, monkeypatch, capsys):
+    """A GGUF converted before the converter changed (no gguf_converter stamp) is converted again, not reused."""
+    pytest.importorskip("transformers")
+    import generate
+    monkeypatch.setattr(generate, "CHECKPOINTS", tmp_path / "ckpts")
+    path = write_tiny_llama(tmp_path / "m.gguf")
+    out = generate.resolve_checkpoint(str(path))
+    assert "converting" in capsys.readouterr().err
+    generate.resolve_checkpoint(str(path))
+    assert "converting" not in capsys.readouterr().err  # current: reused
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["gguf_converter"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    generate.resolve_checkpoint(str(path))
+    assert "converting" in capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["gguf_converter"] >= 2
+
+
+def test_a_different_file_of_the_same_name_is_not_reused(tmp_path, monkeypatch):
+    """Conversions live in checkpoints/<file stem>: another GGUF of the same name must not pick up that conversion
+    (a text file named like the embedded model used to run the embedded model)."""
+    pytest.importorskip("transformers")
+    import generate
+    monkeypatch.setattr(generate, "CHECKPOINTS", tmp_path / "ckpts")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    generate.resolve_checkpoint(str(write_tiny_llama(tmp_path / "a" / "m.gguf")))
+    (tmp_path / "b" / "m.gguf").write_text("not a gguf")
+    with pytest.raises(CheckpointError, match="cannot read GGUF file"):
+        generate.resolve_checkpoint(str(tmp_path / "b" / "m.gguf"))
