@@ -253,7 +253,10 @@ def write_gguf_tokenizer(reader, out_dir) -> None:
             single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B", special_tokens=[(tokens[bos], bos)])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
+    try:
+        tok.save(str(out / "tokenizer.json"))
+    except Exception as e:  # tokenizers raises a bare Exception for an unwritable path
+        raise TokenizerError(f"cannot write {out / 'tokenizer.json'}: {_oneline(e)}") from None
     cfg = {"bos_token": tokens[bos] if bos is not None else None,
            "eos_token": tokens[eos] if eos is not None else None}
     if get("tokenizer.chat_template"):

@@ -77,7 +77,10 @@ def read_hf_dir(ckpt_dir: Path, dtype: torch.dtype | None = None) -> dict[str, t
         return t.to(dtype) if dtype is not None else t
 
     tied = bool(config.get("tie_word_embeddings", False)) or "lm_head.weight" not in where
-    return hf_to_engine(get, set(where), config["num_hidden_layers"], tied)
+    n_layers = config.get("num_hidden_layers")
+    if type(n_layers) is not int or n_layers < 1:
+        raise CheckpointError(f"{ckpt_dir}/config.json lacks a valid num_hidden_layers")
+    return hf_to_engine(get, set(where), n_layers, tied)
 
 
 def read_config(ckpt_dir: Path) -> dict:
@@ -226,12 +229,13 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", type=Path, required=True, help="HF directory or .gguf file")
     ap.add_argument("--out-dir", type=Path, help="output directory for a GGUF (default: checkpoints/<gguf stem>)")
     a = ap.parse_args(argv)
+    from tokenizer import TokenizerError
     try:
         if a.checkpoint.suffix == ".gguf":
             out = convert_gguf(a.checkpoint, a.out_dir or Path("checkpoints") / a.checkpoint.stem)
         else:
             out = convert_hf_dir(a.checkpoint)
-    except (CheckpointError, FileNotFoundError) as e:
+    except (CheckpointError, TokenizerError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(out)

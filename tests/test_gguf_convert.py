@@ -126,3 +126,21 @@ def test_a_different_file_of_the_same_name_is_not_reused(tmp_path, monkeypatch):
     (tmp_path / "b" / "m.gguf").write_text("not a gguf")
     with pytest.raises(CheckpointError, match="cannot read GGUF file"):
         generate.resolve_checkpoint(str(tmp_path / "b" / "m.gguf"))
+
+
+def test_convert_cli_one_line_errors(tmp_path, capsys):
+    """scripts/convert_hf_checkpoint.py: an unwritable output and a config without num_hidden_layers are one line."""
+    pytest.importorskip("transformers")
+    from scripts.convert_hf_checkpoint import main
+    assert main(["--checkpoint", str(write_tiny_llama(tmp_path / "t.gguf")), "--out-dir", "/proc/x"]) == 2
+    assert main(["--checkpoint", str(write_tiny_llama(tmp_path / "t.gguf")), "--out-dir", "/proc"]) == 2
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    from safetensors.torch import save_file
+    import torch
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, str(d / "model.safetensors"))
+    assert main(["--checkpoint", str(d)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("error: ") for line in lines), lines
+    assert "cannot write /proc/tokenizer.json" in lines[1] and "lacks a valid num_hidden_layers" in lines[2]
