@@ -222,7 +222,7 @@ def gguf_pre_tokenizer(pre: str):
 
 def write_gguf_tokenizer(reader, out_dir) -> None:
     """Turn a llama.cpp GGUF's byte-level BPE vocab into tokenizer.json + configs in out_dir."""
-    from tokenizers import AddedToken, Tokenizer as HFTok, decoders, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer as HFTok, decoders, processors
     from tokenizers.models import BPE
 
     from gguf import GGUFValueType as T

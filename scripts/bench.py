@@ -167,7 +167,7 @@ def figure_one(model, label: str, T: int, args) -> dict:
 
 def run_figure(args) -> None:
     contexts, budgets = int_list(args.contexts, "--contexts"), int_list(args.budgets, "--budgets")
-    ctx = ModelArgs.from_config(read_config(resolve_checkpoint(args.checkpoint))).max_seq_len
+    ctx = model_context(resolve_checkpoint(args.checkpoint))
     if max(contexts) + args.decode_steps > ctx:
         raise UserError(f"--contexts {max(contexts)} + --decode-steps {args.decode_steps} exceed the model's context "
                         f"({ctx})")
@@ -558,8 +558,12 @@ def int_list(text: str, flag: str) -> list[int]:
     return values
 
 
+def model_context(ckpt) -> int:
+    return ModelArgs.from_config(read_config(ckpt)).max_seq_len
+
+
 def check_context(ckpt, args) -> None:
-    ctx = ModelArgs.from_config(read_config(ckpt)).max_seq_len
+    ctx = model_context(ckpt)
     if args.prompt_tokens + args.decode_steps > ctx or args.budget > ctx:
         raise UserError(f"--prompt-tokens + --decode-steps ({args.prompt_tokens} + {args.decode_steps}) and --budget "
                         f"({args.budget}) must fit the model's context ({ctx})")
