@@ -1,8 +1,8 @@
 """Weight-only quantization, in the spirit of gpt-fast's quantize.py: int8 per output channel (symmetric) and int4 per
 group of in-features (asymmetric, packed two to a byte). Activations, the KV cache, embeddings and norms stay float.
 
-    python quantize.py --checkpoint smollm2-135m --mode int8
-    python quantize.py --checkpoint smollm2-135m --mode int4 --groupsize 64
+    python scripts/quantize.py --checkpoint smollm2-135m --mode int8
+    python scripts/quantize.py --checkpoint smollm2-135m --mode int4 --groupsize 64
     python generate.py --checkpoint checkpoints/smollm2-135m-int8 --prompt "Hello"
 
 What is quantized: every Linear of the transformer (attention.wqkv, attention.wo, feed_forward.w13, feed_forward.w2)
@@ -35,7 +35,6 @@ Kernels, chosen once per Linear at load time (so the forward has no data-depende
     instead of failing.
 torchao is not used: torch's own ops cover both modes on CPU and CUDA, and the engine keeps no extra dependency.
 """
-import argparse
 import functools
 import json
 import shutil
@@ -47,15 +46,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from generate import Parser, UserError, resolve_checkpoint, run_cli
+from convert import ENGINE_FILE, TOKENIZER_FILES, CheckpointError, read_config, read_hf_dir, save_engine
+from errors import UserError
 from model import ModelArgs
-from scripts.convert_hf_checkpoint import (ENGINE_FILE, TOKENIZER_FILES, CheckpointError, read_config, read_hf_dir,
-                                           save_engine)
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128)
-DEFAULT_GROUPSIZE = 64  # divides the in-features of every model in generate.MODELS (SmolLM2's 576 rules out 128)
-MARKER = "budgetkv_quantization"  # the config.json entry that makes generate.load_model swap the Linears
+DEFAULT_GROUPSIZE = 64  # divides the in-features of every model in checkpoint.MODELS (SmolLM2's 576 rules out 128)
+MARKER = "budgetkv_quantization"  # the config.json entry that makes engine.load_model swap the Linears
 LINEARS = ("wqkv", "wo", "w13", "w2", "output")  # the last component of every Linear's name in model.py
 
 
@@ -365,7 +363,7 @@ def summary(model: nn.Module) -> dict:
     return {"mode": mode, "groupsize": groupsize, "kernels": kernels, "weight_bytes": weight_bytes}
 
 
-# ---------------------------------------------------------------------------------------------------------- CLI
+# --------------------------------------------------------------------------------------------- quantize a checkpoint
 
 def open_tensors(ckpt: Path):
     """(get(name), names) over the float checkpoint, reading the engine file lazily one tensor at a time."""
@@ -408,37 +406,22 @@ def default_out(ckpt: Path, mode: str, groupsize: int | None) -> Path:
     return ckpt.parent / f"{ckpt.name}-{suffix}"
 
 
-def parse_args(argv=None):
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default="smollm2-135m",
-                    help="what generate.py's --checkpoint takes: a short name, an HF or budgetkv directory, a .gguf")
-    ap.add_argument("--mode", required=True, choices=MODES,
-                    help="int8: per-channel symmetric; int4: group-wise asymmetric, two weights per byte")
-    ap.add_argument("--groupsize", type=int, default=None,
-                    help=f"int4 only: in-features per scale/zero group, {', '.join(map(str, GROUP_SIZES))} "
-                         f"(default {DEFAULT_GROUPSIZE}); must divide every Linear's in-features")
-    ap.add_argument("--head", choices=["auto", "quantize", "float"], default="auto",
-                    help="the output head: auto = quantized with int8, float (and tied where the model ties it) "
-                         "with int4, where a 4-bit head costs far more quality than it saves")
-    ap.add_argument("--out", type=Path, help="output directory (default: <checkpoint>-int8 or "
-                                             "<checkpoint>-int4-g<groupsize> beside the checkpoint)")
-    return ap.parse_args(argv)
-
-
-def run(a) -> int:
-    ckpt = resolve_checkpoint(a.checkpoint)
+def quantize_dir(ckpt: Path, mode: str, groupsize: int | None = None, head: str = "auto",
+                 out: Path | None = None) -> dict:
+    """Write the quantized copy of the float checkpoint directory `ckpt` (to `out`, default `default_out`); returns
+    {"out", "mode", "groupsize", "head", "weight_bytes"}. Bad input raises UserError (one line)."""
     config = read_config(ckpt)
     if MARKER in config:
         q = config[MARKER]
         raise UserError(f"{ckpt} is already quantized ({q.get('mode')}); quantize the float checkpoint it was "
                         f"made from ({q.get('source', 'its source')})")
     args = ModelArgs.from_config(config)
-    groupsize = check_mode(a.mode, a.groupsize, in_features(args))
-    out_dir = a.out or default_out(ckpt, a.mode, groupsize)
+    groupsize = check_mode(mode, groupsize, in_features(args))
+    out_dir = out or default_out(ckpt, mode, groupsize)
     if out_dir.resolve() == ckpt.resolve():
         raise UserError(f"--out {out_dir} is the source checkpoint itself; pick another directory")
-    head = head_quantized(a.mode, a.head)
-    tensors = quantize_checkpoint(ckpt, args, a.mode, groupsize, head=head)
+    quantized_head = head_quantized(mode, head)
+    tensors = quantize_checkpoint(ckpt, args, mode, groupsize, head=quantized_head)
 
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -448,18 +431,7 @@ def run(a) -> int:
     for name in TOKENIZER_FILES:
         if (ckpt / name).is_file():
             shutil.copy2(ckpt / name, out_dir / name)
-    config[MARKER] = {"mode": a.mode, "groupsize": groupsize, "head": head, "source": str(ckpt)}
+    config[MARKER] = {"mode": mode, "groupsize": groupsize, "head": quantized_head, "source": str(ckpt)}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))  # last: no config, no loadable checkpoint
-    size = sum(t.nbytes for t in tensors.values())
-    print(f"wrote {out_dir} ({a.mode}{f', group size {groupsize}' if groupsize else ''}, head "
-          f"{'quantized' if head else 'float'}; weights {size / 2**20:.1f} MiB)\n"
-          f"run it: python generate.py --checkpoint {out_dir}", file=sys.stderr)
-    return 0
-
-
-def main(argv=None) -> int:
-    return run_cli(run, parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return {"out": out_dir, "mode": mode, "groupsize": groupsize, "head": quantized_head,
+            "weight_bytes": sum(t.nbytes for t in tensors.values())}

@@ -53,10 +53,13 @@ sys.path.insert(0, str(REPO))
 
 import policies  # noqa: E402
 from cache import kv_bytes, setup_caches  # noqa: E402
-from generate import (Parser, PeakMemory, block_inputs, compile_steps, decode_bytes_per_step, load_model,  # noqa: E402
-                      check_writable, model_step, prefill_step, resolve_checkpoint, run_cli, sync, UserError)
+from checkpoint import resolve_checkpoint  # noqa: E402
+from cli import Parser, check_writable, run_cli  # noqa: E402
+from convert import read_config  # noqa: E402
+from engine import (PeakMemory, block_inputs, compile_steps, decode_bytes_per_step,  # noqa: E402
+                    load_model, model_step, prefill_one_shot, prefill_step, setup, sync)
+from errors import UserError  # noqa: E402
 from model import ModelArgs  # noqa: E402
-from scripts.convert_hf_checkpoint import read_config  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 KVPRESS = {"keydiff": "KeyDiffPress", "snapkv": "SnapKVPress", "tova": "TOVAPress", "sink": "StreamingLLMPress",
@@ -121,7 +124,6 @@ def rewind(model, n0: list[int]) -> None:
 
 def figure_one(model, label: str, T: int, args) -> dict:
     """One configuration of --figure rocketkv ("full" or "rocketkv-<t>") at prompt length T, in this process."""
-    from generate import prefill_one_shot
     N = args.decode_steps
     ids = torch.randint(0, 1024, (T,), generator=torch.Generator().manual_seed(0)).to(args.device)
     policy = None
@@ -245,12 +247,13 @@ def plot_figure(rows, budgets, path) -> None:
 
 def quant_one(mode: str, args) -> dict:
     """One --quant row in this process: --checkpoint in fp32 / bf16, or its quantize.py checkpoint (int8; int4-gN =
-    group size N; written beside it on first use, as a user would) loaded by generate.load_model; decode tok/s and
+    group size N; written beside it on first use, as a user would) loaded by engine.load_model; decode tok/s and
     bytes read per step with the `full` cache on the synthetic document (block-wise prefill, as the main table);
     perplexity of the evaluation harness's fidelity text (teacher-forced continuations, scripts/eval.py)."""
     import math
     import quantize
     from scripts import eval as ev
+    from scripts import quantize as quantize_cli
     ckpt = resolve_checkpoint(args.checkpoint)
     tok = load_tokenizer(ckpt)
     if mode.startswith("int"):
@@ -261,12 +264,12 @@ def quant_one(mode: str, args) -> dict:
         if not (qdir / "config.json").is_file():
             argv = ["--checkpoint", str(ckpt), "--mode", kind, "--out", str(qdir)] + (["--groupsize", g] if g else [])
             argv += ["--head", "quantize"] if qhead else []
-            if quantize.main(argv) != 0:
-                sys.exit(f"quantize.py {' '.join(argv)} failed")
+            if quantize_cli.main(argv) != 0:
+                sys.exit(f"scripts/quantize.py {' '.join(argv)} failed")
         ckpt = qdir
     model = load_model(ckpt, torch.bfloat16 if mode == "bfloat16" else torch.float32, args.device)
     _, ids = make_document(tok, args.prompt_tokens)
-    setup_caches(model, 1, len(ids) + args.decode_steps, args.block_size)
+    setup(model, None, len(ids) + args.decode_steps, len(ids), args.decode_steps, args.block_size)
     steps = bench_steps(args)
     r = time_policy(model, ids, steps, args, args.device)
     texts = ev.fidelity_texts(tok, args.ppl_texts, args.ppl_prefix + args.ppl_tokens, seed=0)
@@ -328,7 +331,6 @@ def disable_eviction(model) -> None:
 def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
     """Median prefill time (block-wise, or one-shot: dense layer-major prefill then one compression, eager even with
     --compile, as in generate.py) and median decode step time over repeats."""
-    from generate import prefill_one_shot
     prefill_fn, decode_fn = steps
     prompt = torch.tensor(ids, device=device)
     mem = PeakMemory(device)
@@ -392,12 +394,12 @@ def run_paired(args) -> None:
             raise policies.PolicyError(f"--paired measures block-wise evicting policies, not {label}")
         policy.check(args.budget, args.block_size)
     ckpt = resolve_checkpoint(args.checkpoint)
-    check_context(ckpt, args)
+    config = check_context(ckpt, args)
     _, ids = make_document(load_tokenizer(ckpt), args.prompt_tokens)
     prompt = torch.tensor(ids, device=args.device)
     models = {}
     for label, policy in zip(labels, pols):
-        model = models[label] = load_model(ckpt, torch.float32, args.device)
+        model = models[label] = load_model(ckpt, torch.float32, args.device, config)
         setup_caches(model, 1, args.budget, args.block_size, policy)
         if label == "no-evict":
             disable_eviction(model)
@@ -562,11 +564,14 @@ def model_context(ckpt) -> int:
     return ModelArgs.from_config(read_config(ckpt)).max_seq_len
 
 
-def check_context(ckpt, args) -> None:
-    ctx = model_context(ckpt)
+def check_context(ckpt, args) -> dict:
+    """The checkpoint's config.json (read once: pass it on to load_model), after checking the sizes against it."""
+    config = read_config(ckpt)
+    ctx = ModelArgs.from_config(config).max_seq_len
     if args.prompt_tokens + args.decode_steps > ctx or args.budget > ctx:
         raise UserError(f"--prompt-tokens + --decode-steps ({args.prompt_tokens} + {args.decode_steps}) and --budget "
                         f"({args.budget}) must fit the model's context ({ctx})")
+    return config
 
 
 def check_args(args) -> None:
@@ -637,17 +642,15 @@ def run(args) -> None:
             policy.check(args.budget, args.block_size)
     ckpt = resolve_checkpoint(args.checkpoint)
     tok = load_tokenizer(ckpt)
-    check_context(ckpt, args)
-    model = load_model(ckpt, torch.float32, args.device)
+    config = check_context(ckpt, args)
+    model = load_model(ckpt, torch.float32, args.device, config)
     _, ids = make_document(tok, args.prompt_tokens)
     if args.one:
         label = args.one
         budget = len(ids) + args.decode_steps if label == "full" else args.budget
         policy = config_policy(label)
-        if policy is not None:  # compress-once policies size their cache from the prompt (the others: budget)
-            policy.check(budget, args.block_size)
-            budget = policy.plan(budget, len(ids), args.decode_steps, model.args)
-        setup_caches(model, 1, budget, args.block_size, policy)
+        # compress-once policies size their cache from the prompt (the others: budget)
+        setup(model, policy, budget, len(ids), args.decode_steps, args.block_size)
         if label == "no-evict":
             disable_eviction(model)
         t = time.perf_counter()

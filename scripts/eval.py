@@ -41,12 +41,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import policies  # noqa: E402
-from cache import setup_caches  # noqa: E402
-from generate import (Parser, UserError, block_inputs, compile_steps, load_model, model_step,  # noqa: E402
-                      prefill_one_shot, prefill_step, resolve_checkpoint, run_cli)
+from checkpoint import resolve_checkpoint  # noqa: E402
+from cli import Parser, run_cli  # noqa: E402
+from convert import read_config  # noqa: E402
+from engine import (block_inputs, compile_steps, load_model, model_step, prefill_one_shot, prefill_step,  # noqa: E402
+                    setup)
+from errors import UserError  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from scripts import eval_tasks  # noqa: E402
-from scripts.convert_hf_checkpoint import read_config  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 POLICIES = "full,random,sink,h2o,tova,snapkv,keydiff,keynorm"
@@ -71,11 +73,7 @@ def use(model, policy: str, budget: int, block_size: int, policy_args, prompt_le
     if getattr(model, "eval_caches", None) == key:
         return
     pol = cls(policy_args) if cls is not None else None
-    if pol is not None:
-        pol.check(budget, block_size)
-        if hasattr(pol, "plan"):
-            budget = pol.plan(budget, prompt_len, new_tokens, model.args)
-    setup_caches(model, 1, budget, block_size, pol)
+    setup(model, pol, budget, prompt_len, new_tokens, block_size)
     model.eval_caches = key
 
 
@@ -520,7 +518,8 @@ def run(a) -> int:
     dtype = {"auto": torch.bfloat16 if a.device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
     ckpt = resolve_checkpoint(a.checkpoint)
-    ctx = ModelArgs.from_config(read_config(ckpt)).max_seq_len
+    config = read_config(ckpt)  # read once, here and by the model
+    ctx = ModelArgs.from_config(config).max_seq_len
     if a.fid_prefix + a.fid_tokens > ctx and "fidelity" in a.tasks:
         raise UserError(f"--fid-prefix + --fid-tokens exceeds the model's context ({ctx})")
     if max(a.budgets) > ctx:
@@ -531,7 +530,7 @@ def run(a) -> int:
         raise UserError(f"--out-dir {a.out_dir}: {e.strerror}") from None
     tok = load_tokenizer(ckpt)
     items = make_items(tok, a, ctx)
-    model = load_model(ckpt, dtype, a.device)
+    model = load_model(ckpt, dtype, a.device, config)
     steps = (prefill_step, model_step)
     if a.compile:
         torch._dynamo.config.cache_size_limit = torch._dynamo.config.accumulated_cache_size_limit = 4096

@@ -91,7 +91,7 @@ def generate_compiled(model, prompt, max_new_tokens: int, block_size: int, one_s
                       device: str = "cpu") -> list:
     """generate() with both steps compiled (fullgraph=True, inductor) under error_on_recompile; resets dynamo and
     inductor's freezing flag afterwards so later tests start clean."""
-    from generate import compile_steps, generate
+    from engine import compile_steps, generate
     torch._dynamo.reset()
     steps = compile_steps(device)
     try:

@@ -246,5 +246,5 @@ def test_bench_paired_table_and_profile(tiny_ckpt):
     ("cpu", "default", ("default", "default")),
 ])
 def test_compile_modes_of_the_two_steps(device, mode, want):
-    from generate import step_modes
+    from engine import step_modes
     assert step_modes(device, mode) == want

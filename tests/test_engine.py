@@ -9,7 +9,7 @@ import torch
 from conftest import REPO
 
 from cache import setup_caches
-from generate import compile_steps, generate, load_model, model_step, prefill_step
+from engine import compile_steps, generate, load_model, model_step, prefill_step
 import policies
 from policies import RandomScores
 
@@ -131,7 +131,7 @@ import json, sys, torch
 sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
 from conftest import make_hf_checkpoint
 from cache import setup_caches
-from generate import generate, load_model, model_step, prefill_step, PeakMemory
+from engine import generate, load_model, model_step, prefill_step, PeakMemory
 import policies
 from policies import RandomScores
 from pathlib import Path
@@ -202,7 +202,7 @@ def test_one_shot_window_is_a_fraction_of_the_budget(hf_tiny):
     1.8), as block-wise does. The window was once a fraction of the one-shot scratch (the whole padded prompt), which
     protected more tokens than the budget holds and left pure recency. Reference: the raw-anchor KeyDiff scores of
     every prompt key, read from a `full` one-shot prefill (slot == position), and a plain top-k."""
-    from generate import prefill_one_shot
+    from engine import prefill_one_shot
     _, ckpt = hf_tiny("llama")
     model = load_model(ckpt, torch.float32, "cpu")
     L, N, p, block = 200, 40, 0.2, 16

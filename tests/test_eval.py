@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from generate import generate, load_model, model_step, prefill_step
+from engine import generate, load_model, model_step, prefill_step
 from scripts import eval as ev
 
 PREFIX, CONT, BLOCK = 40, 12, 16

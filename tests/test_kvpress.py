@@ -4,7 +4,7 @@ Same tiny random checkpoint (conftest FAMILIES: GQA with 4 query heads, 2 KV hea
 for q/k/v biases and tied embeddings), same 300 random token ids. kvpress runs in its own venv (.venv-kv, see
 requirements-kvpress.txt; it needs transformers < 5.3) through tests/kvpress_keep.py, which recovers the positions
 each layer and KV head kept by matching the compressed cache's key rows against an uncompressed prefill, so nothing
-here depends on kvpress's internals. Our side: `generate.prefill_one_shot` (dense prefill in blocks of 64, the last
+here depends on kvpress's internals. Our side: `engine.prefill_one_shot` (dense prefill in blocks of 64, the last
 one padded, then one compression per layer) with budget = kvpress's `compute_n_kept(L, ratio)` =
 max(1, int(L * (1 - ratio))) for ratios 0.5 and 0.75. The kept position SETS must be equal for every layer and KV
 head, exactly; there is no tolerance. kvpress uses SDPA here, so SnapKV and TOVA compute their own window attention
@@ -42,7 +42,7 @@ from conftest import REPO
 
 import policies
 from cache import setup_caches
-from generate import load_model, prefill_one_shot
+from engine import load_model, prefill_one_shot
 
 KV_PY = REPO / ".venv-kv" / "bin" / "python"
 L, BLOCK, RATIOS = 300, 64, (0.5, 0.75)

@@ -4,8 +4,8 @@ import torch
 from conftest import FAMILIES
 
 from cache import setup_caches
-from generate import block_inputs, load_model, model_step
-from scripts.convert_hf_checkpoint import ENGINE_FILE, convert_hf_dir
+from engine import block_inputs, load_model, model_step
+from convert import ENGINE_FILE, convert_hf_dir
 
 PROMPT_LEN, NEW, BLOCK = 300, 12, 64
 

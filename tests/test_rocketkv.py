@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 import policies
 from cache import KVCache, attention_weights, setup_caches
-from generate import UserError, generate, load_model, model_step, prefill_step
+from engine import generate, load_model, model_step, prefill_step
+from errors import UserError
 from policies import (ExactTopK, RocketKV, SnapKVPlusPlus, adaptive_kernel, build_pages, hybrid_scores, pool_votes,
                       rocket_params, stable_topk, token_scores, update_page)
 from scripts.bench import paper_peak_memory

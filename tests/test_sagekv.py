@@ -19,7 +19,7 @@ from conftest import generate_compiled
 import torch.nn.functional as F
 
 from cache import KVCache, setup_caches
-from generate import generate, load_model, model_step, prefill_one_shot, prefill_step
+from engine import generate, load_model, model_step, prefill_one_shot, prefill_step
 from model import ModelArgs, Transformer
 from policies import PolicyError, SageKV, SageLayout, sage_sizes
 from reference import RefModel

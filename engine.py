@@ -1,0 +1,302 @@
+"""The engine: build a model from a checkpoint directory and run it with a fixed-budget KV cache (block-wise or
+one-shot prefill, then decode), plus what the command lines share to time and measure it. generate.py is its
+command line."""
+import time
+from pathlib import Path
+
+import torch
+
+from cache import make_cache, setup_caches
+from convert import ENGINE_FILE, CheckpointError, read_config, read_hf_dir
+from errors import UserError
+from model import ModelArgs, Transformer, rope_cos_sin, rope_inv_freq
+
+
+def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | None = None) -> Transformer:
+    """Build the model from config.json and load weights without a second copy (meta init + assign).
+
+    `config`: the checkpoint's config.json when the caller has read it already (read here otherwise); the model
+    carries it as `model.config`, so that nobody reads it twice. A checkpoint written by scripts/quantize.py (a
+    "budgetkv_quantization" entry in config.json) gets its Linears swapped for quantized ones before loading, and
+    repacked for the device's kernel after."""
+    if config is None:
+        config = read_config(ckpt_dir)
+    args = ModelArgs.from_config(config)
+    quant = config.get("budgetkv_quantization")
+    engine_file = ckpt_dir / ENGINE_FILE
+    if engine_file.is_file():
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+        try:
+            tensors = load_file(str(engine_file))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read {engine_file} (truncated or corrupt?): {e}") from None
+    else:
+        tensors = read_hf_dir(ckpt_dir)
+    # Float tensors take the run's dtype (quantization scales included); packed integer weights keep theirs.
+    tensors = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in tensors.items()}
+    with torch.device("meta"):
+        model = Transformer(args)
+        if quant is not None:
+            import quantize
+            quantize.swap_linears(model, quant)
+    try:
+        missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()
+        raise CheckpointError(f"weights in {ckpt_dir} do not match its config.json: {first[-1].strip()}") from None
+    if args.tie_embeddings and isinstance(model.output, torch.nn.Linear):  # not when the head was quantized
+        model.output.weight = model.tok_embeddings.weight
+        missing = [m for m in missing if m != "output.weight"]
+    if missing or unexpected:
+        raise CheckpointError(f"weights in {ckpt_dir} do not match its config.json: "
+                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.inv_freq = rope_inv_freq(args).to(device)
+    if quant is not None:
+        quantize.prepare(model)  # pick each Linear's kernel for this device; says once if it falls back
+    model.config = config
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------------- generation
+
+def model_step(model, idx, input_pos):
+    return model(idx, input_pos)
+
+
+def prefill_step(model, idx, input_pos):  # a separate function so that its compiled graph is separate
+    return model(idx, input_pos)
+
+
+def step_modes(device: str, mode: str | None) -> tuple[str | None, str | None]:
+    """torch.compile modes of (prefill step, decode step) for --compile-mode (None = auto). On CUDA, auto puts decode
+    under CUDA graphs ("default" does not), and prefill stays out of them in every mode: max-autotune would turn
+    them on too."""
+    if not device.startswith("cuda"):
+        return mode, mode
+    no_graphs = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
+    return no_graphs.get(mode, mode), mode or "reduce-overhead"
+
+
+def compile_steps(device: str, mode: str | None = None, prefill: bool = True):
+    """(prefill_step, decode_step), each compiled once with fullgraph=True; decode under CUDA graphs on GPU.
+
+    prefill=False leaves the prefill step eager (gpt-fast's default; generate.py's on CPU). On CPU each frozen graph
+    holds its own packed copy of the weights: measured on SmolLM2-135M fp32 (README, Performance), compiling the
+    prefill step too raised the peak RSS from 1,664 to 2,990 MiB and warm-up + compile from 133 to 267 s for 1.1x the
+    block-wise prefill tok/s."""
+    if not device.startswith("cuda"):
+        # On CPU freezing lets inductor fold the weights and pick packed GEMM kernels (measured +20% decode).
+        torch._inductor.config.freezing = True
+    prefill_mode, decode_mode = step_modes(device, mode)
+    prefill_fn = prefill_step
+    if prefill:
+        prefill_fn = torch.compile(prefill_step, fullgraph=True, dynamic=False, mode=prefill_mode)
+    decode_fn = torch.compile(model_step, fullgraph=True, dynamic=False, mode=decode_mode)
+    return prefill_fn, decode_fn
+
+
+def default_compile_mode(device: str, dtype: torch.dtype, quantized: bool) -> str | None:
+    """--compile-mode auto. On CPU in fp32, max-autotune (with freezing) picks inductor's packed micro-GEMM
+    templates: measured 1.9x the default mode's decode step on SmolLM2-135M (README, Performance), for ~1.5x the
+    compile time. bf16 on a CPU without AMX gained nothing from it (shared/notes), and quantized Linears have
+    their own kernels, so those keep the default; on CUDA None means reduce-overhead (CUDA graphs) for decode."""
+    return "max-autotune-no-cudagraphs" if device == "cpu" and dtype == torch.float32 and not quantized else None
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]. Greedy at temperature 0; the exponential race avoids a host sync."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keep the smallest prefix whose mass reaches p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+
+
+def block_inputs(prompt: torch.Tensor, start: int, block_size: int):
+    """One prefill block, padded to block_size so every block has the same shape (no recompiles)."""
+    chunk = prompt[start:start + block_size]
+    n = chunk.numel()
+    idx = torch.zeros(1, block_size, dtype=torch.long, device=prompt.device)
+    idx[0, :n] = chunk
+    pos = torch.arange(start, start + block_size, device=prompt.device)
+    pos[n:] = -1
+    return idx, pos
+
+
+def prefill_one_shot(model, prompt: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Dense prefill of the whole prompt, then one compression per layer (the SnapKV / RocketKV / kvpress protocol).
+
+    Layer-major: all blocks of layer 0, then of layer 1, ..., carrying the hidden state [L, dim]. The only scratch
+    is one layer's K/V for the whole prompt (a KVCache whose budget is the prompt), so peak memory is one layer's
+    full-length cache, not the model's. Returns the last position's logits [1, vocab].
+    """
+    L = prompt.numel()
+    n_blocks = -(-L // block_size)
+    idx, input_pos = block_inputs(prompt, 0, n_blocks * block_size)
+    query_pos = torch.where(input_pos >= 0, input_pos, L - 1)
+    cos, sin = rope_cos_sin(query_pos, model.inv_freq, model.tok_embeddings.weight.dtype)
+    x = model.tok_embeddings(idx)
+    for layer in model.layers:
+        cache = layer.attention.kv_cache
+        layer.attention.kv_cache = scratch = make_cache(model, 1, n_blocks * block_size, block_size, cache.policy,
+                                                        scratch=True, kv_dtype=cache.kv_dtype,
+                                                        keep_budget=cache.budget)
+        for b in range(n_blocks):
+            blk = slice(b * block_size, (b + 1) * block_size)
+            x[:, blk] = layer(x[:, blk], cos[blk], sin[blk], input_pos[blk], query_pos[blk])
+        layer.attention.kv_cache = cache
+        if cache.policy is None:  # full: the scratch already is the whole prompt
+            for dst, src in zip([cache.pos, *cache.slot_buffers()], [scratch.pos, *scratch.slot_buffers()],
+                                strict=True):
+                dst[:, :, :L] = src[:, :, :L]
+        else:
+            scratch.compress_into(cache)
+        del scratch
+    return model.output(model.norm(x[:, L - 1:L]))[:, 0].float()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class PeakMemory:
+    """Per-phase peak memory: CUDA's max_memory_allocated, or on CPU the process peak RSS (VmHWM), which Linux
+    lets us reset by writing 5 to /proc/self/clear_refs. Falls back to ru_maxrss (not resettable) elsewhere."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.measure = "cuda max_memory_allocated" if self.cuda else "process peak RSS (VmHWM)"
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            self.measure = "process peak RSS since start (ru_maxrss)"
+
+    def peak(self) -> int:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated()
+        try:
+            for line in open("/proc/self/status"):
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@torch.inference_mode()
+def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: int, steps, eos_ids=(),
+             temperature=0.0, top_k=0, top_p=1.0, on_token=None, device="cpu", profiler=None,
+             one_shot=False) -> tuple[list, dict]:
+    """Block-wise (or one-shot) prefill then decode; returns (generated ids, stats). steps = (prefill, decode)."""
+    prefill_fn, decode_fn = steps
+    for layer in model.layers:
+        layer.attention.kv_cache.reset()
+    prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+    L = len(prompt_ids)
+    check_capacity(model, L, max_new_tokens, one_shot)
+    mem = PeakMemory(device)
+    stats = {"prompt_tokens": L, "memory_measure": mem.measure}
+
+    mem.reset()
+    sync(device)
+    t0 = time.perf_counter()
+    if one_shot:
+        logits = prefill_one_shot(model, prompt, block_size)
+    else:
+        for start in range(0, L, block_size):
+            idx, pos = block_inputs(prompt, start, block_size)
+            logits = prefill_fn(model, idx, pos)
+    token = sample(logits, temperature, top_k, top_p)
+    tok = int(token.item())  # the first token is needed on the host anyway (streaming, EOS)
+    t1 = time.perf_counter()
+    stats.update(ttft_s=t1 - t0, prefill_tok_s=L / (t1 - t0), prefill_peak_bytes=mem.peak())
+    if profiler is not None:
+        profiler.step()
+
+    out = [tok]
+    if on_token:
+        on_token(out)
+    mem.reset()
+    t2 = time.perf_counter()
+    p = L
+    while len(out) < max_new_tokens and tok not in eos_ids:
+        logits = decode_fn(model, token.view(1, 1), torch.tensor([p], device=device))
+        token = sample(logits, temperature, top_k, top_p)
+        tok = int(token.item())
+        out.append(tok)
+        p += 1
+        if on_token:
+            on_token(out)
+        if profiler is not None:
+            profiler.step()
+    sync(device)
+    t3 = time.perf_counter()
+    n_decode = len(out) - 1
+    stats.update(decode_tokens=n_decode, decode_s=t3 - t2, decode_tok_s=n_decode / (t3 - t2) if n_decode else 0.0,
+                 decode_peak_bytes=mem.peak(), generated_tokens=len(out))
+    return out, stats
+
+
+def setup(model, policy, budget: int, prompt_len: int, max_new_tokens: int, block_size: int, *,
+          evict_before_attend: bool = False, kv_dtype: torch.dtype | None = None) -> int:
+    """Check `policy` against the token budget, size its cache (compress-once policies: `policy.plan`) and give every
+    layer its cache; returns the cache budget in slots. policy None: the full cache of `budget` slots."""
+    if policy is not None:
+        policy.check(budget, block_size)
+        if evict_before_attend and budget < block_size:  # else a block's first queries may keep no key to see
+            raise UserError(f"--evict-before-attend needs --budget >= --block-size ({budget} < {block_size})")
+        # compress-once policies size their cache here (RocketKV: C = sqrt(S t) >= t)
+        budget = policy.plan(budget, prompt_len, max_new_tokens, model.args)
+    setup_caches(model, 1, budget, block_size, policy, evict_before_attend, kv_dtype)
+    return budget
+
+
+def check_capacity(model, prompt_len: int, max_new_tokens: int, one_shot: bool) -> None:
+    """A compress-once policy (SnapKV++, RocketKV, Exact-TopK) never evicts, so its cache must hold the kept prompt
+    plus every token written during decode (the last sampled one is never written). Generation past that capacity
+    is an error, never a silent eviction (RocketKV spec A14)."""
+    c = model.layers[0].attention.kv_cache
+    if c.policy is None or c.policy.evicts:
+        return
+    kept = min(prompt_len, c.policy.prompt_slots(c)) if one_shot else prompt_len
+    if kept + max_new_tokens - 1 > c.budget:
+        raise UserError(f"{c.policy.name}: {kept} kept prompt tokens + {max_new_tokens} new tokens exceed the cache's "
+                        f"{c.budget} slots (size it with policy.plan for this prompt and --max-new-tokens)")
+
+
+def decode_bytes_per_step(model) -> tuple[int, int]:
+    """(weight bytes, KV bytes) read by one decode step: every weight once (of the embedding table one row, unless
+    it is also the output head), K and V of every slot it attends (for
+    RocketKV the token-equivalents of its top-k and page scan, for Exact-TopK its top-k)."""
+    emb = model.tok_embeddings.weight
+    head = getattr(model.output, "weight", None)
+    seen, weights = set(), 0
+    if head is None or head.data_ptr() != emb.data_ptr():  # untied (or quantized head): one embedding row is read
+        seen.add(emb.data_ptr())
+        weights += emb[0].nbytes
+    for t in model.parameters():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            weights += t.nbytes
+    kv = 0
+    for layer in model.layers:
+        c = layer.attention.kv_cache
+        per_token = sum(t[:, :, :1].nbytes for t in c.slot_buffers()[:4 if c.quantized else 2])  # K+V (+scales)
+        kv += int(per_token * c.read_tokens())
+    return weights, kv

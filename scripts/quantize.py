@@ -1,0 +1,49 @@
+"""The command line of quantize.py (weight-only int8 / int4 quantization of a checkpoint; see quantize.py's docstring,
+which --help prints).
+
+    python scripts/quantize.py --checkpoint smollm2-135m --mode int8
+    python scripts/quantize.py --checkpoint smollm2-135m --mode int4 --groupsize 64
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # first: the library quantize.py, not this file
+
+import quantize  # noqa: E402
+from checkpoint import resolve_checkpoint  # noqa: E402
+from cli import Parser, run_cli  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = Parser(description=quantize.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default="smollm2-135m",
+                    help="what generate.py's --checkpoint takes: a short name, an HF or budgetkv directory, a .gguf")
+    ap.add_argument("--mode", required=True, choices=quantize.MODES,
+                    help="int8: per-channel symmetric; int4: group-wise asymmetric, two weights per byte")
+    ap.add_argument("--groupsize", type=int, default=None,
+                    help=f"int4 only: in-features per scale/zero group, {', '.join(map(str, quantize.GROUP_SIZES))} "
+                         f"(default {quantize.DEFAULT_GROUPSIZE}); must divide every Linear's in-features")
+    ap.add_argument("--head", choices=["auto", "quantize", "float"], default="auto",
+                    help="the output head: auto = quantized with int8, float (and tied where the model ties it) "
+                         "with int4, where a 4-bit head costs far more quality than it saves")
+    ap.add_argument("--out", type=Path, help="output directory (default: <checkpoint>-int8 or "
+                                             "<checkpoint>-int4-g<groupsize> beside the checkpoint)")
+    return ap.parse_args(argv)
+
+
+def run(a) -> int:
+    r = quantize.quantize_dir(resolve_checkpoint(a.checkpoint), a.mode, a.groupsize, a.head, a.out)
+    groupsize = r["groupsize"]
+    print(f"wrote {r['out']} ({a.mode}{f', group size {groupsize}' if groupsize else ''}, head "
+          f"{'quantized' if r['head'] else 'float'}; weights {r['weight_bytes'] / 2**20:.1f} MiB)\n"
+          f"run it: python generate.py --checkpoint {r['out']}", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_cli(run, parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
