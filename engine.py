@@ -6,10 +6,11 @@ from pathlib import Path
 
 import torch
 
-from cache import make_cache, setup_caches
+from cache import is_scorer, make_cache, setup_caches
 from convert import ENGINE_FILE, CheckpointError, read_config, read_hf_dir
 from errors import UserError
-from model import ModelArgs, Transformer, rope_cos_sin, rope_inv_freq
+from model import ModelArgs, Transformer, rope_inv_freq
+from policies import Run
 
 
 def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | None = None) -> Transformer:
@@ -82,7 +83,7 @@ def compile_steps(device: str, mode: str | None = None, prefill: bool = True):
     """(prefill_step, decode_step), each compiled once with fullgraph=True; decode under CUDA graphs on GPU.
 
     prefill=False leaves the prefill step eager (gpt-fast's default; generate.py's on CPU). On CPU each frozen graph
-    holds its own packed copy of the weights: measured on SmolLM2-135M fp32 (README, Performance), compiling the
+    holds its own packed copy of the weights: measured on SmolLM2-135M fp32 (docs/performance.md), compiling the
     prefill step too raised the peak RSS from 1,664 to 2,990 MiB and warm-up + compile from 133 to 267 s for 1.1x the
     block-wise prefill tok/s."""
     if not device.startswith("cuda"):
@@ -98,9 +99,9 @@ def compile_steps(device: str, mode: str | None = None, prefill: bool = True):
 
 def default_compile_mode(device: str, dtype: torch.dtype, quantized: bool) -> str | None:
     """--compile-mode auto. On CPU in fp32, max-autotune (with freezing) picks inductor's packed micro-GEMM
-    templates: measured 1.9x the default mode's decode step on SmolLM2-135M (README, Performance), for ~1.5x the
-    compile time. bf16 on a CPU without AMX gained nothing from it (shared/notes), and quantized Linears have
-    their own kernels, so those keep the default; on CUDA None means reduce-overhead (CUDA graphs) for decode."""
+    templates: measured 1.9x the default mode's decode step on SmolLM2-135M (docs/performance.md). bf16 on a CPU
+    without AMX gained nothing from it, and quantized Linears have their own kernels, so those keep the default; on
+    CUDA None means reduce-overhead (CUDA graphs) for decode."""
     return "max-autotune-no-cudagraphs" if device == "cpu" and dtype == torch.float32 and not quantized else None
 
 
@@ -131,36 +132,30 @@ def block_inputs(prompt: torch.Tensor, start: int, block_size: int):
     return idx, pos
 
 
-def prefill_one_shot(model, prompt: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Dense prefill of the whole prompt, then one compression per layer (the SnapKV / RocketKV / kvpress protocol).
-
-    Layer-major: all blocks of layer 0, then of layer 1, ..., carrying the hidden state [L, dim]. The only scratch
-    is one layer's K/V for the whole prompt (a KVCache whose budget is the prompt), so peak memory is one layer's
-    full-length cache, not the model's. Returns the last position's logits [1, vocab].
-    """
+def prefill_one_shot(model, prompt: torch.Tensor, block_size: int, shared: dict | None = None) -> torch.Tensor:
+    """Dense prefill of the whole prompt, then one compression per layer (the SnapKV / RocketKV / kvpress protocol):
+    model.prefill_layer_major with one scratch cache at a time (one layer's K/V for the whole prompt, slot =
+    position), each compressed into its layer's cache (cache.compress_into) before the next layer runs. `shared`:
+    the cross-layer state of this forward (K-VEC's coverage counter), a fresh dict unless given. Returns the last
+    position's logits [1, vocab]."""
     L = prompt.numel()
     n_blocks = -(-L // block_size)
     idx, input_pos = block_inputs(prompt, 0, n_blocks * block_size)
-    query_pos = torch.where(input_pos >= 0, input_pos, L - 1)
-    cos, sin = rope_cos_sin(query_pos, model.inv_freq, model.tok_embeddings.weight.dtype)
-    x = model.tok_embeddings(idx)
-    for layer in model.layers:
-        cache = layer.attention.kv_cache
-        layer.attention.kv_cache = scratch = make_cache(model, 1, n_blocks * block_size, block_size, cache.policy,
-                                                        scratch=True, kv_dtype=cache.kv_dtype,
-                                                        keep_budget=cache.budget)
-        for b in range(n_blocks):
-            blk = slice(b * block_size, (b + 1) * block_size)
-            x[:, blk] = layer(x[:, blk], cos[blk], sin[blk], input_pos[blk], query_pos[blk])
-        layer.attention.kv_cache = cache
-        if cache.policy is None:  # full: the scratch already is the whole prompt
-            for dst, src in zip([cache.pos, *cache.slot_buffers()], [scratch.pos, *scratch.slot_buffers()],
-                                strict=True):
+    shared = {} if shared is None else shared
+
+    def scratch(i):
+        c = model.layers[i].attention.kv_cache
+        return make_cache(model, 1, n_blocks * block_size, block_size, c.policy, scratch=True, kv_dtype=c.kv_dtype,
+                          keep_budget=c.budget, layer=i)
+
+    def done(i, scratch):
+        c = model.layers[i].attention.kv_cache
+        if c.scorer is None:  # full, Exact-TopK: the scratch already is the whole prompt
+            for dst, src in zip([c.pos, *c.slot_buffers()], [scratch.pos, *scratch.slot_buffers()], strict=True):
                 dst[:, :, :L] = src[:, :, :L]
         else:
-            scratch.compress_into(cache)
-        del scratch
-    return model.output(model.norm(x[:, L - 1:L]))[:, 0].float()
+            scratch.compress_into(c, shared)
+    return model.prefill_layer_major(idx, input_pos, block_size, scratch, done)
 
 
 def sync(device: str) -> None:
@@ -202,8 +197,9 @@ class PeakMemory:
 @torch.inference_mode()
 def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: int, steps, eos_ids=(),
              temperature=0.0, top_k=0, top_p=1.0, on_token=None, device="cpu", profiler=None,
-             one_shot=False) -> tuple[list, dict]:
-    """Block-wise (or one-shot) prefill then decode; returns (generated ids, stats). steps = (prefill, decode)."""
+             one_shot=False, shared: dict | None = None) -> tuple[list, dict]:
+    """Block-wise (or one-shot) prefill then decode; returns (generated ids, stats). steps = (prefill, decode);
+    shared: receives a one-shot prefill's cross-layer state (K-VEC's coverage counter)."""
     prefill_fn, decode_fn = steps
     for layer in model.layers:
         layer.attention.kv_cache.reset()
@@ -217,7 +213,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: i
     sync(device)
     t0 = time.perf_counter()
     if one_shot:
-        logits = prefill_one_shot(model, prompt, block_size)
+        logits = prefill_one_shot(model, prompt, block_size, shared)
     else:
         for start in range(0, L, block_size):
             idx, pos = block_inputs(prompt, start, block_size)
@@ -253,31 +249,53 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: i
     return out, stats
 
 
+def prefill_protocol(policy, prefill: str | None) -> str:
+    """The prefill protocol for `policy` and a --prefill choice (None: the policy's default): "block" or
+    "one-shot". A paper that defines its protocol fixes it."""
+    if policy is not None and policy.protocol == "one-shot":
+        if prefill == "block":
+            raise UserError(f"--policy {policy.name} compresses the prompt once after a dense prefill; use "
+                            "--prefill one-shot (its default)")
+        return "one-shot"
+    return prefill or "block"
+
+
 def setup(model, policy, budget: int, prompt_len: int, max_new_tokens: int, block_size: int, *,
-          evict_before_attend: bool = False, kv_dtype: torch.dtype | None = None) -> int:
-    """Check `policy` against the token budget, size its cache (compress-once policies: `policy.plan`) and give every
-    layer its cache; returns the cache budget in slots. policy None: the full cache of `budget` slots."""
+          prefill: str = "block", evict_before_attend: bool = False, kv_dtype: torch.dtype | None = None,
+          evict: bool = True) -> int:
+    """Plan `policy` for this run and give every layer its cache of `budget` slots (fewer when the policy's own
+    layout needs fewer: SAGE-KV); returns the slots. policy None (`full`) and selector-only policies (Exact-TopK)
+    hold every token: budget >= prompt + new tokens. evict=False: the `no-evict` baseline (the same buffer and
+    scoring-free steps: nothing is ever dropped)."""
+    name = policy.name if policy is not None else "full"
+    if not is_scorer(policy) and budget < prompt_len + max_new_tokens:
+        raise UserError(f"--policy {name} keeps every token: --budget must be >= prompt + max-new-tokens "
+                        f"({prompt_len} + {max_new_tokens}); pick an evicting policy to stay within {budget}")
+    if evict_before_attend and (prefill != "block" or not is_scorer(policy)):
+        raise UserError(f"--evict-before-attend applies to block-wise evicting policies, not to {name} "
+                        f"with --prefill {prefill}")
+    if evict_before_attend and budget < block_size:  # else a block's first queries may keep no key to see
+        raise UserError(f"--evict-before-attend needs --budget >= --block-size ({budget} < {block_size})")
+    slots, keep = budget, None
     if policy is not None:
-        policy.check(budget, block_size)
-        if evict_before_attend and budget < block_size:  # else a block's first queries may keep no key to see
-            raise UserError(f"--evict-before-attend needs --budget >= --block-size ({budget} < {block_size})")
-        # compress-once policies size their cache here (RocketKV: C = sqrt(S t) >= t)
-        budget = policy.plan(budget, prompt_len, max_new_tokens, model.args)
-    setup_caches(model, 1, budget, block_size, policy, evict_before_attend, kv_dtype)
-    return budget
+        run = Run(budget, prompt_len, max_new_tokens, block_size, model.args)
+        slots = policy.plan(run) or budget
+        keep = policy.prompt_keep(run) if prefill == "one-shot" else None
+    setup_caches(model, 1, slots, block_size, policy, evict_before_attend, kv_dtype, keep=keep, evict=evict)
+    return slots
 
 
 def check_capacity(model, prompt_len: int, max_new_tokens: int, one_shot: bool) -> None:
-    """A compress-once policy (SnapKV++, RocketKV, Exact-TopK) never evicts, so its cache must hold the kept prompt
-    plus every token written during decode (the last sampled one is never written). Generation past that capacity
-    is an error, never a silent eviction (RocketKV spec A14)."""
+    """A cache that never evicts (full, Exact-TopK, and after a one-shot compression SnapKV++, RocketKV, K-VEC) must
+    hold the kept prompt plus every token written during decode (the last sampled one is never written).
+    Generation past that capacity is an error, never a silent eviction."""
     c = model.layers[0].attention.kv_cache
-    if c.policy is None or c.policy.evicts:
+    if c.evicts:
         return
-    kept = min(prompt_len, c.policy.prompt_slots(c)) if one_shot else prompt_len
+    kept = min(prompt_len, c.keep) if one_shot and c.appends else prompt_len
     if kept + max_new_tokens - 1 > c.budget:
-        raise UserError(f"{c.policy.name}: {kept} kept prompt tokens + {max_new_tokens} new tokens exceed the cache's "
-                        f"{c.budget} slots (size it with policy.plan for this prompt and --max-new-tokens)")
+        raise UserError(f"{c.policy.name if c.policy else 'full'}: {kept} kept prompt tokens + {max_new_tokens} "
+                        f"new tokens exceed the cache's {c.budget} slots (raise --budget)")
 
 
 def decode_bytes_per_step(model) -> tuple[int, int]:

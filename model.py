@@ -3,7 +3,9 @@
 Every hyper-parameter comes from the checkpoint's `config.json` (`ModelArgs.from_config`), never from a name.
 Weights are in Hugging Face layout (q/k rows not permuted), so RoPE rotates halves (`rotate_half`), as HF does.
 The KV cache and everything a policy does live in `cache.py`; this file only calls `cache.update` before attention
-and `cache.evict` after it.
+and `cache.evict` after it. Two forwards: `forward` (one block through every layer: block-wise prefill and decode)
+and `prefill_layer_major` (the whole prompt through one layer at a time, with a scratch cache per layer: the
+one-shot prefill).
 """
 import math
 from dataclasses import dataclass
@@ -165,7 +167,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
         self.kv_cache = None  # a cache.KVCache, attached by cache.setup_caches
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, query_pos: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, query_pos: Tensor,
+                cache=None) -> Tensor:
+        """cache: the KVCache to use instead of the layer's own (a one-shot prefill's scratch)."""
+        cache = cache if cache is not None else self.kv_cache
         B, T, _ = x.shape
         hq, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.wqkv(x).split([hq * d, hkv * d, hkv * d], dim=-1)
@@ -173,7 +178,7 @@ class Attention(nn.Module):
         k = apply_rope(k.view(B, T, hkv, d).transpose(1, 2), cos, sin)
         v = v.view(B, T, hkv, d).transpose(1, 2)
 
-        keys, values, mask = self.kv_cache.update(q, k, v, input_pos, query_pos)
+        keys, values, mask = cache.update(q, k, v, input_pos, query_pos)
         # GQA without copying K/V: the g query heads of a KV group become g*T query rows of that KV head. The cache
         # may return keys per query head instead (a per-head decode-time selection): then h = hq and g = 1.
         h = keys.shape[1]
@@ -182,8 +187,8 @@ class Attention(nn.Module):
         q_rows = q.reshape(B, h, g * T, d)
         mask_rows = mask[:, :, None].expand(B, h, g, T, S).reshape(B, h, g * T, S)
         out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask_rows)
-        # Attend, then let the policy evict (the KeyDiff block protocol; a no-op for `full`).
-        self.kv_cache.evict(q, input_pos, query_pos)
+        # Attend, then let the policy evict (the block-wise protocol; a no-op without a scorer).
+        cache.evict(q, input_pos, query_pos)
         out = out.view(B, hq, T, d).transpose(1, 2).reshape(B, T, hq * d)
         return self.wo(out)
 
@@ -207,8 +212,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, cos, sin, input_pos, query_pos):
-        x = x + self.attention(self.attention_norm(x), cos, sin, input_pos, query_pos)
+    def forward(self, x, cos, sin, input_pos, query_pos, cache=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, input_pos, query_pos, cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -224,18 +229,41 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
+    def rope(self, input_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(query_pos, cos, sin) for input_pos [T]. Padding rows (-1) query as the last real token: every row then
+        sees at least one key (no NaN rows in SDPA), and their own slots carry position -1, so no real token ever
+        attends to them."""
+        query_pos = torch.where(input_pos >= 0, input_pos, input_pos.max())
+        cos, sin = rope_cos_sin(query_pos, self.inv_freq, self.tok_embeddings.weight.dtype)
+        return query_pos, cos, sin
+
+    def last_logits(self, x: Tensor, input_pos: Tensor) -> Tensor:
+        """Logits [B, vocab] (fp32) of the last real position of hidden states x [B, T, dim]."""
+        last = (input_pos >= 0).sum().sub(1).reshape(1)
+        return self.output(self.norm(x.index_select(1, last)))[:, 0].float()
+
     def forward(self, idx: Tensor, input_pos: Tensor) -> Tensor:
         """idx [B, T] token ids; input_pos [T] absolute positions, -1 for padding at the end of a short block.
 
         Returns logits [B, vocab] of the last real position only: nothing here grows with the prompt.
         """
-        # Padding rows query as the last real token: every row then sees at least one key (no NaN rows in SDPA),
-        # and their own slots carry position -1, so no real token ever attends to them.
-        query_pos = torch.where(input_pos >= 0, input_pos, input_pos.max())
-        cos, sin = rope_cos_sin(query_pos, self.inv_freq, self.tok_embeddings.weight.dtype)
+        query_pos, cos, sin = self.rope(input_pos)
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x, cos, sin, input_pos, query_pos)
-        last = (input_pos >= 0).sum().sub(1).reshape(1)
-        x = self.norm(x.index_select(1, last))
-        return self.output(x)[:, 0].float()
+        return self.last_logits(x, input_pos)
+
+    def prefill_layer_major(self, idx: Tensor, input_pos: Tensor, block_size: int, scratch, done) -> Tensor:
+        """The one-shot prefill: all blocks of the prompt through layer 0, then through layer 1, ..., carrying the
+        hidden states [B, T, dim]. Layer i attends with the cache `scratch(i)` (one layer's full-length K/V, the
+        only scratch), then `done(i, cache)` compresses it into the layer's own. idx [B, T], input_pos [T] padded
+        to a multiple of block_size (-1 = padding). Returns the last real position's logits [B, vocab]."""
+        query_pos, cos, sin = self.rope(input_pos)
+        x = self.tok_embeddings(idx)
+        for i, layer in enumerate(self.layers):
+            cache = scratch(i)
+            for start in range(0, idx.shape[1], block_size):
+                blk = slice(start, start + block_size)
+                x[:, blk] = layer(x[:, blk], cos[blk], sin[blk], input_pos[blk], query_pos[blk], cache)
+            done(i, cache)
+        return self.last_logits(x, input_pos)

@@ -1,22 +1,33 @@
-"""KV-cache policies: each scores the slots of one layer; cache.py keeps the `budget` best and moves them.
+"""KV-cache policies: the registry `name -> policy class`, and every policy as its paper's rule.
 
-A policy's `score(cache, q, input_pos, query_pos, S)` returns fp32 [batch, n_kv_heads, S] over the first S slots
-(the kept tokens plus the block just written). Higher = keep, +inf = protected; empty slots are set to -inf by
-cache.py. `observe` updates policy state before scoring (H2O's running sums, SnapKV's query ring). q is the
-block's post-RoPE queries [batch, n_heads, T, head_dim]; input_pos [T] their positions (-1 = padding).
-Every rule is a static-shaped tensor op so that a step compiles with fullgraph=True.
-Rules and defaults follow shared/specs/keydiff.md (sections 1, 3 and 7), which the docstrings cite; SnapKV++,
-RocketKV and Exact-TopK follow shared/specs/rocketkv.md. Those three are compress-once (`evicts = False`): `plan`
-sizes them from the prompt length, and RocketKV / Exact-TopK pick the decode step's slots with `select`.
+A policy is a dataclass: its parameters are typed fields with defaults (the command line is generated from them,
+`--policy snapkv:window=32,kernel=7`). It plays one or both of two parts, each a single method over a read-only
+`cache.View` of one layer (keys, values, positions, layer index, head counts, declared state, the step's queries):
+
+- a **scorer**, `score(view) -> [batch, n_kv_heads, slots]` fp32: higher = keep, +inf = protected (empty slots are
+  set to -inf by cache.py). The engine keeps the `budget` best: block-wise after every prefill block and decode step,
+  or once after a dense one-shot prefill (`protocol`; then `decode` says whether new tokens are appended or the
+  scorer keeps evicting). Optional: `observe(view)` updates declared state first; `slot_state()` / `layer_state()`
+  declare per-slot / per-layer tensors that cache.py allocates (per-slot state moves with its slot).
+- a **selector**, `select(view) -> [batch, heads, k]` slot indices: the slots one decode step attends (per KV head,
+  or per query head), for decode-time sparse attention. Optional: `prepare(view)` after the one-shot compression,
+  `read_tokens(view)` for the traffic accounting, `selector_state()` for its per-layer tensors.
+
+`plan(run)` checks the parameters against one run (budget, prompt length, new tokens, model shape) and sizes what
+the run needs. cache.py does every buffer write. docs/architecture.md gives the call order.
 """
+import dataclasses
+import inspect
 import math
-from dataclasses import dataclass
+import types
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cache import attention_mask, attention_weights, drop_lowest, position_order
+from cache import attention_mask, drop_lowest, position_order, take_slots
 
 INF = float("inf")
 
@@ -25,264 +36,279 @@ class PolicyError(ValueError):
     """An unknown policy or parameters that cannot work; the message is one line for the user."""
 
 
+def param(default, help: str, choices: tuple | None = None):
+    """A policy parameter: its default, one line of help, and the values it may take (None: any of its type)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a policy is planned against: `budget` KV slots held per layer and KV head, the prompt length, the new
+    tokens to generate, the prefill block size and the model's ModelArgs (head counts, head_dim, RoPE scaling)."""
+    budget: int
+    prompt_len: int
+    max_new_tokens: int
+    block_size: int = 128
+    args: Any = None
+
+
+@dataclass
 class Policy:
-    name = ""
-    help = ""
-    evicts = True  # False: compress once (one-shot prefill), then only append (SnapKV++, RocketKV, Exact-TopK)
-    one_shot = False  # True: the protocol is a dense prefill then one compression (generate.py defaults to it)
+    """Base of every policy. `protocol`: "any" (the engine's --prefill picks block-wise, the default, or one-shot)
+    or "one-shot" (fixed by the paper). `decode`, after a one-shot compression: "evict" (hard budget: new tokens
+    compete for the slots) or "append" (new tokens are added after the kept prompt; the prompt keeps budget - new
+    tokens)."""
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""  # one line for the policy table and --help
+    protocol: ClassVar[str] = "any"
+    decode: ClassVar[str] = "evict"
 
-    def __init__(self, args=None):
-        self.args = args
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value, choices = getattr(self, f.name), f.metadata.get("choices")
+            if choices is not None and value not in choices:
+                raise PolicyError(f"{self.name}: {f.name} must be one of {', '.join(map(str, choices))}, "
+                                  f"got {value!r}")
+            if isinstance(value, float) and math.isnan(value):
+                raise PolicyError(f"{self.name}: {f.name} must be a number, got nan")
+        self.validate()
 
-    def param(self, name, default):
-        return getattr(self.args, name, default) if self.args is not None else default
+    def validate(self) -> None:
+        """Raise PolicyError for parameter values that cannot work whatever the run."""
+
+    def plan(self, run: Run) -> int | None:
+        """Check the parameters against one run and size its per-run state. Returns the slots the cache needs
+        when a layout of the policy's own holds fewer than run.budget (None: run.budget)."""
+
+    def prompt_keep(self, run: Run) -> int:
+        """How many prompt tokens a one-shot compression keeps per KV head."""
+        return run.budget - run.max_new_tokens if self.decode == "append" else run.budget
+
+
+class Scorer(Policy):
+    """A policy that evicts by `score(view)`."""
 
     def slot_state(self) -> dict:
         """Per-slot state moved with its slot: name -> (extra shape, dtype); "group" in the shape stands for the
-        query heads per KV head (per-query-head state)."""
+        query heads per KV head."""
         return {}
 
     def layer_state(self, cache) -> dict:
         """Per-layer state that stays put: name -> (shape, dtype, fill value)."""
         return {}
 
-    def check(self, budget: int, block_size: int) -> None:
-        """Raise PolicyError for parameters that cannot work with this budget and block size."""
-
-    def observe(self, cache, q: Tensor, input_pos: Tensor, query_pos: Tensor, S: int) -> None:
-        """Update policy state with this block (before scoring)."""
-
-    def score(self, cache, q: Tensor, input_pos: Tensor, query_pos: Tensor, S: int) -> Tensor:
+    def score(self, view) -> Tensor:
         raise NotImplementedError
 
-    def plan(self, budget: int, prompt_len: int, max_new_tokens: int, model_args=None) -> int:
-        """Size the run once its prompt length is known; returns the cache budget (slots kept per KV head)."""
-        return budget
 
-    def prompt_slots(self, cache) -> int:
-        """How many prompt tokens a one-shot compression keeps (the rest of the budget is left for new tokens)."""
-        return cache.budget
-
-    def compress(self, scratch, cache) -> bool:
-        """One-shot prefill: write the kept prompt tokens of `scratch` (the whole prompt, dense, with its last
-        step's queries in scratch.last_step) into `cache` with a layout of the policy's own and return True; the
-        default returns False and cache.compress_into keeps prompt_slots(cache) slots by `score`."""
-        return False
-
-    def compressed(self, cache, n: int) -> None:
-        """After a one-shot compression wrote n slots into cache (e.g. sort them, build decode-time state)."""
-
-    def select(self, cache, q: Tensor, query_pos: Tensor, slot: Tensor) -> Tensor | None:
-        """Decode-time sparse attention: slot indices [B, H_kv or H_q, k] the query attends (the new token, just
-        written at `slot`, is a candidate), or None for dense attention over the cache."""
-        return None
-
-    def read_tokens(self, cache) -> float | None:
-        """Token-equivalents one decode step reads per KV head when it differs from the slots attended."""
-        return None
+def recent_mask(slot_pos: Tensor, query_pos: Tensor, n_recent: int) -> Tensor:
+    """True on the slots holding the `n_recent` latest positions seen so far (query_pos.max() is the newest)."""
+    return slot_pos > query_pos.max() - n_recent
 
 
 def protect_recent(scores: Tensor, slot_pos: Tensor, query_pos: Tensor, n_recent: int) -> Tensor:
-    """+inf on the slots holding the `n_recent` latest positions seen so far (query_pos.max() is the newest)."""
+    """+inf on the slots holding the `n_recent` latest positions seen so far."""
     if n_recent <= 0:
         return scores
     return scores.masked_fill(recent_mask(slot_pos, query_pos, n_recent), INF)
 
 
-def recent_mask(slot_pos: Tensor, query_pos: Tensor, n_recent: int) -> Tensor:
-    """True on the slots holding the `n_recent` latest positions seen so far (the ones protect_recent protects)."""
-    return slot_pos > query_pos.max() - n_recent
+def check_fraction(policy, name: str) -> None:
+    p = getattr(policy, name)
+    if not 0.0 <= p < 1.0:
+        raise PolicyError(f"{policy.name}: {name} must be in [0, 1), got {p}")
 
 
-def last_query(q: Tensor, input_pos: Tensor, query_pos: Tensor) -> tuple[Tensor, Tensor]:
-    """The block's last real query [B, Hq, 1, D] and its position [1]."""
-    last = (input_pos >= 0).sum().sub(1).reshape(1)
-    return q.index_select(2, last), query_pos.index_select(0, last)
+def check_odd(policy, name: str) -> None:
+    k = getattr(policy, name)
+    if k is not None and (k < 1 or k % 2 == 0):
+        raise PolicyError(f"{policy.name}: {name} must be odd and >= 1, got {k}")
 
 
-class WindowMixin:
-    """`--window-frac p`: the floor(p * budget) most recent tokens are always kept (KeyDiff + SW, spec 1.8)."""
-
-    def n_recent(self, cache) -> int:
-        return int(self.param("window_frac", 0.0) * cache.keep_budget)
-
-    def check(self, budget, block_size):
-        p = self.param("window_frac", 0.0)
-        if not 0.0 <= p < 1.0:
-            raise PolicyError(f"--window-frac must be in [0, 1), got {p}")
+def check_positive(policy, *names: str, least: int = 1) -> None:
+    for name in names:
+        v = getattr(policy, name)
+        if v is not None and v < least:
+            raise PolicyError(f"{policy.name}: {name} must be >= {least}, got {v}")
 
 
-class KeyDiff(WindowMixin, Policy):
-    """KeyDiff (Park et al., arXiv 2504.15364, Eq. 8 and section 3.2): keep the keys least similar to the anchor.
+# ------------------------------------------------------------------------------------------- block-wise scorers
 
-    score_j = -cos(k_j, mu), mu = mean of the raw post-RoPE keys of the head (cache + block): the paper's
-    experimental choice (spec 1.4; `--anchor normalized` = mean of unit keys = Eq. 7's ranking = kvpress).
-    Never reads queries or attention weights, so attention stays SDPA/flash. Optional recent window.
-    """
+
+@dataclass
+class KeyNorm(Scorer):
+    """KeyL2Norm (Devoto et al. 2024): keep the keys with the smallest L2 norm."""
+    name = "keynorm"
+    summary = "keep the keys of smallest L2 norm"
+
+    def score(self, view):
+        return -view.keys.float().norm(dim=-1)
+
+
+@dataclass
+class Sink(Scorer):
+    """StreamingLLM (Xiao et al. 2023): the first n_sink positions plus the most recent tokens. Keys keep their
+    absolute positions (no re-assignment inside the cache)."""
+    name = "sink"
+    summary = "attention sinks + the most recent tokens (StreamingLLM)"
+    n_sink: int = param(4, "first positions always kept")
+
+    def validate(self):
+        check_positive(self, "n_sink", least=0)
+
+    def plan(self, run):
+        if run.budget <= self.n_sink:
+            raise PolicyError(f"sink: --budget {run.budget} must exceed the {self.n_sink} sink tokens")
+
+    def score(self, view):
+        pos = view.pos
+        return pos.float().masked_fill((pos >= 0) & (pos < self.n_sink), INF)
+
+
+@dataclass
+class KeyDiff(Scorer):
+    """KeyDiff (Park et al., arXiv 2504.15364, Eq. 8, section 3.2): keep the keys least similar to the anchor,
+    score_j = -cos(k_j, mu), mu = the mean of the raw post-RoPE keys of the head (cache + block), the paper's
+    experimental choice (anchor=normalized: the mean of unit keys, Eq. 7's ranking, as kvpress). window_frac > 0
+    always keeps the floor(window_frac * budget) newest tokens (the paper's KeyDiff + SW). Reads no queries."""
     name = "keydiff"
-    help = "key diversity: -cos(key, mean key); --anchor raw|normalized, --window-frac"
+    summary = "key diversity: evict keys most similar to the mean key"
+    window_frac: float = param(0.0, "share of the budget always kept for the newest tokens (paper's SW: 0.1, 0.2)")
+    anchor: str = param("raw", "mean of the raw keys (paper) or of the unit keys (kvpress)", ("raw", "normalized"))
 
-    def check(self, budget, block_size):
-        super().check(budget, block_size)
-        if self.param("anchor", "raw") not in ("raw", "normalized"):
-            raise PolicyError(f"--anchor must be raw or normalized, got {self.param('anchor', 'raw')!r}")
+    def validate(self):
+        check_fraction(self, "window_frac")
 
-    def cosine(self, cache, S):
-        """cos(k_j, mu) [B, H, S] of the first S slots."""
-        pos = cache.pos[:, :, :S]
-        k = cache.keys(S).float()
+    def cosine(self, view) -> Tensor:
+        """cos(k_j, mu) [B, H, S]."""
+        k = view.keys.float()
         norms = k.norm(dim=-1).clamp_min(1e-8)
-        src = k if self.param("anchor", "raw") == "raw" else k / norms[..., None]
-        valid = (pos >= 0)[..., None].float()
+        src = k if self.anchor == "raw" else k / norms[..., None]
+        valid = (view.pos >= 0)[..., None].float()
         mu = (src * valid).sum(-2) / valid.sum(-2).clamp_min(1.0)
         return (k @ mu[..., None])[..., 0] / (norms * mu.norm(dim=-1, keepdim=True).clamp_min(1e-8))
 
-    def score(self, cache, q, input_pos, query_pos, S):
-        return protect_recent(-self.cosine(cache, S), cache.pos[:, :, :S], query_pos, self.n_recent(cache))
+    def score(self, view):
+        return protect_recent(-self.cosine(view), view.pos, view.query_pos, int(self.window_frac * view.budget))
 
-    def head_scores(self, cache, q, input_pos, query_pos, S):
-        """For CAOTE: 1 - cos >= 0 (CAOTE spec A8's affine map), the same for every query head of a group."""
-        h = 1.0 - self.cosine(cache, S)
-        G = cache.n_heads // h.shape[1]
-        return h[:, :, None].expand(-1, -1, G, -1), recent_mask(cache.pos[:, :, :S], query_pos, self.n_recent(cache))
-
-
-class KeyNorm(Policy):
-    """KeyL2Norm (Devoto et al. 2024; KeyDiff spec section 3): keep the keys with the smallest L2 norm."""
-    name = "keynorm"
-    help = "keep the smallest key L2 norms"
-
-    def score(self, cache, q, input_pos, query_pos, S):
-        return -cache.keys(S).float().norm(dim=-1)
+    def head_scores(self, view):
+        """For CAOTE: 1 - cos >= 0 (an affine map of the score), the same for every query head of a group."""
+        h = 1.0 - self.cosine(view)
+        return (h[:, :, None].expand(-1, -1, view.group, -1),
+                recent_mask(view.pos, view.query_pos, int(self.window_frac * view.budget)))
 
 
-class Sink(Policy):
-    """StreamingLLM (Xiao et al. 2023): the first `--n-sink` positions (4) plus the most recent tokens.
-    Positions are not re-assigned inside the cache (spec 3, decision 8)."""
-    name = "sink"
-    help = "attention sinks + recent window; --n-sink (4)"
-
-    def check(self, budget, block_size):
-        n = self.param("n_sink", 4)
-        if n < 0 or budget <= n:
-            raise PolicyError(f"--budget {budget} must exceed the {n} sink tokens (and --n-sink >= 0)")
-
-    def score(self, cache, q, input_pos, query_pos, S):
-        pos = cache.pos[:, :, :S]
-        sink = (pos >= 0) & (pos < self.param("n_sink", 4))
-        return pos.float().masked_fill(sink, INF)
-
-
-class TOVA(Policy):
-    """TOVA (Oren et al. 2024), block-wise as in KeyDiff App. F.2: the attention of the block's last query,
-    averaged over the query heads of each KV group (not over all heads), evicted per KV head.
-
-    Two options reproduce kvpress's TOVAPress (tests/test_kvpress.py), which differs from this default:
-    `--tova-heads all` averages over all query heads of the layer and gives every KV head that one score, so the
-    heads keep one shared set (the official TOVA code, src/tova_cache.py, and kvpress do this). Every head then
-    evicts identically from identical slot layouts, so slot s holds the same position in every head and the
-    per-slot mean over KV heads is the mean over positions. `--tova-keep-last` always keeps the newest position
-    (kvpress pads the last token's score with max + 1; the paper and the official code do not protect it).
-    """
+@dataclass
+class TOVA(Scorer):
+    """TOVA (Oren et al. 2024), block-wise as in KeyDiff App. F.2: the attention of the step's last query, averaged
+    over the query heads of each KV group, evicted per KV head. heads=all averages over all query heads of the layer
+    and gives every KV head that one score (the official TOVA code and kvpress); keep_last always keeps the newest
+    token (kvpress pads its score with max + 1; the paper does not protect it)."""
     name = "tova"
-    help = "attention of the last query, group mean; --tova-heads group|all, --tova-keep-last"
+    summary = "attention of the last query (group mean)"
+    heads: str = param("group", "mean over the KV group's query heads (paper) or all heads (kvpress)",
+                       ("group", "all"))
+    keep_last: bool = param(False, "always keep the newest token (kvpress)")
 
-    def check(self, budget, block_size):
-        if self.param("tova_heads", "group") not in ("group", "all"):
-            raise PolicyError(f"--tova-heads must be group or all, got {self.param('tova_heads', 'group')!r}")
-
-    def score(self, cache, q, input_pos, query_pos, S):
-        q_last, p_last = last_query(q, input_pos, query_pos)
-        w = attention_weights(cache, q_last, p_last, S)[:, :, 0]  # [B, H_kv, S], mean over each group
-        if self.param("tova_heads", "group") == "all":  # groups are equal-sized: mean of group means = mean
+    def score(self, view):
+        q_last, p_last = view.last_query()
+        w = view.attention(q_last, p_last)[:, :, 0]  # [B, H_kv, S], mean over each group
+        if self.heads == "all":  # groups are equal-sized: the mean of group means is the mean
             w = w.mean(1, keepdim=True).expand_as(w).contiguous()
-        return protect_recent(w, cache.pos[:, :, :S], query_pos, 1 if self.param("tova_keep_last", False) else 0)
+        return protect_recent(w, view.pos, view.query_pos, int(self.keep_last))
 
-    def head_scores(self, cache, q, input_pos, query_pos, S):
+    def head_scores(self, view):
         """For CAOTE: each query head's own last-row attention [B, H, G, S] (sums to 1: CAOTE's exact case)."""
-        q_last, p_last = last_query(q, input_pos, query_pos)
-        w = attention_weights(cache, q_last, p_last, S, group_mean=False)[:, :, :, 0]
-        return w, recent_mask(cache.pos[:, :, :S], query_pos, 1 if self.param("tova_keep_last", False) else 0)
+        q_last, p_last = view.last_query()
+        w = view.attention(q_last, p_last, group_mean=False)[:, :, :, 0]
+        return w, recent_mask(view.pos, view.query_pos, int(self.keep_last))
 
 
-class H2O(WindowMixin, Policy):
-    """H2O (Zhang et al. 2023) as used by KeyDiff/CAOTE (spec 3, decisions 12-13): raw running sum of the group-mean
-    attention each slot received from every query since it entered, current block included; no recent window
-    by default (`--window-frac` adds one, as in the original H2O)."""
+@dataclass
+class H2O(Scorer):
+    """H2O (Zhang et al. 2023) as KeyDiff and CAOTE use it: the raw running sum of the group-mean attention each
+    slot received from every query since it entered, the current block included. No recent window by default
+    (window_frac adds one, as in the original H2O)."""
     name = "h2o"
-    help = "accumulated attention (heavy hitters); --window-frac"
-    per_head = False  # CAOTE needs each query head's own sums: acc [B, H, C, G] instead of the group mean [B, H, C]
+    summary = "accumulated attention (heavy hitters)"
+    per_head: ClassVar[bool] = False  # CAOTE needs each query head's own sums: acc [B, H, C, G]
+    window_frac: float = param(0.0, "share of the budget always kept for the newest tokens")
+
+    def validate(self):
+        check_fraction(self, "window_frac")
 
     def slot_state(self):
         return {"acc": (("group",) if self.per_head else (), torch.float32)}
 
-    def observe(self, cache, q, input_pos, query_pos, S):
-        acc = cache.state["acc"]
-        w = attention_weights(cache, q, input_pos, S, group_mean=not self.per_head)  # padding rows (-1) weigh 0
-        acc[:, :, :S] += w.sum(3).transpose(-1, -2) if self.per_head else w.sum(2)
+    def observe(self, view):
+        w = view.attention(view.q, view.input_pos, group_mean=not self.per_head)  # padding rows (-1) weigh 0
+        view.state["acc"] += w.sum(3).transpose(-1, -2) if self.per_head else w.sum(2)
 
-    def score(self, cache, q, input_pos, query_pos, S):
-        return protect_recent(cache.state["acc"][:, :, :S].clone(), cache.pos[:, :, :S], query_pos,
-                              self.n_recent(cache))
+    def score(self, view):
+        return protect_recent(view.state["acc"].clone(), view.pos, view.query_pos,
+                              int(self.window_frac * view.budget))
 
-    def head_scores(self, cache, q, input_pos, query_pos, S):
-        return (cache.state["acc"][:, :, :S].transpose(-1, -2),
-                recent_mask(cache.pos[:, :, :S], query_pos, self.n_recent(cache)))
+    def head_scores(self, view):
+        return (view.state["acc"].transpose(-1, -2),
+                recent_mask(view.pos, view.query_pos, int(self.window_frac * view.budget)))
 
 
-class SnapKV(Policy):
-    """SnapKV (Li et al. 2024), block-wise as in KeyDiff (spec 3, decisions 15-16): the last `--snap-window` (32)
-    queries vote with their attention; votes are average-pooled (kernel 7, stride 1, zero padding counted) along
-    the candidates in position order; the window's own tokens are always kept. The last queries live in a ring
-    per layer, so decode steps (one query) still vote with 32."""
+@dataclass
+class SnapKV(Scorer):
+    """SnapKV (Li et al. 2024), block-wise as in KeyDiff: the last `window` queries vote with their attention; the
+    votes are average-pooled (stride 1, zero padding counted) along the candidates in position order; the window's
+    own tokens are always kept. The last queries live in a ring per layer, so a decode step still votes with
+    `window` queries."""
     name = "snapkv"
-    help = "observation-window attention, pooled; --snap-window (32), --snap-kernel (7)"
+    summary = "observation-window attention, pooled"
+    window: int = param(32, "observation window: the last queries that vote, always kept")
+    kernel: int = param(7, "pooling kernel along positions, odd")
 
-    def window(self):
-        return self.param("snap_window", 32)
+    def validate(self):
+        check_positive(self, "window")
+        check_odd(self, "kernel")
 
-    def check(self, budget, block_size):
-        w, k = self.window(), self.param("snap_kernel", 7)
-        if w < 1 or k < 1 or k % 2 == 0:
-            raise PolicyError(f"--snap-window must be >= 1 and --snap-kernel odd, got {w} and {k}")
-        if budget <= w:
-            raise PolicyError(f"--budget {budget} must exceed the SnapKV observation window ({w})")
+    def plan(self, run):
+        if run.budget <= self.window:
+            raise PolicyError(f"{self.name}: --budget {run.budget} must exceed the observation window "
+                              f"({self.window})")
+
+    def ring_size(self) -> int:
+        return self.window
 
     def layer_state(self, cache):
-        B, H, _, D = cache.k.shape
-        return {"ring_q": ((B, cache.n_heads, self.window(), D), torch.float32, 0.0),
-                "ring_pos": ((self.window(),), torch.long, -1)}
+        B, _, _, D = cache.k.shape
+        return {"ring_q": ((B, cache.n_heads, self.ring_size(), D), torch.float32, 0.0),
+                "ring_pos": ((self.ring_size(),), torch.long, -1)}
 
-    def observe(self, cache, q, input_pos, query_pos, S):
-        """Keep the `window` latest queries of ring + block (the top positions; padding is -1)."""
-        ring_q, ring_pos = cache.layer_state["ring_q"], cache.layer_state["ring_pos"]
-        cand_pos = torch.cat([ring_pos, input_pos.long()])
-        newest = cand_pos.topk(self.window()).indices
-        ring_q.copy_(torch.cat([ring_q, q.float()], dim=2).index_select(2, newest))
+    def observe(self, view):
+        """Keep the `ring_size` latest queries of ring + block (the top positions; padding is -1)."""
+        ring_q, ring_pos = view.layer_state["ring_q"], view.layer_state["ring_pos"]
+        cand_pos = torch.cat([ring_pos, view.input_pos.long()])
+        newest = cand_pos.topk(self.ring_size()).indices
+        ring_q.copy_(torch.cat([ring_q, view.q.float()], dim=2).index_select(2, newest))
         ring_pos.copy_(cand_pos.index_select(0, newest))
 
-    def score(self, cache, q, input_pos, query_pos, S):
-        return pool_votes(window_votes(cache, S), cache.pos[:, :, :S], query_pos.max(), self.window(),
-                          self.param("snap_kernel", 7), "avg")
+    def score(self, view):
+        return pool_votes(window_votes(view), view.pos, view.newest, self.window, self.kernel, "avg")
 
-    def head_scores(self, cache, q, input_pos, query_pos, S):
-        """For CAOTE: each query head's pooled votes; the protected window keeps its raw votes, so that the
-        pseudo-output X~ still counts the attention the window receives (CAOTE spec 1.6)."""
-        votes = window_votes(cache, S, group_mean=False)  # [B, H, G, S]
-        B, H, G, _ = votes.shape
-        pos = cache.pos[:, :, :S]
-        pooled = pool_votes(votes.reshape(B, H * G, S), pos.repeat_interleave(G, 1), query_pos.max(),
-                            self.window(), self.param("snap_kernel", 7), "avg").view(B, H, G, S)
-        win = recent_mask(pos, query_pos, self.window())
+    def head_scores(self, view):
+        """For CAOTE: each query head's pooled votes; the protected window keeps its raw votes, so that CAOTE's
+        pseudo-output still counts the attention the window receives."""
+        votes = window_votes(view, group_mean=False)  # [B, H, G, S]
+        B, H, G, S = votes.shape
+        pos = view.pos
+        pooled = pool_votes(votes.reshape(B, H * G, S), pos.repeat_interleave(G, 1), view.newest, self.window,
+                            self.kernel, "avg").view(B, H, G, S)
+        win = recent_mask(pos, view.query_pos, self.window)
         return torch.where(win[:, :, None], votes, pooled), win
 
 
-def window_votes(cache, S: int, group_mean: bool = True) -> Tensor:
-    """Softmax attention of the ring's window queries over the first S slots (causal: each query sees positions up
-    to its own), summed over the window queries, averaged over each KV group's query heads: [B, H_kv, S]
+def window_votes(view, group_mean: bool = True) -> Tensor:
+    """Softmax attention of the ring's window queries over the slots (causal: each query sees positions up to its
+    own), summed over the window queries, averaged over each KV group's query heads: [B, H_kv, S]
     (group_mean=False: per query head, [B, H_kv, G, S])."""
-    ring_q, ring_pos = cache.layer_state["ring_q"], cache.layer_state["ring_pos"]
-    return attention_weights(cache, ring_q, ring_pos, S, group_mean).sum(-2)
+    return view.attention(view.layer_state["ring_q"], view.layer_state["ring_pos"], group_mean).sum(-2)
 
 
 def pool_votes(votes: Tensor, pos: Tensor, newest: Tensor, window: int, kernel: int, pool: str) -> Tensor:
@@ -302,29 +328,32 @@ def pool_votes(votes: Tensor, pos: Tensor, newest: Tensor, window: int, kernel: 
     return torch.zeros_like(votes).scatter(-1, order, pooled.view(B, H, S)).masked_fill(win, INF)
 
 
-class RandomScores(Policy):
+
+@dataclass
+class RandomScores(Scorer):
     """A seeded hash of (position, head): the floor every real policy must beat, and a neutral scorer for testing
     the cache mechanics. Static and deterministic (no RNG state), so compiled == eager."""
     name = "random"
-    help = "seeded random eviction (--seed)"
+    summary = "seeded random eviction (the floor)"
+    seed: int = param(0, "seed of the hash (independent of --seed, which seeds sampling)")
 
-    def score(self, cache, q, input_pos, query_pos, S):
-        pos = cache.pos[:, :, :S].double()
+    def score(self, view):
+        pos = view.pos.double()
         head = torch.arange(pos.shape[1], device=pos.device, dtype=torch.float64)[None, :, None]
-        x = torch.sin(pos * 12.9898 + head * 78.233 + self.param("seed", 0) * 37.719) * 43758.5453
+        x = torch.sin(pos * 12.9898 + head * 78.233 + self.seed * 37.719) * 43758.5453
         return (x - x.floor()).float()
 
 
 # --------------------------------------------------------------------------------------------------------- CAOTE
-# CAOTE (Goel et al., arXiv 2504.14051) as specified in shared/specs/caote.md: a modifier of any score-based policy.
+# CAOTE (Goel et al., arXiv 2504.14051): a modifier of any scorer that can score each query head (head_scores).
 
 
 def caote_scores(h: Tensor, v: Tensor, valid: Tensor, fast: bool = False) -> Tensor:
-    """CAOTE's eviction error (paper Eq. 8, 21; spec 1.1-1.3, 1.5): if slot j alone left, the (pseudo) attention
+    """CAOTE's eviction error (paper Eq. 8, 21): if slot j alone left, the (pseudo) attention
     output of query head g would move by c_gj = h~_gj / (1 - h~_gj) * ||X~_g - v_j||, where h~ = the base scores
     h [B, H, G, S] (>= 0) normalised over the valid slots and X~_g = sum_j h~_gj v_j (the real output when h is an
-    attention row: TOVA). FastCAOTE (Eq. 23): X~ = the plain mean of the valid values, shared by the group (A9).
-    A group's errors combine as the L2 norm of their concatenation (spec 1.5, agg `l2`, A2): [B, H, S].
+    attention row: TOVA). FastCAOTE (Eq. 23): X~ = the plain mean of the valid values, shared by the group.
+    A group's errors combine as the L2 norm of their concatenation: [B, H, S].
     Values v [B, H, S, D] fp32. ||X - v||^2 is expanded around the mean value (no [G, S, D] temporary; centring
     keeps the cancellation small when v_j is close to X)."""
     h = h * valid[:, :, None]
@@ -339,70 +368,50 @@ def caote_scores(h: Tensor, v: Tensor, valid: Tensor, fast: bool = False) -> Ten
     return c.square().sum(2).sqrt()
 
 
-class CAOTE(Policy):
-    """CAOTE over a base policy (`--policy caote:h2o|tova|snapkv|keydiff`, `fastcaote:...`; paper 3.2-3.3):
-    the base scores each query head's slots (`head_scores`: non-negative, plus the slots it protects), CAOTE
-    re-ranks them by the error their eviction would cause in that head's attention output, and the lowest are
-    dropped, each scored independently (paper App. A, spec A4). The base keeps its own state (H2O's sums, per query
-    head here; SnapKV's query ring) and its protection (+inf). Block-wise, after each block and decode step, like
-    the base. KeyDiff enters as 1 - cos (A8); SnapKV's protected window enters X~ with its raw votes.
-    The bases are this engine's policies as the KeyDiff spec defines them, not CAOTE spec A7's block-wise SnapKV:
-    `snapkv` keeps a ring of the last 32 queries across blocks and decode steps, average-pools (kernel 7) and
-    protects its window, where A7 recommends the block's own min(32, block) queries (decode: the current row),
-    max-pooling and no protection; results with caote:snapkv are therefore not the paper's SnapKV+CAOTE exactly.
-    Ties keep the newer token (the engine's rule; the spec's base-score tie-break, A15, is not applied)."""
-    base_cls = None
-    fast = False
+class CAOTE:
+    """CAOTE over a base scorer (`caote:h2o|tova|snapkv|keydiff`, `fastcaote:...`; paper 3.2-3.3): the base scores
+    each query head's slots (`head_scores`: non-negative, plus the slots it protects), CAOTE re-ranks them by the
+    error their eviction alone would cause in that head's attention output, and the lowest are dropped. The base
+    keeps its own parameters, state (H2O's sums, per query head here; SnapKV's query ring) and protection (+inf).
+    KeyDiff enters as 1 - cos; SnapKV's protected window enters the pseudo-output with its raw votes. The SnapKV
+    base is this engine's (a ring of the last 32 queries, average pooling, protected window), not the paper's
+    block-local variant. Ties keep the newer token, as everywhere in the engine."""
+    fast: ClassVar[bool] = False
+    per_head: ClassVar[bool] = True
 
-    def __init__(self, args=None):
-        super().__init__(args)
-        self.base = self.base_cls(args)
-        self.base.per_head = True
+    def validate(self):
+        super().validate()
+        if getattr(self, "heads", "group") != "group":
+            raise PolicyError(f"{self.name} scores each query head: heads=all is not supported")
 
-    def slot_state(self):
-        return self.base.slot_state()
-
-    def layer_state(self, cache):
-        return self.base.layer_state(cache)
-
-    def check(self, budget, block_size):
-        self.base.check(budget, block_size)
-        if self.param("tova_heads", "group") != "group" and self.base.name == "tova":
-            raise PolicyError(f"{self.name} scores each query head: --tova-heads all is not supported")
-
-    def observe(self, cache, q, input_pos, query_pos, S):
-        self.base.observe(cache, q, input_pos, query_pos, S)
-
-    def score(self, cache, q, input_pos, query_pos, S):
-        h, protected = self.base.head_scores(cache, q, input_pos, query_pos, S)
-        c = caote_scores(h, cache.values(S).float(), cache.pos[:, :, :S] >= 0, self.fast)
-        return c.masked_fill(protected, INF)
+    def score(self, view):
+        h, protected = self.head_scores(view)
+        return caote_scores(h, view.values.float(), view.pos >= 0, self.fast).masked_fill(protected, INF)
 
 
-def caote_policies():
-    """caote:<base> and fastcaote:<base> for every base the spec covers (and KeyDiff, its extension)."""
+def caote_policies() -> list:
+    """caote:<base> and fastcaote:<base> for every base that can score each query head."""
     out = []
     for base in [H2O, TOVA, SnapKV, KeyDiff]:
         for fast in (False, True):
             kind = "fastcaote" if fast else "caote"
             what = "mean-value " if fast else ""
-            out.append(type(f"{kind}_{base.name}", (CAOTE,), dict(
-                name=f"{kind}:{base.name}", base_cls=base, fast=fast,
-                help=f"CAOTE ({what}attention-output error) over {base.name}'s scores")))
+            ns = dict(name=f"{kind}:{base.name}", fast=fast, __doc__=CAOTE.__doc__,
+                      summary=f"CAOTE ({what}attention-output error) over {base.name}'s scores")
+            out.append(dataclass(type(f"{kind}_{base.name}", (CAOTE, base), ns)))
     return out
 
 
 # ------------------------------------------------------------------------------------------------------- RocketKV
-# RocketKV (Behnam et al., arXiv 2502.14051 v1) as specified in shared/specs/rocketkv.md: stage 1 SnapKV++ compresses
-# the prompt once after a dense prefill (paper 3.3, spec 2); stage 2 hybrid attention picks k tokens of the kept cache
-# at every decode step (paper 3.4, spec 3). Exact-TopK is the oracle (paper 4.1, spec 7). Ambiguities follow the
-# spec's recommendations (section 10); each docstring names the ones it resolves.
+# RocketKV (Behnam et al., arXiv 2502.14051 v1): stage 1 SnapKV++ compresses the prompt once after a dense prefill
+# (paper 3.3); stage 2 hybrid attention picks k tokens of the kept cache at every decode step (paper 3.4).
+# Exact-TopK is the oracle (paper 4.1). docs/policies.md states each choice the paper leaves open.
 
 
 def adaptive_kernel(prompt_len: int, model_args=None) -> int:
-    """SnapKV++'s pooling kernel (paper 4.4.2, App. A.3; spec 2.3): 511 for long prompts, else 63. Thresholds
-    compare T with 48*1024 for Llama-3.1 and 12*1024 for LongChat (A5); the model is told apart by its RoPE scaling
-    (llama3 / linear x8); Mistral and unknown models (Qwen, SmolLM2) always get 63 (spec 2.3's recommendation)."""
+    """SnapKV++'s pooling kernel (paper 4.4.2, App. A.3): 511 for long prompts, else 63. Thresholds compare T with
+    48*1024 for Llama-3.1 and 12*1024 for LongChat; the model is told apart by its RoPE scaling (llama3 / linear x8);
+    models the paper did not run (Mistral, Qwen, SmolLM2) always get 63."""
     scaling = (getattr(model_args, "rope_scaling", None) or {}).get("rope_type")
     threshold = {"llama3": 48 * 1024, "linear": 12 * 1024}.get(scaling)
     return 511 if threshold is not None and prompt_len >= threshold else 63
@@ -410,8 +419,8 @@ def adaptive_kernel(prompt_len: int, model_args=None) -> int:
 
 @dataclass(frozen=True)
 class RocketParams:
-    """One run's static sizes (spec 4): storage C per KV head, prompt budget P = C - N, page size p, channels r,
-    exact top-k k, pages Np = ceil(C / p). sparse=False when t >= S (c = 1: no compression, dense attention)."""
+    """One run's static sizes (paper section 4): storage C per KV head, prompt budget P = C - N, page size p,
+    channels r, exact top-k k, pages Np = ceil(C / p). sparse=False: nothing to select (t >= C), dense attention."""
     S: int
     t: int
     D: int
@@ -430,26 +439,34 @@ class RocketParams:
 
 
 def rocket_params(S: int, t: int, D: int, N: int, alpha="0.5") -> RocketParams:
-    """Derive the run's sizes from S = prompt + new tokens, token budget t (per KV head per decode step, traffic incl.
-    the approximation's reads), head_dim D and N new tokens, exactly as spec section 4:
-    c = S/t; C = floor(S / c^a) (a = 0.5, v1's even split, A1; `icml` = a = min(0.2 + 0.06 log2 c, 0.8));
-    C >= min(2N, S) (A2); P = C - N; c2 = C/t; p = min(floor(c2), ceil(sqrt(c2))); r = clamp(round(D p / c2), 1, D);
-    k = round(t / 2) (A3). With a = 0.5, C = isqrt(S t) exactly (no float floor error)."""
+    """The paper's parameterisation (its section 4): from S = prompt + new tokens and the token budget t, the
+    storage C = floor(S / c^a) with c = S / t (a = 0.5, v1's even split: C = isqrt(S t) exactly; `icml`: a =
+    min(0.2 + 0.06 log2 c, 0.8)), at least min(2N, S); then rocket_sizes(C, t). t >= S: no compression, dense.
+    The engine takes C as --budget and t as rocketkv's `read`; this gives the pair a paper's t corresponds to."""
     c = max(1.0, S / t)
     if c == 1.0:
         return RocketParams(S, t, D, C=S, P=S - N, p=1, r=D, k=S, Np=S, sparse=False)
     a = min(0.2 + 0.06 * math.log2(c), 0.8) if str(alpha) == "icml" else float(alpha)
     C = math.isqrt(S * t) if a == 0.5 else math.floor(S / c ** a)
-    C = max(C, min(2 * N, S))
-    c2 = max(1.0, C / t)
+    return dataclasses.replace(rocket_sizes(max(C, min(2 * N, S)), t, D, N), S=S)
+
+
+def rocket_sizes(C: int, t: int, D: int, N: int) -> RocketParams:
+    """Stage 2's sizes from storage C (slots per KV head) and the per-step token budget t: c2 = C / t, page size
+    p = min(floor(c2), ceil(sqrt(c2))), channels r = clamp(round(D p / c2), 1, D), exact top-k = round(t / 2)
+    (half of t for the exact attention, the rest for the page scan), Np = ceil(C / p) pages, prompt slots
+    P = C - N. t >= C: nothing to select, dense attention over the C slots."""
+    if t >= C:
+        return RocketParams(C, t, D, C=C, P=C - N, p=1, r=D, k=C, Np=C, sparse=False)
+    c2 = C / t
     p = min(math.floor(c2), math.ceil(math.sqrt(c2)))
     r = min(max(round(D * p / c2), 1), D)
-    return RocketParams(S, t, D, C=C, P=C - N, p=p, r=r, k=min(round(t / 2), C), Np=-(-C // p))
+    return RocketParams(C, t, D, C=C, P=C - N, p=p, r=r, k=min(round(t / 2), C), Np=-(-C // p))
 
 
 def build_pages(k: Tensor, valid: Tensor, p: int) -> Tensor:
-    """Per-page element-wise key min and max (paper 3.4, spec 3.2) of keys k [B, H, C, D] over pages of p slots,
-    aligned to slot 0 (A8), only valid slots counted; stored channel-major: [B, H, 2D, Np], rows [0, D) = min,
+    """Per-page element-wise key min and max (paper 3.4) of keys k [B, H, C, D] over pages of p slots, aligned to
+    slot 0, only valid slots counted; stored channel-major: [B, H, 2D, Np], rows [0, D) = min,
     [D, 2D) = max. Pages with no valid slot hold 0 (never read: their tokens are masked)."""
     B, H, C, D = k.shape
     Np = -(-C // p)
@@ -464,8 +481,8 @@ def build_pages(k: Tensor, valid: Tensor, p: int) -> Tensor:
 
 
 def update_page(pages: Tensor, k_new: Tensor, slot: Tensor, p: int) -> None:
-    """Fold the key k_new [B, H, 1, D] just written at slot [1] into page slot // p, in place (spec 3.3); the page's
-    first slot overwrites min and max (A8: no +-inf arithmetic, same result)."""
+    """Fold the key k_new [B, H, 1, D] just written at slot [1] into page slot // p, in place; the page's first
+    slot overwrites min and max (no +-inf arithmetic, same result)."""
     D = k_new.shape[-1]
     j = torch.div(slot, p, rounding_mode="floor").clamp_max(pages.shape[-1] - 1)
     kn = k_new.transpose(-1, -2).to(pages.dtype)  # [B, H, D, 1]
@@ -478,28 +495,20 @@ def update_page(pages: Tensor, k_new: Tensor, slot: Tensor, p: int) -> None:
 
 def hybrid_scores(Q: Tensor, pages: Tensor, r: int) -> tuple[Tensor, Tensor]:
     """Approximate page scores of queries Q [B, H, G, D] (the G query heads of each KV group), paper 3.4 Algorithm 2,
-    spec 3.3: i1 = top-r channels of the group-summed |q| (A10, shared by the group); per channel the max row where
-    the group-summed q >= 0, else the min row (A9: >= 0 as in Algorithm 2); each head's own q[i1] times those rows.
+    i1 = top-r channels of the group-summed |q| (shared by the group); per channel the max row where the
+    group-summed q >= 0 (as in Algorithm 2), else the min row; each head's own q[i1] times those rows.
     Returns page scores [B, H, G, Np] and the SparQ temperature tau = sqrt(D |q[i1]|_1 / |q|_1) [B, H, G, 1]."""
     B, H, G, D = Q.shape
     i1 = Q.abs().sum(2).topk(r, dim=-1).indices  # [B, H, r]
     rows = i1 + D * (Q.sum(2).gather(-1, i1) >= 0)
-    Kh = take_rows(pages, rows).float()  # [B, H, r, Np]
+    Kh = take_slots(pages, rows).float()  # [B, H, r, Np]
     Qh = Q.gather(-1, i1[:, :, None].expand(B, H, G, r))
     tau = (D * Qh.abs().sum(-1, keepdim=True) / Q.abs().sum(-1, keepdim=True).clamp_min(1e-30)).sqrt()
     return Qh @ Kh, tau
 
 
-def take_rows(x: Tensor, idx: Tensor) -> Tensor:
-    """x[b, h, idx[b, h, j]] for x [B, H, R, ...] and idx [B, H, n]: whole rows, as one index_select over the
-    flattened rows (on CPU ~3x faster than torch.gather, which indexes element by element)."""
-    B, H, R = x.shape[:3]
-    flat = idx + R * torch.arange(B * H, device=idx.device).view(B, H, 1)
-    return x.reshape(B * H * R, *x.shape[3:]).index_select(0, flat.view(-1)).view(B, H, idx.shape[-1], *x.shape[3:])
-
-
 def stable_topk(scores: Tensor, k: int) -> Tensor:
-    """Indices of the k highest fp32 scores along the last dim, ties to the lower index (A12: the selection never
+    """Indices of the k highest fp32 scores along the last dim, ties to the lower index (the selection never
     depends on torch.topk's tie order), in ascending order (contiguous reads). A stable argsort costs ~8x a topk on
     CPU, so the topk runs on a float64 key that breaks ties without reordering distinct fp32 scores:
     s - |s| i 2^-50 + (n - i) 2^-1000 for index i < n <= 2^20 (the first term moves a score by < 2^-30 of itself,
@@ -512,9 +521,9 @@ def stable_topk(scores: Tensor, k: int) -> Tensor:
 
 
 def token_scores(page_scores: Tensor, tau: Tensor, valid: Tensor, p: int) -> Tensor:
-    """Per-slot selection scores [B, H, C] for the token top-k (spec 3.3): page scores broadcast to their p slots,
-    slots not attendable (valid [B, H, C] False) at -inf, per-head softmax(scores / tau) summed over the group
-    (A11); slots not attendable then score -1, below every attendable one."""
+    """Per-slot selection scores [B, H, C] for the token top-k: page scores broadcast to their p slots,
+    slots not attendable (valid [B, H, C] False) at -inf, per-head softmax(scores / tau) summed over the group;
+    slots not attendable then score -1, below every attendable one."""
     B, H, G, Np = page_scores.shape
     C = valid.shape[-1]
     St = page_scores[..., None].expand(B, H, G, Np, p).reshape(B, H, G, Np * p)[..., :C]
@@ -522,186 +531,146 @@ def token_scores(page_scores: Tensor, tau: Tensor, valid: Tensor, p: int) -> Ten
     return (St / tau).softmax(-1).sum(2).masked_fill(~valid, -1.0)
 
 
+@dataclass
 class SnapKVPlusPlus(SnapKV):
-    """SnapKV++ (RocketKV stage 1, paper 3.3 and Algorithm 1; spec 2.2), one-shot: after a dense prefill each layer
-    keeps, per KV head, the window (the last `--snap-window` 32 prompt tokens, A16/A17: the last prompt token
-    included) plus the P - w prompt tokens of highest window attention, softmax in fp32 (A6), summed over the window
-    queries and over the group's query heads (one set per KV head), max-pooled along positions (A4) with the
-    adaptive kernel (`--rocket-kernel`, default spec 2.3's rule, A5). The kept slots are sorted by position, window
-    last (A7). Never evicts during decode: generated tokens are appended (spec 6).
-    Budget (paper's SnapKV+GQA baseline, spec 7): `--budget t` slots per KV head including the N new tokens, so
-    P = t - N prompt tokens; t <= N + w cannot keep the window (the paper's N/A)."""
+    """SnapKV++ (RocketKV stage 1, paper 3.3 and Algorithm 1), one-shot: after a dense prefill each layer keeps, per
+    KV head, the window (the last `window` prompt tokens, the last one included) plus the prompt tokens of highest
+    window attention (softmax in fp32, summed over the window queries and over the group's query heads: one set per
+    KV head), max-pooled along positions with the adaptive kernel (63; 511 for prompts >= 48K on Llama-3.1 and
+    >= 12K on LongChat-style linear scaling). The kept slots are in position order. New tokens are appended: the
+    prompt keeps budget - max_new_tokens."""
     name = "snapkv++"
-    help = "RocketKV stage 1 only: one-shot GQA SnapKV, max-pool kernel 63/511; --snap-window (32), --rocket-kernel"
-    evicts = False
-    one_shot = True
-    P = None
-    kernel = None
+    summary = "RocketKV stage 1: one-shot GQA SnapKV, max-pooled (kernel 63/511)"
+    protocol = "one-shot"
+    decode = "append"
+    kernel: int | None = param(None, "max-pool kernel, odd (default: the paper's adaptive 63 / 511)")
+    run_kernel = None
 
-    def check(self, budget, block_size):
-        w, k = self.window(), self.param("rocket_kernel", None)
-        if w < 1 or (k is not None and (k < 1 or k % 2 == 0)):
-            raise PolicyError(f"--snap-window must be >= 1 and --rocket-kernel odd, got {w} and {k}")
+    def plan(self, run):
+        self.check_prompt_budget(run, f"--budget {run.budget} - max_new_tokens {run.max_new_tokens}")
+        self.run_kernel = self.kernel or adaptive_kernel(run.prompt_len, run.args)
 
-    def plan(self, budget, prompt_len, max_new_tokens, model_args=None):
-        self.P = budget - max_new_tokens
-        self.check_prompt_budget(prompt_len, f"--budget {budget} - --max-new-tokens {max_new_tokens}")
-        self.kernel = self.kernel_for(prompt_len, model_args)
-        return budget
-
-    def kernel_for(self, prompt_len, model_args=None):
-        return self.param("rocket_kernel", None) or adaptive_kernel(prompt_len, model_args)
-
-    def check_prompt_budget(self, prompt_len, how):
-        if prompt_len > self.P and self.P < self.window():
-            raise PolicyError(f"{self.name} keeps {how} = {self.P} prompt tokens, fewer than its observation window "
-                              f"({self.window()}): raise --budget")
-
-    def prompt_slots(self, cache):
-        return cache.budget if self.P is None else self.P
+    def check_prompt_budget(self, run, how):
+        P = self.prompt_keep(run)
+        if run.prompt_len > P and P < self.window:
+            raise PolicyError(f"{self.name} keeps {how} = {P} prompt tokens, fewer than its observation window "
+                              f"({self.window}): raise --budget")
 
     def layer_state(self, cache):
         return super().layer_state(cache) if cache.scratch else {}  # the query ring lives in the prefill scratch
 
-    def observe(self, cache, q, input_pos, query_pos, S):
-        if cache.scratch:
-            super().observe(cache, q, input_pos, query_pos, S)
-
-    def score(self, cache, q, input_pos, query_pos, S):
-        G = cache.n_heads // cache.k.shape[1]  # attention_weights averages a group; x G = the spec's group sum
-        return pool_votes(window_votes(cache, S) * G, cache.pos[:, :, :S], query_pos.max(), self.window(),
-                          self.kernel or self.kernel_for(S), "max")
-
-    def compressed(self, cache, n):
-        cache.sort_slots(n)
+    def score(self, view):  # view.attention averages a group; x G = the paper's group sum
+        kernel = self.run_kernel or self.kernel or adaptive_kernel(view.S)
+        return pool_votes(window_votes(view) * view.group, view.pos, view.newest, self.window, kernel, "max")
 
 
+@dataclass
 class RocketKV(SnapKVPlusPlus):
-    """RocketKV (paper 3, spec 2-4): SnapKV++ keeps P = C - N prompt tokens, then at every decode step hybrid
-    attention (paper 3.4) attends exactly over k = t/2 tokens picked by page min/max (sequence reduction, page p)
-    and the top-r channels of |q| (head-dim reduction), all selections per KV head and shared by its group.
-    `--budget t` is the per-KV-head traffic budget of one decode step (spec 4); storage C = floor(sqrt(S t)) with
-    S = prompt + --max-new-tokens (`--rocket-alpha`: 0.5 = v1's even split, A1; `icml` = the ICML rule).
-    Page state: `pages` [B, H_kv, 2D, Np] per layer (min rows then max rows, channel-major), over SLOT order; the
-    slots are sorted by position after stage 1 (A7) and new tokens are appended, so slot order is position order
-    and pages group positional neighbours, aligned to slot 0 (A8); updated in place each decode step. The new token
-    is a candidate, nothing else is forced in (A13; `--rocket-local-window n` pins the n newest, inside k). No
-    SparQ mean-value reallocation. Tie-break: stable top-k (A12). p = 1 keeps min/max rows too (equal to K^T).
-    Generation past C raises in generate.generate (A14). With t >= S it is dense (no compression, spec 4)."""
+    """RocketKV (paper 3): SnapKV++ keeps budget - max_new_tokens prompt tokens, then every decode step hybrid
+    attention (paper 3.4) attends exactly over k = read / 2 tokens picked by per-page key min/max (page p) and the
+    top-r channels of |q|, all selections per KV head and shared by its group. `read` is the paper's token budget t
+    (tokens read per KV head per decode step, the page scan included); from budget C and t, exactly as the paper's
+    even split: c2 = C / t, p = min(floor(c2), ceil(sqrt(c2))), r = clamp(round(D p / c2), 1, D), k = round(t / 2).
+    Default read: the even split's t = C^2 / (prompt + new tokens), so that C = sqrt(S t). Pages [B, H_kv, 2D, Np]
+    (min rows then max rows) over slot order, aligned to slot 0; slots are in position order (sorted after stage 1,
+    then appended), updated in place each step. The new token is a candidate, nothing is forced in (local_window n
+    pins the n newest, inside k). Ties go to the lower slot. read >= budget: dense attention, no selection."""
     name = "rocketkv"
-    help = ("SnapKV++ then hybrid top-k attention each decode step; --budget = tokens read per step; "
-            "--rocket-alpha (0.5), --rocket-kernel, --rocket-local-window (0)")
+    summary = "SnapKV++ then hybrid top-k attention each decode step"
+    read: int | None = param(None, "tokens read per KV head per decode step, t (default: budget^2 / (prompt + new))")
+    local_window: int = param(0, "always attend the n newest tokens, counted inside the top-k")
     rp = None
 
-    def check(self, budget, block_size):
-        super().check(budget, block_size)
-        alpha = str(self.param("rocket_alpha", "0.5"))
-        if alpha != "icml":
-            try:
-                ok = 0 < float(alpha) <= 1
-            except ValueError:
-                ok = False
-            if not ok:
-                raise PolicyError(f"--rocket-alpha must be in (0, 1] or icml, got {alpha!r}")
-        if self.param("rocket_local_window", 0) < 0:
-            raise PolicyError("--rocket-local-window must be >= 0")
+    def validate(self):
+        check_positive(self, "read")
+        check_positive(self, "local_window", least=0)
 
-    def plan(self, budget, prompt_len, max_new_tokens, model_args=None):
-        D = model_args.head_dim
-        self.rp = rocket_params(prompt_len + max_new_tokens, budget, D, max_new_tokens,
-                                self.param("rocket_alpha", "0.5"))
-        self.P = self.rp.P
-        self.check_prompt_budget(prompt_len, f"C - N = {self.rp.C} - {max_new_tokens}")
-        if self.param("rocket_local_window", 0) > self.rp.k:
-            raise PolicyError(f"--rocket-local-window must not exceed k = {self.rp.k} (it is counted in the budget)")
-        self.kernel = self.kernel_for(prompt_len, model_args)
-        return self.rp.C
+    def plan(self, run):
+        S = run.prompt_len + run.max_new_tokens
+        t = self.read or max(1, round(run.budget * run.budget / S))
+        self.rp = rocket_sizes(run.budget, t, run.args.head_dim, run.max_new_tokens)
+        super().plan(run)
+        if self.local_window > self.rp.k:
+            raise PolicyError(f"rocketkv: local_window {self.local_window} must not exceed k = {self.rp.k} (it is "
+                              "counted in the top-k)")
 
-    def layer_state(self, cache):
-        state = super().layer_state(cache)
-        if not cache.scratch and self.rp is not None and self.rp.sparse:
-            B, H, _, D = cache.k.shape
-            state["pages"] = ((B, H, 2 * D, -(-cache.budget // self.rp.p)), cache.dtype, 0.0)
-        return state
+    def selector_state(self, cache):
+        if not self.rp.sparse:
+            return {}
+        B, H, _, D = cache.k.shape
+        return {"pages": ((B, H, 2 * D, -(-cache.budget // self.rp.p)), cache.dtype, 0.0)}
 
-    def compressed(self, cache, n):
-        super().compressed(cache, n)
-        if "pages" in cache.layer_state:
-            C = cache.budget
-            cache.layer_state["pages"].copy_(build_pages(cache.keys(C), cache.pos[:, :, :C] >= 0, self.rp.p))
+    def prepare(self, view):
+        if self.rp.sparse:
+            view.layer_state["pages"].copy_(build_pages(view.keys, view.pos >= 0, self.rp.p))
 
-    def select(self, cache, q, query_pos, slot):
-        if "pages" not in cache.layer_state:
+    def select(self, view):
+        if not self.rp.sparse:
             return None
-        rp, pages, C = self.rp, cache.layer_state["pages"], cache.budget
-        update_page(pages, cache.key_rows(slot), slot, rp.p)
-        B, Hq, _, D = q.shape
-        H = cache.k.shape[1]
-        scores, tau = hybrid_scores(q.float().reshape(B, H, Hq // H, D), pages, rp.r)
-        pos = cache.pos[:, :, :C]
-        agg = token_scores(scores, tau, attention_mask(pos, query_pos, cache.window)[:, :, 0], rp.p)
-        agg = protect_recent(agg, pos, query_pos, self.param("rocket_local_window", 0))
-        return stable_topk(agg, min(rp.k, C))
+        rp, pages = self.rp, view.layer_state["pages"]
+        update_page(pages, view.key_rows(view.slot), view.slot, rp.p)
+        B, Hq, _, D = view.q.shape
+        scores, tau = hybrid_scores(view.q.float().reshape(B, view.n_kv_heads, view.group, D), pages, rp.r)
+        agg = token_scores(scores, tau, attention_mask(view.pos, view.query_pos, view.window)[:, :, 0], rp.p)
+        agg = protect_recent(agg, view.pos, view.query_pos, self.local_window)
+        return stable_topk(agg, min(rp.k, view.S))
 
-    def read_tokens(self, cache):
-        if self.rp is None or not self.rp.sparse or cache.scratch:
-            return None
-        return self.rp.k + self.rp.approx_tokens
+    def read_tokens(self, view):
+        return self.rp.k + self.rp.approx_tokens if self.rp is not None and self.rp.sparse else None
 
 
+@dataclass
 class ExactTopK(Policy):
-    """Exact-TopK, the accuracy ceiling (paper 4.1, spec 7): each decode step computes the exact attention logits
-    over the whole cache (no compression: storage = prompt + new tokens, like `full`) and attends, per QUERY head
-    (A20: the official code's oracle selects per head, so a group's union can exceed t), over its top t = --budget
-    tokens; the selection itself is counted as free. Prefill is dense (spec 7's common rule)."""
+    """Exact-TopK, the accuracy ceiling (RocketKV paper 4.1): nothing is evicted (the budget holds prompt + new
+    tokens, like `full`); each decode step computes the exact attention logits over the whole cache and each QUERY
+    head attends its own top k (as the official oracle: a group's union can exceed k); the selection is free."""
     name = "exact-topk"
-    help = "oracle: exact attention over each query head's top --budget tokens of the full cache"
-    evicts = False
-    k = None
+    summary = "oracle: exact attention over each query head's top-k of the full cache"
+    k: int = param(256, "slots each query head attends per decode step")
 
-    def plan(self, budget, prompt_len, max_new_tokens, model_args=None):
-        self.k = budget
-        return prompt_len + max_new_tokens
+    def validate(self):
+        check_positive(self, "k")
 
-    def select(self, cache, q, query_pos, slot):
-        B, Hq, _, D = q.shape
-        H, S = cache.k.shape[1], cache.k.shape[2]
-        logits = torch.einsum("bhgd,bhsd->bhgs", q.float().reshape(B, H, Hq // H, D), cache.keys().float())
-        valid = attention_mask(cache.pos, query_pos, cache.window)[:, :, 0]
+    def select(self, view):
+        B, Hq, _, D = view.q.shape
+        logits = torch.einsum("bhgd,bhsd->bhgs", view.q.float().reshape(B, view.n_kv_heads, view.group, D),
+                              view.keys.float())
+        valid = attention_mask(view.pos, view.query_pos, view.window)[:, :, 0]
         logits = logits.masked_fill(~valid[:, :, None], -INF)
-        k = min(self.k or S, S)
+        k = min(self.k, view.S)
         return stable_topk(logits, k).view(B, Hq, k)
 
-    def read_tokens(self, cache):  # each query head reads its own top-k: up to G k per KV head
-        return None if self.k is None else min(cache.n_heads // cache.k.shape[1] * self.k, cache.k.shape[2])
+    def read_tokens(self, view):  # each query head reads its own top-k: up to G k per KV head
+        return min(view.group * self.k, view.S)
 
 
 # ------------------------------------------------------------------------------------------------------- SAGE-KV
-# SAGE-KV (Wang et al., "LLMs Know What to Drop", arXiv 2503.08879, section 2 and App. A.3) as specified in
-# shared/specs/sagekv.md: a dense one-shot prefill, then ONE token- and head-level top-k per layer from the last
-# prompt token's query; during decode only the recent window slides. Ambiguities follow the spec's section 5.
+# SAGE-KV (Wang et al., "LLMs Know What to Drop", arXiv 2503.08879, section 2 and App. A.3): a dense one-shot
+# prefill, then ONE token- and head-level top-k per layer from the last prompt token's query; during decode only
+# the recent window slides.
 
 
 def sage_sizes(B: int, G: int, sink: int | None = None, topk: int | None = None) -> tuple[int, int, int]:
-    """(S, k, W) for budget B and GQA group G (paper App. A.3, spec 1.2): sink S = B/4, k = B/(2G) per query head
-    floored to a power of two (A2: Qwen's 585 -> 512), ring W = B - S - G k, counting the current token (A3), so
-    that S + G k + W = B slots per KV head exactly. --sage-sink / --sage-topk override S / k (k = 0: StreamLLM_Abs)."""
+    """(S, k, W) for the paper's budget B (slots a decode step reads, the current token included: --budget + 1) and
+    GQA group G (paper App. A.3): sink S = B/4, k = B/(2G) per query head floored to a power of two (Qwen's 585 ->
+    512), ring W = B - S - G k, counting the current token, so that S + G k + W = B. sink / topk override S / k
+    (k = 0: the paper's StreamLLM_Abs)."""
     S = B // 4 if sink is None else sink
     if topk is None:
         if B < 2 * G:
-            raise PolicyError(f"sagekv: --budget {B} is below 2 x the GQA group ({G}): no token to select per "
-                              "query head (--sage-topk 0 keeps sink + recent only)")
+            raise PolicyError(f"sagekv: B = --budget + 1 = {B} is below 2 x the GQA group ({G}): no token to select "
+                              "per query head (sagekv:topk=0 keeps sink + recent only)")
         topk = 1 << ((B // (2 * G)).bit_length() - 1)  # the largest power of two <= B / (2G)
     W = B - S - G * topk
     if W < 1:
-        raise PolicyError(f"sagekv: --budget {B} leaves no recent window: sink {S} + {G} query heads x top-k {topk} "
-                          f"= {S + G * topk} slots")
+        raise PolicyError(f"sagekv: B = --budget + 1 = {B} leaves no recent window: sink {S} + {G} query heads x "
+                          f"top-k {topk} = {S + G * topk} slots")
     return S, topk, W
 
 
 @dataclass(frozen=True)
 class SageLayout:
-    """One run's slot layout per KV head, fixed once the prompt length N is known (spec 1.3 and 1.7):
+    """One run's slot layout per KV head, fixed once the prompt length N is known:
 
         [0, n_sink)                          sink: positions 0 .. n_sink-1
         [n_sink, ring_start)                 G blocks of kk: block g = the top-kk of query head j G + g
@@ -709,7 +678,7 @@ class SageLayout:
         slot `budget` (the decode tail)      the current token, so a decode step attends S + kk + W per query head
 
     n_sink = min(S, N), kk = min(k, n_E) with candidates E = [n_sink, rs), rs = max(n_sink, N - W): the sink and
-    selection hold no empty slot (the spec's masked empty slots are left out, not stored), so that decode eviction
+    selection hold no empty slot (masked empty slots are left out, not stored), so that decode eviction
     can only ever replace a ring token (empty slots score -inf in cache.drop_to)."""
     S: int
     k: int
@@ -738,103 +707,87 @@ class SageLayout:
         return self.ring_start + self.W - 1
 
 
-class SageKV(Policy):
-    """SAGE-KV (paper section 2, Steps 1-4; App. A.3; spec 1): after a dense one-shot prefill, each layer keeps
-    the sink [0, S), for EVERY QUERY HEAD its own top-k of the candidates E = [S, N - W) by the attention logits
-    of the last prompt token's post-RoPE query (A6: q_last . k_i in fp32, no softmax or 1/sqrt(d), same ranking;
-    A7: that one query, no window), and the recent ring. Decode: a query head attends sink + its own k + the ring;
-    each new token enters the ring and the oldest ring token is gone for good (Step 4, A10: never re-scored).
-
-    Resolved ambiguities (spec section 5, each the spec's recommendation):
-    A1 per-query-head private blocks (G k selected slots per KV head; a token picked by two heads is stored twice);
-    A2 k floored to a power of two; A3 ring W = B - S - G k includes the last prompt token and the current token,
-    so --budget B counts every slot a decode step reads per KV head (the spec's R = W - 1); A4 keys keep their
-    absolute RoPE positions; A5 the literal rule by default (`--sage-skip-if-fits` keeps a prompt with
-    N + --max-new-tokens <= B dense); A6 ties go to the lower position (stable_topk); A8 all layers; A9 one-shot
-    layer-major prefill; A11 each head's selection in ascending position order; A16 write then attend.
-    Engine form (spec 1.6-1.7): the cache keeps B - 1 slots between steps (SageLayout); a decode token is written to
-    the tail slot B - 1, attends through `select` (a constant slot pattern per query head), then `score` protects
-    sink and selection (+inf) and ranks the ring by recency, so cache.py drops the oldest ring token and the new
-    token takes its slot: the ring stays in the ring slots. Extra memory: none beyond the budget (no policy state)."""
+@dataclass
+class SageKV(Scorer):
+    """SAGE-KV (paper section 2, Steps 1-4; App. A.3), one-shot: each layer keeps the sink [0, S), for EVERY QUERY
+    HEAD its own top-k of the candidates [S, N - W) by the logits of the last prompt token's post-RoPE query (q . k
+    in fp32, the softmax's ranking; that one query, no window), and a recent ring. Decode: a query head attends
+    sink + its own k + the ring + the current token; each new token enters the ring, and the oldest ring token is
+    gone for good. The paper's budget B counts the current token: B = --budget + 1, S = B / 4, k = B / (2 G)
+    floored to a power of two, ring W = B - S - G k. A token picked by two query heads is stored twice; keys keep
+    their absolute positions; ties go to the lower position; each head's selection is in position order.
+    skip_if_fits keeps a prompt dense when prompt + new tokens fit (the paper's literal rule always selects).
+    Engine form: `keep_slots` lays the cache out (sink, G blocks of k, ring); `select` is a constant slot pattern
+    per query head; `score` protects sink and selection (+inf) and ranks the ring by recency, so the oldest ring
+    token is dropped and the new token takes its slot."""
     name = "sagekv"
-    help = ("SAGE-KV: one-shot top-k per query head from the last prompt query + sink B/4 + sliding recent window; "
-            "--sage-sink, --sage-topk, --sage-skip-if-fits")
-    one_shot = True
+    summary = "one-shot top-k per query head from the last prompt query + sink + sliding window"
+    protocol = "one-shot"
+    sink: int | None = param(None, "sink tokens S (default: the paper's B / 4)")
+    topk: int | None = param(None, "tokens selected per query head (default: B / (2 G) floored to a power of two; "
+                                   "0 = sink + recent only)")
+    skip_if_fits: bool = param(False, "keep a prompt dense when prompt + new tokens fit in the budget")
     layout = None
 
-    def check(self, budget, block_size):
-        for flag in ("sage_sink", "sage_topk"):
-            value = self.param(flag, None)
-            if value is not None and value < 0:
-                raise PolicyError(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
+    def validate(self):
+        check_positive(self, "sink", "topk", least=0)
 
-    def plan(self, budget, prompt_len, max_new_tokens, model_args=None):
-        G = model_args.n_heads // model_args.n_kv_heads
-        S, k, W = sage_sizes(budget, G, self.param("sage_sink", None), self.param("sage_topk", None))
-        if self.param("sage_skip_if_fits", False) and prompt_len + max_new_tokens <= budget:
-            S, k, W = prompt_len, 0, budget - prompt_len  # the whole prompt as "sink": nothing is ever dropped
-        self.layout = SageLayout(S, k, W, G, prompt_len)
+    def plan(self, run):
+        G = run.args.n_heads // run.args.n_kv_heads
+        B = run.budget + 1  # the paper's B counts the token being generated
+        if self.skip_if_fits and run.prompt_len + run.max_new_tokens <= B:
+            S, k, W = run.prompt_len, 0, B - run.prompt_len  # the whole prompt as "sink": nothing is dropped
+        else:
+            S, k, W = sage_sizes(B, G, self.sink, self.topk)
+        self.layout = SageLayout(S, k, W, G, run.prompt_len)
         return self.layout.budget
 
-    def compress(self, scratch, cache):
-        """Steps 1-3 for one layer: sink, each query head's top-kk of E, the W - 1 newest prompt tokens."""
+    def keep_slots(self, view):
+        """Steps 1-3 for one layer: the scratch slots of the sink, each query head's top-kk of the candidates and
+        the W - 1 newest prompt tokens, in that order."""
         lay = self.layout
-        B, H, _, D = scratch.k.shape
-        dev = scratch.k.device
-        pos = scratch.pos[:, :, :scratch.budget]
-        by_pos = position_order(pos)[..., :lay.N]  # the slot of position i
+        B, H = view.pos.shape[:2]
+        dev = view.pos.device
+        by_pos = position_order(view.pos)[..., :lay.N]  # the slot of position i
         keep = [torch.arange(lay.n_sink, device=dev).expand(B, H, -1)]
         if lay.kk > 0:
-            q_last, _ = last_query(*scratch.last_step)  # [B, Hq, 1, D], post-RoPE at position N - 1
-            cand = take_rows(scratch.keys(), by_pos[..., lay.n_sink:lay.rs]).float()  # [B, H, n_E, D]
-            logits = torch.einsum("bhgd,bhnd->bhgn", q_last.float().view(B, H, lay.G, D), cand)
+            q_last, _ = view.last_query()  # [B, Hq, 1, D], post-RoPE at position N - 1
+            cand = take_slots(view.keys, by_pos[..., lay.n_sink:lay.rs]).float()  # [B, H, n_E, D]
+            logits = torch.einsum("bhgd,bhnd->bhgn", q_last.float().view(B, H, lay.G, view.head_dim), cand)
             keep.append((stable_topk(logits, lay.kk) + lay.n_sink).view(B, H, lay.G * lay.kk))
         keep.append(torch.arange(max(lay.rs, lay.N - lay.W + 1), lay.N, device=dev).expand(B, H, -1))
-        keep = torch.cat(keep, dim=-1)  # positions, in slot order
-        n = keep.shape[-1]
-        src = by_pos.gather(-1, keep)
-        for dst_t, src_t in zip(cache.slot_buffers(), scratch.slot_buffers()):  # K, V (+ int8 scales)
-            dst_t[:, :, :n] = take_rows(src_t, src)
-        cache.pos[:, :, :n] = keep.to(cache.pos.dtype)
-        cache.pos[:, :, n:] = -1
-        return True
+        return by_pos.gather(-1, torch.cat(keep, dim=-1))
 
-    def select(self, cache, q, query_pos, slot):
+    def select(self, view):
         """Query head j G + g attends the sink, its own block g of the selection, the ring and the new token."""
         lay = self.layout
         if lay.kk == 0:  # no selection: every head sees the same slots, i.e. dense attention
             return None
-        B, Hq = q.shape[:2]
-        G, kk, dev = lay.G, lay.kk, q.device
+        B, Hq = view.q.shape[:2]
+        G, kk, dev = lay.G, lay.kk, view.q.device
         own = lay.n_sink + kk * torch.arange(G, device=dev)[:, None] + torch.arange(kk, device=dev)  # [G, kk]
-        shared = torch.cat([torch.arange(lay.n_sink, device=dev), torch.arange(lay.ring_start, cache.budget,
-                                                                                device=dev), slot])
+        shared = torch.cat([torch.arange(lay.n_sink, device=dev), torch.arange(lay.ring_start, view.budget,
+                                                                                device=dev), view.slot])
         per_head = torch.cat([own, shared.expand(G, -1)], dim=1)  # [G, n]
         return per_head.repeat(Hq // G, 1).expand(B, -1, -1).contiguous()
 
-    def score(self, cache, q, input_pos, query_pos, S):
-        """Decode: +inf on sink and selection, recency (the position) on the ring and the new token: the oldest
-        ring token is dropped. In the one-shot scratch the budget holds the whole prompt: only empty slots go."""
-        recency = cache.pos[:, :, :S].float()
-        if cache.scratch:
-            return recency
-        return recency.masked_fill(torch.arange(S, device=recency.device) < self.layout.ring_start, INF)
+    def score(self, view):
+        """Decode: +inf on sink and selection, recency (the position) on the ring and the new token."""
+        recency = view.pos.float()
+        return recency.masked_fill(torch.arange(view.S, device=recency.device) < self.layout.ring_start, INF)
 
-
-SAGEKV_POLICIES = [SageKV]
 
 # --------------------------------------------------------------------------------------------------------- K-VEC
-# K-VEC ("Coverage-Driven KV Cache Eviction for Efficient and Improved Inference of LLM", anonymous TMLR submission,
-# shared/papers/002_*.txt) as specified in shared/specs/kvec.md: one-shot SnapKV-style selection per layer (paper 4,
-# Eq. 8) plus a cross-head module (paper 4.1) and a cross-layer coverage bonus (paper 4.2) computed layer by layer in
-# the prefill pass. The equations are pure functions below; the class wires them to the one-shot engine.
+# K-VEC ("Coverage-Driven KV Cache Eviction for Efficient and Improved Inference of LLM", anonymous TMLR
+# submission): one-shot SnapKV-style selection per layer (paper 4, Eq. 8) plus a cross-head module (4.1) and a
+# cross-layer coverage bonus (4.2) computed layer by layer in the prefill pass. The equations are pure functions.
 
 
 def window_means(A: Tensor, q_pos: Tensor, O: int, O2: int) -> tuple[Tensor, Tensor, Tensor]:
     """Eqs. 8, 11, 13 from per-query-head attention rows A [B, H_kv, G, R, S] of queries at positions q_pos [R]
     (-1 = unused row; rows in any order). P, P2 [B, H_kv, S]: mean attention each slot receives from the last O and
-    last O2 queries, averaged over each KV group's query heads (A4). I [B, S]: max over ALL query heads, then the mean
-    over the last O queries (Eq. 13, A8; not max_h P, test T3). Means, not SnapKV's sums (A9), over the queries that
+    last O2 queries, averaged over each KV group's query heads. I [B, S]: max over ALL query heads, then the mean
+    over the last O queries (Eq. 13; not max_h P). Means, not SnapKV's sums, over the queries that
     exist (a prompt shorter than the window has fewer)."""
     newest = q_pos.max()
 
@@ -846,7 +799,7 @@ def window_means(A: Tensor, q_pos: Tensor, O: int, O2: int) -> tuple[Tensor, Ten
 
 
 def head_spread(P: Tensor, cand: Tensor) -> Tensor:
-    """Eq. 10: sigma [B, H], the population std of each head's score over its candidate slots only (A3)."""
+    """Eq. 10: sigma [B, H], the population std of each head's score over its candidate slots only."""
     n = cand.sum(-1).clamp_min(1)
     x = P.masked_fill(~cand, 0.0)
     mean = x.sum(-1, keepdim=True) / n[..., None]
@@ -854,8 +807,8 @@ def head_spread(P: Tensor, cand: Tensor) -> Tensor:
 
 
 def cross_head(P: Tensor, P2: Tensor, cand: Tensor, delta: int) -> Tensor:
-    """Eqs. 9-11 (Alg. 1 lines 2-7): the delta heads of LOWEST sigma (least focused: spec 1.3, against Alg. 1's
-    comment; ties to the lower head index, A3), measured on P (A20), take their long-window score P2."""
+    """Eqs. 9-11 (Alg. 1 lines 2-7): the delta heads of LOWEST sigma (least focused, against Alg. 1's
+    comment; ties to the lower head index), measured on P, take their long-window score P2."""
     if delta <= 0:
         return P
     low = head_spread(P, cand).argsort(dim=-1, stable=True)[..., :delta]
@@ -864,7 +817,7 @@ def cross_head(P: Tensor, P2: Tensor, cand: Tensor, delta: int) -> Tensor:
 
 
 def focus(I: Tensor, n: Tensor, layer: int) -> Tensor:
-    """Eqs. 12 and 14: I_t (1 - n_t / (l + 1)); n_t = how many layers before l (0-based, A7, A12) kept t."""
+    """Eqs. 12 and 14: I_t (1 - n_t / (l + 1)); n_t = how many layers before l (0-based) kept t."""
     return I * (1 - n.to(I.dtype) / (layer + 1))
 
 
@@ -878,7 +831,7 @@ def best_slots(scores: Tensor, pos: Tensor, k: int) -> Tensor:
 def biased_scores(P: Tensor, focus_t: Tensor, cand: Tensor, pos: Tensor, lam: float, K: int,
                   pin_value: float) -> Tensor:
     """Eqs. 15-16: P' = P + lambda focus (focus broadcast over heads), then each head's own top K candidates by the
-    unbiased P (per head, A5) score pin_value (A6: +inf; the paper's 1.0 can lose to P + lambda focus > 1, test T8).
+    unbiased P (per head) score pin_value (+inf; the paper's 1.0 can lose to P + lambda focus > 1).
     Non-candidates keep P's value (the window's +inf)."""
     out = P + lam * focus_t
     if K > 0:
@@ -888,143 +841,191 @@ def biased_scores(P: Tensor, focus_t: Tensor, cand: Tensor, pos: Tensor, lam: fl
 
 
 def kept_any(pos: Tensor, length: int) -> Tensor:
-    """Alg. 1 line 14 (A15): [B, length] int32, 1 at every position some head keeps in slot positions pos
+    """Alg. 1 line 14: [B, length] int32, 1 at every position some head keeps in slot positions pos
     [B, H, n] (-1 = empty): a token kept by several heads counts once per layer (test T9)."""
     idx = torch.where(pos >= 0, pos, length).long().flatten(1)  # empty slots go to a dump column
     hit = torch.zeros(pos.shape[0], length + 1, dtype=torch.bool, device=pos.device).scatter(1, idx, True)
     return hit[:, :length].int()
 
 
+@dataclass
 class KVec(SnapKVPlusPlus):
-    """K-VEC (paper 4, Alg. 1; spec 1), one-shot: after the dense prefill of layer l (attention first, so the
-    prompt's hidden states and first logits are untouched, spec 1.7) each KV head keeps B = --budget prompt tokens:
-    the W = --kvec-window latest plus the best B - W candidates (positions [0, T - W)) by
-        P'_t = P_t + lambda I_t (1 - n_t / (l + 1)),   the head's top K = min(floor(beta B), B - W) by P pinned,
-    where P is SnapKV's window score (Eq. 8: mean attention from the last O queries, group mean) max-pooled along
-    positions (A2), except for the delta heads of lowest std of P, which use the last O' queries (Eq. 11); I is the
-    per-token max over query heads averaged over the O window (Eq. 13); n_t counts the layers before l that kept t in
-    any head (a per-position counter zeroed at layer 0 and updated after each layer, so layer l reads the decisions of
-    layers 0..l-1 in the same forward pass; no second pass, A15). Never evicts during decode: generated tokens are
-    appended (spec 1.7). lambda = 0 with delta = 0 is SnapKV (snapkv++ with --snap-window W = O, kernel 7).
-
-    Spec ambiguities, resolved by its recommendations: O = 16, O' = 32, W = 16 independent of O (A1); max-pool
-    kernel 7 on P and P2, the O' score (window excluded; not on I or the focus, A2); sigma = population std over candidates, on the
-    pooled score, lowest sigma chosen, ties to the lower head (A3, A20); GQA: P and sigma per KV head from the group
-    mean, I from the max over all query heads (A4, 1.6); pins per head (A5) at +inf (A6; --kvec-pin-value 1 is the
-    paper's literal value); n counts layers strictly before l, once per layer however many heads keep a token, the
-    window included, denominator l + 1 with l 0-based (A7, A12); I over O, unpooled (A8); means, not sums (A9);
-    B per KV head includes the window and excludes generated tokens (A10: the cache holds B + --max-new-tokens);
-    T <= B keeps everything and counts every token as kept (A11); delta > H_kv re-scores every head (A21: delta = 3
-    whatever the model); softmax in fp32 (attention_weights). One deviation: A17 asks for deterministic ties and
-    suggests keeping the lower position; the cache's shared rule (the newer position is kept, used by every policy
-    here) is just as deterministic and makes lambda = 0, delta = 0 equal snapkv++ tie for tie, so pins and
-    selection use it. Not implemented: the chunked-prefill and decode-eviction extensions (A13, A14), padding
-    inside a batch (A16: the engine runs batch 1; block padding is excluded), --gqa max (A4's alternative).
-
-    Layer index: the policy object is shared by all layers; `compress` (called first for every layer by
-    cache.compress_into) numbers each destination cache in order of first compression. generate.prefill_one_shot
-    compresses layers 0..L-1 in order, so that is the module's place in the stack for every later prompt too (the
-    same caches); plan() forgets the numbering (new caches follow). Cross-layer state: `n_cov` [batch, padded
-    prompt] int32, allocated when layer 0 starts a prompt; `coverage()` is the paper's coverage metric (A23)."""
+    """K-VEC (paper 4, Alg. 1), one-shot: after the dense prefill of layer l (attention first, so the prompt's own
+    logits are untouched) each KV head keeps P = budget - max_new_tokens prompt tokens: the `window` latest plus the
+    best P - window candidates by
+        P'_t = P_t + lam I_t (1 - n_t / (l + 1)),   the head's top K = min(floor(beta P), P - window) by P pinned,
+    where P_t is SnapKV's window score (Eq. 8: mean attention from the last obs_window queries, group mean),
+    max-pooled along positions, except for the `delta` heads of LOWEST spread (population std over the candidates;
+    the least focused, against Alg. 1's comment; ties to the lower head), which use the last long_window queries
+    (Eq. 11); I_t is the per-token max over all query heads averaged over the obs_window queries, unpooled (Eq. 13);
+    n_t counts the layers before l that kept t in any head (once per layer), read from a counter the engine keeps
+    for the forward (`view.shared["n_cov"]`), updated after each layer. Pins score pin_value (+inf; the paper's
+    literal 1.0 can lose to a biased score above 1). Means, not sums, over the queries that exist. A prompt that
+    fits keeps everything and counts every token as kept. Ties keep the newer position (the engine's rule).
+    New tokens are appended. lam = 0 with delta = 0 is SnapKV++ with window = obs_window and kernel 7."""
     name = "kvec"
-    help = ("K-VEC: one-shot SnapKV + cross-head (lowest-std heads over a longer window) + cross-layer coverage "
-            "bonus; --kvec-lambda (1), --kvec-delta (3), --kvec-beta (0.25), --kvec-window (16), --kvec-obs-window "
-            "(16), --kvec-long-window (32), --kvec-kernel (7), --kvec-pin-value (inf)")
-    layer = 0  # index of the layer being compressed
-    keep = None  # B: prompt slots per KV head of the layer being compressed
-    n_cov = None  # [batch, padded prompt] int32: for each position, how many layers so far kept it (any head)
-    prompt = None  # [batch, padded prompt] bool: real prompt positions (for coverage())
+    summary = "K-VEC: one-shot SnapKV + cross-head + cross-layer coverage bonus"
+    lam: float = param(1.0, "weight of the cross-layer coverage bonus (0 = off)")
+    delta: int = param(3, "KV heads per layer (lowest score spread) re-scored over the long window (0 = off)")
+    beta: float = param(0.25, "share of the prompt slots each head pins by its own un-biased score")
+    window: int = param(16, "latest prompt tokens always kept")
+    obs_window: int = param(16, "observation window O of the score")
+    long_window: int = param(32, "extended observation window O' of the least focused heads")
+    kernel: int = param(7, "max-pool kernel along positions, odd (1 = off)")
+    pin_value: float = param(INF, "score of pinned tokens (the paper's literal value is 1.0)")
 
-    def __init__(self, args=None):
-        super().__init__(args)
-        self.layer_of = {}  # destination KVCache -> its layer index
+    def validate(self):
+        if not self.lam >= 0:
+            raise PolicyError(f"kvec: lam must be >= 0, got {self.lam}")
+        check_positive(self, "delta", "window", least=0)
+        if not 0 <= self.beta <= 1:
+            raise PolicyError(f"kvec: beta must be in [0, 1], got {self.beta}")
+        if self.obs_window < 1 or self.long_window < self.obs_window:
+            raise PolicyError(f"kvec: need obs_window >= 1 and long_window >= obs_window, got {self.obs_window} and "
+                              f"{self.long_window}")
+        check_odd(self, "kernel")
+        if not self.pin_value > 0:
+            raise PolicyError(f"kvec: pin_value must be > 0, got {self.pin_value}")
 
-    def recent(self):
-        return self.param("kvec_window", 16)
+    def plan(self, run):
+        if self.prompt_keep(run) <= self.window:
+            raise PolicyError(f"kvec: --budget {run.budget} - max_new_tokens {run.max_new_tokens} must exceed the "
+                              f"recent window ({self.window})")
 
-    def obs(self):
-        return self.param("kvec_obs_window", 16)
+    def ring_size(self):  # the query ring holds the last max(O, O') prompt queries
+        return max(self.obs_window, self.long_window)
 
-    def long_obs(self):
-        return self.param("kvec_long_window", 32)
-
-    def window(self):  # SnapKV's query ring (layer_state, observe) holds the last max(O, O') prompt queries
-        return max(self.obs(), self.long_obs())
-
-    def check(self, budget, block_size):
-        lam, delta, beta = self.param("kvec_lambda", 1.0), self.param("kvec_delta", 3), self.param("kvec_beta", 0.25)
-        W, O, O2, k = self.recent(), self.obs(), self.long_obs(), self.param("kvec_kernel", 7)
-        if not lam >= 0:
-            raise PolicyError(f"--kvec-lambda must be >= 0, got {lam}")
-        if delta < 0:
-            raise PolicyError(f"--kvec-delta must be >= 0, got {delta}")
-        if not 0 <= beta <= 1:
-            raise PolicyError(f"--kvec-beta must be in [0, 1], got {beta}")
-        if W < 0 or O < 1 or O2 < O:
-            raise PolicyError(f"need --kvec-window >= 0, --kvec-obs-window >= 1 and --kvec-long-window >= "
-                              f"--kvec-obs-window, got {W}, {O} and {O2}")
-        if k < 1 or k % 2 == 0:
-            raise PolicyError(f"--kvec-kernel must be odd and >= 1, got {k}")
-        if not self.param("kvec_pin_value", INF) > 0:
-            raise PolicyError(f"--kvec-pin-value must be > 0, got {self.param('kvec_pin_value', INF)}")
-        if budget <= W:
-            raise PolicyError(f"--budget {budget} must exceed the K-VEC recent window --kvec-window ({W})")
-
-    def plan(self, budget, prompt_len, max_new_tokens, model_args=None):
-        self.P = budget  # prompt_slots: B prompt tokens per KV head (A10)
-        self.layer_of = {}
-        return budget + max_new_tokens  # generated tokens are appended, never charged to B (A10, A14)
-
-    def compress(self, scratch, cache):
-        """Start of one layer's compression (the default layout follows: score, then compressed)."""
-        self.layer = self.layer_of.setdefault(cache, len(self.layer_of))
-        if self.layer == 0:  # a new prompt: no layer has kept anything yet (A7)
-            B, S = scratch.pos.shape[0], scratch.budget  # the scratch's slot s holds position s (or padding)
-            self.n_cov = torch.zeros(B, S, dtype=torch.int32, device=scratch.pos.device)
-            self.prompt = scratch.pos[:, 0, :S] >= 0
-        self.keep = self.prompt_slots(cache)
-        return False
-
-    def score(self, cache, q, input_pos, query_pos, S):
-        pos, newest, W = cache.pos[:, :, :S], query_pos.max(), self.recent()
-        ring_q, ring_pos = cache.layer_state["ring_q"], cache.layer_state["ring_pos"]
-        A = attention_weights(cache, ring_q, ring_pos, S, group_mean=False)  # [B, H_kv, G, R, S], fp32
-        P, P2, I = window_means(A, ring_pos, self.obs(), self.long_obs())
-        kernel = self.param("kvec_kernel", 7)
-        P, P2 = (pool_votes(x, pos, newest, W, kernel, "max") for x in (P, P2))  # window slots +inf
+    def score(self, view):
+        pos, newest, W = view.pos, view.newest, self.window
+        ring_q, ring_pos = view.layer_state["ring_q"], view.layer_state["ring_pos"]
+        A = view.attention(ring_q, ring_pos, group_mean=False)  # [B, H_kv, G, R, S], fp32
+        P, P2, I = window_means(A, ring_pos, self.obs_window, self.long_window)
+        P, P2 = (pool_votes(x, pos, newest, W, self.kernel, "max") for x in (P, P2))  # window slots +inf
         cand = (pos >= 0) & (pos <= newest - W)
-        P = cross_head(P, P2, cand, self.param("kvec_delta", 3))
-        n = self.n_cov.gather(1, pos.clamp_min(0).long().flatten(1)).view_as(pos)
-        K = min(int(self.param("kvec_beta", 0.25) * self.keep), self.keep - W)
-        return biased_scores(P, focus(I[:, None], n, self.layer), cand, pos, self.param("kvec_lambda", 1.0), K,
-                             self.param("kvec_pin_value", INF))
-
-    def compressed(self, cache, n):
-        super().compressed(cache, n)  # slots sorted by position (A18)
-        self.n_cov += kept_any(cache.pos[:, :, :n], self.n_cov.shape[1])
-
-    def coverage(self) -> Tensor:
-        """A23 (paper Tables 6-7): share of the prompt's positions kept by >= 1 head in >= 1 layer so far, [batch]."""
-        return (self.n_cov > 0).sum(-1) / self.prompt.sum(-1)
+        P = cross_head(P, P2, cand, self.delta)
+        n_cov = view.shared.get("n_cov")
+        if view.layer == 0 or n_cov is None:  # a new prompt: no layer has kept anything yet
+            n_cov = view.shared["n_cov"] = torch.zeros(pos.shape[0], view.S, dtype=torch.int32, device=pos.device)
+            view.shared["prompt"] = pos[:, 0] >= 0  # the scratch's slot s holds position s (or padding)
+        n = n_cov.gather(1, pos.clamp_min(0).long().flatten(1)).view_as(pos)
+        K = min(int(self.beta * view.keep), view.keep - W)
+        scores = biased_scores(P, focus(I[:, None], n, view.layer), cand, pos, self.lam, K, self.pin_value)
+        kept = best_slots(scores.masked_fill(pos < 0, -INF), pos, min(view.S, view.keep))  # as cache.drop_to keeps
+        n_cov += kept_any(torch.where(kept, pos, -1), n_cov.shape[1])
+        return scores
 
 
-KVEC_POLICIES = [KVec]
-
-# ---------------------------------------------------------------------------------------------------------------
-REGISTRY = {p.name: p for p in [KeyDiff, Sink, TOVA, SnapKV, H2O, KeyNorm, RandomScores, SnapKVPlusPlus, RocketKV,
-                                ExactTopK, *caote_policies(), *SAGEKV_POLICIES, *KVEC_POLICIES]}
-
-
-def describe() -> str:
-    plain = "; ".join(f"{n} ({p.help})" for n, p in REGISTRY.items() if not issubclass(p, CAOTE))
-    return (f"full (no eviction); {plain}; caote:BASE, fastcaote:BASE (CAOTE's attention-output-error score over "
-            f"BASE = h2o, tova, snapkv or keydiff; fast = mean value)")
+def kvec_coverage(shared: dict) -> Tensor:
+    """K-VEC's coverage metric (paper Tables 6-7): the share of the prompt's positions kept by at least one head in
+    at least one layer of the last one-shot prefill, [batch]."""
+    return (shared["n_cov"] > 0).sum(-1) / shared["prompt"].sum(-1)
 
 
-def lookup(name: str):
-    """The policy class for `name`, None for full; unknown names raise a one-line error."""
+# ------------------------------------------------------------------------------------------------------ registry
+REGISTRY = {p.name: p for p in [KeyDiff, Sink, TOVA, SnapKV, H2O, KeyNorm, RandomScores, *caote_policies(),
+                                SnapKVPlusPlus, RocketKV, ExactTopK, SageKV, KVec]}
+
+
+def parameters(cls) -> list:
+    return list(dataclasses.fields(cls))
+
+
+def type_name(tp) -> str:
+    args = [a for a in getattr(tp, "__args__", ()) if a is not type(None)]
+    return args[0].__name__ if isinstance(tp, types.UnionType) and args else tp.__name__
+
+
+def parse_value(cls, f, text: str):
+    """A parameter's value from its text, by the field's type."""
+    tp = f.type
+    if isinstance(tp, types.UnionType):  # X | None
+        if text.lower() == "none":
+            return None
+        tp = next(a for a in tp.__args__ if a is not type(None))
+    try:
+        if tp is bool:
+            low = text.lower()
+            if low not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                raise ValueError
+            return low in ("true", "1", "yes", "on")
+        return tp(text)
+    except ValueError:
+        raise PolicyError(f"{cls.name}: {f.name} takes {type_name(f.type)}, got {text!r}") from None
+
+
+def split_spec(spec: str) -> tuple[str, str]:
+    """`NAME:key=value,...` -> (NAME, "key=value,..."); names may hold a colon themselves (caote:h2o)."""
+    spec = spec.strip()
+    if spec in REGISTRY or spec == "full" or ":" not in spec:
+        return spec, ""
+    name, _, params = spec.rpartition(":")
+    if "=" not in params and name not in REGISTRY and name != "full":  # e.g. caote:sink: a name
+        return spec, ""
+    return name, params
+
+
+def spec_list(text: str) -> list[str]:
+    """A comma list of policy specs; a policy's own key=value pairs stay with it: "full,snapkv:window=8,kernel=3"
+    -> ["full", "snapkv:window=8,kernel=3"]."""
+    out = []
+    for x in (x.strip() for x in text.split(",")):
+        if "=" in x and ":" not in x and out:
+            out[-1] += "," + x
+        elif x:
+            out.append(x)
+    return out
+
+
+def lookup(spec: str):
+    """The policy class of a spec (None for full); an unknown name raises PolicyError."""
+    name = split_spec(spec)[0]
     if name == "full":
         return None
     if name not in REGISTRY:
         raise PolicyError(f"unknown policy {name!r}; known: full, {', '.join(REGISTRY)}")
     return REGISTRY[name]
+
+
+def make(spec: str):
+    """A policy from `NAME` or `NAME:key=value,key=value` (None for `full`); bad names, unknown parameters, malformed
+    pairs and values out of range raise PolicyError with one line."""
+    name, params = split_spec(spec)
+    cls = lookup(name)
+    if cls is None:
+        if params:
+            raise PolicyError("policy full has no parameters")
+        return None
+    fields = {f.name: f for f in parameters(cls)}
+    values = {}
+    for pair in params.split(",") if params else []:
+        key, eq, text = pair.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise PolicyError(f"malformed policy parameter {pair!r} in {spec!r}: expected key=value")
+        if key not in fields:
+            have = ", ".join(fields) or "none"
+            raise PolicyError(f"policy {name} has no parameter {key!r} (its parameters: {have})")
+        if key in values:
+            raise PolicyError(f"policy parameter {key!r} given twice in {spec!r}")
+        values[key] = parse_value(cls, fields[key], text.strip())
+    return cls(**values)
+
+
+def describe(cls) -> str:
+    """A policy's parameters, one per line, for `--policy NAME --help`."""
+    prefill = "one-shot only" if cls.protocol == "one-shot" else "block (default) or one-shot"
+    lines = [f"{cls.name}: {cls.summary} (prefill: {prefill})", "", inspect.cleandoc(cls.__doc__ or ""), "",
+             "parameters (--policy NAME:key=value,...):"]
+    for f in parameters(cls):
+        choices = f.metadata.get("choices")
+        kind = "|".join(map(str, choices)) if choices else type_name(f.type)
+        lines.append(f"  {f.name} ({kind}, default {f.default}): {f.metadata.get('help', '')}")
+    if not parameters(cls):
+        lines.append("  (none)")
+    return "\n".join(lines)
+
+
+def table() -> str:
+    """One line per policy, for --help."""
+    return "\n".join([f"  {'full':<17} keep every token (the baseline; --budget >= prompt + new tokens)"] +
+                     [f"  {n:<17} {p.summary}" for n, p in REGISTRY.items()])

@@ -13,7 +13,7 @@ Memory: process peak RSS (VmHWM, reset at the start of each phase) on CPU, max_m
 
     python scripts/bench.py --figure rocketkv [--contexts 4096,8192,16384] [--budgets 256,512,1024] [--compile]
 
-`--figure rocketkv` is RocketKV's efficiency experiment (paper 4.3 / Figure 5, spec 5): per context, `full` and
+`--figure rocketkv` is RocketKV's efficiency experiment (paper 4.3 / Figure 5): per context, `full` and
 `rocketkv` at each token budget, each in a fresh process, one-shot prefill of a synthetic prompt (random ids < 1024,
 as the paper), then the decode phase only: N = --decode-steps (50 as the paper) tokens, N - 1 decode steps timed as
 one loop, 1 warm-up + --repeats samples (the cache is rewound to its post-prefill state between samples), and the
@@ -43,7 +43,6 @@ import statistics
 import subprocess
 import sys
 import time
-from argparse import Namespace
 from pathlib import Path
 
 import torch
@@ -52,12 +51,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import policies  # noqa: E402
-from cache import kv_bytes, setup_caches  # noqa: E402
+from cache import is_scorer, kv_bytes  # noqa: E402
 from checkpoint import resolve_checkpoint  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
 from engine import (PeakMemory, block_inputs, compile_steps, decode_bytes_per_step,  # noqa: E402
-                    load_model, model_step, prefill_one_shot, prefill_step, setup, sync)
+                    load_model, model_step, prefill_one_shot, prefill_protocol, prefill_step, setup, sync)
 from errors import UserError  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -99,7 +98,7 @@ def make_document(tokenizer, n_tokens: int, seed: int = 0) -> tuple[str, list[in
 
 def paper_peak_memory(T: int, N: int, t: int, n_params: int = 8_030_261_248, L: int = 32, Hkv: int = 8, D: int = 128,
                       elt: int = 2, max_ctx: int = 131072, mask: bool = True, alpha="0.5") -> tuple[int, int]:
-    """RocketKV's decode-phase peak memory model (spec 5.6) of the paper's gpt-fast harness, in bytes, (dense,
+    """RocketKV's decode-phase peak memory model (from the paper's section 4.3) of its gpt-fast harness, in bytes, (dense,
     RocketKV): weights + the S_max^2 bool causal mask (gpt-fast allocates it for both; `mask=False` drops it) + K/V
     slots (S_max dense, C RocketKV) + page min/max (2D x Np per KV head; K^T when p = 1) + freqs_cis (max_ctx x D).
     S_max = T + N rounded up to a multiple of 8 as gpt-fast does. Defaults: Llama-3.1-8B in bf16."""
@@ -118,8 +117,8 @@ def rewind(model, n0: list[int]) -> None:
     for layer, n in zip(model.layers, n0):
         c = layer.attention.kv_cache
         c.pos[:, :, n:] = -1
-        if c.policy is not None:
-            c.policy.compressed(c, n)
+        if hasattr(c.selector, "prepare"):
+            c.selector.prepare(c.view(c.budget))
 
 
 def figure_one(model, label: str, T: int, args) -> dict:
@@ -129,10 +128,11 @@ def figure_one(model, label: str, T: int, args) -> dict:
     policy = None
     if label == "full":
         budget = T + N
-    else:
-        policy = policies.REGISTRY["rocketkv"](Namespace())
-        budget = policy.plan(int(label.split("-")[1]), T, N, model.args)
-    setup_caches(model, 1, budget, args.block_size, policy)
+    else:  # the paper's token budget t: storage C from its even split, t tokens read per step
+        t = int(label.split("-")[1])
+        policy = policies.RocketKV(read=t)
+        budget = policies.rocket_params(T + N, t, model.args.head_dim, N).C
+    budget = setup(model, policy, budget, T, N, args.block_size, prefill="one-shot")
     decode_fn = bench_steps(args)[1]
     mem = PeakMemory(args.device)
     with torch.inference_mode():
@@ -274,7 +274,7 @@ def quant_one(mode: str, args) -> dict:
     r = time_policy(model, ids, steps, args, args.device)
     texts = ev.fidelity_texts(tok, args.ppl_texts, args.ppl_prefix + args.ppl_tokens, seed=0)
     records = ev.fidelity(model, texts, args.ppl_prefix, [("block", "full", None)], block_size=args.block_size,
-                          steps=steps, policy_args=Namespace())
+                          steps=steps)
     r["nll"] = sum(x["nll"] for x in records) / len(records)
     r["ppl"] = math.exp(r["nll"])
     r["mode"] = mode
@@ -321,11 +321,6 @@ def bench_steps(args):
 
 def steps_label(args) -> str:
     return ("compiled (decode only)" if args.no_compile_prefill else "compiled") if args.compile else "eager"
-
-
-def disable_eviction(model) -> None:
-    for layer in model.layers:
-        layer.attention.kv_cache.evict = lambda *args, **kwargs: None
 
 
 def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
@@ -380,19 +375,17 @@ def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
 
 
 def config_policy(label: str):
-    """The policy instance of a configuration: `no-evict` is KeyDiff's buffer with eviction off, `full` None."""
-    cls = policies.lookup("keydiff" if label == "no-evict" else label)
-    return cls(Namespace()) if cls is not None else None
+    """The policy of a configuration (a spec): `no-evict` is KeyDiff's buffer with eviction off, `full` None."""
+    return policies.make("keydiff" if label == "no-evict" else label)
 
 
 def run_paired(args) -> None:
     """--paired: decode-step overhead of each policy over no-evict, steps alternating in one process."""
-    labels = ["no-evict", *(n for n in args.policies.split(",") if n)]
+    labels = ["no-evict", *policies.spec_list(args.policies)]
     pols = [config_policy(label) for label in labels]
     for label, policy in zip(labels, pols):
-        if policy is None or not policy.evicts or policy.one_shot:
+        if not is_scorer(policy) or policy.protocol == "one-shot" or policy.decode != "evict":
             raise policies.PolicyError(f"--paired measures block-wise evicting policies, not {label}")
-        policy.check(args.budget, args.block_size)
     ckpt = resolve_checkpoint(args.checkpoint)
     config = check_context(ckpt, args)
     _, ids = make_document(load_tokenizer(ckpt), args.prompt_tokens)
@@ -400,9 +393,7 @@ def run_paired(args) -> None:
     models = {}
     for label, policy in zip(labels, pols):
         model = models[label] = load_model(ckpt, torch.float32, args.device, config)
-        setup_caches(model, 1, args.budget, args.block_size, policy)
-        if label == "no-evict":
-            disable_eviction(model)
+        setup(model, policy, args.budget, len(ids), args.decode_steps, args.block_size, evict=label != "no-evict")
     if args.profile:  # name each compiled kernel in the profile (inductor's CPU kernels are anonymous otherwise)
         torch._inductor.config.cpp.enable_kernel_profile = True
     decode_fn = bench_steps(args)[1]
@@ -567,10 +558,16 @@ def model_context(ckpt) -> int:
 def check_context(ckpt, args) -> dict:
     """The checkpoint's config.json (read once: pass it on to load_model), after checking the sizes against it."""
     config = read_config(ckpt)
-    ctx = ModelArgs.from_config(config).max_seq_len
+    model_args = ModelArgs.from_config(config)
+    ctx = model_args.max_seq_len
     if args.prompt_tokens + args.decode_steps > ctx or args.budget > ctx:
         raise UserError(f"--prompt-tokens + --decode-steps ({args.prompt_tokens} + {args.decode_steps}) and --budget "
                         f"({args.budget}) must fit the model's context ({ctx})")
+    run = policies.Run(args.budget, args.prompt_tokens, args.decode_steps, args.block_size, model_args)
+    for name in policies.spec_list(args.policies):  # each policy against the budget, before any run
+        policy = config_policy(name)
+        if is_scorer(policy):
+            policy.plan(run)
     return config
 
 
@@ -635,11 +632,9 @@ def run(args) -> None:
     if args.paired:
         return run_paired(args)
 
-    names = [n for n in args.policies.split(",") if n]
-    for n in names:  # each policy's parameters against the budget, before any configuration runs
-        policy = config_policy(n)
-        if policy is not None:
-            policy.check(args.budget, args.block_size)
+    names = policies.spec_list(args.policies)
+    for n in names:  # each policy's name and parameters, before any configuration runs
+        config_policy(n)
     ckpt = resolve_checkpoint(args.checkpoint)
     tok = load_tokenizer(ckpt)
     config = check_context(ckpt, args)
@@ -650,13 +645,13 @@ def run(args) -> None:
         budget = len(ids) + args.decode_steps if label == "full" else args.budget
         policy = config_policy(label)
         # compress-once policies size their cache from the prompt (the others: budget)
-        setup(model, policy, budget, len(ids), args.decode_steps, args.block_size)
-        if label == "no-evict":
-            disable_eviction(model)
+        protocol = prefill_protocol(policy, None)
+        setup(model, policy, budget, len(ids), args.decode_steps, args.block_size, prefill=protocol,
+              evict=label != "no-evict")
         t = time.perf_counter()
         steps = bench_steps(args)
-        r = time_policy(model, ids, steps, args, args.device, one_shot=policy is not None and policy.one_shot)
-        r["protocol"] = "one-shot" if policy is not None and policy.one_shot else "block"
+        r = time_policy(model, ids, steps, args, args.device, one_shot=protocol == "one-shot")
+        r["protocol"] = protocol
         r["wall_s"] = time.perf_counter() - t
         print(json.dumps(r))
         return

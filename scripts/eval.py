@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import policies  # noqa: E402
+from cache import is_scorer  # noqa: E402
 from checkpoint import resolve_checkpoint  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
@@ -64,16 +65,14 @@ QUICK = dict(policies=["full", "sink", "snapkv", "keydiff"], budgets=[128, 256],
 
 # ------------------------------------------------------------------------------------------------ the engine
 
-def use(model, policy: str, budget: int, block_size: int, policy_args, prompt_len: int = 0, new_tokens: int = 0):
-    """Caches for `policy` ('full' = no eviction) with `budget` tokens per layer and KV head, as generate.py sets
-    them up (a compress-once policy sizes its cache with `plan` for each prompt). Kept when nothing changed."""
-    cls = policies.lookup(policy)
-    sized = cls is not None and getattr(cls, "plan", None) is not getattr(policies.Policy, "plan", None)
-    key = (policy, budget, block_size) + ((prompt_len, new_tokens) if sized else ())
+def use(model, policy: str, budget: int, block_size: int, prompt_len: int = 0, new_tokens: int = 0,
+        protocol: str = "block"):
+    """Caches for `policy` (a spec, 'full' = no eviction) holding `budget` slots per layer and KV head, set up as
+    generate.py does (engine.setup plans the policy for this prompt). Kept when nothing changed."""
+    key = (policy, budget, block_size, prompt_len, new_tokens, protocol)
     if getattr(model, "eval_caches", None) == key:
         return
-    pol = cls(policy_args) if cls is not None else None
-    setup(model, pol, budget, prompt_len, new_tokens, block_size)
+    setup(model, policies.make(policy), budget, prompt_len, new_tokens, block_size, prefill=protocol)
     model.eval_caches = key
 
 
@@ -121,8 +120,8 @@ def restore(model, snap: list[dict]) -> None:
 
 def configs(a) -> list[tuple[str, str, int | None]]:
     """(protocol, policy, budget); the full cache first, once (its budget is each task's longest prompt). A policy
-    whose only protocol is one-shot (policy.one_shot: SnapKV++, RocketKV) runs one-shot whatever --prefill says."""
-    protocols = {pol: ["one-shot"] if getattr(policies.lookup(pol), "one_shot", False) else a.prefill
+    whose only protocol is one-shot (SnapKV++, RocketKV, SAGE-KV, K-VEC) runs one-shot whatever --prefill says."""
+    protocols = {pol: ["one-shot"] if policies.lookup(pol).protocol == "one-shot" else a.prefill
                  for pol in a.policies if pol != "full"}
     out = [(p, pol, b) for pol, ps in protocols.items() for p in ps for b in a.budgets]
     order = ["block", "one-shot"]
@@ -142,7 +141,7 @@ def fits(task, protocol, policy, budget, bar, use_args) -> bool:
     try:
         use(*use_args)
         return True
-    except policies.PolicyError as e:
+    except (policies.PolicyError, UserError) as e:
         NOT_APPLICABLE[task, label(protocol, policy), budget] = str(e)
         if bar is not None:
             bar.update()
@@ -170,12 +169,11 @@ def fidelity_texts(tok, n_texts: int, length: int, seed: int) -> list[list[int]]
 
 
 @torch.inference_mode()
-def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: int, steps, policy_args,
-             bar=None) -> list[dict]:
+def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: int, steps, bar=None) -> list[dict]:
     """Teacher-force each text's continuation after `prefix` tokens; per config and text: mean KL(full || policy)
     (nats), top-1 agreement with full and mean NLL of the text (perplexity = exp of the mean NLL)."""
     total = max(len(t) for t in texts)
-    use(model, "full", total, block_size, None)
+    use(model, "full", total, block_size)
     ref = [teacher_force(model, prefill(model, t[:prefix], steps, block_size, False), prefix, t[prefix:], steps)
            for t in texts]
     records = []
@@ -186,7 +184,7 @@ def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: in
                 logp = ref[i]
             else:
                 if not fits("fidelity", protocol, policy, budget, bar,
-                            (model, policy, budget, block_size, policy_args, prefix, len(t) - prefix)):
+                            (model, policy, budget, block_size, prefix, len(t) - prefix, protocol)):
                     continue
                 logp = teacher_force(model, prefill(model, t[:prefix], steps, block_size, protocol == "one-shot"),
                                      prefix, t[prefix:], steps)
@@ -261,8 +259,7 @@ def score_answer(task: str, prediction: str, sample) -> dict:
 
 
 @torch.inference_mode()
-def run_task(model, tok, task: str, items: list[dict], cfgs, *, block_size: int, steps, policy_args,
-             bar=None) -> list[dict]:
+def run_task(model, tok, task: str, items: list[dict], cfgs, *, block_size: int, steps, bar=None) -> list[dict]:
     """Per config and prompt: the greedy answer and its scores, and log p(true answer) teacher-forced from the
     same prefill (the cache is snapshotted after the prefill and restored between the two)."""
     eos = set(tok.eos_ids)
@@ -273,7 +270,7 @@ def run_task(model, tok, task: str, items: list[dict], cfgs, *, block_size: int,
         for it in items:
             ids, answer = it["ids"], it["answer_ids"]
             if not fits(task, protocol, policy, budget, bar, (model, policy, budget or full_budget, block_size,
-                                                           policy_args, len(ids), max(it["max_new"], len(answer)))):
+                                                           len(ids), max(it["max_new"], len(answer)), protocol)):
                 continue
             logits = prefill(model, ids, steps, block_size, protocol == "one-shot")
             logp = {}
@@ -430,7 +427,7 @@ def csv(kind):
 def parse_args(argv=None):
     ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default="smollm2-135m", help="as in generate.py (default smollm2-135m)")
-    ap.add_argument("--policies", type=csv(str), default=csv(str)(POLICIES),
+    ap.add_argument("--policies", type=policies.spec_list, default=policies.spec_list(POLICIES),
                     help=f"comma list (default {POLICIES}); the full cache is always run as the reference")
     ap.add_argument("--budgets", type=csv(int), default=[128, 256, 512, 1024], help="comma list (128,256,512,1024)")
     ap.add_argument("--prefill", type=csv(str), default=["block"], help="block, one-shot or block,one-shot (block)")
@@ -454,7 +451,8 @@ def parse_args(argv=None):
                     help="truncate LongBench prompts in the middle to this many tokens (default: the model's context "
                          "less the task's answer length)")
     ap.add_argument("--block-size", type=int, default=128, help="prefill block size (128)")
-    ap.add_argument("--seed", type=int, default=0, help="task data, text offsets and the random policy (0)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="task data and text offsets (0); the random policy has its own (random:seed=N)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="auto = bfloat16 on CUDA, float32 on CPU")
@@ -474,8 +472,8 @@ def parse_args(argv=None):
 
 
 def check_args(a) -> None:
-    for name in a.policies:
-        policies.lookup(name)  # PolicyError for an unknown name
+    for spec in a.policies:
+        policies.make(spec)  # PolicyError for an unknown name or parameter
     if unknown := [t for t in a.tasks if t not in TASKS]:
         raise UserError(f"unknown task {unknown[0]!r}; known: {', '.join(TASKS)}")
     if unknown := [p for p in a.prefill if p not in ("block", "one-shot")]:
@@ -503,11 +501,6 @@ def check_args(a) -> None:
         raise UserError("--device cuda was asked for but CUDA is not available (use --device cpu)")
     if importlib.util.find_spec("matplotlib") is None:
         raise UserError("matplotlib is needed for the plots: pip install -r requirements-eval.txt")
-    for policy in a.policies:  # parameters that cannot work with a budget fail before any loading
-        for budget in a.budgets:
-            cls = policies.lookup(policy)
-            if cls is not None:
-                cls(a).check(budget, a.block_size)
 
 
 def run(a) -> int:
@@ -519,7 +512,13 @@ def run(a) -> int:
              "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
     ckpt = resolve_checkpoint(a.checkpoint)
     config = read_config(ckpt)  # read once, here and by the model
-    ctx = ModelArgs.from_config(config).max_seq_len
+    model_args = ModelArgs.from_config(config)
+    ctx = model_args.max_seq_len
+    for spec in a.policies:  # a parameter that cannot work at a budget fails before any loading
+        policy = policies.make(spec)
+        if is_scorer(policy) and policy.decode == "evict":  # (the others depend on each prompt: n/a there)
+            for budget in a.budgets:
+                policy.plan(policies.Run(budget, max(a.lengths), 0, a.block_size, model_args))
     if a.fid_prefix + a.fid_tokens > ctx and "fidelity" in a.tasks:
         raise UserError(f"--fid-prefix + --fid-tokens exceeds the model's context ({ctx})")
     if max(a.budgets) > ctx:
@@ -536,7 +535,7 @@ def run(a) -> int:
         torch._dynamo.config.cache_size_limit = torch._dynamo.config.accumulated_cache_size_limit = 4096
         steps = compile_steps(a.device)
     cfgs = configs(a)
-    kw = dict(block_size=a.block_size, steps=steps, policy_args=a)
+    kw = dict(block_size=a.block_size, steps=steps)
     records, timings = [], {}
     for task in [t for t in a.tasks if t in ("fidelity", *items)] + [t for t in items if t.startswith("longbench/")]:
         t0 = time.perf_counter()

@@ -102,3 +102,43 @@ def generate_compiled(model, prompt, max_new_tokens: int, block_size: int, one_s
         torch._inductor.config.freezing = False
         torch._dynamo.reset()
     return out
+
+
+# The reference implementations (tests/reference/) name parameters as the old command line did; the engine's
+# policies name them as their dataclass fields. One table translates, per family; a parameter the policy lacks
+# is dropped (the references share one parameter dict between policies).
+LEGACY_NAMES = {
+    "kvec": dict(kvec_lambda="lam", kvec_delta="delta", kvec_beta="beta", kvec_window="window",
+                 kvec_obs_window="obs_window", kvec_long_window="long_window", kvec_kernel="kernel",
+                 kvec_pin_value="pin_value"),
+    "snapkv++": dict(snap_window="window", rocket_kernel="kernel", rocket_local_window="local_window"),
+    "snapkv": dict(snap_window="window", snap_kernel="kernel"),
+    "sagekv": dict(sage_sink="sink", sage_topk="topk", sage_skip_if_fits="skip_if_fits"),
+    "": dict(tova_heads="heads", tova_keep_last="keep_last"),
+}
+
+
+def make_policy(name, params: dict | None = None):
+    """The engine's policy `name` (or class; None for full) from a reference-style parameter dict."""
+    import dataclasses
+    import policies
+    if name == "full":
+        return None
+    cls = policies.REGISTRY[name] if isinstance(name, str) else name
+    if issubclass(cls, policies.KVec):
+        table = LEGACY_NAMES["kvec"]
+    elif issubclass(cls, policies.SnapKVPlusPlus):
+        table = LEGACY_NAMES["snapkv++"]
+    elif issubclass(cls, policies.SnapKV):
+        table = LEGACY_NAMES["snapkv"]
+    elif issubclass(cls, policies.SageKV):
+        table = LEGACY_NAMES["sagekv"]
+    else:
+        table = LEGACY_NAMES[""]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {}
+    for key, value in (params or {}).items():
+        key = table.get(key, key)
+        if key in fields:
+            kw[key] = value
+    return cls(**kw)

@@ -3,21 +3,20 @@ import pytest
 import torch
 
 from cache import KVCache, attention_mask, evict_fill_holes
-from policies import Policy
+from policies import Scorer
 
 
-class TableScores(Policy):
+class TableScores(Scorer):
     """Scores from a fixed table indexed by (head, position); some positions protected with +inf."""
 
     def __init__(self, table):
-        super().__init__()
         self.table = table  # [H, max_pos] fp32
 
     def slot_state(self):
         return {"acc": ((), torch.float32), "vec": ((3,), torch.float32)}
 
-    def score(self, cache, q, input_pos, query_pos, S):
-        pos = cache.pos[:, :, :S].long().clamp_min(0)
+    def score(self, view):
+        pos = view.pos.long().clamp_min(0)
         return torch.gather(self.table[None].expand(pos.shape[0], -1, -1), 2, pos)
 
 

@@ -1,7 +1,6 @@
 """CAOTE / FastCAOTE (shared/specs/caote.md): the spec's hand-checked cases (section 7), the closed form against a
 brute-force re-softmax, and every `caote:<base>` / `fastcaote:<base>` on the in-place engine against the dynamic
-reference (tests/reference.py: RefCAOTE) at every block and decode step."""
-import argparse
+reference (tests/reference/caote.py: RefCAOTE) at every block and decode step."""
 import itertools
 import math
 
@@ -10,7 +9,8 @@ import torch
 
 import policies
 from policies import caote_scores
-from reference import attention_probs, caote_reference
+from reference.caote import caote_reference
+from reference.model import attention_probs
 from test_policy_reference import compare_run, tiny_model  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -215,10 +215,10 @@ def test_caote_changes_the_decision(tiny_model):  # noqa: F811
 
 def test_bad_parameters():
     with pytest.raises(policies.PolicyError, match="unknown policy"):
-        policies.lookup("caote:sink")
-    with pytest.raises(policies.PolicyError, match="tova-heads"):
-        policies.lookup("caote:tova")(argparse.Namespace(tova_heads="all")).check(64, 16)
+        policies.make("caote:sink")
+    with pytest.raises(policies.PolicyError, match="heads=all"):
+        policies.make("caote:tova:heads=all")
     with pytest.raises(policies.PolicyError, match="observation window"):
-        policies.lookup("fastcaote:snapkv")(argparse.Namespace()).check(32, 16)
-    with pytest.raises(policies.PolicyError, match="window-frac"):
-        policies.lookup("caote:h2o")(argparse.Namespace(window_frac=-0.1)).check(64, 16)
+        policies.make("fastcaote:snapkv").plan(policies.Run(32, 100, 10))
+    with pytest.raises(policies.PolicyError, match="window_frac"):
+        policies.make("caote:h2o:window_frac=-0.1")

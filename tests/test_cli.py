@@ -103,9 +103,21 @@ BAD = [
     (["--top-p", "0"], "top-p"),
     (["--policy", "sink", "--budget", "3"], "must exceed the 4 sink tokens"),
     (["--policy", "snapkv", "--budget", "16"], "observation window"),
-    (["--policy", "keydiff", "--budget", "16", "--window-frac", "-0.1"], "--window-frac"),
-    (["--policy", "h2o", "--budget", "16", "--window-frac", "1.5"], "--window-frac"),
-    (["--policy", "snapkv", "--budget", "64", "--snap-kernel", "4"], "odd"),
+    (["--policy", "keydiff:window_frac=-0.1", "--budget", "16"], "window_frac must be in [0, 1)"),
+    (["--policy", "h2o:window_frac=1.5", "--budget", "16"], "window_frac must be in [0, 1)"),
+    (["--policy", "snapkv:kernel=4", "--budget", "64"], "odd"),
+    (["--policy", "keydiff:kernel=3"], "policy keydiff has no parameter 'kernel'"),
+    (["--policy", "keydiff:window_frac"], "malformed policy parameter 'window_frac'"),
+    (["--policy", "keydiff:=0.1"], "malformed policy parameter"),
+    (["--policy", "keydiff:window_frac=abc"], "window_frac takes float, got 'abc'"),
+    (["--policy", "keydiff:window_frac=0.1,window_frac=0.2"], "given twice"),
+    (["--policy", "keydiff:anchor=median"], "anchor must be one of raw, normalized"),
+    (["--policy", "sink:n_sink=2.5"], "n_sink takes int"),
+    (["--policy", "tova:keep_last=maybe"], "keep_last takes bool"),
+    (["--policy", "full:budget=3"], "policy full has no parameters"),
+    (["--policy", "rocketkv:read=0"], "read must be >= 1"),
+    (["--policy", "exact-topk:k=-1"], "k must be >= 1"),
+    (["--policy", "exact-topk", "--budget", "2"], "must be >= prompt + max-new-tokens"),
     (["--prefill", "sideways"], "invalid choice"),
     (["--kv-dtype", "int4"], "invalid choice"),
     (["--policy", "sagekv", "--budget", "64", "--evict-before-attend"], "--evict-before-attend applies"),
@@ -118,7 +130,7 @@ BAD = [
     (["--batch-size", "0"], "--batch-size 0: only batch 1"),
     (["--profile", "/proc/no/such/dir/t.json"], "--profile /proc/no/such/dir/t.json: cannot write there"),
     (["--profile", "/proc/t.json"], "--profile /proc/t.json: cannot write there"),
-    (["--policy", "caote:tova", "--budget", "16", "--tova-heads", "all"], "--tova-heads all"),
+    (["--policy", "caote:tova:heads=all", "--budget", "16"], "heads=all is not supported"),
 ]
 
 
@@ -248,3 +260,15 @@ def test_bench_paired_table_and_profile(tiny_ckpt):
 def test_compile_modes_of_the_two_steps(device, mode, want):
     from engine import step_modes
     assert step_modes(device, mode) == want
+
+
+def test_policy_help_lists_its_parameters(capsys):
+    """`--policy NAME --help` prints the policy's rule and every parameter with its default; exit 0."""
+    with pytest.raises(SystemExit) as e:
+        generate.parse_args(["--policy", "snapkv:window=8", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert "snapkv" in out and "window (int, default 32)" in out and "kernel (int, default 7)" in out
+    with pytest.raises(SystemExit) as e:
+        generate.parse_args(["--policy", "nope", "--help"])
+    assert e.value.code == 2 and "unknown policy" in capsys.readouterr().err

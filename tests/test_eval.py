@@ -1,7 +1,6 @@
 """scripts/eval.py on a tiny random Llama: fidelity is exact where nothing is evicted, perplexity matches an
 independent computation (HF transformers), the cache snapshot leaves generation unchanged, and the CLI writes its
 outputs (and refuses bad input with one line, exit 2)."""
-import argparse
 import json
 import math
 
@@ -18,11 +17,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 STEPS = (prefill_step, model_step)
-NAMES = ["full", *ev.policies.REGISTRY]
+# SAGE-KV's literal rule selects even when everything fits: skip_if_fits keeps it dense then
+NAMES = ["full", *(n if n != "sagekv" else "sagekv:skip_if_fits=true" for n in ev.policies.REGISTRY)]
 
 
-def protocol_of(policy, protocol):  # compress-once policies (SnapKV++, RocketKV) run one-shot only
-    return "one-shot" if getattr(ev.policies.lookup(policy), "one_shot", False) else protocol
+def protocol_of(policy, protocol):  # SnapKV++, RocketKV, SAGE-KV, K-VEC run one-shot only
+    return "one-shot" if ev.policies.lookup(policy).protocol == "one-shot" else protocol
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +35,7 @@ def tiny(hf_tiny):
 
 
 def run_fidelity(model, texts, cfgs):
-    return ev.fidelity(model, texts, PREFIX, cfgs, block_size=BLOCK, steps=STEPS,
-                       policy_args=argparse.Namespace(sage_skip_if_fits=True))  # SAGE-KV: dense when it all fits
+    return ev.fidelity(model, texts, PREFIX, cfgs, block_size=BLOCK, steps=STEPS)
 
 
 @pytest.mark.parametrize("protocol", ["block", "one-shot"])
@@ -53,16 +52,15 @@ def test_fidelity_exact_without_eviction(tiny, protocol):
 
 
 def test_fidelity_small_budget_diverges(tiny):
-    """Negative control: with 8 of 52 tokens kept (SnapKV: 33, its window is 32; a compress-once policy: 45, room for
-    the 12 teacher-forced tokens) every policy differs from full."""
+    """Negative control: with 8 of 52 tokens kept (SnapKV: 33, its window is 32; a policy that appends the 12
+    teacher-forced tokens: 45 or 36 slots; Exact-TopK holds all 64 and attends 8) every policy differs from full."""
     _, model, texts = tiny
-
-    def budget(p):
-        if p == "kvec":  # K-VEC keeps --budget prompt tokens and appends the new ones (spec A10/A14)
-            return 24
-        return 33 if p.endswith("snapkv") else 8 if getattr(ev.policies.lookup(p), "evicts", True) else 45
-    cfgs = [(protocol_of(p, "block"), p, budget(p)) for p in NAMES if p != "full"]
-    for r in run_fidelity(model, texts, cfgs):
+    budgets = {"kvec": 36, "snapkv++": 45, "rocketkv": 45, "exact-topk:k=8": 64}
+    names = [p if p != "exact-topk" else "exact-topk:k=8" for p in NAMES if p != "full"]
+    cfgs = [(protocol_of(p, "block"), p, budgets.get(p, 33 if p.endswith("snapkv") else 8)) for p in names]
+    records = run_fidelity(model, texts, cfgs)
+    assert len(records) == len(cfgs) * len(texts)  # every configuration ran (none was not applicable)
+    for r in records:
         assert r["kl"] > 1e-4, r
 
 
@@ -84,7 +82,7 @@ def test_snapshot_teacher_force_then_generation_as_generate(tiny, protocol):
     """Teacher-forcing the answer between snapshot and restore leaves the greedy answer as generate() makes it."""
     _, model, texts = tiny
     ids = texts[0][:PREFIX]
-    ev.use(model, "h2o", 24, BLOCK, argparse.Namespace())
+    ev.use(model, "h2o", 24, BLOCK, protocol=protocol)
     expected, _ = generate(model, ids, 10, block_size=BLOCK, steps=STEPS, one_shot=protocol == "one-shot")
     with torch.inference_mode():
         logits = ev.prefill(model, ids, STEPS, BLOCK, protocol == "one-shot")

@@ -1,25 +1,23 @@
 """K-VEC (shared/specs/kvec.md): the spec's section-6 hand-checkable cases on the equation functions, a bare scratch
 cache and the cache's own keep rule; then the engine on tiny random GQA models against an independent dynamic-shape
-reference written here (spec pseudocode A, plain loops and sorts: kept positions per layer and KV head, the coverage
-counter, logits over decode steps), the reduction to SnapKV (lambda = 0, delta = 0 == snapkv++), a budget >= the
-prompt == `full`, the compiled decode step (fullgraph, error_on_recompile) and the parameter errors.
+reference (tests/reference/kvec.py: spec pseudocode A, plain loops and sorts: kept positions per layer and KV head, the
+coverage counter, logits over decode steps), the reduction to SnapKV (lambda = 0, delta = 0 == snapkv++), a budget >=
+the prompt == `full`, the compiled decode step (fullgraph, error_on_recompile) and the parameter errors.
 """
 import json
-import math
-from argparse import Namespace
 
 import pytest
 import torch
+import policies
 from conftest import generate_compiled
 import torch.nn.functional as F
 
-from cache import KVCache, attention_weights, setup_caches
-from engine import (block_inputs, generate, load_model, model_step, prefill_one_shot,
-                      prefill_step)
+from cache import KVCache, attention_weights
+from engine import block_inputs, generate, load_model, model_step, prefill_one_shot, prefill_step, setup
 from model import ModelArgs, Transformer
-from policies import (KVec, PolicyError, SnapKVPlusPlus, biased_scores, cross_head, focus, head_spread, kept_any,
-                      pool_votes, window_means)
-from reference import RefLayer, RefModel
+from policies import (KVec, PolicyError, Run, SnapKVPlusPlus, biased_scores, cross_head, focus, head_spread, kept_any,
+                      kvec_coverage, pool_votes, window_means)
+from reference.kvec import ref_layer, reference_for
 from test_cli import tiny_ckpt  # noqa: F401  (fixture)
 
 EAGER = (prefill_step, model_step)
@@ -49,7 +47,7 @@ def select(P, I, n, layer, W, B, lam, beta, kernel=1, pin=INF):
 
 def test_T1_window_score_and_causal_mask():
     """q = k = 0: each query attends uniformly to its causal prefix; O = 2 -> P = [7/24, 7/24, 7/24, 1/8]."""
-    pol = KVec(Namespace(kvec_obs_window=2, kvec_long_window=2))
+    pol = KVec(obs_window=2, long_window=2)
     c = KVCache(1, 1, 1, 4, 4, torch.float32, "cpu", pol, n_heads=1, scratch=True)
     pos = torch.arange(4)
     c.update(torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1), pos, pos)
@@ -155,57 +153,14 @@ def test_T12_max_pooling_and_T23_snapkv_without_pooling():
     assert select(scores, [0] * 10, [0] * 10, 0, W=2, B=5, lam=0.0, beta=0.0)[0] == [1, 3, 7, 8, 9]
 
 
-# --------------------------------------------------------------- an independent reference of one layer (spec A)
-
-def best(scores: list, k: int) -> set:
-    """The k highest scores; among equal scores the newer position wins (the engine's keep rule)."""
-    return set(sorted(range(len(scores)), key=lambda t: (scores[t], t), reverse=True)[:k])
-
-
-def ref_layer(q, K, layer, n_cov, B, p):
-    """K-VEC on one layer of one prompt, spec pseudocode A (section 1.9) written out plainly: q [Hq, T, d], K
-    [Hkv, T, d] post-RoPE prompt queries and keys at positions 0..T-1; n_cov a list of T counts, updated in place;
-    p the parameters. Returns the kept positions per KV head (sorted) and the pinned ones."""
-    Hq, T, d = q.shape
-    Hkv = K.shape[0]
-    G = Hq // Hkv
-    if T <= B:  # A11: nothing is scored, every token counts as kept
-        n_cov[:] = [c + 1 for c in n_cov]
-        return [list(range(T))] * Hkv, [[]] * Hkv
-    W, O, O2, k = p["W"], p["O"], p["O2"], p["kernel"]
-    C = T - W
-    R = min(max(O, O2), T)
-    logits = q[:, T - R:].float() @ K.float().repeat_interleave(G, 0).transpose(1, 2) / math.sqrt(d)
-    future = torch.arange(T)[None, :] > torch.arange(T - R, T)[:, None]
-    A = logits.masked_fill(future, -INF).softmax(-1)  # [Hq, R, T]
-    AO, AO2 = A[:, R - min(O, T):, :C], A[:, R - min(O2, T):, :C]
-    P = AO.mean(1).view(Hkv, G, C).mean(1)
-    P2 = AO2.mean(1).view(Hkv, G, C).mean(1)
-    P, P2 = (F.max_pool1d(x[:, None], k, 1, k // 2)[:, 0] for x in (P, P2))
-    sigma = P.std(-1, correction=0).tolist()
-    for h in sorted(range(Hkv), key=lambda h: (sigma[h], h))[:p["delta"]]:
-        P[h] = P2[h]
-    I = AO.amax(0).mean(0)
-    focus_t = I * (1 - torch.tensor(n_cov[:C], dtype=torch.float32) / (layer + 1))
-    K_pin = min(int(p["beta"] * B), B - W)
-    kept, pins = [], []
-    for h in range(Hkv):
-        pin = best(P[h].tolist(), K_pin)
-        biased = (P[h] + p["lam"] * focus_t).tolist()
-        biased = [p["pin"] if t in pin else biased[t] for t in range(C)]
-        kept.append(sorted(best(biased, B - W)) + list(range(C, T)))
-        pins.append(sorted(pin))
-    for t in set().union(*kept):
-        n_cov[t] += 1
-    return kept, pins
-
+# ------------------------------------------------------ scratch compression against the reference of one layer
 
 DEFAULTS = dict(W=16, O=16, O2=32, delta=3, lam=1.0, beta=0.25, kernel=7, pin=INF)
 
 
-def namespace(p):
-    return Namespace(kvec_window=p["W"], kvec_obs_window=p["O"], kvec_long_window=p["O2"], kvec_delta=p["delta"],
-                     kvec_lambda=p["lam"], kvec_beta=p["beta"], kvec_kernel=p["kernel"], kvec_pin_value=p["pin"])
+def kvec(p):
+    return KVec(window=p["W"], obs_window=p["O"], long_window=p["O2"], delta=p["delta"], lam=p["lam"],
+                beta=p["beta"], kernel=p["kernel"], pin_value=p["pin"])
 
 
 def random_scratch(pol, T, Hkv=2, G=2, D=8, block=None, seed=0):
@@ -227,15 +182,16 @@ def random_scratch(pol, T, Hkv=2, G=2, D=8, block=None, seed=0):
 
 
 def compress_random(T, B, p, Hkv=2, G=2, D=8, block=None, seed=0):
-    """A random scratch compressed by K-VEC with parameters p into a fresh destination cache (B prompt slots + 1),
-    as layer 0. Returns (policy, dst, q, k, v)."""
-    pol = KVec(namespace(p))
-    pol.check(B, block or T)
-    budget = pol.plan(B, T, 1)
+    """A random scratch compressed by K-VEC with parameters p into a fresh destination cache (--budget B + 1: B
+    prompt slots and one new token), as layer 0. Returns (the engine's cross-layer state, dst, q, k, v)."""
+    pol = kvec(p)
+    run = Run(B + 1, T, 1, block or T)
+    pol.plan(run)
     scratch, q, k, v = random_scratch(pol, T, Hkv, G, D, block, seed)
-    dst = KVCache(1, Hkv, D, budget, block or T, torch.float32, "cpu", pol, n_heads=Hkv * G)
-    scratch.compress_into(dst)
-    return pol, dst, q, k, v
+    dst = KVCache(1, Hkv, D, B + 1, block or T, torch.float32, "cpu", pol, n_heads=Hkv * G, keep=pol.prompt_keep(run))
+    shared = {}
+    scratch.compress_into(dst, shared)
+    return shared, dst, q, k, v
 
 
 def kept_sets(cache):
@@ -251,7 +207,7 @@ def test_T14_T19_scratch_compression_equals_reference_and_invariants(p, B, block
     """A random layer (T = 40, Hq = 4, Hkv = 2): the engine keeps the reference's sets; every head holds exactly B
     tokens, the last W among them, no position twice, every pinned token; block padding is never counted."""
     T = 40
-    pol, dst, q, k, v = compress_random(T, B, p, block=block)
+    shared, dst, q, k, v = compress_random(T, B, p, block=block)
     n_ref = [0] * T
     want, pins = ref_layer(q, k, 0, n_ref, B, p)
     got = kept_sets(dst)
@@ -259,14 +215,14 @@ def test_T14_T19_scratch_compression_equals_reference_and_invariants(p, B, block
     for h, kept in enumerate(got):
         assert len(kept) == B == len(set(kept)) and set(range(T - p["W"], T)) <= set(kept)
         assert set(pins[h]) <= set(kept) or p["pin"] != INF  # the paper's pin value 1.0 can lose (T8)
-    assert pol.n_cov[0, :T].tolist() == n_ref and (pol.n_cov[0, T:] == 0).all()
-    assert pol.coverage().item() == pytest.approx(sum(c > 0 for c in n_ref) / T)
+    assert shared["n_cov"][0, :T].tolist() == n_ref and (shared["n_cov"][0, T:] == 0).all()
+    assert kvec_coverage(shared).item() == pytest.approx(sum(c > 0 for c in n_ref) / T)
     assert dst.pos[0, :, :B].tolist() == got  # slots sorted by position (A18), new tokens go after them
 
 
 def test_T15_kept_keys_and_values_attend_like_the_masked_full_prompt():
     T, B = 30, 10
-    pol, dst, q, k, v = compress_random(T, B, dict(DEFAULTS, W=4, O=4, O2=8))
+    _, dst, q, k, v = compress_random(T, B, dict(DEFAULTS, W=4, O=4, O2=8))
     kept = torch.zeros(2, T, dtype=torch.bool)
     for h, s in enumerate(kept_sets(dst)):
         kept[h, s] = True
@@ -281,16 +237,16 @@ def test_T13_short_prompt_keeps_everything_and_counts_it():
     """T = 5 <= B = 8: nothing is dropped; slots 0..4 hold positions 0..4, the rest are empty; n = 1 after layer 0.
     With block padding (scratch of 16 slots > B) the scores run but can only drop the padding: same result."""
     for block in (5, 16):
-        pol, dst, q, k, v = compress_random(5, 8, dict(DEFAULTS, W=2, O=2, O2=4), block=block)
+        shared, dst, q, k, v = compress_random(5, 8, dict(DEFAULTS, W=2, O=2, O2=4), block=block)
         assert dst.pos[0, :, :5].tolist() == [list(range(5))] * 2 and (dst.pos[0, :, 5:] == -1).all()
-        assert pol.n_cov[0, :5].tolist() == [1] * 5 and (pol.n_cov[0, 5:] == 0).all()
+        assert shared["n_cov"][0, :5].tolist() == [1] * 5 and (shared["n_cov"][0, 5:] == 0).all()
 
 
 def test_T20_huge_lambda_makes_every_head_keep_the_same_set():
-    pol, dst, *_ = compress_random(40, 12, dict(DEFAULTS, W=4, O=4, O2=8, delta=0, beta=0.0, lam=1e6))
+    _, dst, *_ = compress_random(40, 12, dict(DEFAULTS, W=4, O=4, O2=8, delta=0, beta=0.0, lam=1e6))
     a, b = kept_sets(dst)
     assert a == b
-    pol, dst, *_ = compress_random(40, 12, dict(DEFAULTS, W=4, O=4, O2=8, delta=0, beta=0.0, lam=0.0))
+    _, dst, *_ = compress_random(40, 12, dict(DEFAULTS, W=4, O=4, O2=8, delta=0, beta=0.0, lam=0.0))
     a, b = kept_sets(dst)
     assert a != b  # the control: without the shared focus term the heads differ
 
@@ -302,48 +258,18 @@ def test_T11_lambda_zero_without_cross_head_is_snapkv(beta, O2):
     (any beta, any O') keeps exactly what snapkv++ keeps with the same window, kernel and prompt slots."""
     p = dict(DEFAULTS, W=4, O=4, O2=O2, delta=0, lam=0.0, beta=beta)
     for seed in range(3):
-        pol, dst, *_ = compress_random(64, 16, p, Hkv=2, G=4, block=16, seed=seed)
-        snap = SnapKVPlusPlus(Namespace(snap_window=4, rocket_kernel=7))
-        snap.plan(17, 64, 1)
-        assert snap.P == 16
+        _, dst, *_ = compress_random(64, 16, p, Hkv=2, G=4, block=16, seed=seed)
+        snap = SnapKVPlusPlus(window=4, kernel=7)
+        run = Run(17, 64, 1, 16)
+        snap.plan(run)
+        assert snap.prompt_keep(run) == 16
         scratch, *_ = random_scratch(snap, 64, Hkv=2, G=4, block=16, seed=seed)  # the same tokens and queries
-        snap_dst = KVCache(1, 2, 8, 17, 16, torch.float32, "cpu", snap, n_heads=8)
+        snap_dst = KVCache(1, 2, 8, 17, 16, torch.float32, "cpu", snap, n_heads=8, keep=16)
         scratch.compress_into(snap_dst)
         assert kept_sets(dst) == kept_sets(snap_dst)
 
 
 # ------------------------------------------------------------------------ the engine against the reference
-
-class OneShotKVecLayer(RefLayer):
-    """The reference's dynamic cache for one layer: a dense prompt step (attention over the whole prompt), then
-    K-VEC keeps its per-head sets (ref_layer, reading the counter shared by the layers); decode steps append."""
-    index: int = 0
-    counter: list = None
-    params: dict = None
-    B: int = 0
-    pins: list = None
-
-    def step(self, q, k, v, pos):
-        out = super().step(q, k, v, pos)  # no policy, unbounded budget: append and attend
-        if pos.numel() > 1:  # the prompt: compress once, after its attention
-            kept, self.pins = ref_layer(q, self.K, self.index, self.counter, self.B, self.params)
-            idx = torch.tensor(kept)
-            self.K, self.V = (torch.stack([x[h, idx[h]] for h in range(len(kept))]) for x in (self.K, self.V))
-            self.P = torch.gather(self.P, 1, idx)
-        return out
-
-
-def reference_for(model, T, B, p):
-    ref = RefModel(model, 10 ** 9, None)
-    counter = [0] * T
-    a = model.args
-    ref.layers = []
-    for i in range(a.n_layers):
-        layer = OneShotKVecLayer(a.n_heads, a.n_kv_heads, a.head_dim, 10 ** 9, None, a.sliding_window)
-        layer.index, layer.counter, layer.params, layer.B = i, counter, p, B
-        ref.layers.append(layer)
-    return ref, counter
-
 
 def random_gqa_model(n_layers=4, seed=0):
     """A random Llama-style model (Hq = 4, Hkv = 2, head_dim 16) with 4 layers, so the counter reaches n = 3."""
@@ -385,15 +311,15 @@ def test_engine_equals_reference(gqa_model, p, T, B, block):
     """One-shot prefill then 6 decode steps: the engine's kept positions per layer and KV head, the coverage counter
     and the logits of every step equal the independent reference's."""
     model, ids, n_decode = gqa_model, ids_of(T), 6
-    pol = KVec(namespace(p))
-    pol.check(B, block)
-    setup_caches(model, 1, pol.plan(B, T, n_decode + 1, model.args), block, pol)
+    pol = kvec(p)  # B prompt slots, and room for the new tokens: --budget B + n_decode + 1
+    setup(model, pol, B + n_decode + 1, T, n_decode + 1, block, prefill="one-shot")
     ref, counter = reference_for(model, T, B, p)
+    shared = {}
     with torch.inference_mode():
-        logits = prefill_one_shot(model, torch.tensor(ids), block)
+        logits = prefill_one_shot(model, torch.tensor(ids), block, shared)
         ref_logits = ref.block(ids, range(T))
         assert engine_kept(model) == ref.kept()
-        assert pol.n_cov[0, :T].tolist() == counter
+        assert shared["n_cov"][0, :T].tolist() == counter
         assert torch.allclose(logits[0], ref_logits, atol=1e-4)
         for i, layer in enumerate(ref.layers):  # every pinned token survived (with pins at +inf)
             for h, pins in enumerate(layer.pins):
@@ -417,13 +343,14 @@ def test_coverage_modules_change_the_choice_and_coverage_is_measured(gqa_model):
     T, B = 150, 32
     kept = {}
     for lam, delta in [(1.0, 3), (0.0, 0)]:
-        pol = KVec(namespace(dict(DEFAULTS, lam=lam, delta=delta)))
-        setup_caches(gqa_model, 1, pol.plan(B, T, 1, gqa_model.args), 16, pol)
+        pol = kvec(dict(DEFAULTS, lam=lam, delta=delta))
+        setup(gqa_model, pol, B + 1, T, 1, 16, prefill="one-shot")
+        shared = {}
         with torch.inference_mode():
-            prefill_one_shot(gqa_model, torch.tensor(ids_of(T)), 16)
+            prefill_one_shot(gqa_model, torch.tensor(ids_of(T)), 16, shared)
         kept[lam] = engine_kept(gqa_model)
         covered = {t for layer in kept[lam] for head in layer for t in head}
-        assert pol.coverage().item() == pytest.approx(len(covered) / T)
+        assert kvec_coverage(shared).item() == pytest.approx(len(covered) / T)
     assert kept[1.0] != kept[0.0]
 
 
@@ -432,12 +359,12 @@ def test_lambda_zero_without_cross_head_equals_snapkv_on_the_engine(gqa_model):
     same prompt slots (snapkv++ --budget = K-VEC's B + the new tokens)."""
     T, B, N = 150, 24, 8
     ids = ids_of(T, seed=5)
-    pol = KVec(namespace(dict(DEFAULTS, W=8, O=8, delta=0, lam=0.0)))
-    setup_caches(gqa_model, 1, pol.plan(B, T, N, gqa_model.args), 16, pol)
+    pol = kvec(dict(DEFAULTS, W=8, O=8, delta=0, lam=0.0))
+    setup(gqa_model, pol, B + N, T, N, 16, prefill="one-shot")
     out_k, _ = generate(gqa_model, ids, N, block_size=16, steps=EAGER, one_shot=True)
     kept_k = engine_kept(gqa_model)
-    snap = SnapKVPlusPlus(Namespace(snap_window=8, rocket_kernel=7))
-    setup_caches(gqa_model, 1, snap.plan(B + N, T, N, gqa_model.args), 16, snap)
+    snap = SnapKVPlusPlus(window=8, kernel=7)
+    setup(gqa_model, snap, B + N, T, N, 16, prefill="one-shot")
     out_s, _ = generate(gqa_model, ids, N, block_size=16, steps=EAGER, one_shot=True)
     assert out_k == out_s and kept_k == engine_kept(gqa_model)
 
@@ -449,11 +376,11 @@ def test_repeated_prompts_restart_the_counter(gqa_model):
     p = dict(DEFAULTS, W=8, O=8, O2=16, delta=1)
 
     def run(prompts):
-        pol = KVec(namespace(p))
-        setup_caches(gqa_model, 1, pol.plan(B, T, 2, gqa_model.args), 16, pol)
+        setup(gqa_model, kvec(p), B + 2, T, 2, 16, prefill="one-shot")
         for ids in prompts:
-            generate(gqa_model, ids, 2, block_size=16, steps=EAGER, one_shot=True)
-        return engine_kept(gqa_model), pol.n_cov.clone()
+            shared = {}
+            generate(gqa_model, ids, 2, block_size=16, steps=EAGER, one_shot=True, shared=shared)
+        return engine_kept(gqa_model), shared["n_cov"].clone()
     fresh_kept, fresh_n = run([ids_of(T, seed=12)])
     again_kept, again_n = run([ids_of(T, seed=11), ids_of(T, seed=12)])
     assert again_kept == fresh_kept and torch.equal(again_n, fresh_n)
@@ -468,7 +395,7 @@ def test_budget_covering_the_prompt_reproduces_full(gqa_model):
     ids = ids_of(T, seed=8)
 
     def logits_of(policy, budget):
-        setup_caches(gqa_model, 1, budget, 16, policy)
+        setup(gqa_model, policy, budget, T, N, 16, prefill="one-shot")
         out = []
         with torch.inference_mode():
             logits = prefill_one_shot(gqa_model, torch.tensor(ids), 16)
@@ -477,11 +404,9 @@ def test_budget_covering_the_prompt_reproduces_full(gqa_model):
                 logits = model_step(gqa_model, logits.argmax(-1).view(1, 1), torch.tensor([T + t]))
         return torch.stack(out)
     full = logits_of(None, T + N)
-    for B in (T, T + 7):
-        pol = KVec(Namespace())
-        assert torch.allclose(logits_of(pol, pol.plan(B, T, N, gqa_model.args)), full, atol=1e-5)
-    pol = KVec(Namespace())
-    small = logits_of(pol, pol.plan(24, T, N, gqa_model.args))
+    for B in (T, T + 7):  # B prompt slots: --budget B + N
+        assert torch.allclose(logits_of(KVec(), B + N), full, atol=1e-5)
+    small = logits_of(KVec(), 24 + N)
     assert torch.allclose(small[0], full[0], atol=1e-5) and not torch.allclose(small, full, atol=1e-3)
 
 
@@ -491,8 +416,7 @@ def test_compiled_decode_matches_eager_and_never_recompiles(hf_tiny):
     _, ckpt = hf_tiny("llama")
     model = load_model(ckpt, torch.float32, "cpu")
     ids, N, B = ids_of(200, seed=7), 70, 40
-    pol = KVec(Namespace())
-    setup_caches(model, 1, pol.plan(B, len(ids), N, model.args), 16, pol)
+    setup(model, KVec(), B + N, len(ids), N, 16, prefill="one-shot")
     out_e, _ = generate(model, ids, N, block_size=16, steps=EAGER, one_shot=True)
     kept_e = engine_kept(model)
     out_c = generate_compiled(model, ids, N, 16, one_shot=True)
@@ -501,30 +425,30 @@ def test_compiled_decode_matches_eager_and_never_recompiles(hf_tiny):
     assert all(len(h) == B + N - 1 for layer in kept_e for h in layer)
 
 
-@pytest.mark.parametrize("params,budget,message", [
-    (dict(kvec_lambda=-1.0), 64, "--kvec-lambda"),
-    (dict(kvec_lambda=float("nan")), 64, "--kvec-lambda"),
-    (dict(kvec_delta=-1), 64, "--kvec-delta"),
-    (dict(kvec_beta=1.5), 64, "--kvec-beta"),
-    (dict(kvec_window=-1), 64, "--kvec-window"),
-    (dict(kvec_obs_window=0), 64, "--kvec-obs-window"),
-    (dict(kvec_long_window=8), 64, "--kvec-long-window"),
-    (dict(kvec_kernel=4), 64, "--kvec-kernel"),
-    (dict(kvec_pin_value=0.0), 64, "--kvec-pin-value"),
-    (dict(), 16, "must exceed the K-VEC recent window"),
+@pytest.mark.parametrize("spec,budget,message", [
+    ("kvec:lam=-1", 64, "lam must be >= 0"),
+    ("kvec:lam=nan", 64, "lam must be a number"),
+    ("kvec:delta=-1", 64, "delta must be >= 0"),
+    ("kvec:beta=1.5", 64, "beta must be in"),
+    ("kvec:window=-1", 64, "window must be >= 0"),
+    ("kvec:obs_window=0", 64, "obs_window >= 1"),
+    ("kvec:long_window=8", 64, "long_window >= obs_window"),
+    ("kvec:kernel=4", 64, "kernel must be odd"),
+    ("kvec:pin_value=0", 64, "pin_value must be > 0"),
+    ("kvec", 17, "must exceed the recent window"),
 ])
-def test_bad_parameters(params, budget, message):
+def test_bad_parameters(spec, budget, message):
     with pytest.raises(PolicyError, match=message):
-        KVec(Namespace(**params)).check(budget, 16)
+        policies.make(spec).plan(Run(budget, 100, 1))
 
 
 def test_cli(tiny_ckpt, capsys):  # noqa: F811
     import generate as cli
     base = ["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps over the lazy dog, " * 6,
-            "--max-new-tokens", "8", "--budget", "24", "--no-chat", "--policy", "kvec"]
-    assert cli.main(base + ["--json", "--kvec-delta", "1"]) == 0
+            "--max-new-tokens", "8", "--budget", "32", "--no-chat"]
+    assert cli.main(base + ["--json", "--policy", "kvec:delta=1"]) == 0
     stats = json.loads(capsys.readouterr().out)
-    assert stats["prefill"] == "one-shot" and stats["prompt_tokens"] > 24 and stats["cache_budget"] == 24 + 8
-    assert cli.main(base + ["--kvec-beta", "2"]) == 2
+    assert stats["prefill"] == "one-shot" and stats["prompt_tokens"] > 24 and stats["slots_held"] == 32
+    assert cli.main(base + ["--policy", "kvec:beta=2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--kvec-beta" in err[0]
+    assert len(err) == 1 and "beta" in err[0]

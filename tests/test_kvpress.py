@@ -2,10 +2,10 @@
 
 Same tiny random checkpoint (conftest FAMILIES: GQA with 4 query heads, 2 KV heads, head_dim 16; llama, and qwen2
 for q/k/v biases and tied embeddings), same 300 random token ids. kvpress runs in its own venv (.venv-kv, see
-requirements-kvpress.txt; it needs transformers < 5.3) through tests/kvpress_keep.py, which recovers the positions
-each layer and KV head kept by matching the compressed cache's key rows against an uncompressed prefill, so nothing
-here depends on kvpress's internals. Our side: `engine.prefill_one_shot` (dense prefill in blocks of 64, the last
-one padded, then one compression per layer) with budget = kvpress's `compute_n_kept(L, ratio)` =
+requirements-kvpress.txt; it needs transformers < 5.3) through tests/reference/kvpress_keep.py, which recovers the
+positions each layer and KV head kept by matching the compressed cache's key rows against an uncompressed prefill, so
+nothing here depends on kvpress's internals. Our side: `engine.prefill_one_shot` (dense prefill in blocks of 64, the
+last one padded, then one compression per layer) with budget = kvpress's `compute_n_kept(L, ratio)` =
 max(1, int(L * (1 - ratio))) for ratios 0.5 and 0.75. The kept position SETS must be equal for every layer and KV
 head, exactly; there is no tolerance. kvpress uses SDPA here, so SnapKV and TOVA compute their own window attention
 (`SnapKVPress.compute_window_attention`) as they do by default.
@@ -31,7 +31,6 @@ SnapKV (llama, window 32 / kernel 7, ratio 0.5; qwen2, kvpress defaults, ratio 0
 every other case is 2e-5 or more. Both sides still agree there on this torch build; a failure on another build that
 swaps one position pair of SnapKV in one head is that near-tie (kvpress averages the window, we sum it), not a bug.
 """
-import argparse
 import json
 import subprocess
 import sys
@@ -40,13 +39,12 @@ import pytest
 import torch
 from conftest import REPO
 
-import policies
-from cache import setup_caches
-from engine import load_model, prefill_one_shot
+from conftest import make_policy
+from engine import load_model, prefill_one_shot, setup
 
 KV_PY = REPO / ".venv-kv" / "bin" / "python"
 L, BLOCK, RATIOS = 300, 64, (0.5, 0.75)
-# kvpress press spec (tests/kvpress_keep.py) -> our policy and the parameters that reproduce it
+# kvpress press spec (tests/reference/kvpress_keep.py) -> our policy and the parameters that reproduce it
 CASES = {
     "keydiff": ("keydiff", dict(anchor="normalized")),
     "snapkv": ("snapkv", dict(snap_window=64, snap_kernel=5)),  # kvpress defaults
@@ -80,7 +78,7 @@ def runs(hf_tiny, tmp_path_factory):
         d = tmp_path_factory.mktemp(f"kvpress-{family}")
         ids = torch.randint(0, 512, (L,), generator=torch.Generator().manual_seed(2))
         (d / "ids.json").write_text(json.dumps(ids.tolist()))
-        cmd = [str(KV_PY), str(REPO / "tests" / "kvpress_keep.py"), "--model", str(ckpt), "--ids-file",
+        cmd = [str(KV_PY), str(REPO / "tests" / "reference" / "kvpress_keep.py"), "--model", str(ckpt), "--ids-file",
                str(d / "ids.json")]
         jobs = [(spec, r) for spec in CASES for r in RATIOS]
         for i, (spec, r) in enumerate(jobs):
@@ -99,9 +97,7 @@ def runs(hf_tiny, tmp_path_factory):
 
 @torch.inference_mode()
 def ours(model, ids, name, budget, params):
-    policy = policies.REGISTRY[name](argparse.Namespace(**params))
-    policy.check(budget, BLOCK)
-    setup_caches(model, 1, budget, BLOCK, policy)
+    setup(model, make_policy(name, params), budget, len(ids), 1, BLOCK, prefill="one-shot")
     prefill_one_shot(model, ids, BLOCK)
     return {i: [sorted(p for p in head.tolist() if p >= 0) for head in layer.attention.kv_cache.pos[0]]
             for i, layer in enumerate(model.layers)}

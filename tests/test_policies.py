@@ -1,11 +1,11 @@
 """The engine's policies on the hand-checkable cases of shared/specs/keydiff.md section 8 (no model needed):
 keys (and queries) are fed straight into a KVCache, block by block, and the kept position sets are compared."""
 import math
-from argparse import Namespace
 
 import pytest
 import torch
 
+import cache as cache_module
 import policies
 from cache import KVCache
 
@@ -31,7 +31,7 @@ def stream(policy, keys, budget, block, queries=None, n_heads=1):
 
 
 def keydiff(**kw):
-    return policies.KeyDiff(Namespace(**kw))
+    return policies.KeyDiff(**kw)
 
 
 @pytest.mark.parametrize("anchor,expect", [("raw", [2, 3, 4]), ("normalized", [2, 3, 4])])
@@ -45,7 +45,7 @@ def test_A1_scores_are_the_cosines():
     cache = KVCache(1, 1, 2, 5, 5, torch.float32, "cpu", keydiff())
     cache.update(torch.zeros(1, 1, 5, 2), keys.view(1, 1, 5, 2), keys.view(1, 1, 5, 2), torch.arange(5),
                  torch.arange(5))
-    s = keydiff().score(cache, None, torch.arange(5), torch.arange(5), 10)[0, 0, 5:]
+    s = keydiff().score(cache.view(10, query_pos=torch.arange(5)))[0, 0, 5:]
     assert torch.allclose(-s, torch.tensor([0.8944, 0.9648, 0.4472, 0.6000, -0.7282]), atol=1e-4)
 
 
@@ -62,12 +62,12 @@ def test_A3():
 def test_A7_identical_keys_keep_the_newest():
     kept, cache = stream(keydiff(), torch.ones(10, 4), 4, 3)
     assert kept[-1] == [6, 7, 8, 9]
-    assert torch.isfinite(keydiff().score(cache, None, torch.arange(1), torch.arange(1), 4)).all()
+    assert torch.isfinite(keydiff().score(cache.view(4, query_pos=torch.arange(1)))).all()
 
 
 def test_A8_zero_keys_give_finite_scores():
     _, cache = stream(keydiff(), torch.zeros(6, 4), 3, 2)
-    assert torch.isfinite(keydiff().score(cache, None, torch.arange(1), torch.arange(1), 5)[cache.pos[:, :, :5] >= 0]).all()
+    assert torch.isfinite(keydiff().score(cache.view(5, query_pos=torch.arange(1)))[cache.pos[:, :, :5] >= 0]).all()
 
 
 B_STREAM = [(0, -1), (-2, 0), (2, 1), (-2, 2), (1, 2), (2, -2)]
@@ -92,7 +92,7 @@ def test_B5_counts():
 
 @pytest.mark.parametrize("block", [4, 3])
 def test_C1_sink(block):
-    policy = policies.Sink(Namespace(n_sink=4))
+    policy = policies.Sink(n_sink=4)
     kept, cache = stream(policy, torch.randn(20, 2), 8, block)
     assert kept[-1] == [0, 1, 2, 3, 16, 17, 18, 19]
     for p in range(20, 23):  # three decode steps
@@ -112,11 +112,11 @@ def test_C2_h2o_accumulates_from_the_first_block_and_favours_old_tokens():
         q = torch.zeros(1, 1, 2, 4)  # zero queries: uniform attention over the visible keys
         cache.update(q, k, k, pos, pos)
         if start == 4:  # running sums at block {4, 5}, before selection, current block included
-            policy.observe(cache, q, pos, pos, 6)
+            policy.observe(cache.view(6, q=q, input_pos=pos, query_pos=pos))
             acc = {int(p): float(a) for p, a in zip(cache.pos[0, 0, :6], cache.state["acc"][0, 0, :6]) if p >= 0}
             expect = {0: 2.45, 1: 1.45, 2: 0.95, 3: 0.6167, 4: 0.3667, 5: 0.1667}
             assert all(abs(acc[p] - v) < 1e-3 for p, v in expect.items()), acc
-            cache.drop_to(4, policy.score(cache, q, pos, pos, 6))
+            cache.drop_to(4, policy.score(cache.view(6, q=q, input_pos=pos, query_pos=pos)))
         else:
             cache.evict(q, pos, pos)
     assert sorted(cache.pos[0, 0][cache.pos[0, 0] >= 0].tolist()) == [0, 1, 2, 3]
@@ -134,20 +134,20 @@ def test_C4_snapkv_pools_window_votes(monkeypatch):
     row6 = [0.5, 0, 0.05, 0.3, 0, 0, 0.15, 0]
     row7 = [0.4, 0, 0.05, 0, 0, 0.45, 0.05, 0.05]
     weights = torch.tensor([row6, row7]).view(1, 1, 2, 8)
-    monkeypatch.setattr(policies, "attention_weights", lambda cache, q, q_pos, S, group_mean=True: weights)
-    policy = policies.SnapKV(Namespace(snap_window=2, snap_kernel=3))
+    monkeypatch.setattr(cache_module.View, "attention", lambda view, q, q_pos, group_mean=True: weights)
+    policy = policies.SnapKV(window=2, kernel=3)
     cache = KVCache(1, 1, 2, 4, 4, torch.float32, "cpu", policy)
     pos = torch.arange(8)
     k = torch.randn(1, 1, 8, 2)
     cache.pos[0, 0, :8] = pos  # candidates 0..7 in slots 0..7
-    scores = policy.score(cache, k, pos, pos, 8)[0, 0]
+    scores = policy.score(cache.view(8, q=k, input_pos=pos, query_pos=pos))[0, 0]
     assert torch.allclose(scores[:6], torch.tensor([0.3, 0.3333, 0.1333, 0.1333, 0.25, 0.15]), atol=1e-4)
-    cache.drop_to(4, policy.score(cache, k, pos, pos, 8))
+    cache.drop_to(4, policy.score(cache.view(8, q=k, input_pos=pos, query_pos=pos)))
     assert sorted(cache.pos[0, 0, :4].tolist()) == [0, 1, 6, 7]
 
 
 def test_C6_snapkv_window_always_kept():
-    policy = policies.SnapKV(Namespace(snap_window=8, snap_kernel=7))
+    policy = policies.SnapKV(window=8, kernel=7)
     n = 120
     g = torch.Generator().manual_seed(2)
     kept, _ = stream(policy, torch.randn(n, 4, generator=g), 20, 16, queries=torch.randn(n, 2, 4, generator=g),
@@ -163,20 +163,21 @@ def test_C7_keynorm():
 
 
 def test_snapkv_ring_keeps_the_latest_queries():
-    policy = policies.SnapKV(Namespace(snap_window=4, snap_kernel=3))
+    policy = policies.SnapKV(window=4, kernel=3)
     _, cache = stream(policy, torch.randn(11, 2), 6, 3, queries=torch.arange(11.0).view(11, 1, 1).expand(11, 1, 2))
     assert sorted(cache.layer_state["ring_pos"].tolist()) == [7, 8, 9, 10]
     assert sorted(cache.layer_state["ring_q"][0, 0, :, 0].tolist()) == [7.0, 8.0, 9.0, 10.0]
 
 
-@pytest.mark.parametrize("name,params,budget,message", [
-    ("sink", dict(n_sink=4), 4, "must exceed the 4 sink tokens"),
-    ("snapkv", dict(snap_window=32, snap_kernel=7), 32, "must exceed the SnapKV observation window"),
-    ("snapkv", dict(snap_window=32, snap_kernel=6), 64, "odd"),
-    ("keydiff", dict(window_frac=1.0), 64, "--window-frac"),
-    ("h2o", dict(window_frac=-0.1), 64, "--window-frac"),
-    ("keydiff", dict(anchor="median"), 64, "--anchor"),
+@pytest.mark.parametrize("spec,budget,message", [
+    ("sink:n_sink=4", 4, "must exceed the 4 sink tokens"),
+    ("snapkv:window=32,kernel=7", 32, "must exceed the observation window"),
+    ("snapkv:window=32,kernel=6", 64, "odd"),
+    ("keydiff:window_frac=1.0", 64, "window_frac"),
+    ("h2o:window_frac=-0.1", 64, "window_frac"),
+    ("keydiff:anchor=median", 64, "anchor"),
 ])
-def test_bad_parameters(name, params, budget, message):
+def test_bad_parameters(spec, budget, message):
+    """Parameters are checked when the policy is made, and against a run's budget in plan."""
     with pytest.raises(policies.PolicyError, match=message):
-        policies.REGISTRY[name](Namespace(**params)).check(budget, 16)
+        policies.make(spec).plan(policies.Run(budget, 100, 10))

@@ -1,4 +1,4 @@
-"""Every eviction policy of the static in-place engine against the independent dynamic reference (tests/reference.py).
+"""Every eviction policy of the static in-place engine against the independent dynamic reference (tests/reference/).
 
 1. The reference itself: spec section 8 hand-checked cases (A1, A2, B1-B4, C1-C5, C7) at the policy/stream level,
    and its forward pass against Hugging Face transformers (no eviction).
@@ -6,14 +6,14 @@
    prefill block and decode step, and the last-position logits agree (atol 1e-4). Spec D3 (L=37, N=8, b=5, 6 decode
    steps) and a 1,000-token prompt with budget 96, block 32 and 8 greedy decode steps.
 """
-import argparse
 import math
 
 import pytest
 import torch
 
-from reference import (RefH2O, RefKeyDiff, RefKeyNorm, RefModel, RefSink, RefSnapKV, RefTOVA, attention_probs,
-                       avg_pool_zero_pad, keep_indices, keydiff_scores, rope, run_stream, snapkv_pool)
+from reference.blockwise import (RefH2O, RefKeyDiff, RefKeyNorm, RefSink, RefSnapKV, RefTOVA, avg_pool_zero_pad,
+                                 keydiff_scores, snapkv_pool)
+from reference.model import RefModel, attention_probs, keep_indices, rope, run_stream
 
 
 def kept_of(history, head=0):
@@ -234,8 +234,9 @@ def engine_policy(name, params, budget, block):
     import policies
     if name not in policies.REGISTRY:
         pytest.skip(f"engine has no policy {name!r} yet")
-    policy = policies.REGISTRY[name](argparse.Namespace(**params))
-    policy.check(budget, block)
+    from conftest import make_policy
+    policy = make_policy(name, params)
+    policy.plan(policies.Run(budget, 0, 0, block))
     return policy
 
 

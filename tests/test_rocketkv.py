@@ -4,20 +4,19 @@ a budget >= the context reproduces `full`, and the compiled decode step (fullgra
 """
 import dataclasses
 import math
-from argparse import Namespace
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import generate_compiled
+from conftest import generate_compiled, make_policy
 import torch.nn.functional as F
 
 import policies
-from cache import KVCache, attention_weights, setup_caches
-from engine import generate, load_model, model_step, prefill_step
+from cache import KVCache, attention_weights
+from engine import generate, load_model, model_step, prefill_step, setup
 from errors import UserError
 from policies import (ExactTopK, RocketKV, SnapKVPlusPlus, adaptive_kernel, build_pages, hybrid_scores, pool_votes,
-                      rocket_params, stable_topk, token_scores, update_page)
+                      rocket_params, rocket_sizes, stable_topk, token_scores, update_page)
 from scripts.bench import paper_peak_memory
 from test_cli import tiny_ckpt  # noqa: F401  (fixture)
 
@@ -54,10 +53,16 @@ def test_11_2_per_head_vs_per_group():
     assert top(group, 3) == [2, 8, 9]
 
 
+def last_view(c, S):
+    """The view a one-shot compression scores: the scratch's first S slots with its last block's queries."""
+    q, input_pos, query_pos = c.last_step
+    return c.view(S, q=q, input_pos=input_pos, query_pos=query_pos)
+
+
 def scratch_with(T, w, G=2, D=8, kernel=3, seed=0):
     """A one-shot scratch (Hkv=1, G query heads) holding T random tokens, its query ring filled by observe."""
     g = torch.Generator().manual_seed(seed)
-    pol = SnapKVPlusPlus(Namespace(snap_window=w, rocket_kernel=kernel))
+    pol = SnapKVPlusPlus(window=w, kernel=kernel)
     c = KVCache(1, 1, D, T, T, torch.float32, "cpu", pol, n_heads=G, scratch=True)
     q, k, v = torch.randn(1, G, T, D, generator=g), torch.randn(1, 1, T, D, generator=g), torch.randn(1, 1, T, D)
     pos = torch.arange(T)
@@ -81,7 +86,7 @@ def test_11_3_window_causal_mask_and_group_sum():
     causal = torch.arange(T)[None, :] > torch.arange(T - w, T)[:, None]
     s2 = logits.masked_fill(causal, -INF).softmax(-1)[..., :T - w].sum(1).sum(0)
     s3 = F.max_pool1d(s2.view(1, 1, -1), 3, 1, 1)[0, 0]
-    score = pol.score(c, *c.last_step, T)[0, 0]
+    score = pol.score(last_view(c, T))[0, 0]
     assert torch.allclose(score[:T - w], s3, atol=1e-6) and (score[T - w:] == INF).all()
 
 
@@ -89,9 +94,8 @@ def test_11_5_stage1_kept_count_and_order():
     """Compression keeps exactly P per KV head: selected prefix positions strictly increasing, then the window."""
     T, w, P = 40, 8, 20
     c, pol, _, k = scratch_with(T, w)
-    pol.P = P
-    want = top(pol.score(c, *c.last_step, T), P)
-    dst = KVCache(1, 1, 8, P + 4, 1, torch.float32, "cpu", pol, n_heads=2)
+    want = top(pol.score(last_view(c, T)), P)
+    dst = KVCache(1, 1, 8, P + 4, 1, torch.float32, "cpu", pol, n_heads=2, keep=P)
     c.compress_into(dst)
     kept = dst.pos[0, 0, :P].tolist()
     assert kept == want and (dst.pos[0, 0, P:] == -1).all() and kept[-w:] == list(range(T - w, T))
@@ -102,8 +106,7 @@ def test_11_5_stage1_kept_count_and_order():
 def test_11_4_prompt_within_budget_is_copied_unchanged():
     T, w = 12, 4
     c, pol, _, k = scratch_with(T, w)
-    pol.P = 16
-    dst = KVCache(1, 1, 8, 20, 1, torch.float32, "cpu", pol, n_heads=2)
+    dst = KVCache(1, 1, 8, 20, 1, torch.float32, "cpu", pol, n_heads=2, keep=16)
     c.compress_into(dst)
     assert dst.pos[0, 0, :T].tolist() == list(range(T)) and torch.equal(dst.k[0, 0, :T], k[0, 0])
     assert rocket_params(S=1000, t=1000, D=64, N=10).sparse is False  # t >= S: c = 1, dense
@@ -190,13 +193,13 @@ def test_a12_stable_topk_breaks_ties_to_the_lower_slot():
 def rocket_cache(rp, G=2, D=8, n=30, seed=0):
     """A RocketKV cache (Hkv=2) after compression with n random tokens at positions 0..n-1, sorted, pages built."""
     g = torch.Generator().manual_seed(seed)
-    pol = RocketKV(Namespace(snap_window=4))
-    pol.rp, pol.P = rp, rp.P
-    c = KVCache(1, 2, D, rp.C, 1, torch.float32, "cpu", pol, n_heads=2 * G)
+    pol = RocketKV(window=4)
+    pol.rp = rp
+    c = KVCache(1, 2, D, rp.C, 1, torch.float32, "cpu", pol, n_heads=2 * G, keep=rp.P)
     c.k[:, :, :n] = torch.randn(1, 2, n, D, generator=g)
     c.v[:, :, :n] = torch.randn(1, 2, n, D, generator=g)
     c.pos[:, :, :n] = torch.arange(n, dtype=torch.int32)
-    pol.compressed(c, n)
+    pol.prepare(c.view(c.budget))  # slots already in position order, as after stage 1
     return c, pol, g
 
 
@@ -264,11 +267,11 @@ def test_11_13_decode_slot_arithmetic_and_overflow(hf_tiny):
     _, ckpt = hf_tiny("llama")
     model = load_model(ckpt, torch.float32, "cpu")
     prompt, N = ids_of(120), 10
-    pol = RocketKV(Namespace(snap_window=8, rocket_kernel=7))
-    C = pol.plan(24, len(prompt), N, model.args)
+    pol = RocketKV(window=8, kernel=7, read=24)
+    C = rocket_params(len(prompt) + N, 24, model.args.head_dim, N).C  # the paper's t = 24: C = sqrt(S t)
+    setup(model, pol, C, len(prompt), N, 16, prefill="one-shot")
     P = pol.rp.P
-    assert pol.rp.sparse and P < len(prompt)
-    setup_caches(model, 1, C, 16, pol)
+    assert pol.rp.sparse and P < len(prompt) and P == C - N
     generate(model, prompt, 1, block_size=16, steps=EAGER, one_shot=True)  # prefill only
     after_prefill = [(l.attention.kv_cache.pos.clone(), l.attention.kv_cache.k.clone()) for l in model.layers]
     assert all((pos >= 0).sum(-1).eq(P).all() for pos, _ in after_prefill)  # n_valid = P after stage 1
@@ -307,7 +310,7 @@ def test_11_19_exact_topk():
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     assert torch.allclose(out, dense(c, q).view(1, 4, 1, 8), atol=1e-6)
     pol.k = 1  # one token per query head: the value of its argmax logit
-    keys, values, mask = pol_step = c.gather(pol.select(c, q, pos, pos), pos)
+    keys, values, mask = pol_step = c.gather(pol.select(c.view(c.budget, q=q, input_pos=pos, query_pos=pos)), pos)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     best = (q.view(1, 2, 2, 8) @ c.k[:, :, :13].transpose(-1, -2)).argmax(-1)  # [1, 2, G]
     want = torch.stack([c.v[0, h, best[0, h]] for h in range(2)]).view(1, 4, 1, 8)
@@ -320,13 +323,21 @@ def ids_of(n, seed=3, vocab=512):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run(model, name, prompt, N, budget, block=16, steps=EAGER, k=None, device="cpu"):
-    """One-shot generation with policy `name` sized by its plan; k overrides RocketKV's top-k."""
-    pol = policies.REGISTRY[name](Namespace(snap_window=8)) if name != "full" else None
-    C = pol.plan(budget, len(prompt), N, model.args) if pol is not None else len(prompt) + N
+def run(model, name, prompt, N, t, block=16, steps=EAGER, k=None, device="cpu"):
+    """One-shot generation with policy `name` at the paper's token budget t: rocketkv holds C = sqrt(S t) slots
+    (the paper's even split) and reads t per step, exact-topk holds everything and attends its top t, snapkv++
+    holds t slots. k overrides RocketKV's top-k."""
+    S, D = len(prompt) + N, model.args.head_dim
+    pol = make_policy(name, dict(snap_window=8))
+    if name == "rocketkv":
+        pol, C = policies.RocketKV(window=8, read=t), policies.rocket_params(S, t, D, N).C
+    elif name == "exact-topk":
+        pol, C = policies.ExactTopK(k=t), S
+    else:
+        C = S if name == "full" else t
+    setup(model, pol, C, len(prompt), N, block, prefill="one-shot")
     if k is not None:
         pol.rp = dataclasses.replace(pol.rp, k=k)
-    setup_caches(model, 1, C, block, pol)
     out, _ = generate(model, prompt, N, block_size=block, steps=steps, one_shot=True, device=device)
     return out, pol
 
@@ -346,7 +357,7 @@ def test_stage2_with_every_slot_selected_equals_dense_over_the_kept_cache(tiny):
     assert pol.rp.sparse and P < len(prompt) and "pages" in tiny.layers[0].attention.kv_cache.layer_state
     kept_r = [l.attention.kv_cache.pos.clone() for l in tiny.layers]
     out_s, pol_s = run(tiny, "snapkv++", prompt, N, C)
-    assert pol_s.P == P
+    assert pol_s.prompt_keep(policies.Run(C, len(prompt), N)) == P
     assert out_r == out_s
     assert all(torch.equal(a, l.attention.kv_cache.pos) for a, l in zip(kept_r, tiny.layers))
 
@@ -417,11 +428,13 @@ def test_cli_defaults_to_one_shot_and_refuses_block_prefill(tiny_ckpt, capsys):
     import json
     import generate as cli
     base = ["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps over the lazy dog, " * 6,
-            "--max-new-tokens", "8", "--budget", "16", "--snap-window", "8", "--no-chat"]
-    assert cli.main(base + ["--policy", "rocketkv", "--json"]) == 0
+            "--max-new-tokens", "8", "--budget", "40", "--no-chat"]
+    assert cli.main(base + ["--policy", "rocketkv:read=16,window=8", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
-    assert stats["prefill"] == "one-shot" and stats["budget"] == 16 and stats["prompt_tokens"] > stats["cache_budget"]
-    assert stats["cache_budget"] == rocket_params(stats["prompt_tokens"] + 8, 16, 16, 8).C
+    assert stats["prefill"] == "one-shot" and stats["budget"] == stats["slots_held"] == 40
+    assert stats["prompt_tokens"] > 40
+    rp = rocket_sizes(40, 16, 16, 8)  # storage C = --budget, t = read: k = 8 exact + the page scan
+    assert stats["tokens_read_per_step"] == rp.k + rp.approx_tokens < 16 + 1
     assert cli.main(base + ["--policy", "snapkv++", "--prefill", "block"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--prefill one-shot" in err[0]

@@ -1,7 +1,8 @@
 """SAGE-KV (shared/specs/sagekv.md): the spec's hand-checkable cases (section 6, T1-T9, T11-T13) on the size rule
 and a bare KVCache, then the engine on tiny random GQA models against an independent dynamic-shape reference
-written here from the spec's pseudocode (every token kept in plain tensors, each query head's visible positions an
-explicit set): which positions every query head attends and the logits, step by step over >= 64 decode steps.
+(tests/reference/sagekv.py, from the spec's pseudocode: every token kept in plain tensors, each query head's visible
+positions an explicit set): which positions every query head attends and the logits, step by step over >= 64 decode
+steps.
 Then `full` equivalence, the compiled decode step (fullgraph, error_on_recompile) and the CLI.
 
 The engine keeps B - 1 slots between steps and writes the current token to the tail slot (policies.SageLayout), so
@@ -9,20 +10,19 @@ a stored ring holds W - 1 tokens where the spec's holds W; what any query attend
 ring token is overwritten before the next query runs). Slot-level expectations below are the engine's; attended
 sets and outputs are the spec's.
 """
-import math
-from argparse import Namespace
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import generate_compiled
+from conftest import generate_compiled, make_policy
 import torch.nn.functional as F
 
-from cache import KVCache, setup_caches
-from engine import generate, load_model, model_step, prefill_one_shot, prefill_step
+from cache import KVCache
+from engine import generate, load_model, model_step, prefill_one_shot, prefill_step, setup
 from model import ModelArgs, Transformer
-from policies import PolicyError, SageKV, SageLayout, sage_sizes
-from reference import RefModel
+from policies import PolicyError, Run, SageKV, SageLayout, sage_sizes
+from reference.model import RefModel
+from reference.sagekv import RefSageLayer, ref_sizes, reference_attend, reference_selection
 from test_cli import tiny_ckpt  # noqa: F401  (fixture)
 
 EAGER = (prefill_step, model_step)
@@ -52,9 +52,9 @@ def test_T1_bad_sizes_raise_one_line():
         with pytest.raises(PolicyError, match=match) as e:
             sage_sizes(*args)
         assert "\n" not in str(e.value)
-    for flag in ("sage_sink", "sage_topk"):
-        with pytest.raises(PolicyError, match=f"--{flag.replace('_', '-')} must be >= 0"):
-            SageKV(Namespace(**{flag: -1})).check(64, 16)
+    for name in ("sink", "topk"):
+        with pytest.raises(PolicyError, match=f"{name} must be >= 0"):
+            SageKV(**{name: -1})
 
 
 def test_layout_regions_hand_values():
@@ -78,8 +78,8 @@ def bare(keys, values, q_last, S, k, W, max_new=8):
     the one-shot scratch written and observed as prefill_one_shot does, then compress_into."""
     H, N, D = keys.shape
     Hq = q_last.shape[0]
-    pol = SageKV(Namespace(sage_sink=S, sage_topk=k))
-    C = pol.plan(S + Hq // H * k + W, N, max_new, SimpleNamespace(n_heads=Hq, n_kv_heads=H))
+    pol = SageKV(sink=S, topk=k)  # the paper's B = S + G k + W counts the current token: --budget B - 1
+    C = pol.plan(Run(S + Hq // H * k + W - 1, N, max_new, args=SimpleNamespace(n_heads=Hq, n_kv_heads=H)))
     scratch = KVCache(1, H, D, N, N, torch.float32, "cpu", pol, n_heads=Hq, scratch=True)
     q = torch.zeros(1, Hq, N, D)
     q[0, :, -1] = q_last
@@ -162,34 +162,11 @@ def test_T4_ownership_with_G7():
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(1, 50, 8, generator=g), torch.randn(1, 50, 8, generator=g)
     cache, pol = bare(keys, values, torch.randn(G, 8, generator=g), S, k, W)
-    idx = pol.select(cache, torch.zeros(1, G, 1, 8), torch.tensor([50]), torch.tensor([cache.budget]))
+    idx = pol.select(cache.view(cache.budget, q=torch.zeros(1, G, 1, 8), query_pos=torch.tensor([50]),
+                                slot=torch.tensor([cache.budget])))
     ring = list(range(S + G * k, cache.budget))
     for h in range(G):
         assert idx[0, h].tolist() == list(range(S + h * k, S + (h + 1) * k)) + [0, 1, 2] + ring + [cache.budget]
-
-
-def reference_selection(keys, q_last, n_sink, rs, kk):
-    """Each query head's top-kk candidates in [n_sink, rs) by fp32 logits q . k, ties to the lower position
-    (a stable descending argsort), as sorted position lists."""
-    Hq, H = q_last.shape[0], keys.shape[0]
-    sel = []
-    for h in range(Hq):
-        logits = keys[h // (Hq // H), n_sink:rs].double() @ q_last[h].double()
-        order = torch.argsort(-logits, stable=True)[:kk]
-        sel.append(sorted((order + n_sink).tolist()))
-    return sel
-
-
-def reference_attend(q, K, V, visible):
-    """Softmax attention of query head h over exactly the positions visible[h] of its KV head."""
-    Hq, D = q.shape
-    g = Hq // K.shape[0]
-    out = []
-    for h in range(Hq):
-        idx = torch.tensor(visible[h])
-        w = torch.softmax(K[h // g, idx] @ q[h] / math.sqrt(D), dim=0)
-        out.append(w @ V[h // g, idx])
-    return torch.stack(out)
 
 
 @pytest.mark.parametrize("N,S,W,G,k,H", [(50, 4, 8, 2, 5, 2), (50, 3, 6, 7, 4, 1), (40, 3, 5, 3, 6, 2)])
@@ -288,56 +265,6 @@ def test_T9_selection_invariants_and_ties():
 
 # ------------------------------------------------------------------- the independent reference on a model
 
-def ref_sizes(B, G, S=None, k=None):
-    """Spec 1.8's sage_params, literally."""
-    S = B // 4 if S is None else S
-    k = 1 << int(math.floor(math.log2(B / (2 * G)))) if k is None else k
-    return S, k, B - S - G * k
-
-
-class RefSageLayer:
-    """One layer of SAGE-KV as spec 1.3-1.6 read, dynamic shapes: every token's K/V kept in plain tensors, and each
-    query head's visible set built explicitly: sink [0, S_eff), its own top-k of [S_eff, rs), and the ring
-    [max(rs, p - W + 1), p] of W positions counting the current one. `dense` = the skip-if-fits case."""
-
-    def __init__(self, n_heads, n_kv_heads, d, S, k, W, N, dense=False):
-        self.hq, self.hkv, self.d, self.N, self.dense = n_heads, n_kv_heads, d, N, dense
-        self.S, self.k, self.W = S, k, W
-        self.K, self.V = torch.zeros(n_kv_heads, 0, d), torch.zeros(n_kv_heads, 0, d)
-        self.sel, self.seen = None, []
-
-    def step(self, q, k, v, pos):
-        self.K, self.V = torch.cat([self.K, k.float()], 1), torch.cat([self.V, v.float()], 1)
-        p = int(pos[-1])
-        if pos[0] == 0:  # the whole prompt in one block: full causal attention, then the one-time selection
-            assert p == self.N - 1
-            visible = [[list(range(i + 1)) for i in range(self.N)]] * self.hq
-            self.select(q[:, -1])
-        else:
-            visible = [[self.visible(h, p)] for h in range(self.hq)]
-            self.seen.append([rows[0] for rows in visible])
-        g = self.hq // self.hkv
-        out = torch.zeros(self.hq, q.shape[1], self.d)
-        for h in range(self.hq):
-            for r, vis in enumerate(visible[h]):
-                idx = torch.tensor(vis)
-                w = torch.softmax(self.K[h // g, idx] @ q[h, r].float() / math.sqrt(self.d), dim=0)
-                out[h, r] = w @ self.V[h // g, idx]
-        return out
-
-    def select(self, q_last):
-        self.s_eff = min(self.S, self.N)
-        self.rs = max(self.s_eff, self.N - self.W)
-        kk = min(self.k, self.rs - self.s_eff)
-        self.sel = reference_selection(self.K, q_last.float(), self.s_eff, self.rs, kk)
-
-    def visible(self, h, p):
-        if self.dense:
-            return list(range(p + 1))
-        ring = range(max(self.rs, p - self.W + 1), p + 1)
-        return sorted(set(range(self.s_eff)) | set(self.sel[h]) | set(ring))
-
-
 def spy_on(cache):
     """Record, at every decode step of this engine cache, the positions each query head attends: the slots the
     policy selected (or all for dense attention), read from the cache's positions, where the mask lets them."""
@@ -377,9 +304,8 @@ def compare_with_reference(model, params, B, N, T, block=16, seed=0):
     logits (atol 1e-4)."""
     a = model.args
     ids = ids_of(N, seed, a.vocab_size)
-    pol = SageKV(Namespace(**params))
-    pol.check(B, block)
-    setup_caches(model, 1, pol.plan(B, N, T, a), block, pol)
+    pol = make_policy("sagekv", params)  # the paper's B counts the decoding token: --budget B - 1
+    setup(model, pol, B - 1, N, T, block, prefill="one-shot")
     logs = [spy_on(layer.attention.kv_cache) for layer in model.layers]
     S, k, W = ref_sizes(B, a.n_heads // a.n_kv_heads, params.get("sage_sink"), params.get("sage_topk"))
     dense = params.get("sage_skip_if_fits", False) and N + T <= B
@@ -448,8 +374,8 @@ def test_T12_one_shot_block_size_does_not_change_the_selection(tiny):
     ids = ids_of(100, 12)
     kept, logits = [], []
     for block in (7, 64):
-        pol = SageKV(Namespace())
-        setup_caches(tiny, 1, pol.plan(32, 100, 8, tiny.args), block, pol)
+        pol = SageKV()
+        setup(tiny, pol, 31, 100, 8, block, prefill="one-shot")
         with torch.inference_mode():
             logits.append(prefill_one_shot(tiny, torch.tensor(ids), block))
         kept.append([l.attention.kv_cache.pos[:, :, :pol.layout.budget].clone() for l in tiny.layers])
@@ -459,8 +385,8 @@ def test_T12_one_shot_block_size_does_not_change_the_selection(tiny):
 
 # ----------------------------------------------------------------------------------- equivalence with full
 
-def step_logits(model, policy, C, ids, T, block=16):
-    setup_caches(model, 1, C, block, policy)
+def step_logits(model, policy, budget, ids, T, block=16):
+    setup(model, policy, budget, len(ids), T, block, prefill="one-shot")
     out = []
     with torch.inference_mode():
         logits = prefill_one_shot(model, torch.tensor(ids), block)
@@ -478,8 +404,7 @@ def test_budget_covering_the_context_reproduces_full(tiny, params, B):
     ring (N + T <= S + W), every step's logits equal `full`'s."""
     ids, T = ids_of(100, 11), 64
     want = step_logits(tiny, None, 100 + T, ids, T)
-    pol = SageKV(Namespace(**params))
-    got = step_logits(tiny, pol, pol.plan(B, 100, T, tiny.args), ids, T)
+    got = step_logits(tiny, make_policy("sagekv", params), B - 1, ids, T)
     assert torch.allclose(got, want, atol=1e-5, rtol=0)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
@@ -488,8 +413,8 @@ def test_literal_rule_compresses_a_prompt_that_fits(tiny):
     """The negative control (A5): without the flag, B = N + T still selects, so the logits leave `full`'s."""
     ids, T = ids_of(100, 11), 16
     want = step_logits(tiny, None, 100 + T, ids, T)
-    pol = SageKV(Namespace())
-    got = step_logits(tiny, pol, pol.plan(100 + T, 100, T, tiny.args), ids, T)
+    pol = SageKV()
+    got = step_logits(tiny, pol, 100 + T - 1, ids, T)
     assert pol.layout.kk > 0 and torch.allclose(got[0], want[0], atol=1e-5)  # the first token is full attention
     assert (got[1:] - want[1:]).abs().max() > 1e-3
 
@@ -502,8 +427,8 @@ def test_compiled_decode_matches_eager_and_never_recompiles(hf_tiny):
     _, ckpt = hf_tiny("qwen2")
     model = load_model(ckpt, torch.float32, "cpu")
     prompt, N = ids_of(120, 21, 512), 70
-    pol = SageKV(Namespace())
-    setup_caches(model, 1, pol.plan(32, len(prompt), N, model.args), 16, pol)
+    pol = SageKV()
+    setup(model, pol, 31, len(prompt), N, 16, prefill="one-shot")
     assert pol.layout.kk > 0
     out_e, _ = generate(model, prompt, N, block_size=16, steps=EAGER, one_shot=True)
     state_e = [(l.attention.kv_cache.pos.clone(), l.attention.kv_cache.k.clone()) for l in model.layers]
@@ -518,16 +443,16 @@ def test_cli_runs_one_shot_and_rejects_bad_parameters(tiny_ckpt, capsys):
     import json
     import generate as cli
     base = ["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps over the lazy dog, " * 6,
-            "--max-new-tokens", "8", "--no-chat", "--policy", "sagekv"]
-    assert cli.main(base + ["--budget", "16", "--json"]) == 0
+            "--max-new-tokens", "8", "--no-chat"]
+    assert cli.main(base + ["--policy", "sagekv", "--budget", "15", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["prefill"] == "one-shot" and stats["generated_tokens"] == 8 and stats["prompt_tokens"] > 16
-    assert stats["budget"] == 16 and stats["cache_budget"] == 15  # B - 1 kept + the decoding token
-    bad = [(["--budget", "3"], "below 2 x the GQA group"),
-           (["--budget", "16", "--sage-sink", "14"], "leaves no recent window"),
-           (["--budget", "16", "--sage-topk", "-1"], "--sage-topk must be >= 0"),
-           (["--budget", "16", "--sage-sink", "-2"], "--sage-sink must be >= 0"),
-           (["--budget", "16", "--prefill", "block"], "--prefill one-shot")]
+    assert stats["budget"] == stats["slots_held"] == 15  # the paper's B = 16 counts the decoding token
+    bad = [(["--policy", "sagekv", "--budget", "2"], "below 2 x the GQA group"),
+           (["--policy", "sagekv:sink=14", "--budget", "15"], "leaves no recent window"),
+           (["--policy", "sagekv:topk=-1", "--budget", "15"], "topk must be >= 0"),
+           (["--policy", "sagekv:sink=-2", "--budget", "15"], "sink must be >= 0"),
+           (["--policy", "sagekv", "--budget", "15", "--prefill", "block"], "--prefill one-shot")]
     for args, msg in bad:
         assert cli.main(base + args) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -1,6 +1,6 @@
 """Which positions does a kvpress press keep? Run with the kvpress venv (it needs transformers < 5.3):
 
-    .venv-kv/bin/python tests/kvpress_keep.py --model DIR --press NAME --ratio R --ids-file F --out OUT.json
+    .venv-kv/bin/python tests/reference/kvpress_keep.py --model DIR --press NAME --ratio R --ids-file F --out OUT.json
 
 Loads the HF checkpoint DIR with transformers (fp32, CPU, attn_implementation="sdpa", so the attention-based presses
 compute their own window attention as they do by default), prefills the token ids of F (a JSON list) once without a
