@@ -61,7 +61,7 @@ def attention_mask(slot_pos: Tensor, query_pos: Tensor, window: int | None) -> T
 
 
 def drop_lowest(scores: Tensor, pos: Tensor, T: int) -> Tensor:
-    """Slots [B, H, T] of the T lowest scores, ascending by slot. Ties drop the older position (spec: keep newer);
+    """Slots [B, H, T] of the T lowest scores, ascending by slot. Ties drop the older position (the newer is kept);
     torch.topk's order among equal values is unspecified, so rank by (score, position)."""
     if T == 1:  # decode: a lexicographic argmin, O(S) without sorting
         lowest = scores == scores.min(dim=-1, keepdim=True).values

@@ -82,12 +82,10 @@ def step_modes(device: str, mode: str | None) -> tuple[str | None, str | None]:
 def compile_steps(device: str, mode: str | None = None, prefill: bool = True):
     """(prefill_step, decode_step), each compiled once with fullgraph=True; decode under CUDA graphs on GPU.
 
-    prefill=False leaves the prefill step eager (gpt-fast's default; generate.py's on CPU). On CPU each frozen graph
-    holds its own packed copy of the weights: measured on SmolLM2-135M fp32 (docs/performance.md), compiling the
-    prefill step too raised the peak RSS from 1,664 to 2,990 MiB and warm-up + compile from 133 to 267 s for 1.1x the
-    block-wise prefill tok/s."""
+    prefill=False leaves the prefill step eager (gpt-fast's default; generate.py's on CPU, where each frozen graph
+    holds its own packed copy of the weights: docs/performance.md has the memory and time it costs)."""
     if not device.startswith("cuda"):
-        # On CPU freezing lets inductor fold the weights and pick packed GEMM kernels (measured +20% decode).
+        # On CPU freezing lets inductor fold the weights and pick packed GEMM kernels.
         torch._inductor.config.freezing = True
     prefill_mode, decode_mode = step_modes(device, mode)
     prefill_fn = prefill_step
@@ -98,10 +96,9 @@ def compile_steps(device: str, mode: str | None = None, prefill: bool = True):
 
 
 def default_compile_mode(device: str, dtype: torch.dtype, quantized: bool) -> str | None:
-    """--compile-mode auto. On CPU in fp32, max-autotune (with freezing) picks inductor's packed micro-GEMM
-    templates: measured 1.9x the default mode's decode step on SmolLM2-135M (docs/performance.md). bf16 on a CPU
-    without AMX gained nothing from it, and quantized Linears have their own kernels, so those keep the default; on
-    CUDA None means reduce-overhead (CUDA graphs) for decode."""
+    """--compile-mode auto: on CPU in fp32, max-autotune (with freezing: inductor's packed micro-GEMM templates; the
+    speed-up is in docs/performance.md); bf16 on CPU and quantized Linears (kernels of their own) keep torch's
+    default; on CUDA None means reduce-overhead (CUDA graphs) for decode."""
     return "max-autotune-no-cudagraphs" if device == "cpu" and dtype == torch.float32 and not quantized else None
 
 

@@ -3,8 +3,10 @@
     python generate.py --checkpoint smollm2-135m --prompt "What is the capital of France?"
     python generate.py --checkpoint llama3.1-8b --policy keydiff --budget 2048 --prompt-file doc.txt --compile
 
-The prompt is processed in blocks of --block-size tokens; after each block and each generated token the policy
-evicts down to --budget tokens per layer and KV head, so the cache never holds more than budget + block-size.
+--budget is the KV slots held per layer and KV head. Block-wise (--prefill block) the prompt goes in blocks of
+--block-size tokens and the policy evicts back to --budget after every block and generated token; one-shot, the
+prompt is prefilled densely layer by layer and compressed once. The buffer never holds more than budget +
+block-size slots per layer and KV head.
 """
 import argparse
 import json

@@ -420,7 +420,7 @@ def adaptive_kernel(prompt_len: int, model_args=None) -> int:
 @dataclass(frozen=True)
 class RocketParams:
     """One run's static sizes (paper section 4): storage C per KV head, prompt budget P = C - N, page size p,
-    channels r, exact top-k k, pages Np = ceil(C / p). sparse=False: nothing to select (t >= C), dense attention."""
+    channels r, exact top-k k, pages Np = ceil(C / p). sparse=False: nothing to select, dense attention."""
     S: int
     t: int
     D: int
@@ -448,20 +448,20 @@ def rocket_params(S: int, t: int, D: int, N: int, alpha="0.5") -> RocketParams:
         return RocketParams(S, t, D, C=S, P=S - N, p=1, r=D, k=S, Np=S, sparse=False)
     a = min(0.2 + 0.06 * math.log2(c), 0.8) if str(alpha) == "icml" else float(alpha)
     C = math.isqrt(S * t) if a == 0.5 else math.floor(S / c ** a)
-    return dataclasses.replace(rocket_sizes(max(C, min(2 * N, S)), t, D, N), S=S)
+    return rocket_sizes(max(C, min(2 * N, S)), t, D, N, S)
 
 
-def rocket_sizes(C: int, t: int, D: int, N: int) -> RocketParams:
-    """Stage 2's sizes from storage C (slots per KV head) and the per-step token budget t: c2 = C / t, page size
-    p = min(floor(c2), ceil(sqrt(c2))), channels r = clamp(round(D p / c2), 1, D), exact top-k = round(t / 2)
-    (half of t for the exact attention, the rest for the page scan), Np = ceil(C / p) pages, prompt slots
-    P = C - N. t >= C: nothing to select, dense attention over the C slots."""
-    if t >= C:
-        return RocketParams(C, t, D, C=C, P=C - N, p=1, r=D, k=C, Np=C, sparse=False)
+def rocket_sizes(C: int, t: int, D: int, N: int, S: int) -> RocketParams:
+    """Stage 2's sizes from storage C (slots per KV head), the per-step token budget t and S = prompt + new tokens:
+    c2 = C / t, page size p = min(floor(c2), ceil(sqrt(c2))), channels r = clamp(round(D p / c2), 1, D), exact
+    top-k = round(t / 2) (half of t for the exact attention, the rest for the page scan), Np = ceil(C / p) pages,
+    prompt slots P = C - N. t >= S (the paper's c = 1) or t > C: nothing to select, dense attention."""
+    if t >= S or t > C:
+        return RocketParams(S, t, D, C=C, P=C - N, p=1, r=D, k=C, Np=C, sparse=False)
     c2 = C / t
     p = min(math.floor(c2), math.ceil(math.sqrt(c2)))
     r = min(max(round(D * p / c2), 1), D)
-    return RocketParams(C, t, D, C=C, P=C - N, p=p, r=r, k=min(round(t / 2), C), Np=-(-C // p))
+    return RocketParams(S, t, D, C=C, P=C - N, p=p, r=r, k=min(round(t / 2), C), Np=-(-C // p))
 
 
 def build_pages(k: Tensor, valid: Tensor, p: int) -> Tensor:
@@ -571,7 +571,7 @@ class RocketKV(SnapKVPlusPlus):
     top-r channels of |q|, all selections per KV head and shared by its group. `read` is the paper's token budget t
     (tokens read per KV head per decode step, the page scan included); from budget C and t, exactly as the paper's
     even split: c2 = C / t, p = min(floor(c2), ceil(sqrt(c2))), r = clamp(round(D p / c2), 1, D), k = round(t / 2).
-    Default read: the even split's t = C^2 / (prompt + new tokens), so that C = sqrt(S t). Pages [B, H_kv, 2D, Np]
+    Default read: the even split's t = C^2 / (prompt + new tokens), so that C ~= sqrt(S t). Pages [B, H_kv, 2D, Np]
     (min rows then max rows) over slot order, aligned to slot 0; slots are in position order (sorted after stage 1,
     then appended), updated in place each step. The new token is a candidate, nothing is forced in (local_window n
     pins the n newest, inside k). Ties go to the lower slot. read >= budget: dense attention, no selection."""
@@ -588,7 +588,7 @@ class RocketKV(SnapKVPlusPlus):
     def plan(self, run):
         S = run.prompt_len + run.max_new_tokens
         t = self.read or max(1, round(run.budget * run.budget / S))
-        self.rp = rocket_sizes(run.budget, t, run.args.head_dim, run.max_new_tokens)
+        self.rp = rocket_sizes(run.budget, t, run.args.head_dim, run.max_new_tokens, S)
         super().plan(run)
         if self.local_window > self.rp.k:
             raise PolicyError(f"rocketkv: local_window {self.local_window} must not exceed k = {self.rp.k} (it is "
@@ -875,8 +875,8 @@ class KVec(SnapKVPlusPlus):
     pin_value: float = param(INF, "score of pinned tokens (the paper's literal value is 1.0)")
 
     def validate(self):
-        if not self.lam >= 0:
-            raise PolicyError(f"kvec: lam must be >= 0, got {self.lam}")
+        if not 0 <= self.lam < INF:
+            raise PolicyError(f"kvec: lam must be finite and >= 0, got {self.lam}")
         check_positive(self, "delta", "window", least=0)
         if not 0 <= self.beta <= 1:
             raise PolicyError(f"kvec: beta must be in [0, 1], got {self.beta}")
@@ -989,6 +989,8 @@ def lookup(spec: str):
 def make(spec: str):
     """A policy from `NAME` or `NAME:key=value,key=value` (None for `full`); bad names, unknown parameters, malformed
     pairs and values out of range raise PolicyError with one line."""
+    if spec.strip().endswith(":"):
+        raise PolicyError(f"malformed policy {spec!r}: nothing after ':' (NAME:key=value,...)")
     name, params = split_spec(spec)
     cls = lookup(name)
     if cls is None:

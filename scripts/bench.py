@@ -113,7 +113,8 @@ def paper_peak_memory(T: int, N: int, t: int, n_params: int = 8_030_261_248, L: 
 
 def rewind(model, n0: list[int]) -> None:
     """Back to the state right after prefill: slots past each layer's post-prefill count n0 emptied (`full` and the
-    compress-once policies append in slot order), decode-time policy state rebuilt (RocketKV's pages)."""
+    policies that append after a one-shot compression fill slots in order), a selector's decode-time state rebuilt
+    (RocketKV's pages)."""
     for layer, n in zip(model.layers, n0):
         c = layer.attention.kv_cache
         c.pos[:, :, n:] = -1
@@ -642,9 +643,8 @@ def run(args) -> None:
     _, ids = make_document(tok, args.prompt_tokens)
     if args.one:
         label = args.one
-        budget = len(ids) + args.decode_steps if label == "full" else args.budget
         policy = config_policy(label)
-        # compress-once policies size their cache from the prompt (the others: budget)
+        budget = args.budget if is_scorer(policy) else len(ids) + args.decode_steps  # full, exact-topk hold all
         protocol = prefill_protocol(policy, None)
         setup(model, policy, budget, len(ids), args.decode_steps, args.block_size, prefill=protocol,
               evict=label != "no-evict")

@@ -69,10 +69,12 @@ def use(model, policy: str, budget: int, block_size: int, prompt_len: int = 0, n
         protocol: str = "block"):
     """Caches for `policy` (a spec, 'full' = no eviction) holding `budget` slots per layer and KV head, set up as
     generate.py does (engine.setup plans the policy for this prompt). Kept when nothing changed."""
-    key = (policy, budget, block_size, prompt_len, new_tokens, protocol)
+    pol = policies.make(policy)
+    per_prompt = pol is not None and (pol.protocol == "one-shot" or pol.decode == "append")  # planned per prompt
+    key = (policy, budget, block_size, protocol) + ((prompt_len, new_tokens) if per_prompt else ())
     if getattr(model, "eval_caches", None) == key:
         return
-    setup(model, policies.make(policy), budget, prompt_len, new_tokens, block_size, prefill=protocol)
+    setup(model, pol, budget, prompt_len, new_tokens, block_size, prefill=protocol)
     model.eval_caches = key
 
 
@@ -120,10 +122,13 @@ def restore(model, snap: list[dict]) -> None:
 
 def configs(a) -> list[tuple[str, str, int | None]]:
     """(protocol, policy, budget); the full cache first, once (its budget is each task's longest prompt). A policy
-    whose only protocol is one-shot (SnapKV++, RocketKV, SAGE-KV, K-VEC) runs one-shot whatever --prefill says."""
+    whose only protocol is one-shot (SnapKV++, RocketKV, SAGE-KV, K-VEC) runs one-shot whatever --prefill says. A
+    policy that holds every token (Exact-TopK) runs once, at the full budget (budget None): its own parameters
+    (exact-topk:k=...) set what it attends."""
     protocols = {pol: ["one-shot"] if policies.lookup(pol).protocol == "one-shot" else a.prefill
-                 for pol in a.policies if pol != "full"}
-    out = [(p, pol, b) for pol, ps in protocols.items() for p in ps for b in a.budgets]
+                 for pol in a.policies if policies.lookup(pol) is not None}
+    out = [(p, pol, b) for pol, ps in protocols.items() for p in ps
+           for b in (a.budgets if is_scorer(policies.lookup(pol)) else [None])]
     order = ["block", "one-shot"]
     return [("block", "full", None)] + sorted(out, key=lambda c: order.index(c[0]))  # stable: policy order kept
 
@@ -132,7 +137,7 @@ def label(protocol: str, policy: str) -> str:
     return policy if protocol == "block" or policy == "full" else f"{policy} ({protocol})"
 
 
-NOT_APPLICABLE = {}  # (task, row label, budget) -> why: a compress-once policy that cannot fit the new tokens
+NOT_APPLICABLE = {}  # (task, row label, budget) -> why: a policy that cannot run this prompt at this budget
 
 
 def fits(task, protocol, policy, budget, bar, use_args) -> bool:
@@ -184,7 +189,7 @@ def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: in
                 logp = ref[i]
             else:
                 if not fits("fidelity", protocol, policy, budget, bar,
-                            (model, policy, budget, block_size, prefix, len(t) - prefix, protocol)):
+                            (model, policy, budget or total, block_size, prefix, len(t) - prefix, protocol)):
                     continue
                 logp = teacher_force(model, prefill(model, t[:prefix], steps, block_size, protocol == "one-shot"),
                                      prefix, t[prefix:], steps)
@@ -356,7 +361,9 @@ def plot(summary: dict, records: list[dict], budgets: list[int], out_dir: Path) 
     def lines(ax, rows, key, ylabel, scale=1.0):
         for row, by_budget in rows.items():
             if "all" in by_budget:
-                ax.axhline(scale * by_budget["all"][key], color="black", ls=":", lw=1.5, label="full")
+                full = row.startswith("full")
+                ax.axhline(scale * by_budget["all"][key], color="black" if full else colors.setdefault(
+                    row.split(" ")[0], f"C{len(colors) % 10}"), ls=":", lw=1.5, label=row)
             else:
                 xs = [b for b in budgets if str(b) in by_budget]
                 color = colors.setdefault(row.split(" ")[0], f"C{len(colors) % 10}")
@@ -516,7 +523,7 @@ def run(a) -> int:
     ctx = model_args.max_seq_len
     for spec in a.policies:  # a parameter that cannot work at a budget fails before any loading
         policy = policies.make(spec)
-        if is_scorer(policy) and policy.decode == "evict":  # (the others depend on each prompt: n/a there)
+        if is_scorer(policy) and policy.protocol != "one-shot":  # (one-shot ones depend on each prompt: n/a there)
             for budget in a.budgets:
                 policy.plan(policies.Run(budget, max(a.lengths), 0, a.block_size, model_args))
     if a.fid_prefix + a.fid_tokens > ctx and "fidelity" in a.tasks:

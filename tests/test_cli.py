@@ -108,6 +108,8 @@ BAD = [
     (["--policy", "snapkv:kernel=4", "--budget", "64"], "odd"),
     (["--policy", "keydiff:kernel=3"], "policy keydiff has no parameter 'kernel'"),
     (["--policy", "keydiff:window_frac"], "malformed policy parameter 'window_frac'"),
+    (["--policy", "keydiff:"], "nothing after ':'"),
+    (["--policy", "keydiff:,"], "malformed policy parameter"),
     (["--policy", "keydiff:=0.1"], "malformed policy parameter"),
     (["--policy", "keydiff:window_frac=abc"], "window_frac takes float, got 'abc'"),
     (["--policy", "keydiff:window_frac=0.1,window_frac=0.2"], "given twice"),

@@ -137,8 +137,8 @@ def test_peak_memory_does_not_grow_with_prompt(tmp_path):
 
 
 def test_one_shot_window_is_a_fraction_of_the_budget(hf_tiny):
-    """KeyDiff + SW under --prefill one-shot keeps the floor(p * budget) newest tokens and the best-scored rest (spec
-    1.8), as block-wise does. The window was once a fraction of the one-shot scratch (the whole padded prompt), which
+    """KeyDiff + SW under --prefill one-shot keeps the floor(p * budget) newest tokens and the best-scored rest (the
+    paper's SW variant), as block-wise does. The window was once a fraction of the one-shot scratch (the whole padded prompt), which
     protected more tokens than the budget holds and left pure recency. Reference: the raw-anchor KeyDiff scores of
     every prompt key, read from a `full` one-shot prefill (slot == position), and a plain top-k."""
     from engine import prefill_one_shot

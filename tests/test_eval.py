@@ -177,3 +177,12 @@ def test_policy_that_cannot_fit_is_not_applicable(tiny):
     table = ev.markdown(ev.summarize(records), [20, 50], "header")
     assert "| snapkv++ (one-shot) | n/a |" in table
     ev.NOT_APPLICABLE.clear()
+
+
+def test_configs_parse_policy_specs_and_run_a_policy_that_holds_everything_once():
+    """--policies takes specs (a policy's own key=value pairs stay with it); a policy without a scorer (it holds every
+    token) runs once at the full budget, whatever --budgets says."""
+    a = ev.parse_args(["--policies", "full,snapkv:window=8,kernel=3,exact-topk:k=8,full:", "--budgets", "16,32"])
+    assert a.policies == ["full", "snapkv:window=8,kernel=3", "exact-topk:k=8", "full:"]
+    assert ev.configs(a) == [("block", "full", None), ("block", "snapkv:window=8,kernel=3", 16),
+                             ("block", "snapkv:window=8,kernel=3", 32), ("block", "exact-topk:k=8", None)]

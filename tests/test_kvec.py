@@ -355,7 +355,7 @@ def test_coverage_modules_change_the_choice_and_coverage_is_measured(gqa_model):
 
 
 def test_lambda_zero_without_cross_head_equals_snapkv_on_the_engine(gqa_model):
-    """lambda = 0, delta = 0, W = O = --snap-window, kernel 7: the same kept sets and tokens as snapkv++ with the
+    """lambda = 0, delta = 0, W = O = snapkv++'s window, kernel 7: the same kept sets and tokens as snapkv++ with the
     same prompt slots (snapkv++ --budget = K-VEC's B + the new tokens)."""
     T, B, N = 150, 24, 8
     ids = ids_of(T, seed=5)
@@ -426,7 +426,8 @@ def test_compiled_decode_matches_eager_and_never_recompiles(hf_tiny):
 
 
 @pytest.mark.parametrize("spec,budget,message", [
-    ("kvec:lam=-1", 64, "lam must be >= 0"),
+    ("kvec:lam=-1", 64, "lam must be finite and >= 0"),
+    ("kvec:lam=inf", 64, "lam must be finite and >= 0"),
     ("kvec:lam=nan", 64, "lam must be a number"),
     ("kvec:delta=-1", 64, "delta must be >= 0"),
     ("kvec:beta=1.5", 64, "beta must be in"),

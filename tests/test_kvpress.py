@@ -13,7 +13,7 @@ head, exactly; there is no tolerance. kvpress uses SDPA here, so SnapKV and TOVA
 kvpress 0.5.5's settings, where they differ from the KeyDiff paper's baselines (shared/specs/keydiff.md sections 1.4
 and 3) that are our defaults, and how we reproduce them:
 - KeyDiffPress: the anchor is the mean of the unit-normalised keys; the paper reports the raw key mean. Ours:
-  `anchor="normalized"` (`--anchor normalized`). The raw anchor selects differently here (a negative control).
+  `anchor="normalized"` (`--policy keydiff:anchor=normalized`). The raw anchor selects differently here (a negative control).
 - SnapKVPress: observation window 64 and pooling kernel 5 (ours and the paper: 32 and 7). Ours: snap_window=64,
   snap_kernel=5. Otherwise the same rule: the window's attention (softmax over all keys, causal), averaged over the
   window and over each GQA group, average-pooled over the non-window prefix with zero padding counted, window always
@@ -21,7 +21,7 @@ and 3) that are our defaults, and how we reproduce them:
 - TOVAPress: the last query's attention is averaged over ALL query heads of the layer and that one score is used by
   every KV head (one shared set, as in the official TOVA code), and the last token is always kept (score padded with
   max + 1; TOVA itself does not protect it). The paper averages within each GQA group and evicts per KV head. Ours:
-  tova_heads="all", tova_keep_last=True (`--tova-heads all --tova-keep-last`); our default selects differently here
+  tova_heads="all", tova_keep_last=True (`--policy tova:heads=all,keep_last=true`); our default selects differently here
   (a negative control).
 - StreamingLLMPress: n_sink=4 and no key re-rotation, as ours. KnormPress: -||k||, every layer compressed, as ours.
 Ties: kvpress uses torch.topk (order among equal scores unspecified); ours keeps the newer position. The only exact

@@ -263,6 +263,16 @@ def test_11_12_budget_arithmetic():
     assert params(300, 64, N=200)[0] == 300  # C >= min(2N, S)
 
 
+def test_storage_and_read_reproduce_the_papers_parameters():
+    """--budget C with read = t gives exactly the sizes the paper's parameterisation by t gives (C = sqrt(S t)),
+    including C == t (sparse, p = 1); dense only when t >= S or when t exceeds the storage."""
+    for S, t, N in [(4096, 256, 50), (96312, 512, 50), (4146, 4145, 50), (300, 64, 200), (1024, 512, 10)]:
+        rp = rocket_params(S, t, 128, N)
+        assert rocket_sizes(rp.C, t, 128, N, S) == rp
+    assert rocket_params(4146, 4145, 128, 50).sparse and rocket_params(4146, 4145, 128, 50).C == 4145
+    assert not rocket_sizes(100, 101, 128, 10, 1000).sparse and not rocket_sizes(100, 50, 128, 10, 50).sparse
+
+
 def test_11_13_decode_slot_arithmetic_and_overflow(hf_tiny):
     _, ckpt = hf_tiny("llama")
     model = load_model(ckpt, torch.float32, "cpu")
@@ -433,7 +443,7 @@ def test_cli_defaults_to_one_shot_and_refuses_block_prefill(tiny_ckpt, capsys):
     stats = json.loads(capsys.readouterr().out)
     assert stats["prefill"] == "one-shot" and stats["budget"] == stats["slots_held"] == 40
     assert stats["prompt_tokens"] > 40
-    rp = rocket_sizes(40, 16, 16, 8)  # storage C = --budget, t = read: k = 8 exact + the page scan
+    rp = rocket_sizes(40, 16, 16, 8, stats["prompt_tokens"] + 8)  # C = --budget, t = read: k = 8 + the page scan
     assert stats["tokens_read_per_step"] == rp.k + rp.approx_tokens < 16 + 1
     assert cli.main(base + ["--policy", "snapkv++", "--prefill", "block"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
