@@ -179,23 +179,19 @@ class KeyDiff(Scorer):
     def validate(self):
         check_fraction(self, "window_frac")
 
-    def cosine(self, view) -> Tensor:
-        """cos(k_j, mu) [B, H, S]."""
-        k = view.keys.float()
-        norms = k.norm(dim=-1).clamp_min(1e-8)
-        src = k if self.anchor == "raw" else k / norms[..., None]
-        valid = (view.pos >= 0)[..., None].float()
-        mu = (src * valid).sum(-2) / valid.sum(-2).clamp_min(1.0)
-        return (k @ mu[..., None])[..., 0] / (norms * mu.norm(dim=-1, keepdim=True).clamp_min(1e-8))
-
     def score(self, view):
-        return protect_recent(-self.cosine(view), view.pos, view.query_pos, int(self.window_frac * view.budget))
+        return protect_recent(-key_cosine(view, self.anchor), view.pos, view.query_pos,
+                              int(self.window_frac * view.budget))
 
-    def head_scores(self, view):
-        """For CAOTE: 1 - cos >= 0 (an affine map of the score), the same for every query head of a group."""
-        h = 1.0 - self.cosine(view)
-        return (h[:, :, None].expand(-1, -1, view.group, -1),
-                recent_mask(view.pos, view.query_pos, int(self.window_frac * view.budget)))
+
+def key_cosine(view, anchor: str) -> Tensor:
+    """cos(k_j, mu) [B, H, S]: mu = the mean of the raw keys (anchor raw) or of the unit keys (normalized)."""
+    k = view.keys.float()
+    norms = k.norm(dim=-1).clamp_min(1e-8)
+    src = k if anchor == "raw" else k / norms[..., None]
+    valid = (view.pos >= 0)[..., None].float()
+    mu = (src * valid).sum(-2) / valid.sum(-2).clamp_min(1.0)
+    return (k @ mu[..., None])[..., 0] / (norms * mu.norm(dim=-1, keepdim=True).clamp_min(1e-8))
 
 
 @dataclass
@@ -217,13 +213,6 @@ class TOVA(Scorer):
             w = w.mean(1, keepdim=True).expand_as(w).contiguous()
         return protect_recent(w, view.pos, view.query_pos, int(self.keep_last))
 
-    def head_scores(self, view):
-        """For CAOTE: each query head's own last-row attention [B, H, G, S] (sums to 1: CAOTE's exact case)."""
-        q_last, p_last = view.last_query()
-        w = view.attention(q_last, p_last, group_mean=False)[:, :, :, 0]
-        return w, recent_mask(view.pos, view.query_pos, int(self.keep_last))
-
-
 @dataclass
 class H2O(Scorer):
     """H2O (Zhang et al. 2023) as KeyDiff and CAOTE use it: the raw running sum of the group-mean attention each
@@ -231,7 +220,7 @@ class H2O(Scorer):
     (window_frac adds one, as in the original H2O)."""
     name = "h2o"
     summary = "accumulated attention (heavy hitters)"
-    per_head: ClassVar[bool] = False  # CAOTE needs each query head's own sums: acc [B, H, C, G]
+    per_head: ClassVar[bool] = False  # CAOTE's base: each query head's own sums, acc [B, H, C, G]
     window_frac: float = param(0.0, "share of the budget always kept for the newest tokens")
 
     def validate(self):
@@ -247,11 +236,6 @@ class H2O(Scorer):
     def score(self, view):
         return protect_recent(view.state["acc"].clone(), view.pos, view.query_pos,
                               int(self.window_frac * view.budget))
-
-    def head_scores(self, view):
-        return (view.state["acc"].transpose(-1, -2),
-                recent_mask(view.pos, view.query_pos, int(self.window_frac * view.budget)))
-
 
 @dataclass
 class SnapKV(Scorer):
@@ -291,18 +275,6 @@ class SnapKV(Scorer):
 
     def score(self, view):
         return pool_votes(window_votes(view), view.pos, view.newest, self.window, self.kernel, "avg")
-
-    def head_scores(self, view):
-        """For CAOTE: each query head's pooled votes; the protected window keeps its raw votes, so that CAOTE's
-        pseudo-output still counts the attention the window receives."""
-        votes = window_votes(view, group_mean=False)  # [B, H, G, S]
-        B, H, G, S = votes.shape
-        pos = view.pos
-        pooled = pool_votes(votes.reshape(B, H * G, S), pos.repeat_interleave(G, 1), view.newest, self.window,
-                            self.kernel, "avg").view(B, H, G, S)
-        win = recent_mask(pos, view.query_pos, self.window)
-        return torch.where(win[:, :, None], votes, pooled), win
-
 
 def window_votes(view, group_mean: bool = True) -> Tensor:
     """Softmax attention of the ring's window queries over the slots (causal: each query sees positions up to its
@@ -345,7 +317,7 @@ class RandomScores(Scorer):
 
 
 # --------------------------------------------------------------------------------------------------------- CAOTE
-# CAOTE (Goel et al., arXiv 2504.14051): a modifier of any scorer that can score each query head (head_scores).
+# CAOTE (Goel et al., arXiv 2504.14051): a modifier of any scorer that can score each query head (HEAD_SCORES).
 
 
 def caote_scores(h: Tensor, v: Tensor, valid: Tensor, fast: bool = False) -> Tensor:
@@ -368,14 +340,50 @@ def caote_scores(h: Tensor, v: Tensor, valid: Tensor, fast: bool = False) -> Ten
     return c.square().sum(2).sqrt()
 
 
+def keydiff_heads(base, view) -> tuple[Tensor, Tensor]:
+    """1 - cos >= 0 (an affine map of KeyDiff's score), the same for every query head of a group."""
+    h = 1.0 - key_cosine(view, base.anchor)
+    return (h[:, :, None].expand(-1, -1, view.group, -1),
+            recent_mask(view.pos, view.query_pos, int(base.window_frac * view.budget)))
+
+
+def tova_heads(base, view) -> tuple[Tensor, Tensor]:
+    """Each query head's own last-row attention [B, H, G, S] (sums to 1: CAOTE's exact case)."""
+    q_last, p_last = view.last_query()
+    w = view.attention(q_last, p_last, group_mean=False)[:, :, :, 0]
+    return w, recent_mask(view.pos, view.query_pos, int(base.keep_last))
+
+
+def h2o_heads(base, view) -> tuple[Tensor, Tensor]:
+    """Each query head's own accumulated attention (H2O's per-slot state, kept per query head under CAOTE)."""
+    return (view.state["acc"].transpose(-1, -2),
+            recent_mask(view.pos, view.query_pos, int(base.window_frac * view.budget)))
+
+
+def snapkv_heads(base, view) -> tuple[Tensor, Tensor]:
+    """Each query head's pooled votes; the protected window keeps its raw votes, so that CAOTE's pseudo-output
+    still counts the attention the window receives."""
+    votes = window_votes(view, group_mean=False)  # [B, H, G, S]
+    B, H, G, S = votes.shape
+    pooled = pool_votes(votes.reshape(B, H * G, S), view.pos.repeat_interleave(G, 1), view.newest, base.window,
+                        base.kernel, "avg").view(B, H, G, S)
+    win = recent_mask(view.pos, view.query_pos, base.window)
+    return torch.where(win[:, :, None], votes, pooled), win
+
+
+# A CAOTE base: its scores per query head, non-negative ([B, H_kv, G, S]), and the slots it protects ([B, H_kv, S]).
+HEAD_SCORES = {H2O: h2o_heads, TOVA: tova_heads, SnapKV: snapkv_heads, KeyDiff: keydiff_heads}
+
+
 class CAOTE:
     """CAOTE over a base scorer (`caote:h2o|tova|snapkv|keydiff`, `fastcaote:...`; paper 3.2-3.3): the base scores
-    each query head's slots (`head_scores`: non-negative, plus the slots it protects), CAOTE re-ranks them by the
+    each query head's slots (HEAD_SCORES: non-negative, plus the slots it protects), CAOTE re-ranks them by the
     error their eviction alone would cause in that head's attention output, and the lowest are dropped. The base
     keeps its own parameters, state (H2O's sums, per query head here; SnapKV's query ring) and protection (+inf).
     KeyDiff enters as 1 - cos; SnapKV's protected window enters the pseudo-output with its raw votes. The SnapKV
     base is this engine's (a ring of the last 32 queries, average pooling, protected window), not the paper's
     block-local variant. Ties keep the newer token, as everywhere in the engine."""
+    base: ClassVar[type] = None
     fast: ClassVar[bool] = False
     per_head: ClassVar[bool] = True
 
@@ -385,18 +393,18 @@ class CAOTE:
             raise PolicyError(f"{self.name} scores each query head: heads=all is not supported")
 
     def score(self, view):
-        h, protected = self.head_scores(view)
+        h, protected = HEAD_SCORES[self.base](self, view)
         return caote_scores(h, view.values.float(), view.pos >= 0, self.fast).masked_fill(protected, INF)
 
 
 def caote_policies() -> list:
     """caote:<base> and fastcaote:<base> for every base that can score each query head."""
     out = []
-    for base in [H2O, TOVA, SnapKV, KeyDiff]:
+    for base in HEAD_SCORES:
         for fast in (False, True):
             kind = "fastcaote" if fast else "caote"
             what = "mean-value " if fast else ""
-            ns = dict(name=f"{kind}:{base.name}", fast=fast, __doc__=CAOTE.__doc__,
+            ns = dict(name=f"{kind}:{base.name}", base=base, fast=fast, __doc__=CAOTE.__doc__,
                       summary=f"CAOTE ({what}attention-output error) over {base.name}'s scores")
             out.append(dataclass(type(f"{kind}_{base.name}", (CAOTE, base), ns)))
     return out
