@@ -1,4 +1,4 @@
-"""CAOTE / FastCAOTE (shared/specs/caote.md): the spec's hand-checked cases (section 7), the closed form against a
+"""CAOTE / FastCAOTE: the hand-checked cases of its implementation spec (section 7), the closed form against a
 brute-force re-softmax, and every `caote:<base>` / `fastcaote:<base>` on the in-place engine against the dynamic
 reference (tests/reference/caote.py: RefCAOTE) at every block and decode step."""
 import itertools

@@ -10,8 +10,8 @@ max(1, int(L * (1 - ratio))) for ratios 0.5 and 0.75. The kept position SETS mus
 head, exactly; there is no tolerance. kvpress uses SDPA here, so SnapKV and TOVA compute their own window attention
 (`SnapKVPress.compute_window_attention`) as they do by default.
 
-kvpress 0.5.5's settings, where they differ from the KeyDiff paper's baselines (shared/specs/keydiff.md sections 1.4
-and 3) that are our defaults, and how we reproduce them:
+kvpress 0.5.5's settings, where they differ from the KeyDiff paper's baselines (docs/policies.md) that
+are our defaults, and how we reproduce them:
 - KeyDiffPress: the anchor is the mean of the unit-normalised keys; the paper reports the raw key mean. Ours:
   `anchor="normalized"` (`--policy keydiff:anchor=normalized`). The raw anchor selects differently here (a negative control).
 - SnapKVPress: observation window 64 and pooling kernel 5 (ours and the paper: 32 and 7). Ours: snap_window=64,

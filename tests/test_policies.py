@@ -1,4 +1,4 @@
-"""The engine's policies on the hand-checkable cases of shared/specs/keydiff.md section 8 (no model needed):
+"""The engine's policies on the hand-checkable cases of the KeyDiff implementation spec (section 8; no model needed):
 keys (and queries) are fed straight into a KVCache, block by block, and the kept position sets are compared."""
 import math
 

@@ -1,6 +1,7 @@
-"""RocketKV (shared/specs/rocketkv.md): the spec's section-11 hand-checkable cases on the pure functions and a bare
+"""RocketKV: the hand-checkable cases of its implementation spec (section 11) on the pure functions and a bare
 KVCache, then the engine on the tiny model: stage 2 with k = every slot equals dense attention over the kept cache,
-a budget >= the context reproduces `full`, and the compiled decode step (fullgraph, error_on_recompile) equals eager.
+a budget >= the context reproduces `full`; on CUDA the decode step replays as a CUDA graph (compiled == eager on
+CPU: test_conformance.py).
 """
 import dataclasses
 import math
@@ -399,24 +400,6 @@ def test_small_budget_compresses_and_differs_from_full(tiny):
     c = tiny.layers[0].attention.kv_cache
     assert pol.rp.k == 8 and (c.n_valid() == pol.rp.P + N - 1).all() and pol.rp.P < 200
     assert c.read_tokens() == pol.rp.k + pol.rp.approx_tokens
-
-
-def test_compiled_decode_matches_eager_and_never_recompiles(hf_tiny):
-    """Spec 11.21 and the engine contract: RocketKV's decode step (page update in place, hybrid top-k, sparse
-    attention) compiles with fullgraph=True and holds error_on_recompile over 70 decode steps; tokens, kept
-    positions and page min/max equal eager's."""
-    _, ckpt = hf_tiny("qwen2")
-    model = load_model(ckpt, torch.float32, "cpu")
-    prompt, N = ids_of(200, seed=7), 70
-    out_e, pol = run(model, "rocketkv", prompt, N, 32)
-    assert pol.rp.sparse and pol.rp.k < pol.rp.C
-    state_e = [(l.attention.kv_cache.pos.clone(), l.attention.kv_cache.layer_state["pages"].clone())
-               for l in model.layers]
-    out_c = generate_compiled(model, prompt, N, 16, one_shot=True)
-    assert out_c == out_e and len(out_c) == N
-    for l, (pos, pages) in zip(model.layers, state_e):
-        assert torch.equal(l.attention.kv_cache.pos, pos)
-        assert torch.allclose(l.attention.kv_cache.layer_state["pages"], pages, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
