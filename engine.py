@@ -155,6 +155,17 @@ def prefill_one_shot(model, prompt: torch.Tensor, block_size: int, shared: dict 
     return model.prefill_layer_major(idx, input_pos, block_size, scratch, done)
 
 
+def prefill(model, prompt: torch.Tensor, block_size: int, step=prefill_step, one_shot: bool = False,
+            shared: dict | None = None) -> torch.Tensor:
+    """The prompt [L] into the caches: block-wise (`step` on each padded block) or one-shot (prefill_one_shot,
+    eager); returns the last position's logits [1, vocab]."""
+    if one_shot:
+        return prefill_one_shot(model, prompt, block_size, shared)
+    for start in range(0, prompt.numel(), block_size):
+        logits = step(model, *block_inputs(prompt, start, block_size))
+    return logits
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -209,12 +220,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: i
     mem.reset()
     sync(device)
     t0 = time.perf_counter()
-    if one_shot:
-        logits = prefill_one_shot(model, prompt, block_size, shared)
-    else:
-        for start in range(0, L, block_size):
-            idx, pos = block_inputs(prompt, start, block_size)
-            logits = prefill_fn(model, idx, pos)
+    logits = prefill(model, prompt, block_size, prefill_fn, one_shot, shared)
     token = sample(logits, temperature, top_k, top_p)
     tok = int(token.item())  # the first token is needed on the host anyway (streaming, EOS)
     t1 = time.perf_counter()

@@ -57,6 +57,7 @@ from cli import Parser, check_writable, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
 from engine import (PeakMemory, block_inputs, compile_steps, decode_bytes_per_step,  # noqa: E402
                     load_model, model_step, prefill_one_shot, prefill_protocol, prefill_step, setup, sync)
+from engine import prefill as engine_prefill  # noqa: E402
 from errors import UserError  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -333,11 +334,7 @@ def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
     prefill_s, step_s, prefill_peak, decode_peak = [], [], [], []
 
     def prefill():
-        if one_shot:
-            return prefill_one_shot(model, prompt, args.block_size)
-        for start in range(0, len(ids), args.block_size):
-            logits = prefill_fn(model, *block_inputs(prompt, start, args.block_size))
-        return logits
+        return engine_prefill(model, prompt, args.block_size, prefill_fn, one_shot)
 
     with torch.inference_mode():
         t = time.perf_counter()  # warm-up: compiles both steps when compiled, so no repeat pays for it
@@ -405,8 +402,7 @@ def run_paired(args) -> None:
     toks, first_s, probe_s = {}, {}, []
     with torch.inference_mode():
         for label, model in models.items():
-            for start in range(0, len(ids), args.block_size):
-                logits = prefill_step(model, *block_inputs(prompt, start, args.block_size))
+            logits = engine_prefill(model, prompt, args.block_size)
             t = time.perf_counter()  # the first decode step (with --compile: compiles this model's graph)
             toks[label] = decode_fn(model, logits.argmax(-1).view(1, 1), torch.tensor([len(ids)], device=args.device))
             sync(args.device)

@@ -45,8 +45,8 @@ from cache import is_scorer  # noqa: E402
 from checkpoint import resolve_checkpoint  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
-from engine import (block_inputs, compile_steps, load_model, model_step, prefill_one_shot, prefill_step,  # noqa: E402
-                    setup)
+from engine import compile_steps, load_model, model_step, prefill_step, setup  # noqa: E402
+from engine import prefill as engine_prefill  # noqa: E402
 from errors import UserError  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from scripts import eval_tasks  # noqa: E402
@@ -83,11 +83,7 @@ def prefill(model, ids: list[int], steps, block_size: int, one_shot: bool) -> to
     for layer in model.layers:
         layer.attention.kv_cache.reset()
     prompt = torch.tensor(ids, dtype=torch.long, device=model.inv_freq.device)
-    if one_shot:
-        return prefill_one_shot(model, prompt, block_size)
-    for start in range(0, len(ids), block_size):
-        logits = steps[0](model, *block_inputs(prompt, start, block_size))
-    return logits
+    return engine_prefill(model, prompt, block_size, steps[0], one_shot)
 
 
 def teacher_force(model, logits, pos: int, targets: list[int], steps) -> torch.Tensor:
