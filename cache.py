@@ -403,8 +403,7 @@ def take_slots(x: Tensor, idx: Tensor) -> Tensor:
     """x[b, h, idx[b, h, j]] for x [B, H, C, ...] and idx [B, H, n]: whole slots, one index_select over the flat
     rows (on CPU ~3x faster than torch.gather, which indexes element by element)."""
     B, H, C = x.shape[:3]
-    flat = idx + C * torch.arange(B * H, device=idx.device).view(B, H, 1)
-    return x.reshape(B * H * C, *x.shape[3:]).index_select(0, flat.view(-1)).view(B, H, idx.shape[-1], *x.shape[3:])
+    return x.reshape(B * H * C, *x.shape[3:]).index_select(0, flat_rows(idx, C)).view(B, H, idx.shape[-1], *x.shape[3:])
 
 
 def make_cache(model, batch: int, budget: int, block_size: int, policy=None, scratch=False,
