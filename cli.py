@@ -1,15 +1,32 @@
 """What every command line shares (imported only by command-line entry points, never by library modules): an
-argparse whose errors are one line, and run_cli, which turns the project's error types into one line and exit 2."""
+argparse whose errors are one line, and run_cli, the one place where a failure becomes what the user reads.
+
+Exit codes (docs/errors.md): 0 done; 2 bad input (a flag, a file or a checkpoint that is wrong: the project's
+error types); 1 the environment failed (an OS error such as a full disk or a refused permission, out of memory) or
+an internal error (a bug: one line, the traceback in ERROR_LOG, or printed with -v / BUDGETKV_VERBOSE=1);
+130 interrupted."""
 import argparse
+import os
+import re
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
 from convert import CheckpointError
 from errors import UserError
 from model import ConfigError
 
+ERROR_LOG = Path(tempfile.gettempdir()) / "budgetkv-error.log"  # the last internal error's traceback
+
 
 class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.add_argument("-v", "--verbose", action="store_true",
+                          help=f"on an internal error print the traceback instead of writing it to {ERROR_LOG} "
+                               "(also BUDGETKV_VERBOSE=1)")
+
     def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
@@ -22,21 +39,109 @@ def check_writable(path: Path, flag: str) -> None:
     try:
         with open(path, "a"):
             pass
-    except OSError as e:
-        raise UserError(f"{flag} {path}: cannot write there ({e.strerror})") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        raise UserError(f"{flag} {path}: cannot write there ({getattr(e, 'strerror', None) or e})") from None
     if not existed:
         path.unlink()
 
 
+def check_out_dir(path: Path, flag: str) -> None:
+    """An output directory: a directory or nothing yet, under a folder this process can write in. Creates nothing."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"cannot create {flag} {path}: a file of that name exists")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"cannot create {flag} {path}: {parent} is a file")
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise UserError(f"cannot create {flag} {path}: {parent} is not writable ({e.strerror or e})") from None
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def os_error_line(e: OSError) -> str:
+    """'<file>: <problem>' from an OSError (e.strerror + e.filename, as the OS reported them)."""
+    what = e.strerror or one_line(e)
+    files = [str(f) for f in (e.filename, e.filename2) if f is not None]
+    return f"{' -> '.join(files)}: {what}" if files else what
+
+
+def safetensors_os_error(e: Exception) -> OSError | None:
+    """safetensors reports a failed read or write (a full disk, a refused permission) as SafetensorError with the OS
+    error in its text, without the file: the file is the `filename` that safetensors' Python caller was given."""
+    m = re.search(r"\(os error (\d+)\)", str(e))
+    if m is None:
+        return None
+    path = re.search(r'at path "([^"]*)"', str(e))
+    filename = path.group(1) if path else None
+    for frame, _ in traceback.walk_tb(e.__traceback__):
+        if frame.f_globals.get("__name__", "").startswith("safetensors") and "filename" in frame.f_locals:
+            filename = str(frame.f_locals["filename"])
+    errno = int(m.group(1))
+    return OSError(errno, os.strerror(errno), filename)
+
+
+def internal_error(e: BaseException, verbose: bool) -> int:
+    """A bug: one line plus where the traceback is (ERROR_LOG), or the traceback itself with -v."""
+    if verbose:
+        traceback.print_exception(e, file=sys.stderr)
+        return 1
+    where = f"traceback in {ERROR_LOG}; or rerun with -v"
+    try:
+        with open(ERROR_LOG, "w") as f:
+            f.write(f"{' '.join(sys.argv)}\n")
+            traceback.print_exception(e, file=f)
+    except OSError as log_error:
+        where = f"could not write the traceback to {ERROR_LOG} ({log_error.strerror}); rerun with -v"
+    print(f"internal error: {type(e).__name__}: {one_line(e)} ({where})", file=sys.stderr)
+    return 1
+
+
 def run_cli(run_fn, a) -> int:
-    """Run a command; bad input of any kind becomes one line on stderr and exit code 2 (shared with scripts/)."""
+    """Run a command; every failure becomes one line on stderr (the exit codes are in this module's docstring).
+    Shared by every entry point (generate.py and scripts/)."""
+    from checkpoint import DownloadError
     from policies import PolicyError
+    from safetensors import SafetensorError
     from tokenizer import TokenizerError
+    verbose = getattr(a, "verbose", False) or os.environ.get("BUDGETKV_VERBOSE") == "1"
     try:
         return run_fn(a)
-    except (UserError, ConfigError, CheckpointError, TokenizerError, PolicyError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (UserError, ConfigError, CheckpointError, TokenizerError, PolicyError, DownloadError) as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed early (`| head`): nothing more can be shown there
+        try:  # else Python's exit flushes into the closed pipe and prints a second error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        print("error: output closed early (broken pipe)", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print("error: out of memory (MemoryError)", file=sys.stderr)
+        return 1
+    except Exception as e:
+        import torch
+        if isinstance(e, torch.OutOfMemoryError):
+            print(f"error: out of device memory: {one_line(e).split('. ')[0]}", file=sys.stderr)
+            return 1
+        io = safetensors_os_error(e) if isinstance(e, SafetensorError) else None
+        if io is not None:
+            print(f"error: {os_error_line(io)}", file=sys.stderr)
+            return 1
+        if isinstance(e, SafetensorError):  # a malformed file that no library caller caught: bad input
+            print(f"error: cannot read a safetensors file (truncated or corrupt?): {one_line(e)}", file=sys.stderr)
+            return 2
+        return internal_error(e, verbose)
