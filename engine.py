@@ -34,6 +34,10 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
             raise CheckpointError(f"cannot read {engine_file} (truncated or corrupt?): {e}") from None
     else:
         tensors = read_hf_dir(ckpt_dir)
+    n_layers = 1 + max((int(k.split(".")[1]) for k in tensors if k.startswith("layers.")), default=-1)
+    if n_layers != args.n_layers:  # before the model is built: a config with a million layers would take minutes
+        raise CheckpointError(f"weights in {ckpt_dir} have {n_layers} layers, its config.json's num_hidden_layers "
+                              f"says {args.n_layers}")
     # Float tensors take the run's dtype (quantization scales included); packed integer weights keep theirs.
     tensors = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in tensors.items()}
     with torch.device("meta"):
@@ -102,11 +106,16 @@ def default_compile_mode(device: str, dtype: torch.dtype, quantized: bool) -> st
     return "max-autotune-no-cudagraphs" if device == "cpu" and dtype == torch.float32 and not quantized else None
 
 
+MIN_TEMPERATURE = 1e-5  # below it sampling is greedy: logits / t would overflow, and exp() of the gaps is 0 anyway
+
+
 def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """logits [B, V] -> token ids [B]. Greedy at temperature 0; the exponential race avoids a host sync."""
-    if temperature <= 0:
+    """logits [B, V] -> token ids [B]. Greedy at a temperature below MIN_TEMPERATURE (0 included); the exponential
+    race avoids a host sync. The largest logit is subtracted before dividing by the temperature, so that no finite
+    row overflows into inf - inf = NaN."""
+    if temperature < MIN_TEMPERATURE:
         return logits.argmax(-1)
-    logits = logits / temperature
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k > 0:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -202,6 +211,17 @@ class PeakMemory:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def sample_finite(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """sample(), or -1 where a row's logits are not all finite: the check rides on the token's own host sync."""
+    return torch.where(torch.isfinite(logits).all(-1), sample(logits, temperature, top_k, top_p), -1)
+
+
+def check_finite(tok: int, step: int) -> None:
+    if tok < 0:
+        raise UserError(f"the model's logits are not finite (NaN or inf) at generated token {step + 1}: generation "
+                        "stopped; check the checkpoint's weights and config.json, or run --dtype float32")
+
+
 @torch.inference_mode()
 def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: int, steps, eos_ids=(),
              temperature=0.0, top_k=0, top_p=1.0, on_token=None, device="cpu", profiler=None,
@@ -221,8 +241,9 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: i
     sync(device)
     t0 = time.perf_counter()
     logits = prefill(model, prompt, block_size, prefill_fn, one_shot, shared)
-    token = sample(logits, temperature, top_k, top_p)
+    token = sample_finite(logits, temperature, top_k, top_p)
     tok = int(token.item())  # the first token is needed on the host anyway (streaming, EOS)
+    check_finite(tok, 0)
     t1 = time.perf_counter()
     stats.update(ttft_s=t1 - t0, prefill_tok_s=L / (t1 - t0), prefill_peak_bytes=mem.peak())
     if profiler is not None:
@@ -236,8 +257,9 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: i
     p = L
     while len(out) < max_new_tokens and tok not in eos_ids:
         logits = decode_fn(model, token.view(1, 1), torch.tensor([p], device=device))
-        token = sample(logits, temperature, top_k, top_p)
+        token = sample_finite(logits, temperature, top_k, top_p)
         tok = int(token.item())
+        check_finite(tok, len(out))
         out.append(tok)
         p += 1
         if on_token:

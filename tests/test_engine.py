@@ -160,3 +160,34 @@ def test_one_shot_window_is_a_fraction_of_the_budget(hf_tiny):
             best = score[:L - window].topk(N - window).indices.tolist()
             want = sorted(best + list(range(L - window, L)))
             assert sorted(pos[h][pos[h] >= 0].tolist()) == want
+
+
+def test_sample_below_min_temperature_is_greedy():
+    """A temperature too small to divide by (engine.MIN_TEMPERATURE) samples greedily; above it, the largest logit
+    is subtracted first, so that even huge logits never overflow into NaN."""
+    from engine import MIN_TEMPERATURE, sample
+    logits = torch.tensor([[1.0, 3e38, -3e38, 2.0], [0.5, 0.25, 0.75, 0.0]])
+    for t in (0.0, 5e-324, 1e-45, MIN_TEMPERATURE / 2):
+        assert sample(logits, t, 0, 1.0).tolist() == [1, 2]
+    for t, top_k, top_p in ((MIN_TEMPERATURE, 0, 1.0), (1e-3, 2, 0.9), (1.0, 0, 1.0)):
+        tok = sample(logits, t, top_k, top_p)
+        assert tok[0] == 1 and 0 <= tok[1] < 4  # the 3e38 gap leaves no mass elsewhere
+
+
+def test_non_finite_logits_stop_generation(hf_tiny):
+    """A decode step whose logits are not finite stops generate() with one line (UserError) after the tokens that
+    were good, instead of sampling token 0 from NaN."""
+    from errors import UserError
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    setup_caches(model, 1, 64, 8)
+    seen, calls = [], []
+
+    def decode(model, idx, pos):
+        calls.append(1)
+        logits = model_step(model, idx, pos)
+        return logits if len(calls) < 3 else logits.masked_fill(torch.arange(logits.shape[-1]) == 7, float("inf"))
+    with pytest.raises(UserError, match="not finite .* at generated token 4: generation stopped"):
+        generate(model, ids_of(20), 10, block_size=8, steps=(prefill_step, decode), temperature=0.7,
+                 on_token=lambda out: seen.append(list(out)))
+    assert len(seen[-1]) == 3  # the first token and two decode steps, nothing from the bad step
