@@ -32,11 +32,18 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         raise NotImplementedError
 
+    chat_template_file: str = ""  # where the template came from, for error messages
+
     def render_chat(self, user_message: str) -> str:
         if not self.chat_template:
             raise ValueError("this checkpoint has no chat template")
-        return _render(self.chat_template, messages=[{"role": "user", "content": user_message}],
-                       add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token)
+        try:
+            return _render(self.chat_template, messages=[{"role": "user", "content": user_message}],
+                           add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token)
+        except Exception as e:  # the template is the checkpoint's code: any failure of it is a broken checkpoint
+            line = f" line {e.lineno}" if isinstance(e, jinja2.TemplateSyntaxError) and e.lineno else ""
+            raise TokenizerError(f"the chat template in {self.chat_template_file or 'the tokenizer files'}{line} "
+                                 f"fails: {type(e).__name__}: {_oneline(e)} (--no-chat skips it)") from None
 
     def chat_prompt_ids(self, user_message: str) -> list[int]:
         # Templates write the BOS string themselves; HF apply_chat_template does not add another.
@@ -169,7 +176,9 @@ def load_tokenizer(ckpt_dir) -> Tokenizer:
     tok_cfg = _read_json(d / "tokenizer_config.json")
     if (d / "tokenizer.json").is_file():
         tok = _HFTokenizer(d / "tokenizer.json")
-        tok.bos_token, tok.eos_token = _tok_str(tok_cfg.get("bos_token")), _tok_str(tok_cfg.get("eos_token"))
+        cfg_file = d / "tokenizer_config.json"
+        tok.bos_token = _tok_str(tok_cfg.get("bos_token"), cfg_file, "bos_token")
+        tok.eos_token = _tok_str(tok_cfg.get("eos_token"), cfg_file, "eos_token")
         tok.bos_id = tok.token_id(tok.bos_token) if tok.bos_token else None
     elif (d / "tokenizer.model").is_file():
         ranks = _read_tiktoken(d / "tokenizer.model")
@@ -182,15 +191,23 @@ def load_tokenizer(ckpt_dir) -> Tokenizer:
     for name in ("generation_config.json", "config.json"):
         cfg = _read_json(d / name)
         e = cfg.get("eos_token_id")
-        eos += e if isinstance(e, list) else [e] if isinstance(e, int) else []
-        if tok.bos_id is None and isinstance(cfg.get("bos_token_id"), int):
+        eos += [i for i in (e if isinstance(e, list) else [e]) if type(i) is int and i >= 0]
+        if tok.bos_id is None and type(cfg.get("bos_token_id")) is int and cfg["bos_token_id"] >= 0:
             tok.bos_id = cfg["bos_token_id"]
     tok.eos_ids = list(dict.fromkeys(eos))  # dedupe, keep order
-    tmpl = tok_cfg.get("chat_template")
+    tmpl, tok.chat_template_file = tok_cfg.get("chat_template"), str(d / "tokenizer_config.json")
     if isinstance(tmpl, list):  # older multi-template format: [{"name": ..., "template": ...}]
-        tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), None)
-    if (d / "chat_template.jinja").is_file():
-        tmpl = (d / "chat_template.jinja").read_text(encoding="utf-8")
+        tmpl = next((t.get("template") for t in tmpl if isinstance(t, dict) and t.get("name") == "default"), None)
+    if tmpl is not None and not isinstance(tmpl, str):
+        raise TokenizerError(f"{tok.chat_template_file}: chat_template must be a string or a list of "
+                             f"{{name, template}} objects, got {type(tmpl).__name__}")
+    jinja_file = d / "chat_template.jinja"
+    if jinja_file.is_file():
+        try:
+            tmpl = jinja_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"cannot read {jinja_file}: not UTF-8 text ({e.reason})") from None
+        tok.chat_template_file = str(jinja_file)
     tok.chat_template = tmpl or None
     return tok
 
@@ -278,14 +295,20 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        cfg = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as e:  # includes JSONDecodeError and UnicodeDecodeError
         raise TokenizerError(f"cannot parse {path}: {_oneline(e)}") from None
+    if not isinstance(cfg, dict):
+        raise TokenizerError(f"{path} is not a JSON object")
+    return cfg
 
 
-def _tok_str(t) -> str:
+def _tok_str(t, path: Path, key: str) -> str:
     # tokenizer_config.json writes special tokens either as "<s>" or {"content": "<s>", ...}
-    return t.get("content", "") if isinstance(t, dict) else (t or "")
+    s = t.get("content", "") if isinstance(t, dict) else (t or "")
+    if not isinstance(s, str):
+        raise TokenizerError(f"{path}: {key} must be a string or {{\"content\": string}}, got {t!r}"[:300])
+    return s
 
 
 class _GenerationTag(Extension):
