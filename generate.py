@@ -11,6 +11,7 @@ block-size slots per layer and KV head.
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from contextlib import nullcontext
@@ -26,10 +27,13 @@ from checkpoint import MODELS, resolve_checkpoint  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
 from cache import is_scorer  # noqa: E402
-from engine import (block_inputs, compile_steps, decode_bytes_per_step, default_compile_mode, generate,  # noqa: E402
-                    load_model, model_step, prefill_protocol, prefill_step, setup, sync)
+from engine import (MIN_TEMPERATURE, block_inputs, compile_steps, decode_bytes_per_step,  # noqa: E402
+                    default_compile_mode, generate, load_model, model_step, prefill_protocol, prefill_step, setup,
+                    sync)
 from errors import UserError  # noqa: E402
 from model import ModelArgs  # noqa: E402
+
+DEFAULT_NEW_TOKENS, DEFAULT_BLOCK, DEFAULT_BUDGET = 200, 128, 2048  # each clamped to the model's context
 
 
 def policy_help(argv) -> None:
@@ -60,39 +64,50 @@ def parse_args(argv=None):
     ap.add_argument("--prompt", help="the prompt text")
     ap.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     ap.add_argument("--no-chat", action="store_true", help="raw completion: do not apply the chat template")
-    ap.add_argument("--max-new-tokens", type=int, default=200, help="stop after this many tokens (default 200)")
+    ap.add_argument("--max-new-tokens", type=int,
+                    help=f"stop after this many tokens (default {DEFAULT_NEW_TOKENS}, or what the model's context "
+                         "leaves after the prompt if less; a value given here must fit)")
     ap.add_argument("--policy", default="full", metavar="NAME[:key=value,...]",
                     help="KV-cache policy and its parameters, e.g. keydiff, snapkv:window=32,kernel=7 (default full; "
                          "the policies are listed below; --policy NAME --help lists NAME's parameters)")
     ap.add_argument("--budget", type=int,
                     help="KV slots held per layer and KV head, for every policy (default: prompt + max-new-tokens "
-                         "for full and exact-topk, else 2048 or the model's context if smaller)")
-    ap.add_argument("--block-size", type=int, default=128, help="prefill block size (default 128)")
+                         f"for full and exact-topk, else {DEFAULT_BUDGET} or the model's context if smaller; a value "
+                         "given here must fit the context)")
+    ap.add_argument("--block-size", type=int,
+                    help=f"prefill block size: the tokens one step takes, block-wise; the chunk one layer takes at a "
+                         f"time, one-shot (default {DEFAULT_BLOCK}, or the model's context if smaller)")
     ap.add_argument("--prefill", choices=["block", "one-shot"], default=None,
                     help="block: evict after every block, hard budget throughout (KeyDiff protocol, default); "
                          "one-shot: whole prompt dense (layer by layer), then one compression (SnapKV/kvpress; "
                          "the default and only protocol of snapkv++, rocketkv, sagekv and kvec)")
     ap.add_argument("--evict-before-attend", action="store_true",
                     help="score and evict before the block attends (ablation; default attends first)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    ap.add_argument("--seed", type=int, default=0,
-                    help="seed of sampling (the random policy has its own: random:seed=N)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help=f"0 = greedy (default); any temperature below {MIN_TEMPERATURE:g} is greedy too (dividing "
+                         "by it would overflow)")
+    ap.add_argument("--top-k", type=int,
+                    help="sample from the k most likely tokens (default 0 = off; sampling only; at most the "
+                         "vocabulary)")
+    ap.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1 = off; sampling only)")
+    ap.add_argument("--seed", type=int,
+                    help="seed of sampling (default 0; sampling only: the random policy has its own, random:seed=N)")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the decode step (fullgraph; CUDA graphs on GPU) and, by default on CUDA, the "
                          "prefill-block step (see --compile-prefill)")
     ap.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
                     help="with --compile: also compile the prefill-block step. Default: yes on CUDA, no on CPU, where "
                          "each frozen graph holds its own packed copy of the weights (a compiled prefill measured "
-                         "+80%% peak RSS, 2x the compile time and ~1.1x the prefill tok/s on SmolLM2-135M)")
-    ap.add_argument("--compile-mode", default="auto", choices=["auto", "default", "reduce-overhead", "max-autotune",
+                         "+80%% peak RSS, 2x the compile time and ~1.1x the prefill tok/s on SmolLM2-135M). Block-wise "
+                         "prefill only: a one-shot prefill never runs the block step")
+    ap.add_argument("--compile-mode", choices=["auto", "default", "reduce-overhead", "max-autotune",
                                                                "max-autotune-no-cudagraphs"],
                     help="torch.compile mode; auto = max-autotune-no-cudagraphs on CPU in fp32 (about 2x the default "
                          "mode's decode, ~1.5x the compile time), else torch's default (reduce-overhead for CUDA "
                          "decode); 'default' forces torch's default (no CUDA graphs). The prefill step never "
-                         "runs under CUDA graphs")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+                         "runs under CUDA graphs; reduce-overhead (CUDA graphs) is refused on CPU")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu, cuda or cuda:N (default: cuda when available)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="auto = bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"],
@@ -111,10 +126,17 @@ def read_prompt(a) -> str:
     if a.prompt_file is not None:
         try:
             text = a.prompt_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"cannot read prompt file {a.prompt_file}: {e.strerror if isinstance(e, OSError) else e}")
+        except UnicodeDecodeError as e:
+            raise UserError(f"cannot read prompt file {a.prompt_file}: not UTF-8 text ({e.reason} at byte "
+                            f"{e.start})") from None
+        except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+            raise UserError(f"cannot read prompt file {a.prompt_file}: {getattr(e, 'strerror', None) or e}") from None
     else:
         text = a.prompt if a.prompt is not None else ""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes of another encoding on the command line arrive as lone surrogates
+            raise UserError("--prompt is not valid UTF-8 text (use --prompt-file with a UTF-8 file)") from None
     if not text.strip():
         raise UserError("the prompt is empty (use --prompt or --prompt-file)")
     return text
@@ -123,24 +145,61 @@ def read_prompt(a) -> str:
 def check_args(a) -> None:
     if a.batch_size != 1:
         raise UserError(f"--batch-size {a.batch_size}: only batch 1 is supported yet")
-    if a.max_new_tokens < 1:
+    if a.max_new_tokens is not None and a.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be >= 1")
-    if a.block_size < 1:
+    if a.block_size is not None and a.block_size < 1:
         raise UserError("--block-size must be >= 1")
     if a.budget is not None and a.budget < 1:
         raise UserError("--budget must be >= 1")
-    if not 0 <= a.temperature < math.inf or a.top_k < 0 or not 0 < a.top_p <= 1:  # NaN fails every comparison
+    top_k, top_p = 0 if a.top_k is None else a.top_k, 1.0 if a.top_p is None else a.top_p
+    if not 0 <= a.temperature < math.inf or top_k < 0 or not 0 < top_p <= 1:  # NaN fails every comparison
         raise UserError("need a finite --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
-    if not 0 <= a.seed < 2 ** 63:
+    if a.seed is not None and not 0 <= a.seed < 2 ** 63:
         raise UserError(f"--seed must be in [0, 2**63), got {a.seed}")
+    given = [flag for flag, v in (("--top-k", a.top_k), ("--top-p", a.top_p), ("--seed", a.seed)) if v is not None]
+    if given and a.temperature < MIN_TEMPERATURE:
+        raise UserError(f"{' / '.join(given)} {'apply' if len(given) > 1 else 'applies'} to sampling, and "
+                        f"--temperature {a.temperature:g} decodes greedily (sampling needs --temperature >= "
+                        f"{MIN_TEMPERATURE:g})")
     if a.profile is not None:
         check_writable(a.profile, "--profile")
-    if (a.compile_prefill is not None or a.compile_mode != "auto") and not a.compile:
+    if (a.compile_prefill is not None or a.compile_mode is not None) and not a.compile:
         raise UserError("--compile-prefill / --no-compile-prefill / --compile-mode need --compile")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", a.device):
+        raise UserError(f"unsupported --device {a.device!r} (cpu, cuda or cuda:N)")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but CUDA is not available (use --device cpu)")
-    if not (a.device == "cpu" or a.device.startswith("cuda")):
-        raise UserError(f"unsupported --device {a.device!r} (cpu or cuda)")
+    if ":" in a.device and int(a.device.split(":")[1]) >= torch.cuda.device_count():
+        raise UserError(f"--device {a.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if a.compile_mode == "reduce-overhead" and a.device == "cpu":
+        raise UserError("--compile-mode reduce-overhead is CUDA graphs, which CPU has not (use default or "
+                        "max-autotune-no-cudagraphs)")
+
+
+def fit_defaults(a, prompt_len: int, ctx: int) -> dict:
+    """The prompt, --max-new-tokens, --block-size and --budget against the model's context: a value given must fit
+    (UserError otherwise); a default that does not is clamped to it. Returns {flag: (default, clamped value)} for
+    the summary (run() adds the default --budget of the evicting policies)."""
+    L, clamped = prompt_len, {}
+    if L > ctx:
+        raise UserError(f"the prompt has {L} tokens, longer than the model's context of {ctx}")
+    if a.max_new_tokens is None:
+        if L >= ctx:
+            raise UserError(f"the prompt ({L} tokens) fills the model's context ({ctx}): no room for new tokens")
+        a.max_new_tokens = min(DEFAULT_NEW_TOKENS, ctx - L)
+        if a.max_new_tokens < DEFAULT_NEW_TOKENS:
+            clamped["--max-new-tokens"] = (DEFAULT_NEW_TOKENS, a.max_new_tokens)
+    elif L + a.max_new_tokens > ctx:
+        raise UserError(f"prompt ({L}) + --max-new-tokens ({a.max_new_tokens}) exceeds the model's context ({ctx})")
+    if a.block_size is None:
+        a.block_size = min(DEFAULT_BLOCK, ctx)
+        if a.block_size < DEFAULT_BLOCK:
+            clamped["--block-size"] = (DEFAULT_BLOCK, a.block_size)
+    elif a.block_size > ctx:
+        raise UserError(f"--block-size {a.block_size} is larger than the model's context ({ctx})")
+    if a.budget is not None and a.budget > ctx:
+        raise UserError(f"--budget {a.budget} is larger than the model's context ({ctx})")
+    return clamped
 
 
 def run(a) -> int:
@@ -150,10 +209,13 @@ def run(a) -> int:
     check_args(a)
     policy = policies.make(a.policy)  # unknown names and parameters fail before any loading
     a.prefill = prefill_protocol(policy, a.prefill)
+    if a.prefill == "one-shot" and a.compile_prefill is not None:
+        raise UserError("--compile-prefill / --no-compile-prefill apply to --prefill block: a one-shot prefill never "
+                        "runs the block step")
     text = read_prompt(a)
     dtype = {"auto": torch.bfloat16 if a.device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
-    torch.manual_seed(a.seed)
+    torch.manual_seed(a.seed or 0)
 
     ckpt = resolve_checkpoint(a.checkpoint)
     config = read_config(ckpt)  # read once: the architecture check, the model and the quantization marker
@@ -165,19 +227,22 @@ def run(a) -> int:
         ids = tokenizer.encode(text, add_bos=True)
     else:
         ids = tokenizer.chat_prompt_ids(text)
+    if not ids:
+        raise UserError("the prompt is empty once tokenized" + ("" if a.no_chat or tokenizer.chat_template is None
+                                                                 else " with the chat template"))
+    if max(ids) >= args.vocab_size:
+        raise UserError(f"the tokenizer of {ckpt} gives token id {max(ids)}, outside the model's vocab_size "
+                        f"{args.vocab_size}: tokenizer and weights do not belong together")
     L, ctx = len(ids), args.max_seq_len
-    if L > ctx:
-        raise UserError(f"the prompt has {L} tokens, longer than the model's context of {ctx}")
-    if L + a.max_new_tokens > ctx:
-        raise UserError(f"prompt ({L}) + --max-new-tokens ({a.max_new_tokens}) exceeds the model's context ({ctx})")
-    if a.block_size > ctx:
-        raise UserError(f"--block-size {a.block_size} is larger than the model's context ({ctx})")
-    if a.budget is not None and a.budget > ctx:
-        raise UserError(f"--budget {a.budget} is larger than the model's context ({ctx})")
+    clamped = fit_defaults(a, L, ctx)
+    if a.top_k is not None and a.top_k > args.vocab_size:
+        raise UserError(f"--top-k {a.top_k} exceeds the model's vocabulary ({args.vocab_size} tokens)")
     if policy is None or not is_scorer(policy):  # full, exact-topk: every token is held
         token_budget = a.budget or L + a.max_new_tokens
     else:
-        token_budget = a.budget or min(2048, ctx)
+        token_budget = a.budget or min(DEFAULT_BUDGET, ctx)
+        if a.budget is None and token_budget < DEFAULT_BUDGET:
+            clamped["--budget"] = (DEFAULT_BUDGET, token_budget)
     budget = setup(model, policy, token_budget, L, a.max_new_tokens, a.block_size, prefill=a.prefill,
                    evict_before_attend=a.evict_before_attend, kv_dtype=torch.int8 if a.kv_dtype == "int8" else None)
 
@@ -185,7 +250,7 @@ def run(a) -> int:
     compile_s = 0.0
     if a.compile:
         quantized = "budgetkv_quantization" in model.config
-        if a.compile_mode == "auto":
+        if a.compile_mode in (None, "auto"):
             a.compile_mode = default_compile_mode(a.device, dtype, quantized)
         if a.compile_prefill is None:
             a.compile_prefill = a.device != "cpu"
@@ -219,9 +284,9 @@ def run(a) -> int:
         prof = profile(activities=acts, record_shapes=True)
     with prof or nullcontext():
         out, stats = generate(model, ids, a.max_new_tokens, block_size=a.block_size, steps=steps,
-                              eos_ids=set(tokenizer.eos_ids), temperature=a.temperature, top_k=a.top_k,
-                              top_p=a.top_p, on_token=None if a.json else stream, device=a.device,
-                              one_shot=a.prefill == "one-shot")
+                              eos_ids=set(tokenizer.eos_ids), temperature=a.temperature, top_k=a.top_k or 0,
+                              top_p=1.0 if a.top_p is None else a.top_p, on_token=None if a.json else stream,
+                              device=a.device, one_shot=a.prefill == "one-shot")
     if prof is not None:
         prof.export_chrome_trace(str(a.profile))
 
@@ -236,7 +301,9 @@ def run(a) -> int:
                  if a.compile else None,
                  compile_s=round(compile_s, 2), kv_cache_bytes=kv_bytes(model), weight_bytes=weight_b,
                  kv_read_bytes_per_step=kv_read_b,
-                 bandwidth_gb_s=(weight_b + kv_read_b) * stats["decode_tok_s"] / 1e9)
+                 bandwidth_gb_s=(weight_b + kv_read_b) * stats["decode_tok_s"] / 1e9,
+                 max_new_tokens=a.max_new_tokens,
+                 clamped_to_context={flag[2:]: {"default": d, "used": v} for flag, (d, v) in clamped.items()})
     text_out = tokenizer.decode(out)
     sys.stdout.flush()
     if a.json:
@@ -259,6 +326,9 @@ def run(a) -> int:
               f"decode {stats['decode_peak_bytes'] / mib:.1f} MiB | KV cache {stats['kv_cache_bytes'] / mib:.2f} MiB"
               f"{' (int8)' if a.kv_dtype == 'int8' else ''}",
               file=sys.stderr)
+        if clamped:
+            print("defaults clamped to the model's context (" + str(args.max_seq_len) + "): " +
+                  ", ".join(f"{flag} {d} -> {v}" for flag, (d, v) in clamped.items()), file=sys.stderr)
     return 0
 
 

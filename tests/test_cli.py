@@ -55,12 +55,12 @@ def test_int8_kv_run_reports_the_smaller_buffer(tiny_ckpt, capsys):
 
 @pytest.mark.parametrize("flag,prefill,compile_prefill", [(["--compile-prefill"], "block", True),
                                                          ([], "block", False),
-                                                         (["--compile-prefill"], "one-shot", False)],
+                                                         ([], "one-shot", False)],
                          ids=["both-steps", "decode-only", "one-shot"])
 def test_compiled_run_never_recompiles(tiny_ckpt, capsys, flag, prefill, compile_prefill):
     """--compile warms both graphs up with the shapes and strides generation uses: no recompile afterwards.
     On CPU the default compiles the decode step alone (one frame, prefill eager) and generates the same text;
-    one-shot prefill never runs the block step, so it is not compiled even when asked for."""
+    one-shot prefill never runs the block step, so it is not compiled (and --compile-prefill is refused there)."""
     import torch
     from torch._dynamo.utils import counters
     argv = ["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps, " * 4, "--max-new-tokens", "6",
@@ -133,6 +133,10 @@ BAD = [
     (["--profile", "/proc/no/such/dir/t.json"], "--profile /proc/no/such/dir/t.json: cannot write there"),
     (["--profile", "/proc/t.json"], "--profile /proc/t.json: cannot write there"),
     (["--policy", "caote:tova:heads=all", "--budget", "16"], "heads=all is not supported"),
+    (["--policy", "snapkv++", "--compile", "--compile-prefill"], "apply to --prefill block"),
+    (["--top-k", "5"], "--top-k applies to sampling"),
+    (["--temperature", "1e-9", "--top-p", "0.9", "--seed", "1"], "--top-p / --seed apply to sampling"),
+    (["--compile-mode", "auto"], "need --compile"),
 ]
 
 
@@ -150,6 +154,33 @@ def test_bad_input_one_line_exit_2(tiny_ckpt, capsys, extra, message):
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
+
+
+def test_defaults_are_clamped_to_the_context_and_said_so(tiny_ckpt, tmp_path, capsys):
+    """A default larger than the model's context (256 here) is clamped, and the summary says so; the same value
+    given explicitly is refused."""
+    prompt = ["--prompt", "the quick brown fox " * 30]
+    code, out, err = run_main(["--checkpoint", str(tiny_ckpt), *prompt, "--policy", "keydiff", "--json"], capsys)
+    assert code == 0, err
+    stats = json.loads(out)
+    L = stats["prompt_tokens"]
+    assert stats["budget"] == 256 and stats["max_new_tokens"] == 256 - L < 200
+    assert stats["clamped_to_context"] == {"max-new-tokens": {"default": 200, "used": 256 - L},
+                                           "budget": {"default": 2048, "used": 256}}
+    code, _, err = run_main(["--checkpoint", str(tiny_ckpt), *prompt, "--max-new-tokens", "200"], capsys)
+    assert code == 2 and "exceeds the model's context (256)" in err
+    # the text summary: one line naming every clamped default; none when nothing was clamped
+    d = tmp_path / "ctx64"
+    shutil.copytree(tiny_ckpt, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, max_position_embeddings=64)))
+    code, _, err = run_main(["--checkpoint", str(d), "--prompt", "the fox", "--policy", "tova"], capsys)
+    assert code == 0, err
+    assert err.strip().splitlines()[-1] == ("defaults clamped to the model's context (64): --max-new-tokens 200 -> "
+                                            f"{64 - 2}, --block-size 128 -> 64, --budget 2048 -> 64")
+    code, _, err = run_main(["--checkpoint", str(d), "--prompt", "the fox", "--max-new-tokens", "2",
+                             "--block-size", "16"], capsys)
+    assert code == 0 and "clamped" not in err
 
 
 def test_bad_checkpoints(tiny_ckpt, tmp_path, capsys):
