@@ -10,30 +10,66 @@ engine file lands beside the HF files, as gpt-fast does); a GGUF becomes a new d
 Nothing is ever unpickled: only safetensors (and GGUF) are read.
 """
 import argparse
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from convert import CheckpointError, convert_gguf, convert_hf_dir  # noqa: E402
+from cli import Parser, check_out_dir, check_writable, run_cli  # noqa: E402
+from convert import ENGINE_FILE, convert_gguf, convert_hf_dir  # noqa: E402
+from errors import UserError  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, required=True, help="HF directory or .gguf file")
+    ap.add_argument("--out-dir", type=Path, help="output directory for a GGUF (default: checkpoints/<gguf stem>); an "
+                                                 "HF directory is converted in place, so it takes no --out-dir")
+    return ap.parse_args(argv)
+
+
+def check_args(a) -> None:
+    """What the conversion needs, before it reads gigabytes: an input of the right kind, an output it may write."""
+    src = a.checkpoint
+    if not src.exists():
+        raise UserError(f"--checkpoint {src}: no such file or directory")
+    if src.suffix == ".gguf":
+        if not src.is_file():
+            raise UserError(f"--checkpoint {src} is not a file")
+        out = a.out_dir or Path("checkpoints") / src.stem
+        if not out.is_dir():  # an existing one is written file by file, each failure naming its file
+            check_out_dir(out, "--out-dir")
+        cfg = out / "config.json"
+        if cfg.is_file():  # re-converting a GGUF there is fine; overwriting another model is not
+            try:
+                theirs = json.loads(cfg.read_text())
+            except (OSError, ValueError):
+                theirs = None
+            if not isinstance(theirs, dict) or "gguf_converter" not in theirs:
+                raise UserError(f"--out-dir {out} holds a checkpoint that is not a GGUF conversion; pick another "
+                                "directory (it would be overwritten)")
+        return
+    if a.out_dir is not None:
+        raise UserError(f"--out-dir applies to a .gguf --checkpoint; the HF directory {src} is converted in place "
+                        f"(its {ENGINE_FILE} lands beside its files)")
+    if not src.is_dir():
+        raise UserError(f"--checkpoint {src} is neither an HF directory nor a .gguf file")
+    check_writable(src / ENGINE_FILE, "--checkpoint")  # converted in place
+
+
+def run(a) -> int:
+    check_args(a)
+    if a.checkpoint.suffix == ".gguf":
+        out = convert_gguf(a.checkpoint, a.out_dir or Path("checkpoints") / a.checkpoint.stem)
+    else:
+        out = convert_hf_dir(a.checkpoint)
+    print(out)
+    return 0
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", type=Path, required=True, help="HF directory or .gguf file")
-    ap.add_argument("--out-dir", type=Path, help="output directory for a GGUF (default: checkpoints/<gguf stem>)")
-    a = ap.parse_args(argv)
-    from tokenizer import TokenizerError
-    try:
-        if a.checkpoint.suffix == ".gguf":
-            out = convert_gguf(a.checkpoint, a.out_dir or Path("checkpoints") / a.checkpoint.stem)
-        else:
-            out = convert_hf_dir(a.checkpoint)
-    except (CheckpointError, TokenizerError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
+    return run_cli(run, parse_args(argv))
 
 
 if __name__ == "__main__":

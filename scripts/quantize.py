@@ -5,6 +5,7 @@ which --help prints).
     python scripts/quantize.py --checkpoint smollm2-135m --mode int4 --groupsize 64
 """
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -12,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # first: the li
 
 import quantize  # noqa: E402
 from checkpoint import resolve_checkpoint  # noqa: E402
-from cli import Parser, run_cli  # noqa: E402
+from cli import Parser, check_out_dir, run_cli  # noqa: E402
+from errors import UserError  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -32,8 +34,28 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def check_out(ckpt: Path, a) -> None:
+    """--out (or its default) before any work: a directory this process can create or write, and never another
+    checkpoint (quantize_dir would overwrite its config.json and weights)."""
+    groupsize = a.groupsize or quantize.DEFAULT_GROUPSIZE if a.mode == "int4" else None
+    out = a.out or quantize.default_out(ckpt, a.mode, groupsize)
+    flag = "--out" if a.out else "the default --out"
+    check_out_dir(out, flag)
+    cfg = out / "config.json"
+    if out.resolve() != ckpt.resolve() and cfg.is_file():
+        try:
+            theirs = json.loads(cfg.read_text())
+        except (OSError, ValueError):
+            theirs = None
+        if not isinstance(theirs, dict) or quantize.MARKER not in theirs:
+            raise UserError(f"{flag} {out} holds a checkpoint that scripts/quantize.py did not write; pick another "
+                            "directory (it would be overwritten)")
+
+
 def run(a) -> int:
-    r = quantize.quantize_dir(resolve_checkpoint(a.checkpoint), a.mode, a.groupsize, a.head, a.out)
+    ckpt = resolve_checkpoint(a.checkpoint)
+    check_out(ckpt, a)
+    r = quantize.quantize_dir(ckpt, a.mode, a.groupsize, a.head, a.out)
     groupsize = r["groupsize"]
     print(f"wrote {r['out']} ({a.mode}{f', group size {groupsize}' if groupsize else ''}, head "
           f"{'quantized' if r['head'] else 'float'}; weights {r['weight_bytes'] / 2**20:.1f} MiB)\n"
