@@ -1,0 +1,612 @@
+"""Bad input, generated, at every entry point of the engine: generate.py, scripts/quantize.py, scripts/download.py and
+scripts/convert_hf_checkpoint.py (scripts/eval.py and scripts/bench.py: tests/test_fuzz_scripts.py, the same shape).
+
+Each row of CASES is (id, entry point, argv, setup, exit code, a substring of the message). Every row must end
+with exactly one line on stderr that starts with "error:" and holds the substring, the exit code (2 bad input,
+1 environment), no "Traceback" anywhere, and nothing written where the command writes: no file under the test's
+folder or the shared checkpoint is created or changed by a failing run. argv may name "{ckpt}" (the shared tiny
+checkpoint: llama, 2 layers, context 256, a BPE tokenizer), "{bad}" (the copy that `setup` broke) and "{tmp}" (the
+test's own folder). A new flag or entry point gets its bad values here. All in-process: no model is compiled.
+"""
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import generate
+from scripts import convert_hf_checkpoint, download
+from scripts import quantize as quantize_script
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ENTRY = {"generate": generate.main, "quantize": quantize_script.main, "download": download.main,
+         "convert": convert_hf_checkpoint.main}
+PROMPT = ["--prompt", "the quick brown fox", "--max-new-tokens", "2"]
+NAN, INF = float("nan"), float("inf")
+DROP = object()  # a config.json field to remove
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(hf_tiny, tmp_path_factory):
+    from conftest import with_tiny_tokenizer
+    _, src = hf_tiny("llama")
+    d = with_tiny_tokenizer(src, tmp_path_factory.mktemp("fuzz_ckpt"), "the quick brown fox jumps over the lazy dog")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, max_position_embeddings=256)))
+    return d
+
+
+# ------------------------------------------------------------------------------------------------ setups
+
+def broken_copy(tmp: Path, ckpt: Path) -> Path:
+    """tmp/bad: the tiny checkpoint with every file linked, so that a setup replaces only what it breaks."""
+    bad = tmp / "bad"
+    bad.mkdir()
+    for f in ckpt.iterdir():
+        (bad / f.name).symlink_to(f)
+    return bad
+
+
+def replace(bad: Path, name: str, content) -> None:
+    f = bad / name
+    if f.is_symlink() or f.is_file():
+        f.unlink()
+    if content is None:
+        return
+    if isinstance(content, dict | list):
+        content = json.dumps(content)
+    f.write_bytes(content if isinstance(content, bytes) else content.encode())
+
+
+def config(**edits):
+    """Setup: the checkpoint with config.json's fields set (DROP removes one)."""
+    def setup(tmp, ckpt):
+        bad = broken_copy(tmp, ckpt)
+        cfg = json.loads((ckpt / "config.json").read_text())
+        cfg.update(edits)
+        replace(bad, "config.json", {k: v for k, v in cfg.items() if v is not DROP})
+    return setup
+
+
+def files(**contents):
+    """Setup: the checkpoint with files replaced (bytes, str or JSON; None removes the file). Names use '__' for
+    '.': tokenizer_config__json."""
+    def setup(tmp, ckpt):
+        bad = broken_copy(tmp, ckpt)
+        for name, content in contents.items():
+            replace(bad, name.replace("__", "."), content)
+    return setup
+
+
+def tok_config(**fields):
+    return files(tokenizer_config__json={"bos_token": "<s>", "eos_token": "</s>", **fields})
+
+
+def truncated_weights(tmp, ckpt):
+    bad = broken_copy(tmp, ckpt)
+    data = (ckpt / "model.safetensors").read_bytes()
+    replace(bad, "model.safetensors", data[:len(data) // 2])
+
+
+def missing_tensor(tmp, ckpt):
+    from safetensors.torch import load_file, save_file
+    bad = broken_copy(tmp, ckpt)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    (bad / "model.safetensors").unlink()
+    save_file(tensors, str(bad / "model.safetensors"))
+
+
+def quantized_marker(marker):
+    return config(budgetkv_quantization=marker)
+
+
+def write(name: str, content):
+    """Setup: tmp/<name> with content (bytes or str); a name ending in / is a directory."""
+    def setup(tmp, ckpt):
+        if name.endswith("/"):
+            (tmp / name).mkdir(parents=True)
+            return
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    return setup
+
+
+def prompt_of(n_tokens: int):
+    """Setup: tmp/p.txt of exactly n_tokens under the checkpoint's tokenizer."""
+    def setup(tmp, ckpt):
+        from tokenizer import load_tokenizer
+        tok = load_tokenizer(ckpt)
+        text = "the"
+        while len(tok.encode(text, add_bos=True)) < n_tokens:
+            text += " fox"
+        assert len(tok.encode(text, add_bos=True)) == n_tokens
+        (tmp / "p.txt").write_text(text)
+    return setup
+
+
+def other_checkpoint(name: str, marker: dict | None = None):
+    """Setup: tmp/<name> holds a model that is not this command's output."""
+    def setup(tmp, ckpt):
+        shutil.copytree(ckpt, tmp / name, symlinks=True)
+        cfg = json.loads((ckpt / "config.json").read_text())
+        (tmp / name / "config.json").unlink()
+        (tmp / name / "config.json").write_text(json.dumps(dict(cfg, **(marker or {}))))
+    return setup
+
+
+def hf_dir_copy(tmp, ckpt):
+    shutil.copytree(ckpt, tmp / "hf", symlinks=True)
+
+
+# --------------------------------------------------------------------------------------------------- rows
+
+def gen(id, extra, code, message, setup=None, checkpoint="{ckpt}", prompt=True, new_tokens=True):
+    argv = ["--checkpoint", checkpoint] + (PROMPT[:2] if prompt else []) + (PROMPT[2:] if new_tokens else []) + extra
+    return (f"generate-{id}", "generate", argv, setup, code, message)
+
+
+# config.json fields and values that are wrong by type or range: (field, value, what the message names)
+BAD_CONFIG = [
+    ("model_type", "gpt2", "unsupported architecture"), ("model_type", 5, "unsupported architecture"),
+    ("model_type", ["llama"], "unsupported architecture"), ("model_type", DROP, "unsupported architecture"),
+    ("vocab_size", "abc", "vocab_size"), ("vocab_size", 0, "vocab_size"), ("vocab_size", -1, "vocab_size"),
+    ("vocab_size", 512.0, "vocab_size"), ("vocab_size", True, "vocab_size"), ("vocab_size", None, "vocab_size"),
+    ("vocab_size", DROP, "lacks 'vocab_size'"), ("vocab_size", 1000, "do not match"),
+    ("hidden_size", 0, "hidden_size"), ("hidden_size", "64", "hidden_size"), ("hidden_size", [64], "hidden_size"),
+    ("hidden_size", 66, "do not match"), ("hidden_size", DROP, "lacks 'hidden_size'"),
+    ("intermediate_size", 0, "intermediate_size"), ("intermediate_size", "x", "intermediate_size"),
+    ("intermediate_size", 100, "do not match"),
+    ("num_hidden_layers", 0, "num_hidden_layers"), ("num_hidden_layers", 3, "lacks tensor"),
+    ("num_hidden_layers", 10 ** 9, "lacks tensor"), ("num_hidden_layers", 2.0, "num_hidden_layers"),
+    ("num_attention_heads", 0, "num_attention_heads"), ("num_attention_heads", 3, "num_attention_heads"),
+    ("num_attention_heads", 4.0, "num_attention_heads"), ("num_attention_heads", DROP, "num_attention_heads"),
+    ("num_key_value_heads", 3, "num_key_value_heads 3"), ("num_key_value_heads", 8, "num_key_value_heads 8"),
+    ("num_key_value_heads", 0, "num_key_value_heads"), ("num_key_value_heads", "2", "num_key_value_heads"),
+    ("head_dim", 15, "head_dim 15 must be even"), ("head_dim", 0, "head_dim"), ("head_dim", "16", "head_dim"),
+    ("head_dim", 32, "do not match"),
+    ("max_position_embeddings", 0, "max_position_embeddings"), ("max_position_embeddings", -1, "max_position"),
+    ("max_position_embeddings", "4096", "max_position_embeddings"), ("max_position_embeddings", 1.5, "max_pos"),
+    ("rms_norm_eps", -1e-5, "rms_norm_eps"), ("rms_norm_eps", 0, "rms_norm_eps"), ("rms_norm_eps", "1e-5", "rms_norm"),
+    ("rms_norm_eps", True, "rms_norm_eps"), ("rms_norm_eps", NAN, "rms_norm_eps"), ("rms_norm_eps", INF, "rms_norm"),
+    ("rope_theta", 500000.0, "rope_theta 500000.0 and rope_parameters.rope_theta 10000.0 disagree"),
+    ("rope_scaling", "linear", "rope_scaling must be an object"), ("rope_scaling", 5, "rope_scaling"),
+    ("rope_scaling", [1], "rope_scaling"), ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "'yarn'"),
+    ("rope_scaling", {"rope_type": 5}, "rope scaling 5"), ("rope_scaling", {"type": ["linear"]}, "rope scaling"),
+    ("rope_scaling", {"rope_type": "linear"}, "rope_scaling linear lacks factor"),
+    ("rope_scaling", {"rope_type": "linear", "factor": 0}, "rope_scaling.factor"),
+    ("rope_scaling", {"rope_type": "linear", "factor": -2.0}, "rope_scaling.factor"),
+    ("rope_scaling", {"rope_type": "linear", "factor": "2"}, "rope_scaling.factor"),
+    ("rope_scaling", {"rope_type": "linear", "factor": NAN}, "rope_scaling.factor"),
+    ("rope_scaling", {"rope_type": "linear", "factor": 1e-40}, "not finite"),
+    ("rope_scaling", dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=1.0,
+                          original_max_position_embeddings=64), "low_freq_factor (1.0) must be below"),
+    ("rope_scaling", dict(rope_type="llama3", factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0,
+                          original_max_position_embeddings=64), "low_freq_factor"),
+    ("rope_scaling", dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=0), "original_max_position_embeddings"),
+    ("rope_scaling", dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64.5), "original_max_position_embeddings"),
+    ("rope_scaling", dict(rope_type="llama3", factor=8.0, low_freq_factor=-1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64), "low_freq_factor must be > 0"),
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "llama3 lacks low_freq_factor"),
+    ("rope_parameters", "x", "rope_parameters"), ("rope_parameters", [1], "rope_parameters"),
+    ("rope_parameters", {"rope_type": "linear", "factor": 0}, "rope_parameters.factor"),
+    ("rope_parameters", {"rope_theta": "abc"}, "rope_parameters.rope_theta"),
+    ("rope_parameters", {"rope_theta": -1.0}, "rope_theta"),
+    ("tie_word_embeddings", "yes", "tie_word_embeddings"), ("tie_word_embeddings", 1, "tie_word_embeddings"),
+    ("tie_word_embeddings", "false", "tie_word_embeddings"),
+    ("attention_bias", "no", "attention_bias"), ("attention_bias", 0, "attention_bias"),
+    ("mlp_bias", True, "mlp_bias"), ("mlp_bias", "x", "mlp_bias"),
+    ("hidden_act", "gelu", "activation"), ("hidden_act", 5, "activation"),
+    ("use_sliding_window", "yes", "use_sliding_window"),
+    ("budgetkv_quantization", "int8", "budgetkv_quantization"),
+    ("budgetkv_quantization", {"mode": "int3"}, "budgetkv_quantization"),
+    ("budgetkv_quantization", {"mode": "int4", "groupsize": 48}, "budgetkv_quantization"),
+]
+# rope_theta where transformers 4 writes it (top level) and where 5 does (rope_parameters)
+BAD_THETAS = ["abc", 0, -10000.0, NAN, INF, 1e-300, [1], False]
+ROPE_THETA = [(dict(rope_parameters=DROP, rope_theta=v), "rope_theta") for v in BAD_THETAS]
+ROPE_THETA += [(dict(rope_parameters={"rope_type": "default", "rope_theta": v}), "rope_theta")
+               for v in BAD_THETAS]
+SLIDING = [  # qwen2 / mistral sliding windows
+    (dict(model_type="mistral", sliding_window=0), "sliding_window"),
+    (dict(model_type="mistral", sliding_window="x"), "sliding_window"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=-1), "max_window_layers"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers="x"), "max_window_layers"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, layer_types="x"), "layer_types"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, layer_types=[1, 2]), "layer_types"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1), "some layers only"),
+]
+
+
+def cfg_id(field, value):
+    text = "drop" if value is DROP else json.dumps(value)[:24]
+    return f"{field}={text}"
+
+
+CASES = [gen(f"config-{i:02d}-{cfg_id(f, v)}", [], 2, msg, config(**{f: v}), "{bad}")
+         for i, (f, v, msg) in enumerate(BAD_CONFIG)]
+CASES += [gen(f"config-{i}-{'-'.join(map(str, e.values()))[:30]}", [], 2, msg, config(**e), "{bad}")
+          for i, (e, msg) in enumerate(SLIDING)]
+CASES += [gen(f"config-theta-{i:02d}-{cfg_id(*next(iter(e.items())))}", [], 2, msg, config(**e), "{bad}")
+          for i, (e, msg) in enumerate(ROPE_THETA)]
+CASES += [
+    gen("config-architectures-int", [], 2, "unsupported architecture", config(model_type="gpt2", architectures=5),
+        "{bad}"),
+    gen("config-hidden-size-heads", [], 2, "hidden_size 66 is not a multiple of num_attention_heads 4",
+        config(hidden_size=66, head_dim=DROP), "{bad}"),
+    gen("config-list", [], 2, "is not a JSON object", files(config__json=[1, 2]), "{bad}"),
+    gen("config-string", [], 2, "is not a JSON object", files(config__json='"llama"'), "{bad}"),
+    gen("config-broken-json", [], 2, "is not valid JSON", files(config__json='{"model_type": '), "{bad}"),
+    gen("config-empty", [], 2, "is not valid JSON", files(config__json=""), "{bad}"),
+    gen("config-binary", [], 2, "is not valid JSON", files(config__json=b"\xff\xfe\x00\x01"), "{bad}"),
+    gen("config-missing", [], 2, "has no config.json", files(config__json=None), "{bad}"),
+    # weights
+    gen("weights-missing", [], 2, "no *.safetensors", files(model__safetensors=None), "{bad}"),
+    gen("weights-truncated", [], 2, "truncated or corrupt", truncated_weights, "{bad}"),
+    gen("weights-garbage", [], 2, "truncated or corrupt", files(model__safetensors=b"\x00" * 64), "{bad}"),
+    gen("weights-empty", [], 2, "truncated or corrupt", files(model__safetensors=b""), "{bad}"),
+    gen("weights-lack-a-tensor", [], 2, "lacks tensor", missing_tensor, "{bad}"),
+    gen("engine-file-garbage", [], 2, "truncated or corrupt", files(budgetkv__safetensors=b"garbage"), "{bad}"),
+    # tokenizer files
+    gen("tokenizer-json-garbage", [], 2, "cannot read", files(tokenizer__json="not json"), "{bad}"),
+    gen("tokenizer-json-empty", [], 2, "cannot read", files(tokenizer__json=""), "{bad}"),
+    gen("tokenizer-json-list", [], 2, "cannot read", files(tokenizer__json=[]), "{bad}"),
+    gen("tokenizer-json-binary", [], 2, "cannot read", files(tokenizer__json=b"\x80\x81\x00"), "{bad}"),
+    gen("tokenizer-missing", [], 2, "no tokenizer.json or tokenizer.model", files(tokenizer__json=None), "{bad}"),
+    gen("tokenizer-model-garbage", [], 2, "cannot read",
+        files(tokenizer__json=None, tokenizer__model=b"\x00garbage"), "{bad}"),
+    gen("tokenizer-model-empty", [], 2, "cannot read", files(tokenizer__json=None, tokenizer__model=b""), "{bad}"),
+    gen("tokenizer-model-bad-ranks", [], 2, "corrupt tiktoken",
+        files(tokenizer__json=None, tokenizer__model="IQ== 0\nnot-base64 x\n"), "{bad}"),
+    gen("tokenizer-config-broken", [], 2, "cannot parse", files(tokenizer_config__json="{"), "{bad}"),
+    gen("tokenizer-config-list", [], 2, "is not a JSON object", files(tokenizer_config__json=[1]), "{bad}"),
+    gen("tokenizer-config-binary", [], 2, "cannot parse", files(tokenizer_config__json=b"\xff\xfe"), "{bad}"),
+    gen("tokenizer-config-bos-int", [], 2, "bos_token must be a string", tok_config(bos_token=5), "{bad}"),
+    gen("tokenizer-config-eos-obj", [], 2, "eos_token must be a string", tok_config(eos_token={"content": 5}),
+        "{bad}"),
+    gen("generation-config-broken", [], 2, "cannot parse", files(generation_config__json="{x"), "{bad}"),
+    gen("generation-config-list", [], 2, "is not a JSON object", files(generation_config__json=[]), "{bad}"),
+    # chat templates
+    gen("template-if-without-test", [], 2, "tokenizer_config.json line 1 fails: TemplateSyntaxError",
+        tok_config(chat_template="{% if %}"), "{bad}"),
+    gen("template-unclosed-for", [], 2, "TemplateSyntaxError", tok_config(chat_template="{% for m in messages %}"),
+        "{bad}"),
+    gen("template-raises", [], 2, "no system role", tok_config(chat_template="{{ raise_exception('no system role') }}"),
+        "{bad}"),
+    gen("template-undefined", [], 2, "UndefinedError", tok_config(chat_template="{{ messages[5]['content'] }}"),
+        "{bad}"),
+    gen("template-divides-by-zero", [], 2, "ZeroDivisionError", tok_config(chat_template="{{ 1 / 0 }}"), "{bad}"),
+    gen("template-sandbox", [], 2, "SecurityError",
+        tok_config(chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}"), "{bad}"),
+    gen("template-renders-nothing", [], 2, "empty once tokenized with the chat template",
+        tok_config(chat_template="{{ '' }}"), "{bad}"),
+    gen("template-int", [], 2, "chat_template must be a string", tok_config(chat_template=5), "{bad}"),
+    gen("template-list-int", [], 2, "chat_template must be a string",
+        tok_config(chat_template=[{"name": "default", "template": 5}]), "{bad}"),
+    gen("template-jinja-file", [], 2, "chat_template.jinja line 1 fails",
+        files(chat_template__jinja="{% if %}"), "{bad}"),
+    gen("template-jinja-binary", [], 2, "not UTF-8", files(chat_template__jinja=b"\xff\xfe{{"), "{bad}"),
+    # prompt files
+    gen("prompt-file-missing", ["--prompt-file", "{tmp}/none.txt"], 2, "cannot read prompt file", prompt=False),
+    gen("prompt-file-directory", ["--prompt-file", "{tmp}"], 2, "Is a directory", prompt=False),
+    gen("prompt-file-binary", ["--prompt-file", "{tmp}/p.bin"], 2, "not UTF-8 text",
+        write("p.bin", b"\x89PNG\r\n\x1a\n\xff\xfe"), prompt=False),
+    gen("prompt-file-empty", ["--prompt-file", "{tmp}/p.txt"], 2, "prompt is empty", write("p.txt", ""),
+        prompt=False),
+    gen("prompt-file-blank", ["--prompt-file", "{tmp}/p.txt"], 2, "prompt is empty", write("p.txt", " \n\t\n"),
+        prompt=False),
+    gen("prompt-file-unreadable", ["--prompt-file", "/proc/self/mem"], 2, "cannot read prompt file", prompt=False),
+    gen("prompt-file-nul-in-path", ["--prompt-file", "{tmp}/a\0b"], 2, "cannot read prompt file", prompt=False),
+    gen("prompt-file-too-long", ["--prompt-file", "{tmp}/p.txt"], 2, "longer than the model's context",
+        write("p.txt", "the quick brown fox " * 200), prompt=False),
+    gen("prompt-and-file", ["--prompt-file", "{tmp}/p.txt"], 2, "not both", write("p.txt", "hi")),
+    gen("prompt-surrogate", ["--prompt", "\udcff\udcfe"], 2, "not valid UTF-8", prompt=False),
+    gen("prompt-fills-context", ["--prompt-file", "{tmp}/p.txt"], 2, "fills the model's context", prompt_of(256),
+        prompt=False, new_tokens=False),
+    # output paths
+    gen("profile-directory", ["--profile", "{tmp}"], 2, "cannot write there"),
+    gen("profile-no-parent", ["--profile", "{tmp}/no/such/t.json"], 2, "cannot write there"),
+    gen("profile-proc", ["--profile", "/proc/t.json"], 2, "cannot write there"),
+    gen("profile-nul", ["--profile", "{tmp}/a\0b.json"], 2, "cannot write there"),
+    # flags: values out of range, flags that do not apply, explicit values past the model's context
+    gen("max-new-0", ["--max-new-tokens", "0"], 2, "--max-new-tokens must be >= 1"),
+    gen("max-new-neg", ["--max-new-tokens", "-3"], 2, "--max-new-tokens must be >= 1"),
+    gen("max-new-float", ["--max-new-tokens", "1e3"], 2, "invalid int value"),
+    gen("max-new-empty", ["--max-new-tokens", ""], 2, "invalid int value"),
+    gen("max-new-past-context", ["--max-new-tokens", "300"], 2, "exceeds the model's context (256)"),
+    gen("budget-neg", ["--budget", "-5"], 2, "--budget must be >= 1"),
+    gen("budget-past-context", ["--policy", "keydiff", "--budget", "257"], 2, "larger than the model's context"),
+    gen("block-past-context", ["--block-size", "257"], 2, "larger than the model's context"),
+    gen("block-neg", ["--block-size", "-1"], 2, "--block-size must be >= 1"),
+    gen("temperature-neg", ["--temperature", "-1"], 2, "finite --temperature"),
+    gen("temperature-text", ["--temperature", "warm"], 2, "invalid float value"),
+    gen("top-k-neg", ["--temperature", "1", "--top-k", "-1"], 2, "--top-k >= 0"),
+    gen("top-k-greedy", ["--top-k", "5"], 2, "--top-k applies to sampling"),
+    gen("top-k-tiny-temperature", ["--temperature", "1e-45", "--top-k", "5"], 2, "decodes greedily"),
+    gen("top-k-past-vocab", ["--temperature", "1", "--top-k", "513"], 2, "exceeds the model's vocabulary (512"),
+    gen("top-p-big", ["--temperature", "1", "--top-p", "1.5"], 2, "--top-p <= 1"),
+    gen("top-p-nan", ["--temperature", "1", "--top-p", "nan"], 2, "--top-p <= 1"),
+    gen("top-p-greedy", ["--top-p", "0.9"], 2, "--top-p applies to sampling"),
+    gen("seed-neg", ["--temperature", "1", "--seed", "-1"], 2, "--seed must be in"),
+    gen("seed-greedy", ["--seed", "7"], 2, "--seed applies to sampling"),
+    gen("sampling-flags-greedy", ["--seed", "7", "--top-k", "3"], 2, "--top-k / --seed apply to sampling"),
+    gen("dtype", ["--dtype", "float8"], 2, "invalid choice"),
+    gen("kv-dtype", ["--kv-dtype", "fp8"], 2, "invalid choice"),
+    gen("device-tpu", ["--device", "tpu"], 2, "unsupported --device"),
+    gen("device-cuda-x", ["--device", "cuda:x"], 2, "unsupported --device"),
+    gen("device-cpu-0", ["--device", "cpu:0"], 2, "unsupported --device"),
+    gen("compile-mode-alone", ["--compile-mode", "auto"], 2, "need --compile"),
+    gen("compile-prefill-one-shot", ["--policy", "snapkv++", "--compile", "--no-compile-prefill"], 2,
+        "apply to --prefill block"),
+    gen("compile-mode-cpu-graphs", ["--compile", "--compile-mode", "reduce-overhead", "--device", "cpu"], 2,
+        "CUDA graphs"),
+    gen("prefill-block-one-shot-policy", ["--policy", "kvec", "--prefill", "block"], 2, "--prefill one-shot"),
+    gen("evict-before-attend-full", ["--evict-before-attend"], 2, "--evict-before-attend applies"),
+    gen("policy-param-inf", ["--policy", "keydiff:window_frac=inf"], 2, "window_frac"),
+    gen("policy-param-nan", ["--policy", "h2o:window_frac=nan"], 2, "window_frac"),
+    gen("policy-param-empty", ["--policy", "snapkv:window="], 2, "window takes int"),
+    gen("policy-empty", ["--policy", ""], 2, "unknown policy"),
+    gen("policy-kvec-lam", ["--policy", "kvec:lam=inf"], 2, "lam must be finite"),
+    gen("unknown-flag", ["--bogus"], 2, "unrecognized arguments"),
+    gen("checkpoint-missing-dir", [], 2, "unknown checkpoint", checkpoint="{tmp}/nope"),
+    gen("checkpoint-a-file", [], 2, "unknown checkpoint", write("f.bin", "x"), checkpoint="{tmp}/f.bin"),
+    gen("checkpoint-empty-dir", [], 2, "has no config.json", write("empty/", None), checkpoint="{tmp}/empty"),
+    gen("checkpoint-gguf-missing", [], 2, "GGUF file not found", checkpoint="{tmp}/m.gguf"),
+]
+
+CASES += [
+    ("quantize-no-mode", "quantize", ["--checkpoint", "{ckpt}", "--out", "{tmp}/q"], None, 2, "--mode"),
+    ("quantize-mode", "quantize", ["--checkpoint", "{ckpt}", "--mode", "int3"], None, 2, "invalid choice"),
+    ("quantize-groupsize-int8", "quantize", ["--checkpoint", "{ckpt}", "--out", "{tmp}/q", "--mode", "int8",
+                                             "--groupsize", "64"], None, 2, "--groupsize applies to --mode int4"),
+    ("quantize-groupsize-48", "quantize", ["--checkpoint", "{ckpt}", "--out", "{tmp}/q", "--mode", "int4",
+                                           "--groupsize", "48"], None, 2, "unsupported --groupsize 48"),
+    ("quantize-groupsize-neg", "quantize", ["--checkpoint", "{ckpt}", "--out", "{tmp}/q", "--mode", "int4",
+                                            "--groupsize", "-32"], None, 2, "unsupported --groupsize -32"),
+    ("quantize-groupsize-128", "quantize", ["--checkpoint", "{ckpt}", "--out", "{tmp}/q", "--mode", "int4",
+                                            "--groupsize", "128"], None, 2, "does not divide"),
+    ("quantize-groupsize-text", "quantize", ["--checkpoint", "{ckpt}", "--mode", "int4", "--groupsize", "x"],
+     None, 2, "invalid int value"),
+    ("quantize-head", "quantize", ["--checkpoint", "{ckpt}", "--mode", "int8", "--head", "half"], None, 2,
+     "invalid choice"),
+    ("quantize-out-file", "quantize", ["--checkpoint", "{ckpt}", "--out", "{tmp}/f", "--mode", "int8"],
+     write("f", "x"), 2, "cannot create --out"),
+    ("quantize-out-under-file", "quantize", ["--checkpoint", "{ckpt}", "--out", "{tmp}/f/q", "--mode", "int8"],
+     write("f", "x"), 2, "is a file"),
+    ("quantize-out-proc", "quantize", ["--checkpoint", "{ckpt}", "--out", "/proc/q", "--mode", "int8"], None, 2,
+     "not writable"),
+    ("quantize-out-other-model", "quantize", ["--checkpoint", "{ckpt}", "--out", "{tmp}/m", "--mode", "int8"],
+     other_checkpoint("m"), 2, "did not write"),
+    ("quantize-out-is-source", "quantize", ["--checkpoint", "{ckpt}", "--out", "{ckpt}", "--mode", "int8"], None, 2,
+     "is the source checkpoint itself"),
+    ("quantize-already-quantized", "quantize", ["--checkpoint", "{tmp}/m", "--out", "{tmp}/q", "--mode", "int8"],
+     other_checkpoint("m", {"budgetkv_quantization": {"mode": "int8"}}), 2, "is already quantized"),
+    ("quantize-checkpoint-missing", "quantize", ["--checkpoint", "{tmp}/none", "--mode", "int8"], None, 2,
+     "unknown checkpoint"),
+    ("quantize-bad-config", "quantize", ["--checkpoint", "{bad}", "--out", "{tmp}/q", "--mode", "int8"],
+     config(rope_theta="abc"), 2, "rope_theta"),
+    ("quantize-bad-heads", "quantize", ["--checkpoint", "{bad}", "--out", "{tmp}/q", "--mode", "int8"],
+     config(num_key_value_heads=3), 2, "num_key_value_heads"),
+    ("quantize-no-weights", "quantize", ["--checkpoint", "{bad}", "--out", "{tmp}/q", "--mode", "int8"],
+     files(model__safetensors=None), 2, "no *.safetensors"),
+    ("quantize-truncated", "quantize", ["--checkpoint", "{bad}", "--out", "{tmp}/q", "--mode", "int8"],
+     truncated_weights, 2, "truncated or corrupt"),
+    ("quantize-unknown-flag", "quantize", ["--checkpoint", "{ckpt}", "--mode", "int8", "--fast"], None, 2,
+     "unrecognized arguments"),
+
+    ("download-no-repo", "download", [], None, 2, "--repo-id"),
+    ("download-empty-repo", "download", ["--repo-id", "", "--out-dir", "{tmp}/d"], None, 2, "invalid --repo-id"),
+    ("download-dotdot", "download", ["--repo-id", "../x"], None, 2, "invalid --repo-id"),
+    ("download-absolute", "download", ["--repo-id", "/etc/passwd"], None, 2, "invalid --repo-id"),
+    ("download-three-parts", "download", ["--repo-id", "a/b/c"], None, 2, "invalid --repo-id"),
+    ("download-space", "download", ["--repo-id", "a b/c"], None, 2, "invalid --repo-id"),
+    ("download-dashes", "download", ["--repo-id", "org/--x--"], None, 2, "invalid --repo-id"),
+    ("download-out-file", "download", ["--repo-id", "org/model", "--out-dir", "{tmp}/f"], write("f", "x"), 2,
+     "a file of that name exists"),
+    ("download-out-proc", "download", ["--repo-id", "org/model", "--out-dir", "/proc/d"], None, 2, "not writable"),
+    ("download-token-empty", "download", ["--repo-id", "org/model", "--hf-token", ""], None, 2, "--hf-token"),
+    ("download-token-space", "download", ["--repo-id", "org/model", "--hf-token", "hf x"], None, 2, "--hf-token"),
+    ("download-offline", "download", ["--repo-id", "org/model", "--out-dir", "{tmp}/d"], None, 2, "HF_HUB_OFFLINE"),
+    ("download-unknown-flag", "download", ["--repo-id", "org/model", "--resume"], None, 2, "unrecognized"),
+
+    ("convert-no-checkpoint", "convert", [], None, 2, "--checkpoint"),
+    ("convert-missing", "convert", ["--checkpoint", "{tmp}/none"], None, 2, "no such file or directory"),
+    ("convert-a-file", "convert", ["--checkpoint", "{tmp}/f.bin"], write("f.bin", "x"), 2, "neither an HF directory"),
+    ("convert-gguf-garbage", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "{tmp}/o"],
+     write("m.gguf", b"GGUF\x03\x00\x00\x00garbage"), 2, "cannot read GGUF file"),
+    ("convert-gguf-empty", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "{tmp}/o"],
+     write("m.gguf", b""), 2, "cannot read GGUF file"),
+    ("convert-gguf-dir", "convert", ["--checkpoint", "{tmp}/m.gguf"], write("m.gguf/", None), 2, "is not a file"),
+    ("convert-gguf-out-file", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "{tmp}/f"],
+     lambda tmp, ckpt: (write("m.gguf", b"x")(tmp, ckpt), write("f", "x")(tmp, ckpt)), 2, "a file of that name"),
+    ("convert-gguf-out-proc", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "/proc/o"],
+     write("m.gguf", b"x"), 2, "not writable"),
+    ("convert-gguf-out-other-model", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "{tmp}/m"],
+     lambda tmp, ckpt: (write("m.gguf", b"x")(tmp, ckpt), other_checkpoint("m")(tmp, ckpt)), 2,
+     "not a GGUF conversion"),
+    ("convert-hf-out-dir", "convert", ["--checkpoint", "{tmp}/hf", "--out-dir", "{tmp}/o"], hf_dir_copy, 2,
+     "converted in place"),
+    ("convert-hf-no-config", "convert", ["--checkpoint", "{bad}"], files(config__json=None), 2, "has no config.json"),
+    ("convert-hf-no-weights", "convert", ["--checkpoint", "{bad}"], files(model__safetensors=None), 2,
+     "no *.safetensors"),
+    ("convert-hf-truncated", "convert", ["--checkpoint", "{bad}"], truncated_weights, 2, "truncated or corrupt"),
+    ("convert-hf-missing-tensor", "convert", ["--checkpoint", "{bad}"], missing_tensor, 2, "lacks tensor"),
+    ("convert-hf-layers", "convert", ["--checkpoint", "{bad}"], config(num_hidden_layers="2"), 2,
+     "num_hidden_layers"),
+    ("convert-hf-broken-config", "convert", ["--checkpoint", "{bad}"], files(config__json="{"), 2,
+     "is not valid JSON"),
+    ("convert-unknown-flag", "convert", ["--checkpoint", "{tmp}", "--force"], None, 2, "unrecognized"),
+]
+
+
+def snapshot(*roots: Path) -> dict:
+    """Every file under the roots (links not followed) with its size and modification time."""
+    out = {}
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            for name in filenames + dirnames:
+                p = Path(dirpath) / name
+                st = p.lstat()
+                out[str(p)] = (st.st_size, st.st_mtime_ns) if not p.is_dir() or p.is_symlink() else "dir"
+    return out
+
+
+def run_entry(entry, argv):
+    try:
+        return ENTRY[entry](argv)
+    except SystemExit as e:  # argparse errors exit from parse_args, before run_cli
+        return e.code
+
+
+def test_the_table_is_big_enough():
+    assert len(CASES) >= 120 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("entry,argv,setup,code,message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line(tiny_ckpt, tmp_path, capfd, entry, argv, setup, code, message):
+    if setup is not None:
+        setup(tmp_path, tiny_ckpt)
+    argv = [a.replace("{ckpt}", str(tiny_ckpt)).replace("{bad}", str(tmp_path / "bad")).replace("{tmp}", str(tmp_path))
+            for a in argv]
+    before = snapshot(tmp_path, tiny_ckpt)
+    got = run_entry(entry, argv)
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    assert got == code, err
+    assert snapshot(tmp_path, tiny_ckpt) == before  # nothing written, nothing left half-written
+
+
+# ------------------------------------------------------------------------------- no NaN reaches the user
+
+def nan_weights(tiny_ckpt, tmp_path) -> Path:
+    """The tiny checkpoint with a NaN final norm: every logit is NaN."""
+    from safetensors.torch import load_file, save_file
+    bad = broken_copy(tmp_path, tiny_ckpt)
+    tensors = load_file(str(tiny_ckpt / "model.safetensors"))
+    tensors["model.norm.weight"][:] = NAN
+    (bad / "model.safetensors").unlink()
+    save_file(tensors, str(bad / "model.safetensors"))
+    return bad
+
+
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.8"]], ids=["greedy", "sampled"])
+def test_nan_logits_stop_with_one_line(tiny_ckpt, tmp_path, capfd, sampling):
+    """Logits that are not finite stop generation at once: one line, exit 2, no text (it used to emit token 0)."""
+    bad = nan_weights(tiny_ckpt, tmp_path)
+    code = generate.main(["--checkpoint", str(bad), *PROMPT, *sampling])
+    out, err = capfd.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "logits are not finite (NaN or inf) at generated token 1" in err
+
+
+def test_nan_logits_mid_generation(tiny_ckpt, capfd, monkeypatch):
+    """A decode step that turns NaN after two good ones: the two tokens were streamed, then one line, exit 2."""
+    import torch
+    calls = []
+
+    def step(model, idx, pos):
+        calls.append(1)
+        logits = model(idx, pos)
+        return logits if len(calls) < 3 else torch.full_like(logits, NAN)
+    monkeypatch.setattr(generate, "model_step", step)
+    code = generate.main(["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox", "--max-new-tokens", "8",
+                          "--json"])
+    out, err = capfd.readouterr()
+    assert code == 2 and out == "" and len(calls) == 3
+    assert err.count("\n") == 1 and "at generated token 4" in err, err
+
+
+def test_tiny_temperature_is_greedy(tiny_ckpt, capfd):
+    """--temperature below engine.MIN_TEMPERATURE decodes greedily (as --help says), and never NaN."""
+    runs = []
+    for t in ("0", "1e-45", "5e-324", "9e-6"):
+        assert generate.main(["--checkpoint", str(tiny_ckpt), *PROMPT[:2], "--max-new-tokens", "6", "--json",
+                              "--temperature", t]) == 0
+        runs.append(json.loads(capfd.readouterr().out))
+    assert len({r["text"] for r in runs}) == 1 and all(r["generated_tokens"] == 6 for r in runs)
+    with pytest.raises(SystemExit):
+        generate.parse_args(["--help"])
+    assert "any temperature below 1e-05 is greedy too" in " ".join(capfd.readouterr().out.split())
+
+
+# ------------------------------------------------------------------------- environment and internal errors
+
+def run_generate_raising(tiny_ckpt, monkeypatch, capfd, exc, *extra):
+    def boom(a):
+        raise exc
+    monkeypatch.setattr(generate, "read_prompt", boom)
+    code = generate.main(["--checkpoint", str(tiny_ckpt), "--prompt", "x", *extra])
+    out, err = capfd.readouterr()
+    return code, err
+
+
+def test_internal_error_is_one_line_and_a_log(tiny_ckpt, tmp_path, monkeypatch, capfd):
+    import cli
+    monkeypatch.delenv("BUDGETKV_VERBOSE", raising=False)
+    monkeypatch.setattr(cli, "ERROR_LOG", tmp_path / "budgetkv-error.log")
+    code, err = run_generate_raising(tiny_ckpt, monkeypatch, capfd, ZeroDivisionError("division by zero"))
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"internal error: ZeroDivisionError: division by zero (traceback in {tmp_path}/"
+                          "budgetkv-error.log; or rerun with -v)")
+    log = (tmp_path / "budgetkv-error.log").read_text()
+    assert "Traceback (most recent call last)" in log and "in boom" in log and "ZeroDivisionError" in log
+
+
+@pytest.mark.parametrize("how", ["-v", "--verbose", "env"])
+def test_verbose_prints_the_traceback(tiny_ckpt, tmp_path, monkeypatch, capfd, how):
+    import cli
+    monkeypatch.setattr(cli, "ERROR_LOG", tmp_path / "budgetkv-error.log")
+    if how == "env":
+        monkeypatch.setenv("BUDGETKV_VERBOSE", "1")
+    code, err = run_generate_raising(tiny_ckpt, monkeypatch, capfd, KeyError("x"), *([how] if how != "env" else []))
+    assert code == 1 and err.startswith("Traceback (most recent call last)") and "in boom" in err
+    assert not (tmp_path / "budgetkv-error.log").exists()
+
+
+@pytest.mark.parametrize("exc,code,line", [
+    (OSError(28, "No space left on device", "/data/out.safetensors"), 1,
+     "error: /data/out.safetensors: No space left on device"),
+    (PermissionError(13, "Permission denied", "/data/x"), 1, "error: /data/x: Permission denied"),
+    (OSError(5, "Input/output error"), 1, "error: Input/output error"),
+    (MemoryError(), 1, "error: out of memory (MemoryError)"),
+    (KeyboardInterrupt(), 130, "interrupted"),
+], ids=["disk-full", "permission", "io", "memory", "interrupt"])
+def test_environment_errors_are_one_line(tiny_ckpt, monkeypatch, capfd, exc, code, line):
+    got, err = run_generate_raising(tiny_ckpt, monkeypatch, capfd, exc)
+    assert got == code and err.strip() == line, err
+
+
+def test_safetensors_io_error_names_the_file(tmp_path, monkeypatch, capfd):
+    """safetensors reports a failed write as SafetensorError without the file: run_cli finds the file its caller
+    passed, and it is an environment failure (exit 1)."""
+    import torch
+    from safetensors.torch import save_file
+
+    import cli
+
+    def run(a):
+        save_file({"w": torch.zeros(4)}, str(tmp_path / "no" / "such" / "w.safetensors"))
+    assert cli.run_cli(run, None) == 1
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and f"error: {tmp_path}/no/such/w.safetensors: No such file or directory" in err, err
+
+
+def test_full_disk_during_quantize(tiny_ckpt, tmp_path, capfd):
+    """A real full disk (RLIMIT_FSIZE: writes past 64 KiB fail with EFBIG, which Python ignores as a signal): one line
+    naming the file, exit 1, and no loadable checkpoint left behind (config.json is written last)."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    try:
+        code = quantize_script.main(["--checkpoint", str(tiny_ckpt), "--out", str(tmp_path / "q"), "--mode", "int8"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = capfd.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "File too large" in err and str(tmp_path / "q") in err, err
+    assert not (tmp_path / "q" / "config.json").exists() and not (tmp_path / "q" / "budgetkv.safetensors").exists()
