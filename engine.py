@@ -106,6 +106,18 @@ def default_compile_mode(device: str, dtype: torch.dtype, quantized: bool) -> st
     return "max-autotune-no-cudagraphs" if device == "cpu" and dtype == torch.float32 and not quantized else None
 
 
+def set_threads(n: int | None) -> None:
+    """n CPU threads for torch's intra-op and inter-op pools (None: torch's default, one per core). The inter-op
+    pool can be sized once per process, before any parallel work: a later call leaves it as it is."""
+    if n is None:
+        return
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(n)
+    except RuntimeError:
+        pass
+
+
 MIN_TEMPERATURE = 1e-5  # below it sampling is greedy: logits / t would overflow, and exp() of the gaps is 0 anyway
 
 

@@ -28,8 +28,8 @@ from cli import Parser, check_writable, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
 from cache import is_scorer  # noqa: E402
 from engine import (MIN_TEMPERATURE, block_inputs, compile_steps, decode_bytes_per_step,  # noqa: E402
-                    default_compile_mode, generate, load_model, model_step, prefill_protocol, prefill_step, setup,
-                    sync)
+                    default_compile_mode, generate, load_model, model_step, prefill_protocol, prefill_step,
+                    set_threads, setup, sync)
 from errors import UserError  # noqa: E402
 from model import ModelArgs  # noqa: E402
 
@@ -106,6 +106,9 @@ def parse_args(argv=None):
                          "mode's decode, ~1.5x the compile time), else torch's default (reduce-overhead for CUDA "
                          "decode); 'default' forces torch's default (no CUDA graphs). The prefill step never "
                          "runs under CUDA graphs; reduce-overhead (CUDA graphs) is refused on CPU")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads torch uses (intra-op and inter-op; default: one per core). On a machine where "
+                         "another process is busy, fewer threads than cores is much faster (docs/performance.md)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cpu, cuda or cuda:N (default: cuda when available)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -161,6 +164,8 @@ def check_args(a) -> None:
         raise UserError(f"{' / '.join(given)} {'apply' if len(given) > 1 else 'applies'} to sampling, and "
                         f"--temperature {a.temperature:g} decodes greedily (sampling needs --temperature >= "
                         f"{MIN_TEMPERATURE:g})")
+    if a.threads is not None and not 1 <= a.threads <= 1024:
+        raise UserError(f"--threads must be between 1 and 1024, got {a.threads}")
     if a.profile is not None:
         check_writable(a.profile, "--profile")
     if (a.compile_prefill is not None or a.compile_mode is not None) and not a.compile:
@@ -216,6 +221,7 @@ def run(a) -> int:
     dtype = {"auto": torch.bfloat16 if a.device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
     torch.manual_seed(a.seed or 0)
+    set_threads(a.threads)
 
     ckpt = resolve_checkpoint(a.checkpoint)
     config = read_config(ckpt)  # read once: the architecture check, the model and the quantization marker
@@ -295,7 +301,8 @@ def run(a) -> int:
     stats.update(checkpoint=str(ckpt), policy=a.policy, budget=token_budget, slots_held=budget,
                  tokens_read_per_step=read,
                  block_size=a.block_size, prefill=a.prefill, kv_dtype=a.kv_dtype,
-                 dtype=str(dtype).replace("torch.", ""), device=a.device, compiled=a.compile,
+                 dtype=str(dtype).replace("torch.", ""), device=a.device, threads=torch.get_num_threads(),
+                 compiled=a.compile,
                  compiled_prefill=bool(a.compile and a.compile_prefill),
                  compile_mode=(a.compile_mode or ("reduce-overhead" if a.device.startswith("cuda") else "default"))
                  if a.compile else None,
@@ -318,7 +325,9 @@ def run(a) -> int:
         slots = f" ({budget} used by its layout)" if budget != token_budget else ""
         print(f"--- {stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated | "
               f"policy {a.policy} ({a.prefill} prefill), budget {token_budget} slots{slots}, {read:.1f} tokens read "
-              f"per decode step | block {a.block_size}, {stats['dtype']} on {a.device}{compiled_note}\n"
+              f"per decode step | block {a.block_size}, {stats['dtype']} on {a.device} "
+              f"({stats['threads']} thread{'s' if stats['threads'] > 1 else ''})"
+              f"{compiled_note}\n"
               f"TTFT {stats['ttft_s']:.3f} s | prefill {stats['prefill_tok_s']:.1f} tok/s | "
               f"decode {stats['decode_tok_s']:.2f} tok/s | bandwidth {stats['bandwidth_gb_s']:.2f} GB/s "
               f"(weights + KV read per step)\n"

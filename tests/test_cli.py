@@ -43,6 +43,18 @@ def test_tiny_run_prints_summary(tiny_ckpt, capsys):
         assert key in stats
 
 
+def test_threads_flag_sets_torch_threads(tiny_ckpt, capsys):
+    import torch
+    before = torch.get_num_threads()
+    try:
+        code, out, err = run_main(["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox", "--json",
+                                   "--max-new-tokens", "2", "--threads", "1"], capsys)
+        assert code == 0, err
+        assert json.loads(out)["threads"] == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_int8_kv_run_reports_the_smaller_buffer(tiny_ckpt, capsys):
     code, out, err = run_main(["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps over the lazy dog, " * 3,
                                "--max-new-tokens", "5", "--json", "--policy", "keydiff", "--budget", "8",

@@ -313,6 +313,10 @@ CASES += [
     gen("profile-proc", ["--profile", "/proc/t.json"], 2, "cannot write there"),
     gen("profile-nul", ["--profile", "{tmp}/a\0b.json"], 2, "cannot write there"),
     # flags: values out of range, flags that do not apply, explicit values past the model's context
+    gen("threads-0", ["--threads", "0"], 2, "--threads must be between 1 and 1024"),
+    gen("threads-neg", ["--threads", "-2"], 2, "--threads must be between 1 and 1024"),
+    gen("threads-huge", ["--threads", "100000"], 2, "--threads must be between 1 and 1024"),
+    gen("threads-float", ["--threads", "1.5"], 2, "invalid int value"),
     gen("max-new-0", ["--max-new-tokens", "0"], 2, "--max-new-tokens must be >= 1"),
     gen("max-new-neg", ["--max-new-tokens", "-3"], 2, "--max-new-tokens must be >= 1"),
     gen("max-new-float", ["--max-new-tokens", "1e3"], 2, "invalid int value"),
