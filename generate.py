@@ -17,10 +17,12 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
+from errors import UserError, check_python  # noqa: E402
+
+check_python()
+import torch  # noqa: E402
 
 from cache import kv_bytes  # noqa: E402
 from checkpoint import MODELS, resolve_checkpoint  # noqa: E402
@@ -30,7 +32,6 @@ from cache import is_scorer  # noqa: E402
 from engine import (MIN_TEMPERATURE, block_inputs, compile_steps, decode_bytes_per_step,  # noqa: E402
                     default_compile_mode, generate, load_model, model_step, prefill_protocol, prefill_step,
                     set_threads, setup, sync)
-from errors import UserError  # noqa: E402
 from model import ModelArgs  # noqa: E402
 
 DEFAULT_NEW_TOKENS, DEFAULT_BLOCK, DEFAULT_BUDGET = 200, 128, 2048  # each clamped to the model's context

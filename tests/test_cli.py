@@ -317,3 +317,12 @@ def test_policy_help_lists_its_parameters(capsys):
     with pytest.raises(SystemExit) as e:
         generate.parse_args(["--policy", "nope", "--help"])
     assert e.value.code == 2 and "unknown policy" in capsys.readouterr().err
+
+
+def test_a_python_without_the_requirements_gets_one_line(monkeypatch):
+    import errors
+    monkeypatch.setattr(errors, "REQUIRED", ("torch", "no_such_module_budgetkv"))
+    with pytest.raises(SystemExit) as e:
+        errors.check_python()
+    assert str(e.value).startswith("error: no_such_module_budgetkv not installed in this Python")
+    assert ".venv/bin/python" in str(e.value)
