@@ -8,6 +8,7 @@ The command line is scripts/download.py.
 """
 import importlib.util
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -92,7 +93,8 @@ def fresh_gguf(gguf_path: Path, out: Path) -> Path:
             return out
         line = f"{why}: converting again"
     elif (out / ENGINE_FILE).is_file():
-        line = f"{out} was converted by an older budgetkv: converting {gguf_path} again"
+        line = (f"converting {gguf_path} -> {out} again: {out / ENGINE_FILE} records no source identity (an older "
+                "budgetkv's, or damaged)")
     else:
         line = f"converting {gguf_path} -> {out} (once)"
     opened = read_gguf(gguf_path)  # a file that is no GGUF fails here, before the line
@@ -124,7 +126,7 @@ def fresh_dir(d: Path, convert: bool = False, depth: int = 0) -> Path:
                 return d
             line = f"{why}: converting again"
         elif engine.is_file():
-            line = f"{engine} was written by an older budgetkv: converting {d} again"
+            line = f"converting {d} again: {engine} records no source identity (an older budgetkv's, or damaged)"
         else:
             line = f"converting {d} (once)"
         say(line)
@@ -164,7 +166,7 @@ def legacy_dir(d: Path, config: dict, quant, depth: int) -> Path:
                                   "again, or delete it")
         if src.is_absolute() and (src / "config.json").is_file() and depth < 3:
             fresh_dir(src, convert=False, depth=depth + 1)
-            say(f"{d} was quantized by an older budgetkv: quantizing {src} again")
+            say(f"quantizing {src} -> {d} again: {d / ENGINE_FILE} records no source identity (an older budgetkv's)")
             requantize(src, d, quant)
     return d
 
@@ -253,6 +255,10 @@ def download(repo_id: str, out_dir: Path, token: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
     _, http_errors = _http_errors()
+    # Offline, it warns "Returning existing local_dir ..." on stderr; what the folder lacks is said below instead.
+    quiet = logging.getLogger("huggingface_hub._snapshot_download")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         path = Path(snapshot_download(
             repo_id,
@@ -265,6 +271,8 @@ def download(repo_id: str, out_dir: Path, token: str | None = None) -> Path:
         unfinished = incomplete_download(out_dir)
         hint = f"; {out_dir} holds an unfinished download ({unfinished}): delete it or resume it" if unfinished else ""
         raise DownloadError(_explain(e, repo_id) + hint) from e
+    finally:
+        quiet.setLevel(level)
     unfinished = incomplete_download(path)  # offline, snapshot_download hands back whatever the folder holds
     if unfinished:
         raise DownloadError(f"{path} holds an unfinished download of {repo_id} ({unfinished}): run again where the "

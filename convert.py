@@ -239,7 +239,8 @@ def read_identity(engine: Path) -> dict | None:
     except (OSError, SafetensorError, ValueError):
         return None
     ok = (isinstance(ident, dict) and ident.get("converter") == CONVERTER and isinstance(ident.get("source"), str)
-          and all(isinstance(ident.get(k), dict) for k in ("sources", "companions")))
+          and all(isinstance(ident.get(k), dict) for k in ("sources", "companions"))
+          and all(Path(n).name == n and n not in ("", ".", "..") for n in ident["companions"]))  # names, no paths
     return ident if ok else None
 
 
@@ -478,11 +479,16 @@ def convert_gguf(gguf_path: Path, out_dir: Path, opened=None) -> Path:
 def write_gguf_companions(reader, config: dict, out_dir: Path, stats: dict) -> dict:
     """The tokenizer files (staged in a temporary folder, then renamed one by one) and config.json, each atomically;
     returns {name: sha256} of what was written, for the engine file's identity."""
-    from tokenizer import write_gguf_tokenizer
+    from tokenizer import TokenizerError, write_gguf_tokenizer
     stage = tmp_path(out_dir / "tokenizer")
     try:
         stage.mkdir()
-        write_gguf_tokenizer(reader, stage)
+        try:
+            write_gguf_tokenizer(reader, stage)
+        except TokenizerError as e:  # name the file it was for, not the staging folder
+            if re.search(r"os error \d+", str(e)):
+                raise write_error(out_dir / "tokenizer.json", e) from None
+            raise TokenizerError(str(e).replace(str(stage), str(out_dir))) from None
         written = sorted(f.name for f in stage.iterdir())
         for f in written:
             fsync_path(stage / f)

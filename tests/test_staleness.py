@@ -117,8 +117,42 @@ def test_an_older_engine_file_without_identity_is_converted_again(tmp_path, ckpt
     capsys.readouterr()
     save_file(load_file(str(out / ENGINE_FILE)), str(out / ENGINE_FILE), metadata={"format": "budgetkv"})
     checkpoint.resolve_checkpoint(str(path))
-    assert one_line(capsys.readouterr().err) == f"{out} was converted by an older budgetkv: converting {path} again"
+    assert one_line(capsys.readouterr().err) == (f"converting {path} -> {out} again: {out / ENGINE_FILE} records "
+                                                 "no source identity (an older budgetkv's, or damaged)")
     assert convert.read_identity(out / ENGINE_FILE)["converter"] == convert.CONVERTER
+
+
+def test_older_folders_given_by_path_are_redone_from_their_source(tmp_path, ckpts, hf_tiny, capsys):
+    """Without an identity: a GGUF conversion whose config.json names its GGUF (as budgetkv 2 wrote it), a
+    quantization whose config.json names its source, an HF folder's damaged engine file: each is redone once."""
+    import quantize
+    path = write_tiny_llama(tmp_path / "m.gguf")
+    out = checkpoint.resolve_checkpoint(str(path))
+    q = tmp_path / "q"
+    quantize.quantize_dir(out, "int8", out=q)
+    for d in (out, q):
+        save_file(load_file(str(d / ENGINE_FILE)), str(d / ENGINE_FILE), metadata={"format": "budgetkv"})
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(cfg | {"gguf_source": {"path": str(path), "bytes": 1}}))
+    capsys.readouterr()
+    checkpoint.resolve_checkpoint(str(out))
+    assert one_line(capsys.readouterr().err) == (f"converting {path} -> {out} again: {out / ENGINE_FILE} records "
+                                                 "no source identity (an older budgetkv's, or damaged)")
+    checkpoint.resolve_checkpoint(str(q))
+    assert one_line(capsys.readouterr().err) == (f"quantizing {out} -> {q} again: {q / ENGINE_FILE} records no "
+                                                 "source identity (an older budgetkv's)")
+    assert convert.read_identity(q / ENGINE_FILE)["kind"] == "quantized"
+    assert checkpoint.resolve_checkpoint(str(q)) == q and capsys.readouterr().err == ""
+
+    _, src = hf_tiny("llama")
+    d = Path(shutil.copytree(src, tmp_path / "hf"))
+    convert.convert_hf_dir(d)
+    (d / ENGINE_FILE).write_bytes((d / ENGINE_FILE).read_bytes()[:1000])
+    capsys.readouterr()
+    checkpoint.resolve_checkpoint(str(d))
+    assert one_line(capsys.readouterr().err) == (f"converting {d} again: {d / ENGINE_FILE} records no source "
+                                                 "identity (an older budgetkv's, or damaged)")
+    torch.testing.assert_close(served(d), load_file(str(d / "model.safetensors"))["model.embed_tokens.weight"])
 
 
 def test_a_hand_edited_config_of_a_conversion_is_redone(tmp_path, ckpts, capsys):
@@ -251,27 +285,31 @@ def run_with_fsize(limit: int, ckpts: Path, *argv: str) -> subprocess.CompletedP
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("stop_at,restore", [("tokenizer.json", False), (ENGINE_FILE, False), (ENGINE_FILE, True)],
-                         ids=["in-tokenizer", "before-engine", "before-engine-source-restored"])
-def test_killed_reconversion_is_never_trusted(tmp_path, ckpts, capsys, stop_at, restore):
+@pytest.mark.parametrize("stop_at", ["tokenizer.json", ENGINE_FILE], ids=["in-tokenizer", "before-engine"])
+def test_killed_reconversion_is_never_trusted(tmp_path, ckpts, capsys, stop_at):
     """A converted GGUF is replaced by another; the re-conversion is SIGKILLed at `stop_at` (config.json and the
-    tokenizer already new, the engine file old). The next run converts again and serves the new weights, or, with
-    the old GGUF put back, the old ones with the old config; the killed run's temporary files are removed."""
+    tokenizer already new, the engine file old). The next run converts again and serves the new weights; a copy of
+    the killed folder, given by path with the old GGUF put back, serves the old weights with the old config (converted
+    again where config.json was already new). The killed run's temporary files are removed."""
     a, b = gguf_pair(tmp_path)
     path = Path(shutil.copy(a, tmp_path / "m.gguf"))
     out = checkpoint.resolve_checkpoint(str(path))
     overwrite_in_place(path, b.read_bytes())
     kill_at(stop_at, ckpts, tmp_path, "scripts/quantize.py", "--checkpoint", str(path), "--mode", "int8")
     assert temp_files(out), "the kill left no temporary file: it did not stop mid-conversion"
-    if restore:
-        overwrite_in_place(path, a.read_bytes())
+    killed = Path(shutil.copytree(out, tmp_path / "killed"))
     capsys.readouterr()
-    assert checkpoint.resolve_checkpoint(str(path)) == out
-    assert one_line(capsys.readouterr().err).endswith(": converting again")
-    want = a if restore else b
-    torch.testing.assert_close(served(out), gguf_embedding(want))
-    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == (2048 if restore else 4096)
-    assert temp_files(out) == []
+    for d, source, ctx in ((out, b, 4096), (killed, a, 2048)):
+        overwrite_in_place(path, source.read_bytes())
+        assert checkpoint.resolve_checkpoint(str(path if d == out else d)) == d
+        err = capsys.readouterr().err
+        if d == out or stop_at == ENGINE_FILE:  # killed in the tokenizer, the copy is still all A: used as it is
+            assert one_line(err).endswith(": converting again")
+        else:
+            assert err == ""
+        torch.testing.assert_close(served(d), gguf_embedding(source))
+        assert json.loads((d / "config.json").read_text())["max_position_embeddings"] == ctx
+        assert temp_files(d) == []
 
 
 def test_killed_first_conversion_leaves_nothing_trusted(tmp_path, ckpts, capsys):
@@ -285,20 +323,22 @@ def test_killed_first_conversion_leaves_nothing_trusted(tmp_path, ckpts, capsys)
     assert temp_files(out) == []
 
 
-@pytest.mark.parametrize("first", [True, False], ids=["first-conversion", "reconversion"])
-def test_full_disk_during_conversion(tmp_path, ckpts, capsys, first):
-    """RLIMIT_FSIZE below the engine file's size: one line, exit 2, no traceback, no temporary file, nothing
-    trusted; the next run without the limit converts."""
+@pytest.mark.parametrize("first,limit,failed", [(True, 50_000, ENGINE_FILE), (False, 50_000, ENGINE_FILE),
+                                                (False, 1_000, "tokenizer.json")],
+                         ids=["first-conversion", "reconversion", "reconversion-tokenizer"])
+def test_full_disk_during_conversion(tmp_path, ckpts, capsys, first, limit, failed):
+    """RLIMIT_FSIZE below the engine file's (or tokenizer.json's) size: one line naming the file, exit 2, no
+    traceback, no temporary file, nothing trusted; the next run without the limit converts."""
     a, b = gguf_pair(tmp_path)
     path = Path(shutil.copy(a, tmp_path / "m.gguf"))
     out = ckpts / "m"
     if not first:
         checkpoint.resolve_checkpoint(str(path))
         overwrite_in_place(path, b.read_bytes())
-    r = run_with_fsize(50_000, ckpts, "scripts/convert_hf_checkpoint.py", "--checkpoint", str(path),
+    r = run_with_fsize(limit, ckpts, "scripts/convert_hf_checkpoint.py", "--checkpoint", str(path),
                        "--out-dir", str(out))
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == "", r.stderr
-    assert one_line(r.stderr) == (f"error: cannot write {out / ENGINE_FILE}: File too large (free some space or "
+    assert one_line(r.stderr) == (f"error: cannot write {out / failed}: File too large (free some space or "
                                   "raise the file size limit, then run again)")
     assert temp_files(out) == []
     assert (out / ENGINE_FILE).exists() is not first
@@ -405,7 +445,7 @@ def test_full_disk_during_quantization(hf_src, tmp_path, ckpts, capsys):
 
 # ------------------------------------------------------------------------------ a half-finished download
 
-def test_unfinished_download_says_how_to_resume(hf_src, tmp_path, ckpts, monkeypatch, capsys):
+def test_unfinished_download_says_how_to_resume(hf_src, tmp_path, ckpts, monkeypatch, capfd):
     """huggingface_hub writes each file whole, then renames it: an interrupted download lacks files."""
     d = hf_src
     (d / ".cache" / "huggingface" / "download").mkdir(parents=True)
@@ -424,10 +464,12 @@ def test_unfinished_download_says_how_to_resume(hf_src, tmp_path, ckpts, monkeyp
         checkpoint.resolve_checkpoint(str(single))
     monkeypatch.setitem(checkpoint.MODELS, "tiny", "acme/tiny")
     shutil.copytree(d, ckpts / "acme" / "tiny")
+    capfd.readouterr()
     with pytest.raises(UserError, match=r"acme/tiny holds an unfinished download of acme/tiny \(1 of 2 weight files "
                                         r"missing, e.g. model-00002-of-00002.safetensors\): run again where the hub "
                                         r"is reachable to resume it, or delete"):
         checkpoint.resolve_checkpoint("tiny")
+    assert capfd.readouterr().err == ""  # huggingface_hub's own "Returning existing local_dir" warning is not shown
 
 
 # ------------------------------------------------------------------------------ (f) GGUF metadata
