@@ -178,6 +178,8 @@ def run_figure(args) -> None:
     contexts, budgets = int_list(args.contexts, "--contexts"), int_list(args.budgets, "--budgets")
     ckpt = resolve_checkpoint(args.checkpoint)
     ctx = model_context(ckpt)
+    if args.block_size > ctx:
+        raise UserError(f"--block-size {args.block_size} is larger than the model's context ({ctx})")
     if max(contexts) + args.decode_steps > ctx:
         raise UserError(f"--contexts {max(contexts)} + --decode-steps {args.decode_steps} exceed the model's context "
                         f"({ctx})")
@@ -513,7 +515,9 @@ def parser() -> Parser:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policies", default="keydiff,sink,tova,snapkv,h2o,keynorm,random")
     ap.add_argument("--compile", action="store_true", help="compile prefill-block and decode steps per policy")
-    ap.add_argument("--compile-mode", default=None)
+    ap.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune",
+                                                             "max-autotune-no-cudagraphs"],
+                    help="torch.compile mode (default: engine.step_modes' choice per device)")
     ap.add_argument("--no-compile-prefill", action="store_true",
                     help="with --compile: compile the decode step only, prefill stays eager (what generate.py "
                          "--compile does on CPU; bench's --compile compiles both unless this is given; --paired and "
@@ -578,6 +582,8 @@ def check_context(ckpt, args) -> dict:
     config = read_config(ckpt)
     model_args = ModelArgs.from_config(config)
     ctx = model_args.max_seq_len
+    if args.block_size > ctx:
+        raise UserError(f"--block-size {args.block_size} is larger than the model's context ({ctx})")
     if args.prompt_tokens + args.decode_steps > ctx or args.budget > ctx:
         raise UserError(f"--prompt-tokens + --decode-steps ({args.prompt_tokens} + {args.decode_steps}) and --budget "
                         f"({args.budget}) must fit the model's context ({ctx})")

@@ -315,9 +315,7 @@ def summarize(records: list[dict]) -> dict:
         groups[r["task"], label(r["protocol"], r["policy"]), "all" if r["budget"] is None else r["budget"]].append(r)
     out = defaultdict(lambda: defaultdict(dict))
     for (task, row, budget), rs in groups.items():
-        keys = (["kl", "agree", "nll"] if task == "fidelity" else ["score"] if task.startswith("longbench/") else
-                ["score", "partial", "logp"])
-        m = {k: sum(r[k] for r in rs) / len(rs) for k in keys}
+        m = {k: sum(r[k] for r in rs) / len(rs) for k in measures(task)}
         if task == "fidelity":
             m["ppl"] = math.exp(m.pop("nll"))
         out[task][row][budget] = m | {"n": len(rs)}
@@ -329,6 +327,12 @@ def summarize(records: list[dict]) -> dict:
                 scores = [out[t][row][budget]["score"] for t in en16 if budget in out[t].get(row, {})]
                 avg[row][budget] = {"score": sum(scores) / len(scores), "tasks": len(scores)}
     return json.loads(json.dumps(out))  # plain dicts, budget keys as strings
+
+
+def measures(task: str) -> list[str]:
+    """What summarize averages over a task's records."""
+    return (["kl", "agree", "nll"] if task == "fidelity" else ["score"] if task.startswith("longbench/") else
+            ["score", "partial", "logp"])
 
 
 def cell(task: str, m: dict) -> str:
@@ -558,6 +562,12 @@ def run(a) -> int:
         torch.set_num_threads(a.threads)
     dtype = {"auto": torch.bfloat16 if a.device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
+    try:  # the outputs' folder before the run, not after it
+        a.out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out-dir {a.out_dir}: {e.strerror}") from None
+    journal = a.out_dir / JOURNAL
+    check_writable(journal, "--out-dir")
     ckpt = resolve_checkpoint(a.checkpoint)
     config = read_config(ckpt)  # read once, here and by the model
     model_args = ModelArgs.from_config(config)
@@ -571,12 +581,8 @@ def run(a) -> int:
         raise UserError(f"--fid-prefix + --fid-tokens exceeds the model's context ({ctx})")
     if max(a.budgets) > ctx:
         raise UserError(f"--budgets {max(a.budgets)} is larger than the model's context ({ctx})")
-    try:  # the outputs' folder before the run, not after it
-        a.out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"--out-dir {a.out_dir}: {e.strerror}") from None
-    journal = a.out_dir / JOURNAL
-    check_writable(journal, "--out-dir")
+    if a.block_size > ctx:
+        raise UserError(f"--block-size {a.block_size} is larger than the model's context ({ctx})")
     if max(a.lengths) >= ctx and any(t != "fidelity" for t in a.tasks):
         raise UserError(f"--lengths {max(a.lengths)} leaves no room for an answer in the model's context ({ctx})")
     tok = load_tokenizer(ckpt)
@@ -668,6 +674,9 @@ def read_journal(path: Path, settings: dict) -> dict:
     for n, e in lines[1:]:
         bad = next((k for k, kind in ENTRY.items() if not isinstance(e.get(k), kind)), None) \
             if isinstance(e, dict) else "the line"
+        if bad is None and not all(isinstance(r, dict) and r.get("task") == e["task"] and all(
+                isinstance(r.get(k), (int, float)) for k in measures(e["task"])) for r in e["records"]):
+            bad = "a record"
         if bad is not None:
             raise UserError(f"--resume: {path} line {n}: {bad} is missing or of the wrong type (run without "
                             "--resume to replace the file)")
