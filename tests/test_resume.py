@@ -170,7 +170,10 @@ def test_journal_lines_not_written_by_eval_are_refused(tmp_path):
     path = tmp_path / "results.jsonl"
     head = json.dumps({"settings": settings}) + "\n"
     for line, message in [('{"run": "x", "task": 5}', "line 2: task is missing or of the wrong type"),
-                          ("[1]", "line 2: the line is missing"), ("{", "line 2 is not JSON")]:
+                          ("[1]", "line 2: the line is missing"), ("{", "line 2 is not JSON"),
+                          ('{"run": "x", "task": "fidelity", "protocol": "block", "policy": "full", "budget": null, '
+                           '"data": "d", "records": [{"task": "fidelity", "kl": "0"}], "na": null}',
+                           "line 2: a record is missing")]:
         path.write_text(head + line + "\n")
         with pytest.raises(UserError, match=message):
             ev.read_journal(path, settings)
@@ -309,3 +312,12 @@ def test_bench_resume_runs_only_the_rest(kind, ckpt, tmp_path, monkeypatch, caps
                                    flag, kind)
     assert code == 2 and started == [] and part.read_bytes() == before
     assert err.strip().splitlines() == [err.strip()] and "repeats: 3 there, 2 now" in err, err
+
+
+def test_write_atomic_removes_a_killed_writers_temporary_file(tmp_path):
+    from scripts.outputs import write_atomic
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".out.json.tmp.{int(dead.stdout)}"  # a writer killed between its write and its rename
+    stale.write_text("half")
+    write_atomic(tmp_path / "out.json", "new")
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"] and (tmp_path / "out.json").read_text() == "new"
