@@ -17,8 +17,8 @@ from scripts import eval as ev
 BASE = {
     "eval.py": ["--checkpoint", "{ckpt}", "--out-dir", "{tmp}/out", "--tasks", "passkey", "--policies", "sink",
                 "--budgets", "32", "--lengths", "200", "--fid-prefix", "64", "--fid-tokens", "8", "--block-size", "16",
-                "--max-new-tokens", "4"],
-    "bench.py": ["--checkpoint", "{ckpt}", "--decode-steps", "8"],
+                "--max-new-tokens", "4", "--device", "cpu"],
+    "bench.py": ["--checkpoint", "{ckpt}", "--decode-steps", "8", "--device", "cpu"],
     "bench_kvpress.py": ["--model", "{tmp}/hf", "--press", "none", "--budget", "8", "--ids-file", "{tmp}/ids.json"],
 }
 LB = ["--tasks", "", "--longbench", "hotpotqa", "--longbench-source", "{tmp}/lb.jsonl"]  # eval.py: one LongBench file

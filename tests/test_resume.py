@@ -23,7 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # 2 tasks x (full + 2 policies x 2 budgets) = 10 configurations, a few seconds on the tiny model
 EVAL_ARGS = ["--tasks", "fidelity,passkey", "--policies", "full,sink,keydiff", "--budgets", "32,64", "--lengths", "200",
-             "--fid-prefix", "64", "--fid-tokens", "8", "--block-size", "16", "--max-new-tokens", "4"]
+             "--fid-prefix", "64", "--fid-tokens", "8", "--block-size", "16", "--max-new-tokens", "4",
+             "--device", "cpu"]
 
 
 def oserror_is_one_line() -> bool:
@@ -273,6 +274,7 @@ def run_bench(monkeypatch, capsys, tmp_path, ckpt, argv, flag, kind, fail_on=Non
     monkeypatch.setattr(bench.tempfile, "gettempdir", lambda: str(tmp_path))  # a failed child's log
     sizes = {"table": ["--prompt-tokens", "100", "--budget", "32"], "quant": ["--prompt-tokens", "100"], "figure": []}
     monkeypatch.setattr(sys, "argv", ["bench.py", "--checkpoint", str(ckpt), "--decode-steps", "8", "--threads", "1",
+                                      "--device", "cpu",
                                       *sizes[kind], *argv])
     try:
         code = bench.main()
