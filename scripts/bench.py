@@ -500,7 +500,7 @@ def run_kvpress(ckpt_dir: Path, ids: list[int], policy: str, budget: int, args) 
            "--decode-steps", str(args.decode_steps), "--repeats", str(args.repeats)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        print(f"  kvpress run failed: {r.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        print(f"  kvpress run failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}", file=sys.stderr)
         return None
     return json.loads(r.stdout.strip().splitlines()[-1])
 
