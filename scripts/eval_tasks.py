@@ -517,13 +517,66 @@ def load_longbench(task: str, source: str | Path | None = None, limit: int | Non
     else:
         path = Path(source)
         path = path / f"{task}.jsonl" if path.is_dir() else path
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        rows = read_jsonl(path, limit)
     rows = list(rows)[:limit] if limit is not None else list(rows)
+    if not rows:
+        raise ValueError(f"{path if source is not None else 'the hub'} has no rows")
+    for i, r in enumerate(rows):
+        check_row(r, f"{path} line {r.pop('_line')}" if source is not None else f"the hub's row {i + 1}")
     return [Sample(task, r["context"], r["input"], list(r["answers"]), LONGBENCH_EN16[base],
                    {"template": LONGBENCH_PROMPTS[base], "all_classes": r.get("all_classes"),
                     "length": r.get("length"), "_id": r.get("_id"), "chat": base not in LONGBENCH_NO_CHAT,
                     "max_new_tokens": LONGBENCH_MAXGEN[base]})
             for r in rows]
+
+
+def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
+    """The first `limit` rows of a .jsonl (blank lines skipped), each with its line number as "_line"; ValueError
+    naming the line for one that is not a JSON object."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    rows = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if limit is not None and len(rows) >= limit:
+            break
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {n} is not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} line {n}: a row is a JSON object, not {json_type(row)}")
+        rows.append(row | {"_line": n})
+    return rows
+
+
+def json_type(v) -> str:
+    return {str: "a string", list: "a list", dict: "an object", bool: "true/false", type(None): "null"}.get(
+        type(v), "a number")
+
+
+def check_row(r: dict, where: str) -> None:
+    """A LongBench row as load_longbench uses it: context and input strings, answers a non-empty list of strings,
+    all_classes null or a list of strings (ValueError naming `where` and the field otherwise)."""
+    for key in ("context", "input"):
+        if not isinstance(r.get(key), str):
+            raise ValueError(f"{where}: {key!r} must be a string, got {json_type(r[key]) if key in r else 'nothing'}")
+    for key in ("answers", "all_classes"):
+        v = r.get(key)
+        if key == "all_classes" and v is None:
+            continue
+        if not isinstance(v, list):
+            got = json_type(v) if key in r else "nothing"
+        elif not v:
+            got = "an empty list"
+        elif odd := [x for x in v if not isinstance(x, str)]:
+            got = f"a list holding {json_type(odd[0])}"
+        else:
+            continue
+        raise ValueError(f"{where}: {key!r} must be a non-empty list of strings, got {got}")
 
 
 def longbench_score(task: str, prediction: str, sample: Sample) -> float:

@@ -1,0 +1,125 @@
+"""Outputs that survive interruption (scripts/eval.py, scripts/bench.py): a file is replaced atomically (a reader
+sees the old one or the whole new one, never a part), a journal gets one whole JSON line per finished configuration,
+and `settings` (what a run's results depend on) are recorded beside the results, so that --resume reuses results
+only from a run with the same settings and refuses to mix in any other."""
+import glob
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+
+from errors import UserError
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Replace `path` by `data`: written to ".<name>.tmp.<pid>" in the same folder, fsynced, renamed over `path`.
+    A killed writer's temporary file is removed by the next write of the same file."""
+    for old in path.parent.glob(glob.escape(f".{path.name}.tmp.") + "*"):
+        pid = old.name.rsplit(".", 1)[1]
+        if pid.isdigit() and not alive(int(pid)):
+            old.unlink(missing_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (a crash right after it keeps the new name)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def append_line(path: Path, obj) -> None:
+    """Append obj as one JSON line, fsynced. A line cut short (killed mid-write, disk full) lacks its newline, which
+    is how read_lines tells it apart and drops it."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(obj) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_png(fig, path: Path, dpi: int = 100) -> None:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    write_atomic(path, buf.getvalue())
+
+
+def digest(obj) -> str:
+    """A short content hash of a JSON-able object."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def checkpoint_identity(ckpt: Path) -> dict:
+    """What tells this checkpoint from another without reading its weights: its folder, its config.json's content and
+    the size and modification time of each weights file (a re-converted or replaced checkpoint differs)."""
+    config = ckpt / "config.json"
+    return {"path": str(ckpt.resolve()), "config": hashlib.sha256(config.read_bytes()).hexdigest()[:16],
+            "weights": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(ckpt.glob("*.safetensors"))]}
+
+
+def first_difference(old: dict, new: dict) -> str | None:
+    for k in sorted(set(old) | set(new)):
+        if old.get(k) != new.get(k):
+            return f"{k}: {json.dumps(old.get(k))} there, {json.dumps(new.get(k))} now"
+    return None
+
+
+def check_settings(path: Path, old, new: dict) -> None:
+    """--resume: refuse (one line) an output that a run with other settings wrote."""
+    if not isinstance(old, dict):
+        raise UserError(f"--resume: {path} records no settings: not written by this script (run without --resume "
+                        "to replace it)")
+    why = first_difference(old, new)
+    if why is not None:
+        raise UserError(f"--resume: {path} was written by a run with other settings ({why}); run without --resume "
+                        "to replace it, or write elsewhere")
+
+
+def read_lines(path: Path) -> list[tuple[int, object]]:
+    """A journal's whole lines as (line number, parsed JSON). The part after the last newline (a line cut short) is
+    dropped; anything else unreadable is refused in one line."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"--resume: {path} is not UTF-8 text: not written by this script (run without --resume to "
+                        "replace it)") from None
+    out = []
+    for n, line in enumerate(text.split("\n")[:-1], 1):
+        try:
+            out.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise UserError(f"--resume: {path} line {n} is not JSON ({e.msg}): not written by this script (run "
+                            "without --resume to replace it)") from None
+    return out
+
+
+def read_json(path: Path):
+    """--resume: the JSON output a previous run left at `path` (None when there is none)."""
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"--resume: {path} is not JSON ({e}): not written by this script (run without --resume to "
+                        "replace it)") from None

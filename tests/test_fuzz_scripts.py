@@ -1,0 +1,253 @@
+"""Bad input to scripts/eval.py (its flags, and LongBench rows read by scripts/eval_tasks.py), scripts/bench.py and
+scripts/bench_kvpress.py: one line on stderr naming the flag, file or row, the exit code of bad input (2), no
+traceback, nothing loaded, and no file written or changed. A new flag's bad values go into CASES.
+
+Each case: (argv, files, exit code, substring of the one line). argv[0] names the script; its BASE arguments (a tiny
+checkpoint, small sizes) come first, so a case overrides them. `files` are created in the case's folder first
+(a name ending in "/" is a folder); "{tmp}" in argv is that folder and "{ckpt}" the tiny checkpoint. Runs in this
+process (no interpreter start per case); a case that would load a model or start a configuration fails."""
+import json
+import sys
+
+import pytest
+
+from scripts import bench, bench_kvpress
+from scripts import eval as ev
+
+BASE = {
+    "eval.py": ["--checkpoint", "{ckpt}", "--out-dir", "{tmp}/out", "--tasks", "passkey", "--policies", "sink",
+                "--budgets", "32", "--lengths", "200", "--fid-prefix", "64", "--fid-tokens", "8", "--block-size", "16",
+                "--max-new-tokens", "4", "--device", "cpu"],
+    "bench.py": ["--checkpoint", "{ckpt}", "--decode-steps", "8", "--device", "cpu"],
+    "bench_kvpress.py": ["--model", "{tmp}/hf", "--press", "none", "--budget", "8", "--ids-file", "{tmp}/ids.json"],
+}
+LB = ["--tasks", "", "--longbench", "hotpotqa", "--longbench-source", "{tmp}/lb.jsonl"]  # eval.py: one LongBench file
+SMALL = ["--prompt-tokens", "100"]  # bench.py: a prompt the tiny model's context holds
+FIGURE = ["--figure", "rocketkv", "--contexts", "64", "--budgets", "16", "--out-dir", "{tmp}/fig"]
+GOOD = {"input": "Who jumps?", "context": "The quick brown fox jumps.", "answers": ["the fox"], "all_classes": None}
+
+
+def row(**change) -> str:
+    """A LongBench row with fields changed (None: removed) as one JSON line."""
+    r = {k: v for k, v in (GOOD | change).items() if v is not None or k not in change}
+    return json.dumps(r) + "\n"
+
+
+def lb(text, *extra):  # eval.py on a LongBench file holding `text`
+    return (["eval.py", *LB, *extra], {"lb.jsonl": text})
+
+
+CASES = [
+    # ---- eval.py: flags
+    (["eval.py", "--budgets", "32,abc"], {}, 2, "invalid comma-separated int value: '32,abc'"),
+    (["eval.py", "--budgets", ""], {}, 2, "--budgets is empty"),
+    (["eval.py", "--budgets", ",,"], {}, 2, "--budgets is empty"),
+    (["eval.py", "--budgets", "0"], {}, 2, "--budgets must all be >= 1"),
+    (["eval.py", "--budgets", "-5"], {}, 2, "--budgets must all be >= 1"),
+    (["eval.py", "--budgets", "32,32"], {}, 2, "--budgets lists 32 twice"),
+    (["eval.py", "--budgets", "4096"], {}, 2, "--budgets 4096 is larger than the model's context (2048)"),
+    (["eval.py", "--budgets", "1e3"], {}, 2, "invalid comma-separated int value"),
+    (["eval.py", "--lengths", "0"], {}, 2, "--lengths must all be >= 1"),
+    (["eval.py", "--lengths", "200,200"], {}, 2, "--lengths lists 200 twice"),
+    (["eval.py", "--lengths", "5000"], {}, 2, "--lengths 5000 leaves no room for an answer"),
+    (["eval.py", "--lengths", "10"], {}, 2, "passkey at --lengths 10"),
+    (["eval.py", "--depths", "1.5"], {}, 2, "--depths must be in [0, 1]"),
+    (["eval.py", "--depths", "nan"], {}, 2, "--depths must be in [0, 1]"),
+    (["eval.py", "--depths", "0,0"], {}, 2, "--depths lists 0.0 twice"),
+    (["eval.py", "--depths", "x"], {}, 2, "invalid comma-separated float value"),
+    (["eval.py", "--samples", "0"], {}, 2, "--samples must be >= 1"),
+    (["eval.py", "--samples", "two"], {}, 2, "invalid int value: 'two'"),
+    (["eval.py", "--block-size", "0"], {}, 2, "--block-size must be >= 1"),
+    (["eval.py", "--block-size", "100000"], {}, 2, "--block-size 100000 is larger than the model's context (2048)"),
+    (["eval.py", "--fid-prefix", "0"], {}, 2, "--fid-prefix must be >= 1"),
+    (["eval.py", "--fid-tokens", "-1"], {}, 2, "--fid-tokens must be >= 1"),
+    (["eval.py", "--fid-texts", "0"], {}, 2, "--fid-texts must be >= 1"),
+    (["eval.py", "--tasks", "fidelity", "--fid-prefix", "2000", "--fid-tokens", "100"], {}, 2,
+     "--fid-prefix + --fid-tokens exceeds the model's context (2048)"),
+    (["eval.py", "--tasks", "nope"], {}, 2, "unknown task 'nope'"),
+    (["eval.py", "--tasks", "fidelity,fidelity"], {}, 2, "--tasks lists fidelity twice"),
+    (["eval.py", "--tasks", ""], {}, 2, "nothing to run: give --tasks or --longbench"),
+    (["eval.py", "--prefill", "both"], {}, 2, "unknown --prefill 'both'"),
+    (["eval.py", "--prefill", ""], {}, 2, "--prefill is empty"),
+    (["eval.py", "--prefill", "block,block"], {}, 2, "--prefill lists block twice"),
+    (["eval.py", "--policies", "nope"], {}, 2, "unknown policy 'nope'"),
+    (["eval.py", "--policies", ""], {}, 2, "--policies is empty"),
+    (["eval.py", "--policies", "sink:nope=1"], {}, 2, "nope"),
+    (["eval.py", "--policies", "snapkv", "--budgets", "16"], {}, 2, "observation window"),
+    (["eval.py", "--max-new-tokens", "-1"], {}, 2, "--max-new-tokens"),
+    (["eval.py", "--threads", "-1"], {}, 2, "--threads"),
+    (["eval.py", "--device", "mps"], {}, 2, "--device 'mps': cpu, cuda or cuda:N"),
+    (["eval.py", "--device", "cpu:1"], {}, 2, "--device 'cpu:1'"),
+    (["eval.py", "--device", "cuda:7"], {}, 2, "--device cuda"),
+    (["eval.py", "--dtype", "int8"], {}, 2, "invalid choice: 'int8'"),
+    (["eval.py", "--checkpoint", "no-such-model"], {}, 2, "unknown checkpoint 'no-such-model'"),
+    (["eval.py", "--checkpoint", "{tmp}/empty"], {"empty/": None}, 2, "has no config.json"),
+    (["eval.py", "--checkpoint", "{tmp}/bad"], {"bad/config.json": "{"}, 2, "config.json is not valid JSON"),
+    (["eval.py", "--out-dir", "/proc/no-such-dir"], {}, 2, "--out-dir /proc/no-such-dir"),
+    (["eval.py", "--out-dir", "{tmp}/a-file"], {"a-file": "x"}, 2, "a-file: File exists"),
+    (["eval.py", "--longbench", "nope"], {}, 2, "unknown LongBench task 'nope'"),
+    (["eval.py", "--longbench", "hotpotqa,hotpotqa"], {}, 2, "--longbench lists hotpotqa twice"),
+    (["eval.py", "--longbench-source", "{tmp}/lb.jsonl"], {"lb.jsonl": row()}, 2, "apply to --longbench tasks"),
+    (["eval.py", "--longbench-limit", "3"], {}, 2, "apply to --longbench tasks"),
+    (["eval.py", *LB, "--longbench", "en16"], {"lb.jsonl": row()}, 2, "lb.jsonl is one file, for 16 tasks"),
+    (["eval.py", *LB, "--longbench-source", "{tmp}/missing.jsonl"], {}, 2, "missing.jsonl: no such file or folder"),
+    (["eval.py", *LB, "--longbench-max-tokens", "-1"], {"lb.jsonl": row()}, 2, "--longbench-max-tokens"),
+    # ---- eval.py --resume: an output it did not write, or wrote with other settings
+    (["eval.py", "--resume"], {"out/results.jsonl": "not json\n"}, 2, "results.jsonl line 1 is not JSON"),
+    (["eval.py", "--resume"], {"out/results.jsonl": b"\xff\xfe\n"}, 2, "results.jsonl is not UTF-8 text"),
+    (["eval.py", "--resume"], {"out/results.jsonl": "[1, 2]\n"}, 2, "results.jsonl records no settings"),
+    (["eval.py", "--resume"], {"out/results.jsonl": '{"settings": {"seed": 5}}\n'}, 2, "with other settings"),
+    (["eval.py", "--resume"], {"out/results.jsonl/": None}, 2, "results.jsonl: cannot write there"),
+    # ---- LongBench rows (scripts/eval_tasks.load_longbench, through eval.py)
+    (*lb(""), 2, "lb.jsonl has no rows"),
+    (*lb("\n  \n\n"), 2, "lb.jsonl has no rows"),
+    (*lb("not json\n"), 2, "lb.jsonl line 1 is not JSON"),
+    (*lb('{"context": "a"\n'), 2, "lb.jsonl line 1 is not JSON"),
+    (*lb(row() + "{oops\n", "--longbench-limit", "5"), 2, "lb.jsonl line 2 is not JSON"),
+    (*lb("\n" + row() + "[1]\n", "--longbench-limit", "5"), 2, "lb.jsonl line 3: a row is a JSON object, not a list"),
+    (*lb('"just a string"\n'), 2, "a row is a JSON object, not a string"),
+    (*lb("null\n"), 2, "a row is a JSON object, not null"),
+    (*lb(row(context=None)), 2, "lb.jsonl line 1: 'context' must be a string, got nothing"),
+    (*lb(row(context=5)), 2, "'context' must be a string, got a number"),
+    (*lb(row(input=None)), 2, "'input' must be a string, got nothing"),
+    (*lb(row(input=["a"])), 2, "'input' must be a string, got a list"),
+    (*lb(row(answers="the fox")), 2, "'answers' must be a non-empty list of strings, got a string"),
+    (*lb(row(answers=[])), 2, "'answers' must be a non-empty list of strings, got an empty list"),
+    (*lb(row(answers=[1])), 2, "got a list holding a number"),
+    (*lb(row(answers=None)), 2, "'answers' must be a non-empty list of strings, got nothing"),
+    (*lb(row(answers={"a": 1})), 2, "got an object"),
+    (*lb(row(all_classes="Date")), 2, "'all_classes' must be a non-empty list of strings, got a string"),
+    (*lb(row(all_classes=[True])), 2, "got a list holding true/false"),
+    (*lb(row().encode("utf-16")), 2, "lb.jsonl is not UTF-8 text"),
+    (*lb(b'{"context": "\xff"}\n'), 2, "lb.jsonl is not UTF-8 text"),
+    (["eval.py", *LB, "--longbench-source", "{tmp}/lbdir"], {"lbdir/trec.jsonl": row()}, 2,
+     "lbdir/hotpotqa.jsonl: No such file or directory"),
+    (["eval.py", *LB, "--longbench-source", "{tmp}/lbdir"], {"lbdir/hotpotqa.jsonl/": None}, 2,
+     "hotpotqa.jsonl: Is a directory"),
+    # ---- bench.py
+    (["bench.py", "--budget", "abc"], {}, 2, "invalid int value: 'abc'"),
+    (["bench.py", "--budget", "0"], {}, 2, "--budget must be >= 1"),
+    (["bench.py", "--prompt-tokens", "0"], {}, 2, "--prompt-tokens must be >= 1"),
+    (["bench.py", "--repeats", "0"], {}, 2, "--repeats must be >= 1"),
+    (["bench.py", "--decode-steps", "1"], {}, 2, "--decode-steps must be >= 2"),
+    (["bench.py", "--block-size", "0"], {}, 2, "--block-size must be >= 1"),
+    (["bench.py", *SMALL, "--block-size", "4096"], {}, 2, "--block-size 4096 is larger than the model's context"),
+    (["bench.py", *FIGURE, "--block-size", "4096"], {}, 2, "--block-size 4096 is larger than the model's context"),
+    (["bench.py", "--threads", "0"], {}, 2, "--threads must be >= 1"),
+    (["bench.py", "--policies", "nope"], {}, 2, "unknown policy 'nope'"),
+    (["bench.py", "--policies", "sink,sink"], {}, 2, "--policies lists sink twice"),
+    (["bench.py", *SMALL, "--policies", "sink", "--budget", "2"], {}, 2, "must exceed the 4 sink"),
+    (["bench.py", "--prompt-tokens", "5000"], {}, 2, "must fit the model's context (2048)"),
+    (["bench.py", "--device", "xla"], {}, 2, "--device 'xla'"),
+    (["bench.py", "--checkpoint", "no-such-model"], {}, 2, "unknown checkpoint 'no-such-model'"),
+    (["bench.py", "--paired", "--figure", "rocketkv"], {}, 2, "--paired and --figure are separate runs"),
+    (["bench.py", "--figure", "nope"], {}, 2, "invalid choice: 'nope'"),
+    (["bench.py", "--quant", "int3"], {}, 2, "unknown --quant mode 'int3'"),
+    (["bench.py", "--quant", "int4-g0"], {}, 2, "unknown --quant mode 'int4-g0'"),
+    (["bench.py", "--quant", ","], {}, 2, "--quant is empty"),
+    (["bench.py", "--quant", "int8,int8"], {}, 2, "--quant lists int8 twice"),
+    (["bench.py", "--quant", "int8", "--ppl-texts", "0"], {}, 2, "--ppl-texts, --ppl-prefix and --ppl-tokens"),
+    (["bench.py", "--ppl-texts", "2"], {}, 2, "--ppl-texts needs --quant"),
+    (["bench.py", "--contexts", "1024"], {}, 2, "--contexts needs --figure"),
+    (["bench.py", *FIGURE, "--contexts", "abc"], {}, 2, "--contexts takes comma-separated integers"),
+    (["bench.py", *FIGURE, "--contexts", "0"], {}, 2, "--contexts needs integers >= 1"),
+    (["bench.py", *FIGURE, "--budgets", ""], {}, 2, "--budgets needs integers >= 1"),
+    (["bench.py", *FIGURE, "--budgets", "16,16"], {}, 2, "--budgets lists 16 twice"),
+    (["bench.py", *FIGURE, "--contexts", "4096"], {}, 2, "exceed the model's context (2048)"),
+    (["bench.py", *FIGURE, "--out-dir", "/proc/x"], {}, 2, "--out-dir /proc/x"),
+    (["bench.py", *FIGURE, "--json", "{tmp}/x.json"], {}, 2, "--json does not apply to --figure"),
+    (["bench.py", *FIGURE, "--policies", "sink"], {}, 2, "--policies does not apply to --figure"),
+    (["bench.py", "--kvpress", "--paired"], {}, 2, "--kvpress does not apply to --paired"),
+    (["bench.py", "--hf-model", "{tmp}/hf"], {}, 2, "--hf-model is the model --kvpress runs"),
+    (["bench.py", "--compile-mode", "default"], {}, 2, "--compile-mode needs --compile"),
+    (["bench.py", "--compile", "--compile-mode", "fast"], {}, 2, "invalid choice: 'fast'"),
+    (["bench.py", "--cpp-wrapper"], {}, 2, "--cpp-wrapper needs --compile"),
+    (["bench.py", "--no-compile-prefill"], {}, 2, "--no-compile-prefill needs --compile"),
+    (["bench.py", "--profile"], {}, 2, "--profile needs --paired"),
+    (["bench.py", "--paired", "--profile", "0"], {}, 2, "--profile needs --paired and >= 1 rows"),
+    (["bench.py", "--json", "/proc/x.json"], {}, 2, "--json /proc/x.json: cannot write"),
+    (["bench.py", "--json", "{tmp}/no-dir/x.json"], {}, 2, "x.json: cannot write there (No such file or directory)"),
+    (["bench.py", "--json", "{tmp}/d"], {"d/": None}, 2, "cannot write there (Is a directory)"),
+    (["bench.py", "--one-figure", "x"], {}, 2, "--one-figure 'x'"),
+    (["bench.py", "--one-quant", "int3"], {}, 2, "unknown --quant mode 'int3'"),
+    # ---- bench.py --resume
+    (["bench.py", "--resume"], {}, 2, "--resume needs --json"),
+    (["bench.py", "--resume", "--paired"], {}, 2, "--resume does not apply to --paired"),
+    (["bench.py", *SMALL, "--resume", "--json", "{tmp}/b.json"], {"b.json": "{oops"}, 2, "b.json is not JSON"),
+    (["bench.py", *SMALL, "--resume", "--json", "{tmp}/b.json"], {"b.json": b"\xff"}, 2, "b.json is not JSON"),
+    (["bench.py", *SMALL, "--resume", "--json", "{tmp}/b.json"], {"b.json": "[1]"}, 2, "b.json records no settings"),
+    (["bench.py", *SMALL, "--resume", "--json", "{tmp}/b.json"], {"b.json": '{"settings": {}}'}, 2, "other settings"),
+    (["bench.py", *FIGURE, "--resume"], {"fig/rocketkv_figure.json": ""}, 2, "rocketkv_figure.json is not JSON"),
+    (["bench.py", *SMALL, "--quant", "int8", "--resume", "--json", "{tmp}/q.json"], {"q.json": '{"settings": 1}'}, 2,
+     "q.json records no settings"),
+    # ---- bench_kvpress.py (HF + kvpress side; runs in .venv-kv)
+    (["bench_kvpress.py"], {}, 2, "ids.json: No such file or directory"),
+    (["bench_kvpress.py", "--budget", "0"], {"ids.json": "[1]"}, 2, "--budget must be >= 1"),
+    (["bench_kvpress.py", "--budget", "x"], {"ids.json": "[1]"}, 2, "invalid int value: 'x'"),
+    (["bench_kvpress.py", "--decode-steps", "0"], {"ids.json": "[1]"}, 2, "--decode-steps must be >= 1"),
+    (["bench_kvpress.py", "--repeats", "-2"], {"ids.json": "[1]"}, 2, "--repeats must be >= 1"),
+    (["bench_kvpress.py"], {"ids.json": "[1, 2"}, 2, "ids.json is not JSON"),
+    (["bench_kvpress.py"], {"ids.json": b"\xff\xfe"}, 2, "ids.json is not JSON"),
+    (["bench_kvpress.py"], {"ids.json": "{}"}, 2, "not a non-empty JSON list of token ids"),
+    (["bench_kvpress.py"], {"ids.json": "[]"}, 2, "not a non-empty JSON list of token ids"),
+    (["bench_kvpress.py"], {"ids.json": "[-1]"}, 2, "not a non-empty JSON list of token ids"),
+    (["bench_kvpress.py"], {"ids.json": '["a"]'}, 2, "not a non-empty JSON list of token ids"),
+    (["bench_kvpress.py"], {"ids.json": "[true]"}, 2, "not a non-empty JSON list of token ids"),
+    (["bench_kvpress.py"], {"ids.json": "[1.5]"}, 2, "not a non-empty JSON list of token ids"),
+    (["bench_kvpress.py"], {"ids.json/": None}, 2, "ids.json: Is a directory"),
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(hf_tiny, tmp_path_factory):
+    from conftest import with_tiny_tokenizer
+    _, src = hf_tiny("llama")
+    return with_tiny_tokenizer(src, tmp_path_factory.mktemp("tiny_fuzz"),
+                               "the quick brown fox jumps over the lazy dog 0123456789")
+
+
+def files_in(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def run(script, argv, monkeypatch):
+    """The script's main() in this process; its exit code."""
+    def never(*a, **k):
+        raise AssertionError("bad input got as far as loading a model or starting a configuration")
+    monkeypatch.setattr(ev, "load_model", never)
+    monkeypatch.setattr(bench, "load_model", never)
+    monkeypatch.setattr(bench, "run_one", never)
+    monkeypatch.setattr(bench, "read_bandwidth_gb_s", never)
+    try:
+        if script == "eval.py":
+            return ev.main(argv)
+        if script == "bench.py":
+            monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
+            return bench.main()
+        return bench_kvpress.main(argv)
+    except SystemExit as e:  # argparse's errors
+        return e.code
+
+
+def test_the_table_is_large():
+    assert len(CASES) >= 100
+
+
+@pytest.mark.parametrize("argv, files, code, message", CASES, ids=[f"{c[0][0]}:{c[3]}" for c in CASES])
+def test_bad_input_one_line(argv, files, code, message, ckpt, tmp_path, monkeypatch, capsys):
+    for name, content in files.items():
+        path = tmp_path / name
+        if name.endswith("/"):
+            path.mkdir(parents=True)
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+    before = files_in(tmp_path)
+    script, *args = argv
+    args = [a.format(tmp=tmp_path, ckpt=ckpt) for a in BASE[script] + args]
+    got = run(script, args, monkeypatch)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert got == code and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    assert "Traceback" not in err
+    assert files_in(tmp_path) == before  # nothing written, nothing changed (an empty --out-dir may be made)
