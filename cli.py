@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 
 from convert import CheckpointError
-from errors import UserError
+from errors import EnvironmentFailure, UserError
 from model import ConfigError
 
 ERROR_LOG = Path(tempfile.gettempdir()) / "budgetkv-error.log"  # the last internal error's traceback
@@ -116,6 +116,9 @@ def run_cli(run_fn, a) -> int:
     except (UserError, ConfigError, CheckpointError, TokenizerError, PolicyError, DownloadError) as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
+    except EnvironmentFailure as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

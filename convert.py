@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from errors import EnvironmentFailure
+
 ENGINE_FILE = "budgetkv.safetensors"
 # Recorded in every engine file's identity; a file written by another converter version is converted again
 # (2: tokenizer.ggml.pre honoured; 3: the source's identity recorded in the engine file itself).
@@ -179,7 +181,7 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_error(path: Path, e: BaseException) -> "CheckpointError":
+def write_error(path: Path, e: BaseException) -> EnvironmentFailure:
     """One line for a failed write: the file and the reason (a full disk, a file size limit, permissions).
     safetensors reports an OS error as text ("... File too large (os error 27)")."""
     found = re.search(r"os error (\d+)", str(e))
@@ -187,12 +189,13 @@ def write_error(path: Path, e: BaseException) -> "CheckpointError":
     reason = os.strerror(code) if code else " ".join(str(e).split()) or type(e).__name__
     if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         reason += " (free some space or raise the file size limit, then run again)"
-    return CheckpointError(f"cannot write {path}: {reason}")
+    return EnvironmentFailure(f"cannot write {path}: {reason}")
 
 
 def write_atomic(path: Path, write) -> None:
     """write(tmp) writes the content to a temporary name beside `path`; it is then fsynced and renamed into place,
-    and the folder fsynced: `path` is the old file or the whole new one, never a part. Errors -> CheckpointError."""
+    and the folder fsynced: `path` is the old file or the whole new one, never a part. Errors ->
+    EnvironmentFailure."""
     from safetensors import SafetensorError
     tmp = tmp_path(path)
     try:

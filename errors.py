@@ -1,5 +1,6 @@
-"""The project's bad-input error (library code raises it, command lines print it as one line and exit 2), and the
-check every command line makes first: that it runs in a Python that has the project's requirements."""
+"""The project's two error types (library code raises them; command lines print them as one line, exit 2 for bad
+input and 1 for a failed environment) and the check every command line makes first: that it runs in a Python that
+has the project's requirements."""
 import importlib.util
 import sys
 
@@ -8,6 +9,11 @@ REQUIRED = ("torch", "safetensors", "tokenizers", "gguf", "numpy", "jinja2")  # 
 
 class UserError(Exception):
     """Bad input: printed as one line, exit code 2."""
+
+
+class EnvironmentFailure(Exception):
+    """The environment failed (a full disk, a file size limit, a refused permission) where the library has a better
+    line than the OS error's: printed as one line, exit code 1."""
 
 
 def check_python() -> None:

@@ -38,8 +38,7 @@ def check_args(a) -> None:
         if not src.is_file():
             raise UserError(f"--checkpoint {src} is not a file")
         out = a.out_dir or Path("checkpoints") / src.stem
-        if not out.is_dir():  # an existing one is written file by file, each failure naming its file
-            check_out_dir(out, "--out-dir")
+        check_out_dir(out, "--out-dir")
         cfg = out / "config.json"
         if cfg.is_file():  # re-converting a GGUF there is fine; overwriting another model is not
             try:

@@ -631,7 +631,8 @@ def run(a) -> int:
         t0 = time.perf_counter()
         n = a.fid_texts if task == "fidelity" else len(items[task])
         kw = dict(block_size=a.block_size, steps=steps, done=lambda cfg, records, task=task: record(task, cfg, records))
-        with tqdm(total=len(todo) * n, desc=task, unit="prompt", dynamic_ncols=True, mininterval=1) as bar:
+        with tqdm(total=len(todo) * n, desc=task, unit="prompt", dynamic_ncols=True, mininterval=1,
+                  disable=not sys.stderr.isatty()) as bar:  # a progress line on a terminal only
             if task == "fidelity":
                 fidelity(model, texts, a.fid_prefix, todo, bar=bar, **kw)
             else:

@@ -53,10 +53,13 @@ def fsync_dir(folder: Path) -> None:
 def append_line(path: Path, obj) -> None:
     """Append obj as one JSON line, fsynced. A line cut short (killed mid-write, disk full) lacks its newline, which
     is how read_lines tells it apart and drops it."""
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(obj) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(obj) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # a write's error names no file: name it (a full disk, a file size limit)
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 def save_png(fig, path: Path, dpi: int = 100) -> None:

@@ -250,7 +250,9 @@ CASES += [
     gen("weights-garbage", [], 2, "truncated or corrupt", files(model__safetensors=b"\x00" * 64), "{bad}"),
     gen("weights-empty", [], 2, "truncated or corrupt", files(model__safetensors=b""), "{bad}"),
     gen("weights-lack-a-tensor", [], 2, "lacks tensor", missing_tensor, "{bad}"),
-    gen("engine-file-garbage", [], 2, "truncated or corrupt", files(budgetkv__safetensors=b"garbage"), "{bad}"),
+    # an engine file with no source beside it (a garbage one beside HF weights is converted again from them)
+    gen("engine-file-garbage", [], 2, "truncated or corrupt",
+        files(budgetkv__safetensors=b"garbage", model__safetensors=None), "{bad}"),
     # tokenizer files
     gen("tokenizer-json-garbage", [], 2, "cannot read", files(tokenizer__json="not json"), "{bad}"),
     gen("tokenizer-json-empty", [], 2, "cannot read", files(tokenizer__json=""), "{bad}"),
@@ -603,7 +605,8 @@ def test_safetensors_io_error_names_the_file(tmp_path, monkeypatch, capfd):
 
 def test_full_disk_during_quantize(tiny_ckpt, tmp_path, capfd):
     """A real full disk (RLIMIT_FSIZE: writes past 64 KiB fail with EFBIG, which Python ignores as a signal): one line
-    naming the file, exit 1, and no loadable checkpoint left behind (config.json is written last)."""
+    naming the file, exit 1, and no loadable checkpoint left behind (the engine file, written last, is absent, and a
+    folder without it is refused as an unfinished quantization)."""
     import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
@@ -613,4 +616,6 @@ def test_full_disk_during_quantize(tiny_ckpt, tmp_path, capfd):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     err = capfd.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "File too large" in err and str(tmp_path / "q") in err, err
-    assert not (tmp_path / "q" / "config.json").exists() and not (tmp_path / "q" / "budgetkv.safetensors").exists()
+    assert not (tmp_path / "q" / "budgetkv.safetensors").exists()
+    assert generate.main(["--checkpoint", str(tmp_path / "q"), *PROMPT]) == 2
+    assert "unfinished quantization" in capfd.readouterr().err

@@ -144,4 +144,4 @@ def test_convert_cli_one_line_errors(tmp_path, capsys):
     assert main(["--checkpoint", str(d)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 3 and all(line.startswith("error: ") for line in lines), lines
-    assert "cannot write /proc/tokenizer.json" in lines[1] and "lacks a valid num_hidden_layers" in lines[2]
+    assert "cannot create --out-dir /proc: /proc is not writable" in lines[1] and "lacks a valid num_hidden_layers" in lines[2]

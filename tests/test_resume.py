@@ -27,16 +27,6 @@ EVAL_ARGS = ["--tasks", "fidelity,passkey", "--policies", "full,sink,keydiff", "
              "--device", "cpu"]
 
 
-def oserror_is_one_line() -> bool:
-    """Whether cli.run_cli turns an OSError into one line and exit 1 (issue 18, item 2: another change)."""
-    def fail(_):
-        raise OSError(28, "No space left on device", "x")
-    try:
-        return cli.run_cli(fail, None) == 1
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def ckpt(hf_tiny, tmp_path_factory):
     from conftest import with_tiny_tokenizer
@@ -212,8 +202,6 @@ def test_eval_disk_full_keeps_whole_lines_then_resumes(ckpt, uninterrupted, tmp_
     assert not [p for p in out.iterdir() if ".tmp." in p.name]
     assert ev.main(eval_argv(ckpt, out, "--resume")) == 0
     assert json.loads((out / "results.json").read_text())["records"] == full["records"]
-    if not oserror_is_one_line():
-        pytest.xfail("cli.run_cli does not yet turn an OSError into one line (issue 18 item 2, another change)")
     lines = r.stderr.strip().splitlines()
     assert "Traceback" not in r.stderr and len(lines) == 1 and "results.jsonl" in lines[0], r.stderr
 
