@@ -10,12 +10,16 @@ Tasks (--tasks):
              next --fid-tokens tokens is fed one at a time (the policy evicts at every step). Per policy and budget:
              mean KL(full || policy) of the next-token distributions (nats), top-1 agreement with the full cache and
              the text's perplexity. The primary measure for a small model.
+  freegen    free generation from the same prefixes: --gen-tokens greedy tokens, each fed back (as a user's run
+             does; a policy that evicts the tokens it just wrote can loop, which teacher forcing never shows). Per
+             policy and budget: tokens until the first divergence from the full cache's continuation, token overlap
+             with it (bag-of-tokens F1, %) and repeated 4-grams of the continuation (%: near 100 is a loop).
   passkey, niah_single, niah_multikey, niah_multivalue, variable_tracking, common_words
              RULER-style retrieval (scripts/eval_tasks.py) at each of --lengths: the greedy answer scored with the
              task's metric and with partial credit, and log p(true answer), teacher-forced after the prompt.
   needle     niah_single at --depths x --lengths: a heatmap PNG per policy and budget (depth x length); its
              table row is niah_single's score averaged over the depths.
-  Default: fidelity,needle (SmolLM2-135M with its full cache fails variable_tracking and common_words).
+  Default: fidelity,freegen,needle (SmolLM2-135M with its full cache fails variable_tracking and common_words).
   --longbench TASKS (or en16) adds LongBench tasks from --longbench-source, scored as LongBench does; the
              table shows the English-16 average.
 Protocols (--prefill): block (evict after every prefill block, hard budget throughout; default) and one-shot
@@ -58,13 +62,13 @@ from tokenizer import load_tokenizer  # noqa: E402
 
 POLICIES = "full,random,sink,h2o,tova,snapkv,keydiff,keynorm"
 SYNTHETIC = ["passkey", "niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "common_words"]
-TASKS = ["fidelity", *SYNTHETIC, "needle"]
-DEFAULT_TASKS = "fidelity,needle"  # the whole SmolLM2 table: ~24 min on one CPU core (from --quick's costs)
+TASKS = ["fidelity", "freegen", *SYNTHETIC, "needle"]
+DEFAULT_TASKS = "fidelity,freegen,needle"  # the whole SmolLM2 table: ~24 min on one CPU core (from --quick's costs)
 MAX_NEW = {"passkey": 12, "niah_single": 16, "niah_multikey": 16, "niah_multivalue": 40, "variable_tracking": 32,
            "common_words": 64, "needle": 16}  # greedy answer length; generation also stops at EOS
 # --quick: the values it sets for every option left at its default (about 3 minutes on 2 CPU cores)
 QUICK = dict(policies=["full", "sink", "snapkv", "keydiff"], budgets=[128, 256], lengths=[1024], depths=[0.0, 1.0],
-             tasks=["fidelity", "needle"], fid_prefix=1024, fid_tokens=64)
+             tasks=["fidelity", "freegen", "needle"], fid_prefix=1024, fid_tokens=64, gen_tokens=64)
 
 
 # ------------------------------------------------------------------------------------------------ the engine
@@ -208,6 +212,59 @@ def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: in
     return records
 
 
+# ---------------------------------------------------------------------------------------------- free generation
+
+def repeated_ngrams(tokens: list[int], n: int = 4) -> float:
+    """The fraction of `tokens`' n-grams that repeat an earlier one: 0 for text that never repeats itself, near 1 for
+    a loop ("TheTheThe...")."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def first_divergence(tokens: list[int], ref: list[int]) -> int:
+    """How many tokens agree with `ref` before the first that differs."""
+    return next((i for i, (x, y) in enumerate(zip(tokens, ref)) if x != y), min(len(tokens), len(ref)))
+
+
+def token_overlap(tokens: list[int], ref: list[int]) -> float:
+    """Bag-of-tokens F1 of two continuations (ROUGE-1 over token ids): 1 for the same tokens in any order."""
+    from collections import Counter
+    common = sum((Counter(tokens) & Counter(ref)).values())
+    return 2 * common / (len(tokens) + len(ref)) if tokens or ref else 1.0
+
+
+@torch.inference_mode()
+def freegen(model, texts: list[list[int]], prefix: int, n_new: int, cfgs, *, block_size: int, steps, bar=None,
+            done=None) -> list[dict]:
+    """Greedy continuation of each text's first `prefix` tokens for `n_new` tokens, each fed back; per config and
+    text: agreement with the full cache's continuation (tokens until the first divergence, token overlap) and the
+    continuation's repeated 4-grams. done(cfg, records) is called as each config finishes."""
+    use(model, "full", prefix + n_new, block_size)
+    ref = [greedy(model, prefill(model, t[:prefix], steps, block_size, False), prefix, n_new, set(), steps)
+           for t in texts]
+    records = []
+    for protocol, policy, budget in cfgs:
+        show(bar, protocol, policy, budget)
+        first = len(records)
+        for i, t in enumerate(texts):
+            if policy == "full":
+                out = ref[i]
+            else:
+                if not fits("freegen", protocol, policy, budget, bar,
+                            (model, policy, budget or prefix + n_new, block_size, prefix, n_new, protocol)):
+                    continue
+                out = greedy(model, prefill(model, t[:prefix], steps, block_size, protocol == "one-shot"), prefix,
+                             n_new, set(), steps)
+            records.append(dict(task="freegen", protocol=protocol, policy=policy, budget=budget, text=i,
+                                match=first_divergence(out, ref[i]), overlap=token_overlap(out, ref[i]),
+                                rep=repeated_ngrams(out), tokens=out))
+            if bar is not None:
+                bar.update()
+        if done is not None:
+            done((protocol, policy, budget), records[first:])
+    return records
+
+
 # ----------------------------------------------------------------------------------------- tasks with answers
 
 def make_items(tok, a, ctx: int) -> dict[str, list[dict]]:
@@ -232,7 +289,7 @@ def make_items(tok, a, ctx: int) -> dict[str, list[dict]]:
                                 depth=sample.meta.get("depth")))
 
     for task in a.tasks:
-        if task == "fidelity":
+        if task in ("fidelity", "freegen"):
             continue
         gen = eval_tasks.TASKS["niah_single" if task == "needle" else task]
         for length in a.lengths:
@@ -331,13 +388,15 @@ def summarize(records: list[dict]) -> dict:
 
 def measures(task: str) -> list[str]:
     """What summarize averages over a task's records."""
-    return (["kl", "agree", "nll"] if task == "fidelity" else ["score"] if task.startswith("longbench/") else
-            ["score", "partial", "logp"])
+    return (["kl", "agree", "nll"] if task == "fidelity" else ["match", "overlap", "rep"] if task == "freegen" else
+            ["score"] if task.startswith("longbench/") else ["score", "partial", "logp"])
 
 
 def cell(task: str, m: dict) -> str:
     if task == "fidelity":
         return f"{m['kl']:.3f} / {100 * m['agree']:.1f} / {m['ppl']:.2f}"
+    if task == "freegen":
+        return f"{m['match']:.1f} / {100 * m['overlap']:.1f} / {100 * m['rep']:.1f}"
     if task.startswith("longbench"):
         return f"{100 * m['score']:.1f}"
     return f"{100 * m['score']:.1f} / {100 * m['partial']:.1f} / {m['logp']:.2f}"
@@ -346,6 +405,9 @@ def cell(task: str, m: dict) -> str:
 def legend(task: str, rows: dict) -> str:
     if task == "fidelity":
         return "KL(full ‖ policy) nats / top-1 agreement with full % / perplexity"
+    if task == "freegen":
+        return ("greedy continuation: tokens until the first divergence from full / token overlap with full % / "
+                "repeated 4-grams % (near 100: a loop)")
     if task == "longbench":
         return f"English-16 average score % ({rows['full']['all']['tasks']} of 16 tasks run)"
     if task.startswith("longbench/"):
@@ -398,6 +460,11 @@ def plot(summary: dict, records: list[dict], budgets: list[int], out_dir: Path) 
             axes[0].set_yscale("log")
             lines(axes[1], rows, "agree", "top-1 agreement with full, %", 100)
             lines(axes[2], rows, "ppl", "perplexity")
+        elif task == "freegen":
+            fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+            lines(axes[0], rows, "match", "tokens until the first divergence from full")
+            lines(axes[1], rows, "overlap", "token overlap with full, %", 100)
+            lines(axes[2], rows, "rep", "repeated 4-grams, % (loops near 100)", 100)
         else:
             fig, axes = plt.subplots(1, 1, figsize=(7, 4.5))
             lines(axes, rows, "score", "score, %", 100)
@@ -463,7 +530,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=0, help="greedy answer length (default: per task)")
     ap.add_argument("--fid-prefix", type=int, default=2048, help="fidelity: tokens before the scored part (2048)")
     ap.add_argument("--fid-tokens", type=int, default=128, help="fidelity: tokens teacher-forced and scored (128)")
-    ap.add_argument("--fid-texts", type=int, default=1, help="fidelity: number of text windows (1)")
+    ap.add_argument("--fid-texts", type=int, default=1, help="fidelity, freegen: number of text windows (1)")
+    ap.add_argument("--gen-tokens", type=int, default=128,
+                    help="freegen: greedy tokens generated after the --fid-prefix prefix (128)")
     ap.add_argument("--longbench", type=csv(str), default=[],
                     help="LongBench tasks, comma list or en16 (the English-16)")
     ap.add_argument("--longbench-source",
@@ -522,7 +591,7 @@ def check_args(a) -> None:
     for name in ("budgets", "lengths"):
         if min(getattr(a, name)) < 1:
             raise UserError(f"--{name} must all be >= 1")
-    for name in ("samples", "block_size", "fid_prefix", "fid_tokens", "fid_texts"):
+    for name in ("samples", "block_size", "fid_prefix", "fid_tokens", "fid_texts", "gen_tokens"):
         if getattr(a, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
     if a.threads < 0 or a.max_new_tokens < 0 or a.longbench_limit < 0 or a.longbench_max_tokens < 0:
@@ -579,17 +648,22 @@ def run(a) -> int:
                 policy.plan(policies.Run(budget, max(a.lengths), 0, a.block_size, model_args))
     if a.fid_prefix + a.fid_tokens > ctx and "fidelity" in a.tasks:
         raise UserError(f"--fid-prefix + --fid-tokens exceeds the model's context ({ctx})")
+    if a.fid_prefix + a.gen_tokens > ctx and "freegen" in a.tasks:
+        raise UserError(f"--fid-prefix + --gen-tokens exceeds the model's context ({ctx})")
     if max(a.budgets) > ctx:
         raise UserError(f"--budgets {max(a.budgets)} is larger than the model's context ({ctx})")
     if a.block_size > ctx:
         raise UserError(f"--block-size {a.block_size} is larger than the model's context ({ctx})")
-    if max(a.lengths) >= ctx and any(t != "fidelity" for t in a.tasks):
+    if max(a.lengths) >= ctx and any(t not in ("fidelity", "freegen") for t in a.tasks):
         raise UserError(f"--lengths {max(a.lengths)} leaves no room for an answer in the model's context ({ctx})")
     tok = load_tokenizer(ckpt)
     items = make_items(tok, a, ctx)
-    texts = fidelity_texts(tok, a.fid_texts, a.fid_prefix + a.fid_tokens, a.seed) if "fidelity" in a.tasks else []
-    tasks = [t for t in a.tasks if t in ("fidelity", *items)] + [t for t in items if t.startswith("longbench/")]
-    data = {t: digest([a.fid_prefix, texts] if t == "fidelity" else [[it["ids"], it["answer_ids"], it["max_new"],
+    texts = (fidelity_texts(tok, a.fid_texts, a.fid_prefix + a.fid_tokens, a.seed)
+             if {"fidelity", "freegen"} & set(a.tasks) else [])
+    tasks = [t for t in a.tasks if t in ("fidelity", "freegen", *items)] + [t for t in items
+                                                                          if t.startswith("longbench/")]
+    data = {t: digest([a.fid_prefix, texts] if t == "fidelity" else [a.fid_prefix, a.gen_tokens, texts]
+                      if t == "freegen" else [[it["ids"], it["answer_ids"], it["max_new"],
                        it["sample"].answers, it["length"], it["depth"]] for it in items[t]]) for t in tasks}
     settings = run_settings(a, ckpt, dtype)
     run_id = digest(settings)
@@ -629,12 +703,14 @@ def run(a) -> int:
         if not todo:
             continue
         t0 = time.perf_counter()
-        n = a.fid_texts if task == "fidelity" else len(items[task])
+        n = a.fid_texts if task in ("fidelity", "freegen") else len(items[task])
         kw = dict(block_size=a.block_size, steps=steps, done=lambda cfg, records, task=task: record(task, cfg, records))
         with tqdm(total=len(todo) * n, desc=task, unit="prompt", dynamic_ncols=True, mininterval=1,
                   disable=not sys.stderr.isatty()) as bar:  # a progress line on a terminal only
             if task == "fidelity":
                 fidelity(model, texts, a.fid_prefix, todo, bar=bar, **kw)
+            elif task == "freegen":
+                freegen(model, texts, a.fid_prefix, a.gen_tokens, todo, bar=bar, **kw)
             else:
                 run_task(model, tok, task, items[task], todo, bar=bar, **kw)
         timings[task] = round(time.perf_counter() - t0, 1)
@@ -692,7 +768,7 @@ def write_outputs(a, ckpt, dtype, records, timings, wall_s, resumed=0, n_configs
     header = (f"# budgetkv eval: {a.checkpoint}\n\n{a.device}, {str(dtype).replace('torch.', '')}, block "
               f"{a.block_size}, prefill {','.join(a.prefill)}, lengths {','.join(map(str, a.lengths))}, "
               f"{a.samples} sample(s) per task/length/depth, fidelity {a.fid_texts} x ({a.fid_prefix} + "
-              f"{a.fid_tokens}) tokens, seed {a.seed}; {wall_s:.0f} s")
+              f"{a.fid_tokens}) tokens, free generation {a.gen_tokens} tokens, seed {a.seed}; {wall_s:.0f} s")
     if resumed:
         header += f" ({resumed} of {n_configs} configurations from an earlier run, --resume)"
     reasons = sorted({why for why in NOT_APPLICABLE.values()})

@@ -102,25 +102,54 @@ def tiny_tok_ckpt(hf_tiny, tmp_path_factory):
                                "the quick brown fox jumps over the lazy dog 0123456789")
 
 
+def test_free_generation_measures_flag_a_loop():
+    """Hand-checked cases: a loop repeats nearly every 4-gram, text that never repeats none; divergence counts the
+    agreeing head; overlap is a bag-of-tokens F1."""
+    loop = [7, 8] * 32  # "TheTheThe..."
+    assert ev.repeated_ngrams(loop) == pytest.approx(1 - 2 / 61)  # 61 4-grams, 2 distinct
+    assert ev.repeated_ngrams(list(range(64))) == 0.0
+    assert ev.repeated_ngrams([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 / 5)  # 5 4-grams, (1,2,3,4) twice
+    assert ev.first_divergence([1, 2, 3, 9], [1, 2, 3, 4]) == 3 and ev.first_divergence([1, 2], [1, 2]) == 2
+    assert ev.token_overlap([1, 2, 3, 4], [4, 3, 2, 1]) == 1.0 and ev.token_overlap([1, 1], [1, 2]) == 0.5
+
+
+def test_freegen_exact_without_eviction_and_flags_divergence(tiny):
+    """Budget >= prefix + continuation: every policy continues exactly as full (and as engine.generate does); a
+    budget of 8 diverges from it."""
+    _, model, texts = tiny
+    cfgs = [("block", "full", None), ("block", "keydiff", PREFIX + CONT), ("block", "h2o", PREFIX + CONT),
+            ("block", "keydiff", 8), ("block", "sink", 8)]
+    records = ev.freegen(model, texts, PREFIX, CONT, cfgs, block_size=BLOCK, steps=STEPS)
+    assert len(records) == len(cfgs) * len(texts)
+    for r in records:
+        if r["budget"] in (None, PREFIX + CONT):
+            assert r["match"] == CONT and r["overlap"] == 1.0, r
+    assert any(r["match"] < CONT for r in records if r["budget"] == 8)
+    ev.use(model, "full", PREFIX + CONT, BLOCK)
+    out, _ = generate(model, texts[0][:PREFIX], CONT, block_size=BLOCK, steps=STEPS)
+    assert out == next(r["tokens"] for r in records if r["policy"] == "full" and r["text"] == 0)
+
+
 def test_quick_cli_writes_outputs(tiny_tok_ckpt, tmp_path, capsys):
     out = tmp_path / "eval"
     # --quick, plus passkey and the one-shot protocol; less work than --quick alone for this small model
     argv = ["--checkpoint", str(tiny_tok_ckpt), "--quick", "--out-dir", str(out), "--prefill", "block,one-shot",
-            "--tasks", "fidelity,passkey,needle", "--policies", "full,sink,keydiff", "--lengths", "300",
-            "--fid-prefix", "256", "--fid-tokens", "16", "--block-size", "32", "--max-new-tokens", "4"]
+            "--tasks", "fidelity,freegen,passkey,needle", "--policies", "full,sink,keydiff", "--lengths", "300",
+            "--fid-prefix", "256", "--fid-tokens", "16", "--gen-tokens", "8", "--block-size", "32", "--max-new-tokens", "4"]
     assert ev.main(argv) == 0, capsys.readouterr().err
     res = json.loads((out / "results.json").read_text())
-    assert set(res["summary"]) == {"fidelity", "passkey", "needle"}
+    assert set(res["summary"]) == {"fidelity", "freegen", "passkey", "needle"}
+    assert res["summary"]["freegen"]["full"]["all"]["match"] == 8 and "## freegen" in (out / "results.md").read_text()
     assert list(res["summary"]["passkey"]) == ["full", "sink", "keydiff", "sink (one-shot)", "keydiff (one-shot)"]
     assert set(res["summary"]["fidelity"]["sink"]) == {"128", "256"}  # --quick's budgets
     assert res["summary"]["fidelity"]["full"]["all"]["kl"] == 0 and res["config"]["depths"] == [0.0, 1.0]
     md = (out / "results.md").read_text()
     assert "## fidelity" in md and "## passkey" in md and "| full (no eviction) |" in md
-    for png in ["fidelity.png", "passkey.png", "needle.png", "niah_heatmap_full.png", "niah_heatmap_keydiff_128.png",
+    for png in ["fidelity.png", "freegen.png", "passkey.png", "needle.png", "niah_heatmap_full.png", "niah_heatmap_keydiff_128.png",
                 "niah_heatmap_sink_256_one-shot.png"]:
         assert (out / png).read_bytes()[:4] == b"\x89PNG", png
     for r in res["records"]:
-        if r["task"] != "fidelity":
+        if r["task"] not in ("fidelity", "freegen"):
             assert 0 <= r["score"] <= 1 and 0 <= r["partial"] <= 1 and r["logp"] <= 0
 
 
