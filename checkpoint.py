@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 from convert import (ENGINE_FILE, CheckpointError, checkpoint_files, convert_gguf, convert_hf_dir, hf_sources,
-                     hf_weights, read_config, read_gguf, read_identity, remove_stale_tmp, stale)
+                     hf_weights, read_config, read_gguf, read_identity, stale)
 from errors import UserError
+from files import remove_stale_tmp
 
 REPO = Path(__file__).resolve().parent
 

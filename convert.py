@@ -14,7 +14,6 @@ docs/checkpoints.md states the promise.
 
 Nothing is ever unpickled: only safetensors (and GGUF) are read.
 """
-import errno
 import hashlib
 import json
 import math
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from errors import EnvironmentFailure
+from files import fsync_path, remove_stale_tmp, tmp_path, write_atomic, write_error, write_text
 
 ENGINE_FILE = "budgetkv.safetensors"
 # Recorded in every engine file's identity; a file written by another converter version is converted again
@@ -34,7 +33,6 @@ ENGINE_FILE = "budgetkv.safetensors"
 CONVERTER = 3
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
-TMP_PREFIX = ".budgetkv-tmp-"  # + "<pid>-<name>": removed by the next run once that process is gone
 STAT_FILE = ".budgetkv-stat.json"  # (size, mtime, ctime, inode) -> sha256 per file; never authoritative
 RACY_NS = 10**9  # a file changed less than this before it was looked at is hashed again next time (as git does)
 
@@ -139,80 +137,6 @@ def convert_hf_dir(ckpt_dir: Path) -> Path:
     save_engine(read_hf_dir(ckpt_dir), ckpt_dir / ENGINE_FILE, identity("hf", ckpt_dir, sources, {}))
     save_stats(stats)
     return ckpt_dir
-
-
-# --------------------------------------------------------------------------------------------- atomic writes
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        return True
-    return True
-
-
-def remove_stale_tmp(folder: Path) -> None:
-    """Remove the temporary files (and staging folders) that a killed run left in `folder`: ours are named
-    .budgetkv-tmp-<pid>-<name>, and a pid that is not alive will never finish them. Also the old `budgetkv.tmp`."""
-    try:
-        entries = list(folder.iterdir())
-    except OSError:
-        return
-    for p in entries:
-        pid = p.name[len(TMP_PREFIX):].split("-", 1)[0] if p.name.startswith(TMP_PREFIX) else ""
-        if (pid.isdigit() and not pid_alive(int(pid))) or p.name == "budgetkv.tmp":
-            try:
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-            except OSError:
-                pass  # a read-only folder: nothing we could write there either
-
-
-def tmp_path(path: Path) -> Path:
-    return path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_error(path: Path, e: BaseException) -> EnvironmentFailure:
-    """One line for a failed write: the file and the reason (a full disk, a file size limit, permissions).
-    safetensors reports an OS error as text ("... File too large (os error 27)")."""
-    found = re.search(r"os error (\d+)", str(e))
-    code = e.errno if isinstance(e, OSError) else int(found.group(1)) if found else None
-    reason = os.strerror(code) if code else " ".join(str(e).split()) or type(e).__name__
-    if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-        reason += " (free some space or raise the file size limit, then run again)"
-    return EnvironmentFailure(f"cannot write {path}: {reason}")
-
-
-def write_atomic(path: Path, write) -> None:
-    """write(tmp) writes the content to a temporary name beside `path`; it is then fsynced and renamed into place,
-    and the folder fsynced: `path` is the old file or the whole new one, never a part. Errors ->
-    EnvironmentFailure."""
-    from safetensors import SafetensorError
-    tmp = tmp_path(path)
-    try:
-        write(tmp)
-        fsync_path(tmp)
-        os.replace(tmp, path)
-        fsync_path(path.parent)
-    except (OSError, SafetensorError) as e:
-        tmp.unlink(missing_ok=True)
-        raise write_error(path, e) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def write_text(path: Path, text: str) -> None:
-    write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def save_engine(tensors: dict[str, torch.Tensor], path: Path, ident: dict) -> None:

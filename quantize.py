@@ -49,9 +49,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from convert import (ENGINE_FILE, TOKENIZER_FILES, CheckpointError, checkpoint_files, file_sha256, identity,
-                     load_stats, read_config, read_hf_dir, remove_stale_tmp, save_engine, save_stats, write_atomic,
-                     write_text)
+                     load_stats, read_config, read_hf_dir, save_engine, save_stats)
 from errors import UserError
+from files import remove_stale_tmp, write_atomic, write_text
 from model import ModelArgs
 
 MODES = ("int8", "int4")

@@ -2,52 +2,21 @@
 sees the old one or the whole new one, never a part), a journal gets one whole JSON line per finished configuration,
 and `settings` (what a run's results depend on) are recorded beside the results, so that --resume reuses results
 only from a run with the same settings and refuses to mix in any other."""
-import glob
 import hashlib
 import io
 import json
 import os
 from pathlib import Path
 
+import files
 from errors import UserError
+from files import remove_stale_tmp
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
-    """Replace `path` by `data`: written to ".<name>.tmp.<pid>" in the same folder, fsynced, renamed over `path`.
-    A killed writer's temporary file is removed by the next write of the same file."""
-    for old in path.parent.glob(glob.escape(f".{path.name}.tmp.") + "*"):
-        pid = old.name.rsplit(".", 1)[1]
-        if pid.isdigit() and not alive(int(pid)):
-            old.unlink(missing_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a rename in `folder` durable (a crash right after it keeps the new name)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Replace `path` by `data`, never leaving a part of it (files.write_atomic)."""
+    remove_stale_tmp(path.parent)
+    files.write_atomic(path, lambda tmp: tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data))
 
 
 def append_line(path: Path, obj) -> None:

@@ -199,7 +199,7 @@ def test_eval_disk_full_keeps_whole_lines_then_resumes(ckpt, uninterrupted, tmp_
     text = (out / "results.jsonl").read_text()
     kept = [json.loads(line) for line in text.split("\n")[:-1]]  # whole lines parse; a tail cut short is dropped
     assert len(kept) == 6 and not text.endswith("\n") and not (out / "results.json").exists()
-    assert not [p for p in out.iterdir() if ".tmp." in p.name]
+    assert not [p for p in out.iterdir() if p.name.startswith(".budgetkv-tmp-")]
     assert ev.main(eval_argv(ckpt, out, "--resume")) == 0
     assert json.loads((out / "results.json").read_text())["records"] == full["records"]
     lines = r.stderr.strip().splitlines()
@@ -213,7 +213,9 @@ def test_write_atomic_under_a_full_disk(tmp_path):
     code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
             "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000)); sys.path.insert(0, sys.argv[2]); "
             "from pathlib import Path; from scripts.outputs import write_atomic\n"
-            "try:\n    write_atomic(Path(sys.argv[1]), 'x' * 5000)\nexcept OSError as e:\n    sys.exit(e.errno)")
+            "from errors import EnvironmentFailure\n"
+            "try:\n    write_atomic(Path(sys.argv[1]), 'x' * 5000)\nexcept EnvironmentFailure as e:\n"
+            "    sys.exit(27 if 'File too large' in str(e) else 1)")
     r = subprocess.run([sys.executable, "-c", code, str(path), str(REPO)], capture_output=True, text=True)
     assert r.returncode == 27, r.stderr  # EFBIG: File too large
     assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["out.json"]
@@ -305,9 +307,10 @@ def test_bench_resume_runs_only_the_rest(kind, ckpt, tmp_path, monkeypatch, caps
 
 
 def test_write_atomic_removes_a_killed_writers_temporary_file(tmp_path):
+    from files import TMP_PREFIX
     from scripts.outputs import write_atomic
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = tmp_path / f".out.json.tmp.{int(dead.stdout)}"  # a writer killed between its write and its rename
+    stale = tmp_path / f"{TMP_PREFIX}{int(dead.stdout)}-out.json"  # a writer killed between its write and its rename
     stale.write_text("half")
     write_atomic(tmp_path / "out.json", "new")
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"] and (tmp_path / "out.json").read_text() == "new"

@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 
 import checkpoint
 import convert
-from convert import ENGINE_FILE, TMP_PREFIX, CheckpointError
+from convert import ENGINE_FILE, CheckpointError
+from files import TMP_PREFIX
 from errors import UserError
 
 gguf = pytest.importorskip("gguf")
