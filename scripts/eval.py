@@ -177,39 +177,47 @@ def fidelity_texts(tok, n_texts: int, length: int, seed: int) -> list[list[int]]
     return [bos + ids[o:o + n] for o in (rng.randrange(len(ids) - n + 1) for _ in range(n_texts))]
 
 
-@torch.inference_mode()
-def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: int, steps, bar=None,
-             done=None) -> list[dict]:
-    """Teacher-force each text's continuation after `prefix` tokens; per config and text: mean KL(full || policy)
-    (nats), top-1 agreement with full and mean NLL of the text (perplexity = exp of the mean NLL). done(cfg, records)
-    is called as each config finishes."""
-    total = max(len(t) for t in texts)
-    use(model, "full", total, block_size)
-    ref = [teacher_force(model, prefill(model, t[:prefix], steps, block_size, False), prefix, t[prefix:], steps)
-           for t in texts]
+def each_config(task: str, cfgs, n_texts: int, use_args, measure, bar=None, done=None) -> list[dict]:
+    """One record per config and text: measure(protocol, policy, i) -> the measures of text i. A policy that cannot
+    run this prompt at this budget (use_args(protocol, policy, budget) -> use()'s arguments) is n/a. done(cfg,
+    records) is called as each config finishes."""
     records = []
     for protocol, policy, budget in cfgs:
         show(bar, protocol, policy, budget)
         first = len(records)
-        for i, t in enumerate(texts):
-            if policy == "full":
-                logp = ref[i]
-            else:
-                if not fits("fidelity", protocol, policy, budget, bar,
-                            (model, policy, budget or total, block_size, prefix, len(t) - prefix, protocol)):
-                    continue
-                logp = teacher_force(model, prefill(model, t[:prefix], steps, block_size, protocol == "one-shot"),
-                                     prefix, t[prefix:], steps)
-            target = torch.tensor(t[prefix:], device=logp.device)[:, None]
-            kl = (ref[i].exp() * (ref[i] - logp)).sum(-1).clamp_min(0)
-            records.append(dict(task="fidelity", protocol=protocol, policy=policy, budget=budget, text=i,
-                                kl=kl.mean().item(), agree=(ref[i].argmax(-1) == logp.argmax(-1)).float().mean().item(),
-                                nll=-logp.gather(-1, target).mean().item()))
+        for i in range(n_texts):
+            if policy != "full" and not fits(task, protocol, policy, budget, bar, use_args(protocol, policy, budget)):
+                continue
+            records.append(dict(task=task, protocol=protocol, policy=policy, budget=budget, text=i,
+                                **measure(protocol, policy, i)))
             if bar is not None:
                 bar.update()
         if done is not None:
             done((protocol, policy, budget), records[first:])
     return records
+
+
+@torch.inference_mode()
+def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: int, steps, bar=None,
+             done=None) -> list[dict]:
+    """Teacher-force each text's continuation after `prefix` tokens; per config and text: mean KL(full || policy)
+    (nats), top-1 agreement with full and mean NLL of the text (perplexity = exp of the mean NLL)."""
+    total = max(len(t) for t in texts)
+    use(model, "full", total, block_size)
+    ref = [teacher_force(model, prefill(model, t[:prefix], steps, block_size, False), prefix, t[prefix:], steps)
+           for t in texts]
+
+    def measure(protocol, policy, i):
+        t = texts[i]
+        logp = ref[i] if policy == "full" else teacher_force(
+            model, prefill(model, t[:prefix], steps, block_size, protocol == "one-shot"), prefix, t[prefix:], steps)
+        target = torch.tensor(t[prefix:], device=logp.device)[:, None]
+        kl = (ref[i].exp() * (ref[i] - logp)).sum(-1).clamp_min(0)
+        return dict(kl=kl.mean().item(), agree=(ref[i].argmax(-1) == logp.argmax(-1)).float().mean().item(),
+                    nll=-logp.gather(-1, target).mean().item())
+
+    return each_config("fidelity", cfgs, len(texts), lambda protocol, policy, budget: (
+        model, policy, budget or total, block_size, prefix, total - prefix, protocol), measure, bar, done)
 
 
 # ---------------------------------------------------------------------------------------------- free generation
@@ -238,31 +246,20 @@ def freegen(model, texts: list[list[int]], prefix: int, n_new: int, cfgs, *, blo
             done=None) -> list[dict]:
     """Greedy continuation of each text's first `prefix` tokens for `n_new` tokens, each fed back; per config and
     text: agreement with the full cache's continuation (tokens until the first divergence, token overlap) and the
-    continuation's repeated 4-grams. done(cfg, records) is called as each config finishes."""
+    continuation's repeated 4-grams."""
     use(model, "full", prefix + n_new, block_size)
     ref = [greedy(model, prefill(model, t[:prefix], steps, block_size, False), prefix, n_new, set(), steps)
            for t in texts]
-    records = []
-    for protocol, policy, budget in cfgs:
-        show(bar, protocol, policy, budget)
-        first = len(records)
-        for i, t in enumerate(texts):
-            if policy == "full":
-                out = ref[i]
-            else:
-                if not fits("freegen", protocol, policy, budget, bar,
-                            (model, policy, budget or prefix + n_new, block_size, prefix, n_new, protocol)):
-                    continue
-                out = greedy(model, prefill(model, t[:prefix], steps, block_size, protocol == "one-shot"), prefix,
-                             n_new, set(), steps)
-            records.append(dict(task="freegen", protocol=protocol, policy=policy, budget=budget, text=i,
-                                match=first_divergence(out, ref[i]), overlap=token_overlap(out, ref[i]),
-                                rep=repeated_ngrams(out), tokens=out))
-            if bar is not None:
-                bar.update()
-        if done is not None:
-            done((protocol, policy, budget), records[first:])
-    return records
+
+    def measure(protocol, policy, i):
+        out = ref[i] if policy == "full" else greedy(
+            model, prefill(model, texts[i][:prefix], steps, block_size, protocol == "one-shot"), prefix, n_new,
+            set(), steps)
+        return dict(match=first_divergence(out, ref[i]), overlap=token_overlap(out, ref[i]), rep=repeated_ngrams(out),
+                    tokens=out)
+
+    return each_config("freegen", cfgs, len(texts), lambda protocol, policy, budget: (
+        model, policy, budget or prefix + n_new, block_size, prefix, n_new, protocol), measure, bar, done)
 
 
 # ----------------------------------------------------------------------------------------- tasks with answers
