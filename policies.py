@@ -137,12 +137,18 @@ def check_positive(policy, *names: str, least: int = 1) -> None:
 
 @dataclass
 class KeyNorm(Scorer):
-    """KeyL2Norm (Devoto et al. 2024): keep the keys with the smallest L2 norm."""
+    """KeyL2Norm (Devoto et al. 2024): keep the keys with the smallest L2 norm. window_frac > 0 always keeps the
+    floor(window_frac * budget) newest tokens (the engine's default; window_frac=0 is the paper's rule)."""
     name = "keynorm"
     summary = "keep the keys of smallest L2 norm"
+    window_frac: float = param(0.2, "share of the budget always kept for the newest tokens (0: the paper's rule)")
+
+    def validate(self):
+        check_fraction(self, "window_frac")
 
     def score(self, view):
-        return -view.keys.float().norm(dim=-1)
+        return protect_recent(-view.keys.float().norm(dim=-1), view.pos, view.query_pos,
+                              int(self.window_frac * view.budget))
 
 
 @dataclass
@@ -169,11 +175,13 @@ class Sink(Scorer):
 class KeyDiff(Scorer):
     """KeyDiff (Park et al., arXiv 2504.15364, Eq. 8, section 3.2): keep the keys least similar to the anchor,
     score_j = -cos(k_j, mu), mu = the mean of the raw post-RoPE keys of the head (cache + block), the paper's
-    experimental choice (anchor=normalized: the mean of unit keys, Eq. 7's ranking, as kvpress). window_frac > 0
-    always keeps the floor(window_frac * budget) newest tokens (the paper's KeyDiff + SW). Reads no queries."""
+    experimental choice (anchor=normalized: the mean of unit keys, Eq. 7's ranking, as kvpress). window_frac always
+    keeps the floor(window_frac * budget) newest tokens: the paper's KeyDiff + SW (0.2, the default) or, with 0, its
+    vanilla rule. Reads no queries."""
     name = "keydiff"
     summary = "key diversity: evict keys most similar to the mean key"
-    window_frac: float = param(0.0, "share of the budget always kept for the newest tokens (paper's SW: 0.1, 0.2)")
+    window_frac: float = param(0.2, "share of the budget always kept for the newest tokens (paper's SW: 0.1, 0.2; "
+                                    "0: vanilla KeyDiff)")
     anchor: str = param("raw", "mean of the raw keys (paper) or of the unit keys (kvpress)", ("raw", "normalized"))
 
     def validate(self):
@@ -216,12 +224,13 @@ class TOVA(Scorer):
 @dataclass
 class H2O(Scorer):
     """H2O (Zhang et al. 2023) as KeyDiff and CAOTE use it: the raw running sum of the group-mean attention each
-    slot received from every query since it entered, the current block included. No recent window by default
-    (window_frac adds one, as in the original H2O)."""
+    slot received from every query since it entered, the current block included. window_frac of the budget always
+    keeps the newest tokens: the original H2O's equal heavy-hitter / recent split (0.5, the default) or, with 0,
+    heavy hitters only (as KeyDiff and CAOTE run it)."""
     name = "h2o"
     summary = "accumulated attention (heavy hitters)"
     per_head: ClassVar[bool] = False  # CAOTE's base: each query head's own sums, acc [B, H, C, G]
-    window_frac: float = param(0.0, "share of the budget always kept for the newest tokens")
+    window_frac: float = param(0.5, "share of the budget always kept for the newest tokens (0: heavy hitters only)")
 
     def validate(self):
         check_fraction(self, "window_frac")

@@ -46,15 +46,15 @@ KV_PY = REPO / ".venv-kv" / "bin" / "python"
 L, BLOCK, RATIOS = 300, 64, (0.5, 0.75)
 # kvpress press spec (tests/reference/kvpress_keep.py) -> our policy and the parameters that reproduce it
 CASES = {
-    "keydiff": ("keydiff", dict(anchor="normalized")),
+    "keydiff": ("keydiff", dict(anchor="normalized", window_frac=0.0)),
     "snapkv": ("snapkv", dict(snap_window=64, snap_kernel=5)),  # kvpress defaults
     "snapkv:window_size=32,kernel_size=7": ("snapkv", dict(snap_window=32, snap_kernel=7)),  # ours / the paper's
     "tova": ("tova", dict(tova_heads="all", tova_keep_last=True)),
     "sink": ("sink", dict(n_sink=4)),
-    "keynorm": ("keynorm", {}),
+    "keynorm": ("keynorm", dict(window_frac=0.0)),
 }
 # our defaults where they differ from kvpress: each must select a different set somewhere (the test can fail)
-NEGATIVE = {"keydiff": ("keydiff", dict(anchor="raw")), "tova": ("tova", {})}
+NEGATIVE = {"keydiff": ("keydiff", dict(anchor="raw", window_frac=0.0)), "tova": ("tova", {})}
 
 pytestmark = pytest.mark.skipif(not KV_PY.exists(), reason=f"no kvpress venv at {KV_PY} (bash scripts/setup.sh test)")
 

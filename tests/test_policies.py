@@ -31,7 +31,8 @@ def stream(policy, keys, budget, block, queries=None, n_heads=1):
 
 
 def keydiff(**kw):
-    return policies.KeyDiff(**kw)
+    """Vanilla KeyDiff (no recent window), the rule the hand-checked cases state."""
+    return policies.KeyDiff(**{"window_frac": 0.0, **kw})
 
 
 @pytest.mark.parametrize("anchor,expect", [("raw", [2, 3, 4]), ("normalized", [2, 3, 4])])
@@ -103,7 +104,7 @@ def test_C1_sink(block):
 
 
 def test_C2_h2o_accumulates_from_the_first_block_and_favours_old_tokens():
-    policy = policies.H2O()
+    policy = policies.H2O(window_frac=0.0)  # heavy hitters only: the hand-checked rule
     keys = torch.randn(10, 4, generator=torch.Generator().manual_seed(1))
     cache = KVCache(1, 1, 4, 4, 2, torch.float32, "cpu", policy)
     for start in range(0, 10, 2):
@@ -159,7 +160,7 @@ def test_C6_snapkv_window_always_kept():
 
 def test_C7_keynorm():
     keys = [(3, 0), (0, 1), (2, 0), (0.5, 0)]
-    assert stream(policies.KeyNorm(), keys, 2, 4)[0][-1] == [1, 3]
+    assert stream(policies.KeyNorm(window_frac=0.0), keys, 2, 4)[0][-1] == [1, 3]
 
 
 def test_snapkv_ring_keeps_the_latest_queries():

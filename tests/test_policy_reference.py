@@ -51,21 +51,22 @@ def test_A7_ties_keep_newest():
 
 # ------------------------------------------------------------------------------------ B: block procedure
 
+VANILLA = {"window_frac": 0.0}  # the papers' rules as the hand-checked cases state them (no recent window)
 B_STREAM = [(0, -1), (-2, 0), (2, 1), (-2, 2), (1, 2), (2, -2)]
 
 
 def test_B1_blocks_of_2():
-    hist, _ = run_stream(RefKeyDiff(), B_STREAM, 3, 2)
+    hist, _ = run_stream(RefKeyDiff(VANILLA), B_STREAM, 3, 2)
     assert kept_of(hist) == [[0, 1], [0, 1, 2], [0, 1, 4]]
 
 
 def test_B2_one_block():
-    hist, _ = run_stream(RefKeyDiff(), B_STREAM, 3, 6)
+    hist, _ = run_stream(RefKeyDiff(VANILLA), B_STREAM, 3, 6)
     assert kept_of(hist) == [[0, 1, 5]]
 
 
 def test_B3_blocks_of_1():
-    hist, _ = run_stream(RefKeyDiff(), B_STREAM, 3, 1)
+    hist, _ = run_stream(RefKeyDiff(VANILLA), B_STREAM, 3, 1)
     assert kept_of(hist)[3:] == [[0, 1, 2], [0, 1, 2], [0, 1, 2]]
 
 
@@ -73,7 +74,7 @@ def test_B4_recent_window():
     stream = [(1, 0), (0, 1), (1, 0.1), (1, -0.1), (-1, 0), (0.9, 0.05)]
     hist, _ = run_stream(RefKeyDiff({"window_frac": 0.34}), stream, 3, 2)  # floor(0.34 * 3) = 1
     assert kept_of(hist) == [[0, 1], [0, 1, 3], [1, 4, 5]]
-    hist, _ = run_stream(RefKeyDiff(), stream, 3, 2)
+    hist, _ = run_stream(RefKeyDiff(VANILLA), stream, 3, 2)
     assert kept_of(hist)[-1] == [1, 3, 4]
 
 
@@ -90,13 +91,13 @@ def test_C1_sink():
 
 def test_C2_h2o_age_bias():
     keys = torch.randn(10, 2, generator=torch.Generator().manual_seed(1))
-    hist, layer = run_stream(RefH2O(), keys[:6], 4, 2)
+    hist, layer = run_stream(RefH2O(VANILLA), keys[:6], 4, 2)
     assert hist[-1][0] == [0, 1, 2, 3]
     # the running sums that survive with their slots
     assert layer.slot_state["acc"][0].tolist() == pytest.approx([2.45, 1.45, 0.95, 0.6167], abs=1e-4)
     # the scores of the 3rd block's eviction, including the evicted 4 and 5
     assert layer.last_scores[0].tolist() == pytest.approx([2.45, 1.45, 0.95, 0.6167, 0.3667, 0.1667], abs=1e-4)
-    hist, _ = run_stream(RefH2O(), keys, 4, 2)
+    hist, _ = run_stream(RefH2O(VANILLA), keys, 4, 2)
     assert all(h[0] == [0, 1, 2, 3] for h in hist[2:])
 
 
@@ -140,10 +141,10 @@ def test_C7_keynorm_pre_post_rope():
     norms = torch.tensor([3, 1, 2, 0.5])
     k = torch.zeros(4, 1, 8)
     k[:, 0, 0] = norms
-    hist, _ = run_stream(RefKeyNorm(), k, 2, 4)
+    hist, _ = run_stream(RefKeyNorm(VANILLA), k, 2, 4)
     assert hist[-1][0] == [1, 3]
     k_rot = rope(k.transpose(0, 1), torch.tensor([0, 100, 2000, 5]), 1.0 / (10000 ** (torch.arange(0, 8, 2) / 8)))
-    hist, _ = run_stream(RefKeyNorm(), k_rot.transpose(0, 1), 2, 4)
+    hist, _ = run_stream(RefKeyNorm(VANILLA), k_rot.transpose(0, 1), 2, 4)
     assert hist[-1][0] == [1, 3]
 
 
@@ -190,15 +191,18 @@ def test_reference_forward_matches_hf(hf_tiny, family):
 
 # --------------------------------------------------------------------------------------- engine vs reference
 
-POLICY_CASES = [
+POLICY_CASES = [  # {}: each side's documented defaults; the papers' vanilla rules by parameter
     ("keydiff", {}),
-    ("keydiff", {"anchor": "normalized"}),
-    ("keydiff", {"window_frac": 0.2}),
+    ("keydiff", {"window_frac": 0.0}),
+    ("keydiff", {"window_frac": 0.0, "anchor": "normalized"}),
+    ("keydiff", {"window_frac": 0.1}),
     ("sink", {}),
     ("keynorm", {}),
+    ("keynorm", {"window_frac": 0.0}),
     ("tova", {}),
     ("snapkv", {}),
     ("h2o", {}),
+    ("h2o", {"window_frac": 0.0}),
     ("random", {"seed": 0}),
     ("random", {"seed": 7}),
 ]

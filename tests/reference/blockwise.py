@@ -101,7 +101,7 @@ def _get(params, name, default):
 class RefKeyDiff(RefPolicy):
     def score(self, layer, q, q_pos, A, K, P):
         s = keydiff_scores(K, _get(self.params, "anchor", "raw"))
-        r = int(math.floor(_get(self.params, "window_frac", 0.0) * layer.budget))
+        r = int(math.floor(_get(self.params, "window_frac", 0.2) * layer.budget))  # default: KeyDiff + SW 0.2
         return protect_recent(s, P, int(q_pos.max()), r)
 
 
@@ -112,7 +112,8 @@ class RefSink(RefPolicy):
 
 class RefKeyNorm(RefPolicy):
     def score(self, layer, q, q_pos, A, K, P):
-        return keynorm_scores(K)
+        r = int(math.floor(_get(self.params, "window_frac", 0.2) * layer.budget))  # default: 20% recent window
+        return protect_recent(keynorm_scores(K), P, int(q_pos.max()), r)
 
 
 class RefTOVA(RefPolicy):
@@ -130,7 +131,7 @@ class RefH2O(RefPolicy):
 
     def score(self, layer, q, q_pos, A, K, P):
         s = layer.slot_state["acc"].clone()
-        r = int(math.floor(_get(self.params, "window_frac", 0.0) * layer.budget))
+        r = int(math.floor(_get(self.params, "window_frac", 0.5) * layer.budget))  # default: H2O's heavy/recent split
         return protect_recent(s, P, int(q_pos.max()), r)
 
 

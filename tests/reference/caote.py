@@ -49,7 +49,8 @@ class RefCAOTE(RefPolicy):
         g = layer.n_heads // Hkv
         newest = int(q_pos.max())
         protected = torch.zeros(Hkv, n, dtype=torch.bool)
-        r = int(math.floor(_get(self.params, "window_frac", 0.0) * layer.budget))
+        default = {"h2o": 0.5, "keydiff": 0.2}.get(self.base, 0.0)  # the bases' documented recent windows
+        r = int(math.floor(_get(self.params, "window_frac", default) * layer.budget))
         if self.base == "tova":
             last = int(torch.argmax(q_pos))
             h = A[:, last]                                                            # [Hq, n]
