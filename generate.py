@@ -11,6 +11,7 @@ block-size slots per layer and KV head.
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -22,6 +23,10 @@ sys.path.insert(0, str(REPO))
 from errors import UserError, check_python  # noqa: E402
 
 check_python()
+# OpenMP threads that wait passively: with another process busy on the machine, spinning threads (libgomp's default)
+# collapse (decode 3x slower on 2 cores); idle, passive waiting costs some decode speed (docs/performance.md). Read
+# once, when torch loads OpenMP: OMP_WAIT_POLICY=ACTIVE in the environment keeps the spinning.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from cache import kv_bytes  # noqa: E402
@@ -108,8 +113,9 @@ def parse_args(argv=None):
                          "decode); 'default' forces torch's default (no CUDA graphs). The prefill step never "
                          "runs under CUDA graphs; reduce-overhead (CUDA graphs) is refused on CPU")
     ap.add_argument("--threads", type=int, default=None,
-                    help="CPU threads torch uses (intra-op and inter-op; default: one per core). On a machine where "
-                         "another process is busy, fewer threads than cores is much faster (docs/performance.md)")
+                    help="CPU threads torch uses (intra-op and inter-op; default: one per core). Threads wait "
+                         "passively (OMP_WAIT_POLICY=PASSIVE unless set), so a busy machine slows a run down instead "
+                         "of collapsing it; idle, OMP_WAIT_POLICY=ACTIVE decodes faster (docs/performance.md)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cpu, cuda or cuda:N (default: cuda when available)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

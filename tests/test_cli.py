@@ -326,3 +326,15 @@ def test_a_python_without_the_requirements_gets_one_line(monkeypatch):
         errors.check_python()
     assert str(e.value).startswith("error: no_such_module_budgetkv not installed in this Python")
     assert ".venv/bin/python" in str(e.value)
+
+
+def test_generate_waits_passively_unless_told_otherwise():
+    """OMP_WAIT_POLICY=PASSIVE by default (spinning threads collapse on a busy machine), a user's value kept."""
+    code = "import os, runpy, sys; sys.argv = ['generate.py', '--help']; runpy.run_path('generate.py', run_name='x')" \
+           "; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "PASSIVE", out.stderr
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env | {"OMP_WAIT_POLICY": "ACTIVE"},
+                         capture_output=True, text=True)
+    assert out.stdout.strip() == "ACTIVE", out.stderr
