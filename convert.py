@@ -30,7 +30,7 @@ from files import fsync_path, remove_stale_tmp, tmp_path, write_atomic, write_er
 ENGINE_FILE = "budgetkv.safetensors"
 # Recorded in every engine file's identity; a file written by another converter version is converted again
 # (2: tokenizer.ggml.pre honoured; 3: the source's identity recorded in the engine file itself).
-CONVERTER = 3
+CONVERTER = 4  # 4: config.json names the GGUF weight type
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
 STAT_FILE = ".budgetkv-stat.json"  # (size, mtime, ctime, inode) -> sha256 per file; never authoritative
@@ -353,10 +353,17 @@ def read_gguf(gguf_path: Path):
         "rope_scaling": {"rope_type": "linear", "factor": factor} if scaling == "linear" else None,
         "max_position_embeddings": context,
         "tie_word_embeddings": "output.weight" not in shapes,
-        "source": f"converted from {name}",
+        "source": f"converted from {name} ({gguf_weight_type(reader)} weights, dequantized to float32)",
         "gguf_converter": CONVERTER,
     }
     return reader, config
+
+
+def gguf_weight_type(reader) -> str:
+    """The type most of a GGUF's 2-D tensors are stored in (Q4_1, F16, ...): what the model's weights were."""
+    from collections import Counter
+    kinds = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) == 2)
+    return kinds.most_common(1)[0][0] if kinds else "unknown"
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, opened=None) -> Path:

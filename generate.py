@@ -308,7 +308,9 @@ def run(a) -> int:
     stats.update(checkpoint=str(ckpt), policy=a.policy, budget=token_budget, slots_held=budget,
                  tokens_read_per_step=read,
                  block_size=a.block_size, prefill=a.prefill, kv_dtype=a.kv_dtype,
-                 dtype=str(dtype).replace("torch.", ""), device=a.device, threads=torch.get_num_threads(),
+                 dtype=str(dtype).replace("torch.", ""),
+                 weights=weights_format(model.config, str(dtype).replace("torch.", "")), device=a.device,
+                 threads=torch.get_num_threads(),
                  compiled=a.compile,
                  compiled_prefill=bool(a.compile and a.compile_prefill),
                  compile_mode=(a.compile_mode or ("reduce-overhead" if a.device.startswith("cuda") else "default"))
@@ -332,7 +334,7 @@ def run(a) -> int:
         slots = f" ({budget} used by its layout)" if budget != token_budget else ""
         print(f"--- {stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated | "
               f"policy {a.policy} ({a.prefill} prefill), budget {token_budget} slots{slots}, {read:.1f} tokens read "
-              f"per decode step | block {a.block_size}, {stats['dtype']} on {a.device} "
+              f"per decode step | block {a.block_size}, {stats['weights']} on {a.device} "
               f"({stats['threads']} thread{'s' if stats['threads'] > 1 else ''})"
               f"{compiled_note}\n"
               f"TTFT {stats['ttft_s']:.3f} s | prefill {stats['prefill_tok_s']:.1f} tok/s | "
@@ -346,6 +348,17 @@ def run(a) -> int:
             print("defaults clamped to the model's context (" + str(args.max_seq_len) + "): " +
                   ", ".join(f"{flag} {d} -> {v}" for flag, (d, v) in clamped.items()), file=sys.stderr)
     return 0
+
+
+def weights_format(config: dict, dtype: str) -> str:
+    """'int4 (group 32) weights, bfloat16 activations' or 'float32', and where the weights came from when known."""
+    q = config.get("budgetkv_quantization")
+    fmt = dtype
+    if isinstance(q, dict):
+        group = f" (group {q['groupsize']})" if q.get("groupsize") else ""
+        fmt = f"{q.get('mode')}{group} weights, {dtype} activations"
+    source = config.get("source")
+    return f"{fmt} [{source}]" if isinstance(source, str) else fmt
 
 
 def main(argv=None) -> int:

@@ -1,8 +1,8 @@
 """The command line of quantize.py (weight-only int8 / int4 quantization of a checkpoint; see quantize.py's docstring,
 which --help prints).
 
-    python scripts/quantize.py --checkpoint smollm2-135m --mode int8
-    python scripts/quantize.py --checkpoint smollm2-135m --mode int4 --groupsize 64
+    .venv/bin/python scripts/quantize.py --checkpoint smollm2-135m --mode int8
+    .venv/bin/python scripts/quantize.py --checkpoint smollm2-135m --mode int4      # group size 32
 """
 import argparse
 import json

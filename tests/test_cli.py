@@ -338,3 +338,13 @@ def test_generate_waits_passively_unless_told_otherwise():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env | {"OMP_WAIT_POLICY": "ACTIVE"},
                          capture_output=True, text=True)
     assert out.stdout.strip() == "ACTIVE", out.stderr
+
+
+def test_the_summary_names_the_weight_format_and_source():
+    assert generate.weights_format({}, "float32") == "float32"
+    q = {"budgetkv_quantization": {"mode": "int4", "groupsize": 32}, "source": "converted from m.gguf (Q4_1 weights, "
+         "dequantized to float32)"}
+    assert generate.weights_format(q, "bfloat16") == ("int4 (group 32) weights, bfloat16 activations [converted from "
+                                                       "m.gguf (Q4_1 weights, dequantized to float32)]")
+    assert generate.weights_format({"budgetkv_quantization": {"mode": "int8"}}, "float32") == \
+        "int8 weights, float32 activations"

@@ -62,6 +62,7 @@ def test_plain_llama_converts_and_loads(tmp_path):
     out = convert_gguf(write_tiny_llama(tmp_path / "t.gguf"), tmp_path / "out")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["rope_scaling"] is None and cfg["rms_norm_eps"] == 1e-5 and cfg["num_key_value_heads"] == N_KV
+    assert cfg["source"] == "converted from t.gguf (F32 weights, dequantized to float32)"
     model = load_model(out, torch.float32, "cpu")
     assert model.layers[0].attention.wqkv.weight.shape == ((N_HEADS + 2 * N_KV) * HEAD_DIM, DIM)
 
