@@ -62,6 +62,9 @@ def resolve_checkpoint(name: str) -> Path:
         if not (path / "config.json").is_file():
             raise UserError(f"{path} has no config.json: not a model directory")
         return fresh_dir(path)
+    if name not in MODELS and (os.sep in name or name.startswith((".", "~")) or path.exists()):
+        what = "no such file or directory" if not path.exists() else "not a model directory or a .gguf file"
+        raise UserError(f"--checkpoint {name}: {what}")
     if name not in MODELS:
         raise UserError(f"unknown checkpoint {name!r}: not a directory, a .gguf file or a known name "
                         f"({', '.join(MODELS)})")
