@@ -378,11 +378,15 @@ def convert_gguf(gguf_path: Path, out_dir: Path, opened=None) -> Path:
     tensors = {}
     for t in reader.tensors:
         try:
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
+            with np.errstate(all="ignore"):  # damaged data is reported below, not as numpy warnings
+                data = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:  # an unknown quantization type, a truncated tensor
             raise CheckpointError(f"cannot dequantize tensor {t.name} of GGUF file {gguf_path.name}: "
                                   f"{' '.join(str(e).split()) or type(e).__name__}") from None
         tensors[t.name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+        if not torch.isfinite(tensors[t.name]).all():
+            raise CheckpointError(f"tensor {t.name} of GGUF file {gguf_path.name} holds NaN or inf values (a damaged "
+                                  "file?)")
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     for i in range(config["num_hidden_layers"]):

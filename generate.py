@@ -20,7 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
-from errors import UserError, check_python  # noqa: E402
+from errors import EnvironmentFailure, UserError, check_python  # noqa: E402
 
 check_python()
 # OpenMP threads that wait passively: with another process busy on the machine, spinning threads (libgomp's default)
@@ -33,12 +33,14 @@ from cache import kv_bytes  # noqa: E402
 from checkpoint import MODELS, resolve_checkpoint  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
+from files import tmp_path  # noqa: E402
 from cache import is_scorer  # noqa: E402
 from engine import (MIN_TEMPERATURE, block_inputs, compile_steps, decode_bytes_per_step,  # noqa: E402
                     default_compile_mode, generate, load_model, model_step, prefill_protocol, prefill_step,
                     set_threads, setup, sync)
 from model import ModelArgs  # noqa: E402
 
+MAX_PROMPT_BYTES = 64 << 20  # far more text than any supported model's context holds
 DEFAULT_NEW_TOKENS, DEFAULT_BLOCK, DEFAULT_BUDGET = 200, 128, 2048  # each clamped to the model's context
 
 
@@ -135,7 +137,11 @@ def read_prompt(a) -> str:
         raise UserError("give --prompt or --prompt-file, not both")
     if a.prompt_file is not None:
         try:
-            text = a.prompt_file.read_text(encoding="utf-8")
+            with open(a.prompt_file, "rb") as f:  # capped: /dev/zero or a runaway pipe must not fill the memory
+                data = f.read(MAX_PROMPT_BYTES + 1)
+            if len(data) > MAX_PROMPT_BYTES:
+                raise UserError(f"prompt file {a.prompt_file} is larger than {MAX_PROMPT_BYTES >> 20} MiB")
+            text = data.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark is not part of the prompt
         except UnicodeDecodeError as e:
             raise UserError(f"cannot read prompt file {a.prompt_file}: not UTF-8 text ({e.reason} at byte "
                             f"{e.start})") from None
@@ -174,6 +180,8 @@ def check_args(a) -> None:
     if a.threads is not None and not 1 <= a.threads <= 1024:
         raise UserError(f"--threads must be between 1 and 1024, got {a.threads}")
     if a.profile is not None:
+        if a.profile.is_symlink() or (a.profile.exists() and not a.profile.is_file()):
+            raise UserError(f"--profile {a.profile}: not a regular file (the trace replaces what is there)")
         check_writable(a.profile, "--profile")
     if (a.compile_prefill is not None or a.compile_mode is not None) and not a.compile:
         raise UserError("--compile-prefill / --no-compile-prefill / --compile-mode need --compile")
@@ -301,7 +309,7 @@ def run(a) -> int:
                               top_p=1.0 if a.top_p is None else a.top_p, on_token=None if a.json else stream,
                               device=a.device, one_shot=a.prefill == "one-shot")
     if prof is not None:
-        prof.export_chrome_trace(str(a.profile))
+        export_trace(prof, a.profile)
 
     weight_b, kv_read_b = decode_bytes_per_step(model)
     read = model.layers[0].attention.kv_cache.read_tokens()
@@ -348,6 +356,22 @@ def run(a) -> int:
             print("defaults clamped to the model's context (" + str(args.max_seq_len) + "): " +
                   ", ".join(f"{flag} {d} -> {v}" for flag, (d, v) in clamped.items()), file=sys.stderr)
     return 0
+
+
+def export_trace(prof, path: Path) -> None:
+    """The profiler's chrome trace, written whole or not at all. torch's exporter writes <name>.tmp and renames it
+    over its target, and reports a failed write only in a log line: it writes a temporary file of ours here, which
+    must then exist, and that file replaces `path`."""
+    tmp = tmp_path(path)
+    try:
+        prof.export_chrome_trace(str(tmp))
+        if not tmp.is_file() or tmp.stat().st_size == 0:
+            raise EnvironmentFailure(f"cannot write {path}: the profiler could not write its trace (a full disk or a "
+                                     "file size limit?)")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        tmp.with_name(tmp.name + ".tmp").unlink(missing_ok=True)
 
 
 def weights_format(config: dict, dtype: str) -> str:

@@ -78,8 +78,12 @@ class ModelArgs:
         if head_dim % 2:
             raise ConfigError(f"config.json: head_dim {head_dim} must be even (RoPE rotates halves)")
         eps = number(cfg, "rms_norm_eps", 1e-6)
-        if eps <= 0:
-            raise ConfigError(f"config.json: rms_norm_eps must be > 0, got {eps!r}")
+        if not 0 < eps < 1:  # (a float32 norm overflows long before 1e300)
+            raise ConfigError(f"config.json: rms_norm_eps must be > 0 and < 1, got {eps!r}")
+        for where in (cfg, cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}):
+            if where.get("partial_rotary_factor", 1.0) != 1.0:  # RoPE over part of each head: not implemented
+                raise ConfigError(f"unsupported config: partial_rotary_factor {where['partial_rotary_factor']!r} "
+                                  "(budgetkv rotates the whole head)")
         # transformers 5 moved rope_theta (and the scaling) into rope_parameters; 4.x keeps them top level.
         rope = cfg.get("rope_parameters")
         if rope is not None and not isinstance(rope, dict):

@@ -47,7 +47,13 @@ class Tokenizer:
 
     def chat_prompt_ids(self, user_message: str) -> list[int]:
         # Templates write the BOS string themselves; HF apply_chat_template does not add another.
-        return self.encode(self.render_chat(user_message), add_bos=False)
+        text = self.render_chat(user_message)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate written by the template
+            raise TokenizerError(f"the chat template in {self.chat_template_file or 'the tokenizer files'} writes "
+                                 "text that is not valid Unicode (--no-chat skips it)") from None
+        return self.encode(text, add_bos=False)
 
 
 class _HFTokenizer(Tokenizer):

@@ -746,14 +746,16 @@ def read_journal(path: Path, settings: dict) -> dict:
     check_settings(path, head.get("settings") if isinstance(head, dict) else None, settings)
     done, run_id = {}, digest(settings)
     for n, e in lines[1:]:
-        bad = next((k for k, kind in ENTRY.items() if not isinstance(e.get(k), kind)), None) \
-            if isinstance(e, dict) else "the line"
+        bad = next((f"{k} is missing or of the wrong type" for k, kind in ENTRY.items()
+                    if not isinstance(e.get(k), kind)), None) if isinstance(e, dict) else "not a JSON object"
         if bad is None and not all(isinstance(r, dict) and r.get("task") == e["task"] and all(
-                isinstance(r.get(k), (int, float)) for k in measures(e["task"])) for r in e["records"]):
-            bad = "a record"
+                isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) for k in measures(e["task"]))
+                for r in e["records"]):
+            bad = "a record is malformed or holds a measure that is not a finite number"
+        if bad is None and not e["records"] and e["na"] is None:
+            bad = "no records, and not marked n/a"
         if bad is not None:
-            raise UserError(f"--resume: {path} line {n}: {bad} is missing or of the wrong type (run without "
-                            "--resume to replace the file)")
+            raise UserError(f"--resume: {path} line {n}: {bad} (run without --resume to replace the file)")
         if e["run"] == run_id:  # (another run's line only where two runs wrote at once)
             done[e["task"], e["protocol"], e["policy"], e["budget"], e["data"]] = e
     return done

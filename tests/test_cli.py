@@ -1,5 +1,6 @@
 """generate.py as a user runs it: bad input gets one line on stderr and exit code 2, good input a summary."""
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -53,6 +54,19 @@ def test_threads_flag_sets_torch_threads(tiny_ckpt, capsys):
         assert json.loads(out)["threads"] == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_profile_writes_a_whole_trace_or_fails_in_one_line(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    argv = ["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox", "--max-new-tokens", "2", "--json"]
+    code, _, err = run_main(argv + ["--profile", str(tmp_path / "t.json")], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"] and os.listdir(tmp_path) == ["t.json"]
+    import torch.profiler
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", lambda self, path: None)  # a failed write
+    code, _, err = run_main(argv + ["--profile", str(tmp_path / "u.json")], capsys)
+    assert code == 1 and err.strip().splitlines() == [f"error: cannot write {tmp_path / 'u.json'}: the profiler could "
+                                                      "not write its trace (a full disk or a file size limit?)"], err
+    assert os.listdir(tmp_path) == ["t.json"]
 
 
 def test_int8_kv_run_reports_the_smaller_buffer(tiny_ckpt, capsys):

@@ -114,6 +114,13 @@ def write(name: str, content):
     return setup
 
 
+def symlink(name: str, target: str):
+    """Setup: tmp/<name> -> tmp/<target> (which need not exist)."""
+    def setup(tmp, ckpt):
+        (tmp / name).symlink_to(tmp / target)
+    return setup
+
+
 def prompt_of(n_tokens: int):
     """Setup: tmp/p.txt of exactly n_tokens under the checkpoint's tokenizer."""
     def setup(tmp, ckpt):
@@ -170,6 +177,8 @@ BAD_CONFIG = [
     ("max_position_embeddings", 0, "max_position_embeddings"), ("max_position_embeddings", -1, "max_position"),
     ("max_position_embeddings", "4096", "max_position_embeddings"), ("max_position_embeddings", 1.5, "max_pos"),
     ("rms_norm_eps", -1e-5, "rms_norm_eps"), ("rms_norm_eps", 0, "rms_norm_eps"), ("rms_norm_eps", "1e-5", "rms_norm"),
+    ("rms_norm_eps", 1e300, "rms_norm_eps must be > 0 and < 1"), ("partial_rotary_factor", 0.5, "partial_rotary"),
+    ("rope_parameters", {"rope_theta": 10000.0, "partial_rotary_factor": 0.25}, "partial_rotary_factor"),
     ("rms_norm_eps", True, "rms_norm_eps"), ("rms_norm_eps", NAN, "rms_norm_eps"), ("rms_norm_eps", INF, "rms_norm"),
     ("rope_theta", 500000.0, "rope_theta 500000.0 and rope_parameters.rope_theta 10000.0 disagree"),
     ("rope_scaling", "linear", "rope_scaling must be an object"), ("rope_scaling", 5, "rope_scaling"),
@@ -286,6 +295,7 @@ CASES += [
         tok_config(chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}"), "{bad}"),
     gen("template-renders-nothing", [], 2, "empty once tokenized with the chat template",
         tok_config(chat_template="{{ '' }}"), "{bad}"),
+    gen("template-lone-surrogate", [], 2, "not valid Unicode", tok_config(chat_template='{{ "\\udcff" }}'), "{bad}"),
     gen("template-int", [], 2, "chat_template must be a string", tok_config(chat_template=5), "{bad}"),
     gen("template-list-int", [], 2, "chat_template must be a string",
         tok_config(chat_template=[{"name": "default", "template": 5}]), "{bad}"),
@@ -293,6 +303,11 @@ CASES += [
         files(chat_template__jinja="{% if %}"), "{bad}"),
     gen("template-jinja-binary", [], 2, "not UTF-8", files(chat_template__jinja=b"\xff\xfe{{"), "{bad}"),
     # prompt files
+    gen("prompt-file-dev-zero", ["--prompt-file", "/dev/zero"], 2, "larger than 64 MiB", prompt=False),
+    gen("prompt-file-only-a-bom", ["--prompt-file", "{tmp}/p.txt"], 2, "prompt is empty", write("p.txt", "\ufeff"),
+        prompt=False),
+    gen("profile-device", ["--profile", "/dev/null"], 2, "not a regular file"),
+    gen("profile-symlink", ["--profile", "{tmp}/link"], 2, "not a regular file", symlink("link", "target")),
     gen("prompt-file-missing", ["--prompt-file", "{tmp}/none.txt"], 2, "cannot read prompt file", prompt=False),
     gen("prompt-file-directory", ["--prompt-file", "{tmp}"], 2, "Is a directory", prompt=False),
     gen("prompt-file-binary", ["--prompt-file", "{tmp}/p.bin"], 2, "not UTF-8 text",
@@ -310,7 +325,7 @@ CASES += [
     gen("prompt-fills-context", ["--prompt-file", "{tmp}/p.txt"], 2, "fills the model's context", prompt_of(256),
         prompt=False, new_tokens=False),
     # output paths
-    gen("profile-directory", ["--profile", "{tmp}"], 2, "cannot write there"),
+    gen("profile-directory", ["--profile", "{tmp}"], 2, "not a regular file"),
     gen("profile-no-parent", ["--profile", "{tmp}/no/such/t.json"], 2, "cannot write there"),
     gen("profile-proc", ["--profile", "/proc/t.json"], 2, "cannot write there"),
     gen("profile-nul", ["--profile", "{tmp}/a\0b.json"], 2, "cannot write there"),

@@ -140,6 +140,26 @@ def test_eval_resume_refuses_other_settings(ckpt, uninterrupted, tmp_path, capsy
     assert (out / "results.jsonl").read_bytes() == before
 
 
+@pytest.mark.parametrize("damage", ["nan", "inf", "no-records"])
+def test_eval_resume_refuses_a_damaged_record(ckpt, uninterrupted, tmp_path, capsys, damage):
+    """A journal line edited by hand (a measure that is not finite, records emptied) is refused, not summarised."""
+    _, done = uninterrupted
+    out = tmp_path / "eval"
+    shutil.copytree(done, out)
+    lines = (out / "results.jsonl").read_text().splitlines()
+    entry = json.loads(lines[2])
+    if damage == "no-records":
+        entry["records"] = []
+    else:
+        measure = ev.measures(entry["task"])[0]
+        entry["records"][0][measure] = float(damage)  # json.dumps writes NaN / Infinity
+    lines[2] = json.dumps(entry)
+    (out / "results.jsonl").write_text("\n".join(lines) + "\n")
+    assert ev.main(eval_argv(ckpt, out, "--resume")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "line 3" in err[0] and "Traceback" not in err[0], err
+
+
 def test_eval_resume_refuses_another_checkpoint(ckpt, uninterrupted, tmp_path, capsys):
     """The same command on a checkpoint whose weights changed (same path) is another run."""
     _, done = uninterrupted
@@ -161,10 +181,10 @@ def test_journal_lines_not_written_by_eval_are_refused(tmp_path):
     path = tmp_path / "results.jsonl"
     head = json.dumps({"settings": settings}) + "\n"
     for line, message in [('{"run": "x", "task": 5}', "line 2: task is missing or of the wrong type"),
-                          ("[1]", "line 2: the line is missing"), ("{", "line 2 is not JSON"),
+                          ("[1]", "line 2: not a JSON object"), ("{", "line 2 is not JSON"),
                           ('{"run": "x", "task": "fidelity", "protocol": "block", "policy": "full", "budget": null, '
                            '"data": "d", "records": [{"task": "fidelity", "kl": "0"}], "na": null}',
-                           "line 2: a record is missing")]:
+                           "line 2: a record is malformed")]:
         path.write_text(head + line + "\n")
         with pytest.raises(UserError, match=message):
             ev.read_journal(path, settings)
