@@ -113,12 +113,10 @@ def run_cli(run_fn, a) -> int:
     verbose = getattr(a, "verbose", False) or os.environ.get("BUDGETKV_VERBOSE") == "1"
     try:
         return run_fn(a)
-    except (UserError, ConfigError, CheckpointError, TokenizerError, PolicyError, DownloadError) as e:
+    except (UserError, ConfigError, CheckpointError, TokenizerError, PolicyError, DownloadError,
+            EnvironmentFailure) as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
-        return 2
-    except EnvironmentFailure as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
-        return 1
+        return 1 if isinstance(e, EnvironmentFailure) else 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
