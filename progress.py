@@ -1,0 +1,136 @@
+"""Progress lines for long work: one line on stderr, rewritten in place (carriage return + clear to the end of the
+line), only when stderr is a terminal, only once the work has run longer than DELAY seconds, and cleared when the
+work ends (what follows, a summary or the output, is the record). Off a terminal, with `quiet` set (a command
+line's --quiet) or for fast work, nothing is written at all.
+
+    with Progress(total, "prefill", "tokens", rate_unit="tok") as bar:   # prefill 1,024/4,000 tokens  312 tok/s  3.3 s
+        for done in ...:
+            bar.update(done)
+    with Ticker("compiling the decode step (max-autotune)"):             # compiling ... (max-autotune) ... 12 s
+        compile()
+"""
+import os
+import shutil
+import sys
+import threading
+import time
+
+DELAY = 1.0  # seconds of work before the first line: fast work prints nothing
+INTERVAL = 0.25  # at most 4 updates a second (the final one is always drawn)
+CLEAR = "\r\x1b[K"  # back to the start of the line, clear to its end
+quiet = False  # set by a command line's --quiet: no progress line anywhere in the process
+
+
+def on_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
+
+
+def columns(stream) -> int:
+    """The width of the terminal `stream` writes to (80 when it cannot tell): a longer line would wrap, and the
+    carriage return would then rewrite only its last row."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, ValueError, OSError):
+        return shutil.get_terminal_size().columns
+
+
+class _Line:
+    """One rewritable line on `stream` (default: sys.stderr when the line is made)."""
+
+    def __init__(self, stream, enabled: bool):
+        self.stream = sys.stderr if stream is None else stream
+        self.active = enabled and not quiet and on_terminal(self.stream)
+        self.drawn = False
+
+    def draw(self, text: str) -> None:
+        width = max(columns(self.stream) - 1, 10)
+        self.stream.write(CLEAR + text[:width])
+        self.stream.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        """Clear the line if anything was drawn; later calls do nothing."""
+        if self.drawn:
+            self.stream.write(CLEAR)
+            self.stream.flush()
+            self.drawn = False
+        self.active = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Progress(_Line):
+    """`label done/total unit  rate  elapsed` for work counted in steps: update(done) after each one, close() (or the
+    end of a `with`) at the end. `rate_unit` names the rate ("tok" -> "312 tok/s"; default: unit), `scale` is what
+    one step is worth in it (a one-shot prefill counts layers and rates tokens: scale = tokens / layers)."""
+
+    def __init__(self, total: int, label: str, unit: str, *, rate_unit: str | None = None, scale: float = 1.0,
+                 stream=None, enabled: bool = True, delay: float = DELAY, interval: float = INTERVAL,
+                 clock=time.monotonic):
+        super().__init__(stream, enabled)
+        self.total, self.label, self.unit = total, label, unit
+        self.rate_unit, self.scale = rate_unit or unit, scale
+        self.delay, self.interval, self.clock = delay, interval, clock
+        self.start = clock()
+        self.last = None  # when the line was last drawn
+
+    def due(self, done: int, now: float | None = None) -> bool:
+        """Whether update(done) would draw now: past the delay, and the interval since the last line or the end. A
+        caller whose steps run asynchronously (CUDA) syncs only then, at most 1 / interval times a second."""
+        if not self.active:
+            return False
+        now = self.clock() if now is None else now
+        if now - self.start < self.delay:
+            return False
+        return done >= self.total or self.last is None or now - self.last >= self.interval
+
+    def update(self, done: int) -> None:
+        if not self.active:
+            return
+        now = self.clock()
+        if not self.due(done, now):
+            return
+        elapsed = now - self.start
+        rate = done * self.scale / elapsed if elapsed > 0 else 0.0
+        self.draw(f"{self.label} {done:,}/{self.total:,} {self.unit}  {rate:,.0f} {self.rate_unit}/s  "
+                  f"{elapsed:.1f} s")
+        self.last = now
+
+
+class Ticker(_Line):
+    """`label ... 12 s`, rewritten every `interval` seconds from a daemon thread while the `with` block runs, for work
+    without steps (a torch.compile); the line is cleared at the end of the block."""
+
+    def __init__(self, label: str, *, stream=None, enabled: bool = True, interval: float = 1.0, clock=time.monotonic):
+        super().__init__(stream, enabled)
+        self.label, self.interval, self.clock = label, interval, clock
+        self.stop = threading.Event()
+        self.thread = None
+
+    def __enter__(self):
+        if self.active:
+            self.start = self.clock()
+            self.thread = threading.Thread(target=self.tick, name="progress-ticker", daemon=True)
+            self.thread.start()
+        return self
+
+    def tick(self) -> None:
+        while not self.stop.wait(self.interval):
+            try:
+                self.draw(f"{self.label} ... {self.clock() - self.start:.0f} s")
+            except (OSError, ValueError):  # stderr closed under us: the work goes on without its line
+                return
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()  # no line is drawn after the clear
+            self.thread = None
+        super().close()

@@ -1,0 +1,118 @@
+"""Progress lines: drawn on a terminal only, past a delay, at most 4 a second, cleared at the end; the engine's prefill
+callback; generate.py's --quiet and its progress on a terminal."""
+import io
+import re
+import time
+
+import pytest
+
+import progress
+from progress import CLEAR, Progress, Ticker
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+class Clock:
+    def __init__(self, t=100.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def lines(text):
+    """The lines drawn (each one follows a CLEAR), without the final clear."""
+    assert text.startswith(CLEAR), repr(text)
+    return text.split(CLEAR)[1:]
+
+
+def test_progress_on_a_terminal_rewrites_one_line_and_clears_it():
+    out, clock = FakeTTY(), Clock()
+    with Progress(4000, "prefill", "tokens", rate_unit="tok", stream=out, clock=clock) as bar:
+        for done in (1024, 2048, 4000):
+            clock.t += 2.0
+            bar.update(done)
+    drawn = lines(out.getvalue())
+    assert drawn == ["prefill 1,024/4,000 tokens  512 tok/s  2.0 s", "prefill 2,048/4,000 tokens  512 tok/s  4.0 s",
+                     "prefill 4,000/4,000 tokens  667 tok/s  6.0 s", ""]  # "": the line cleared at the end
+    assert "\n" not in out.getvalue()
+
+
+def test_progress_rate_scale_and_unit():
+    out, clock = FakeTTY(), Clock()
+    bar = Progress(30, "prefill (one-shot) 3,000 tokens:", "layers", rate_unit="tok", scale=100, stream=out,
+                   clock=clock)
+    clock.t += 2.0
+    bar.update(12)
+    assert lines(out.getvalue()) == ["prefill (one-shot) 3,000 tokens: 12/30 layers  600 tok/s  2.0 s"]
+    bar.close()
+    assert out.getvalue().endswith(CLEAR)
+
+
+@pytest.mark.parametrize("case", ["not a terminal", "disabled", "quiet"])
+def test_progress_silent_off_a_terminal_or_when_quiet(case, monkeypatch):
+    out, clock = (io.StringIO() if case == "not a terminal" else FakeTTY()), Clock()
+    if case == "quiet":
+        monkeypatch.setattr(progress, "quiet", True)
+    with Progress(10, "work", "steps", stream=out, clock=clock, enabled=case != "disabled") as bar:
+        for done in range(1, 11):
+            clock.t += 1.0
+            bar.update(done)
+    assert out.getvalue() == ""
+
+
+def test_progress_nothing_before_the_delay():
+    out, clock = FakeTTY(), Clock()
+    with Progress(10, "work", "steps", stream=out, clock=clock, delay=1.5) as bar:
+        for done in range(1, 11):
+            clock.t += 0.1  # all done in 1 s: nothing, not even the final update or a clear
+            bar.update(done)
+    assert out.getvalue() == ""
+    out, clock = FakeTTY(), Clock()
+    with Progress(10, "work", "steps", stream=out, clock=clock, delay=1.5) as bar:
+        for done in range(1, 11):
+            clock.t += 0.2
+            bar.update(done)
+    assert [re.match(r"work (\d+)/10", s)[1] for s in lines(out.getvalue())[:-1]] == ["8", "10"]  # from 1.6 s on
+
+
+def test_progress_rate_limited_but_the_final_update_drawn():
+    out, clock = FakeTTY(), Clock()
+    with Progress(100, "work", "steps", stream=out, clock=clock, delay=0) as bar:
+        for done in range(1, 101):
+            clock.t += 0.01  # 100 updates in 1 s: at most 4 a second, plus the last
+            bar.update(done)
+    drawn = [int(re.match(r"work (\d+)/100", s)[1]) for s in lines(out.getvalue())[:-1]]
+    assert drawn[-1] == 100 and 4 <= len(drawn) <= 6, drawn
+    assert all(b - a >= 25 for a, b in zip(drawn[:-2], drawn[1:-1])), drawn
+
+
+def test_progress_line_fits_the_terminal(monkeypatch):
+    out = FakeTTY()
+    monkeypatch.setattr(progress, "columns", lambda stream: 20)
+    bar = Progress(10, "converting a-very-long-file-name.gguf", "tensors", stream=out, delay=0)
+    bar.update(5)
+    assert lines(out.getvalue()) == ["converting a-very-l"]  # 19 columns: the cursor stays on the line
+
+
+def test_ticker_counts_seconds_on_a_terminal_and_clears():
+    out, clock = FakeTTY(), Clock()
+    with Ticker("compiling the decode step (max-autotune)", stream=out, interval=0.01, clock=clock):
+        clock.t += 12.3
+        time.sleep(0.2)
+    drawn = lines(out.getvalue())
+    assert drawn[0] == "compiling the decode step (max-autotune) ... 12 s" and drawn[-1] == "", drawn
+    assert set(drawn[:-1]) == {drawn[0]}
+
+
+@pytest.mark.parametrize("case", ["not a terminal", "disabled", "quiet"])
+def test_ticker_silent_off_a_terminal_or_when_quiet(case, monkeypatch):
+    out = io.StringIO() if case == "not a terminal" else FakeTTY()
+    if case == "quiet":
+        monkeypatch.setattr(progress, "quiet", True)
+    with Ticker("compiling", stream=out, interval=0.01, enabled=case != "disabled") as t:
+        time.sleep(0.1)
+    assert out.getvalue() == "" and t.thread is None
