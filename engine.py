@@ -150,13 +150,16 @@ def block_inputs(prompt: torch.Tensor, start: int, block_size: int):
     return idx, pos
 
 
-def prefill_one_shot(model, prompt: torch.Tensor, block_size: int, shared: dict | None = None) -> torch.Tensor:
+def prefill_one_shot(model, prompt: torch.Tensor, block_size: int, shared: dict | None = None, *,
+                     on_prefill=None) -> torch.Tensor:
     """Dense prefill of the whole prompt, then one compression per layer (the SnapKV / RocketKV / kvpress protocol):
     model.prefill_layer_major with one scratch cache at a time (one layer's K/V for the whole prompt, slot =
     position), each compressed into its layer's cache (cache.compress_into) before the next layer runs. `shared`:
-    the cross-layer state of this forward (K-VEC's coverage counter), a fresh dict unless given. Returns the last
-    position's logits [1, vocab]."""
+    the cross-layer state of this forward (K-VEC's coverage counter), a fresh dict unless given. on_prefill(done, L)
+    after each layer: the share of the prompt's work done, L * layers done // layers (every token goes through a
+    layer at once). Returns the last position's logits [1, vocab]."""
     L = prompt.numel()
+    n_layers = len(model.layers)
     n_blocks = -(-L // block_size)
     idx, input_pos = block_inputs(prompt, 0, n_blocks * block_size)
     shared = {} if shared is None else shared
@@ -173,17 +176,24 @@ def prefill_one_shot(model, prompt: torch.Tensor, block_size: int, shared: dict 
                 dst[:, :, :L] = src[:, :, :L]
         else:
             scratch.compress_into(c, shared)
+        if on_prefill is not None:
+            on_prefill(L * (i + 1) // n_layers, L)
     return model.prefill_layer_major(idx, input_pos, block_size, scratch, done)
 
 
 def prefill(model, prompt: torch.Tensor, block_size: int, step=prefill_step, one_shot: bool = False,
-            shared: dict | None = None) -> torch.Tensor:
+            shared: dict | None = None, *, on_prefill=None) -> torch.Tensor:
     """The prompt [L] into the caches: block-wise (`step` on each padded block) or one-shot (prefill_one_shot,
-    eager); returns the last position's logits [1, vocab]."""
+    eager); returns the last position's logits [1, vocab]. on_prefill(done, L), if given, after each block with the
+    prompt tokens done (one-shot: after each layer, see prefill_one_shot). It adds no host sync: on CUDA a block it
+    reports may still be running (a caller that shows a rate syncs before drawing it)."""
     if one_shot:
-        return prefill_one_shot(model, prompt, block_size, shared)
-    for start in range(0, prompt.numel(), block_size):
+        return prefill_one_shot(model, prompt, block_size, shared, on_prefill=on_prefill)
+    L = prompt.numel()
+    for start in range(0, L, block_size):
         logits = step(model, *block_inputs(prompt, start, block_size))
+        if on_prefill is not None:
+            on_prefill(min(start + block_size, L), L)
     return logits
 
 
@@ -237,9 +247,10 @@ def check_finite(tok: int, step: int) -> None:
 @torch.inference_mode()
 def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: int, steps, eos_ids=(),
              temperature=0.0, top_k=0, top_p=1.0, on_token=None, device="cpu", profiler=None,
-             one_shot=False, shared: dict | None = None) -> tuple[list, dict]:
+             one_shot=False, shared: dict | None = None, on_prefill=None) -> tuple[list, dict]:
     """Block-wise (or one-shot) prefill then decode; returns (generated ids, stats). steps = (prefill, decode);
-    shared: receives a one-shot prefill's cross-layer state (K-VEC's coverage counter)."""
+    shared: receives a one-shot prefill's cross-layer state (K-VEC's coverage counter); on_prefill(done, total):
+    the prefill's progress in prompt tokens (see prefill), inside the timed prefill."""
     prefill_fn, decode_fn = steps
     for layer in model.layers:
         layer.attention.kv_cache.reset()
@@ -252,7 +263,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: i
     mem.reset()
     sync(device)
     t0 = time.perf_counter()
-    logits = prefill(model, prompt, block_size, prefill_fn, one_shot, shared)
+    logits = prefill(model, prompt, block_size, prefill_fn, one_shot, shared, on_prefill=on_prefill)
     token = sample_finite(logits, temperature, top_k, top_p)
     tok = int(token.item())  # the first token is needed on the host anyway (streaming, EOS)
     check_finite(tok, 0)

@@ -116,3 +116,35 @@ def test_ticker_silent_off_a_terminal_or_when_quiet(case, monkeypatch):
     with Ticker("compiling", stream=out, interval=0.01, enabled=case != "disabled") as t:
         time.sleep(0.1)
     assert out.getvalue() == "" and t.thread is None
+
+
+# ------------------------------------------------------------------------------------------------- the engine
+
+@pytest.fixture(scope="module")
+def tiny_model(hf_tiny):
+    import torch
+    from engine import load_model
+    _, ckpt = hf_tiny("llama")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: threads only cost here
+    yield load_model(ckpt, torch.float32, "cpu")
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("protocol", ["block", "one-shot"])
+def test_generate_reports_prefill_progress(tiny_model, protocol):
+    """on_prefill(done, 45): after each block of 16 tokens (16, 32, 45), or one-shot after each of the 2 layers (22,
+    45); the tokens generated are those of a run without the callback."""
+    import policies
+    from engine import generate, model_step, prefill_step, setup
+    prompt = list(range(1, 46))
+    one_shot = protocol == "one-shot"
+    runs = []
+    for callback in (None, True):
+        setup(tiny_model, policies.make("snapkv:window=8"), 24, len(prompt), 4, 16, prefill=protocol)
+        calls = []
+        out, _ = generate(tiny_model, prompt, 4, block_size=16, steps=(prefill_step, model_step), one_shot=one_shot,
+                          on_prefill=(lambda done, total: calls.append((done, total))) if callback else None)
+        runs.append(out)
+    assert calls == ([(22, 45), (45, 45)] if one_shot else [(16, 45), (32, 45), (45, 45)])
+    assert runs[0] == runs[1]
