@@ -39,6 +39,8 @@ from engine import (MIN_TEMPERATURE, block_inputs, compile_steps, decode_bytes_p
                     default_compile_mode, generate, load_model, model_step, prefill_protocol, prefill_step,
                     set_threads, setup, sync)
 from model import ModelArgs  # noqa: E402
+import progress  # noqa: E402
+from progress import Progress, Ticker  # noqa: E402
 
 MAX_PROMPT_BYTES = 64 << 20  # far more text than any supported model's context holds
 DEFAULT_NEW_TOKENS, DEFAULT_BLOCK, DEFAULT_BUDGET = 200, 128, 2048  # each clamped to the model's context
@@ -129,6 +131,10 @@ def parse_args(argv=None):
     ap.add_argument("--batch-size", type=int, default=1, help="only 1 for now")
     ap.add_argument("--profile", type=Path, help="write a torch.profiler chrome trace here")
     ap.add_argument("--json", action="store_true", help="print one JSON object (text and summary) instead")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress lines (the prefill's tokens done and tok/s, a conversion's tensors done); "
+                         "without it they go to stderr only when it is a terminal, --json included, and are erased "
+                         "once the work is done. The text and the summary are printed either way")
     return ap.parse_args(argv)
 
 
@@ -227,6 +233,7 @@ def run(a) -> int:
     from tokenizer import load_tokenizer
 
     check_args(a)
+    progress.quiet = a.quiet  # for every line of this run: a conversion's too
     policy = policies.make(a.policy)  # unknown names and parameters fail before any loading
     a.prefill = prefill_protocol(policy, a.prefill)
     if a.prefill == "one-shot" and a.compile_prefill is not None:
@@ -291,6 +298,7 @@ def run(a) -> int:
     printed = [""]
 
     def stream(out_ids):  # print only the new, complete characters
+        bar.close()  # the progress line is erased before the first token (a no-op after it)
         s = tokenizer.decode(out_ids)
         if s.endswith("\ufffd"):
             return
@@ -304,10 +312,12 @@ def run(a) -> int:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda") else [])
         prof = profile(activities=acts, record_shapes=True)
     with prof or nullcontext():
-        out, stats = generate(model, ids, a.max_new_tokens, block_size=a.block_size, steps=steps,
-                              eos_ids=set(tokenizer.eos_ids), temperature=a.temperature, top_k=a.top_k or 0,
-                              top_p=1.0 if a.top_p is None else a.top_p, on_token=None if a.json else stream,
-                              device=a.device, one_shot=a.prefill == "one-shot")
+        bar, on_prefill = prefill_progress(a, L, args.n_layers)
+        with bar:
+            out, stats = generate(model, ids, a.max_new_tokens, block_size=a.block_size, steps=steps,
+                                  eos_ids=set(tokenizer.eos_ids), temperature=a.temperature, top_k=a.top_k or 0,
+                                  top_p=1.0 if a.top_p is None else a.top_p, on_token=None if a.json else stream,
+                                  device=a.device, one_shot=a.prefill == "one-shot", on_prefill=on_prefill)
     if prof is not None:
         export_trace(prof, a.profile)
 
@@ -356,6 +366,40 @@ def run(a) -> int:
             print("defaults clamped to the model's context (" + str(args.max_seq_len) + "): " +
                   ", ".join(f"{flag} {d} -> {v}" for flag, (d, v) in clamped.items()), file=sys.stderr)
     return 0
+
+
+def prefill_progress(a, prompt_len: int, n_layers: int):
+    """The prefill's progress line and generate()'s on_prefill for it: "prefill 1,024/4,000 tokens  312 tok/s  3.3 s",
+    one-shot "prefill (one-shot) 4,000 tokens: 12/30 layers  850 tok/s  5.1 s" (every token goes through a layer at
+    once; the rate counts a layer as 1/30 of the prompt). on_prefill is None where no line can show (--quiet, not a
+    terminal): generate() then calls nothing. On CUDA the blocks run asynchronously; the callback syncs before a
+    line is drawn (at most 4 times a second), so that the line counts what has run, not what was queued."""
+    one_shot = a.prefill == "one-shot"
+    if one_shot:
+        bar = Progress(n_layers, f"prefill (one-shot) {prompt_len:,} tokens:", "layers", rate_unit="tok",
+                       scale=prompt_len / n_layers)
+    else:
+        bar = Progress(prompt_len, "prefill", "tokens", rate_unit="tok")
+    if not bar.active:
+        return bar, None
+    calls = [0]
+
+    def on_prefill(done: int, total: int) -> None:
+        calls[0] += 1
+        step = calls[0] if one_shot else done  # one-shot: called once per layer
+        if bar.due(step):
+            sync(a.device)
+            bar.update(step)
+    return bar, on_prefill
+
+
+def compile_ticker(a) -> Ticker:
+    """The line to show while --compile compiles (on a terminal, without --quiet; erased at the end of the `with`):
+    "compiling the decode step (max-autotune-no-cudagraphs) ... 12 s". Call it once a.compile_mode and
+    a.compile_prefill are settled."""
+    what = "the prefill and decode steps" if a.compile_prefill else "the decode step"
+    mode = a.compile_mode or ("reduce-overhead" if a.device.startswith("cuda") else "default")
+    return Ticker(f"compiling {what} ({mode})")
 
 
 def export_trace(prof, path: Path) -> None:

@@ -72,12 +72,14 @@ class Progress(_Line):
     one step is worth in it (a one-shot prefill counts layers and rates tokens: scale = tokens / layers)."""
 
     def __init__(self, total: int, label: str, unit: str, *, rate_unit: str | None = None, scale: float = 1.0,
-                 stream=None, enabled: bool = True, delay: float = DELAY, interval: float = INTERVAL,
+                 stream=None, enabled: bool = True, delay: float | None = None, interval: float | None = None,
                  clock=time.monotonic):
         super().__init__(stream, enabled)
         self.total, self.label, self.unit = total, label, unit
         self.rate_unit, self.scale = rate_unit or unit, scale
-        self.delay, self.interval, self.clock = delay, interval, clock
+        self.delay = DELAY if delay is None else delay
+        self.interval = INTERVAL if interval is None else interval
+        self.clock = clock
         self.start = clock()
         self.last = None  # when the line was last drawn
 

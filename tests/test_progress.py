@@ -148,3 +148,107 @@ def test_generate_reports_prefill_progress(tiny_model, protocol):
         runs.append(out)
     assert calls == ([(22, 45), (45, 45)] if one_shot else [(16, 45), (32, 45), (45, 45)])
     assert runs[0] == runs[1]
+
+
+# ------------------------------------------------------------------------------------------------- generate.py
+
+@pytest.fixture(autouse=True)
+def not_quiet(monkeypatch):
+    """generate.run sets progress.quiet from --quiet for the process: each test starts, and leaves it, as it was."""
+    monkeypatch.setattr(progress, "quiet", False)
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(hf_tiny, tmp_path_factory):
+    from conftest import with_tiny_tokenizer
+    _, src = hf_tiny("llama")
+    return with_tiny_tokenizer(src, tmp_path_factory.mktemp("tiny_progress"), "the quick brown fox jumps over the dog")
+
+
+PROMPT = "the quick brown fox jumps over the lazy dog, " * 3
+
+
+def run_on_a_terminal(ckpt, extra, monkeypatch):
+    """generate.main with stdout and stderr fake terminals and no delay before a progress line; returns the writes in
+    order, as (stream, text)."""
+    import generate
+    log = []
+
+    class Recorder(FakeTTY):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def write(self, text):
+            log.append((self.name, text))
+            return len(text)
+
+    monkeypatch.setattr(progress, "DELAY", 0)
+    monkeypatch.setattr("sys.stdout", Recorder("out"))
+    monkeypatch.setattr("sys.stderr", Recorder("err"))
+    code = generate.main(["--checkpoint", str(ckpt), "--prompt", PROMPT, "--max-new-tokens", "3", "--block-size", "4",
+                          "--threads", "1", *extra])
+    assert code == 0, log
+    return log
+
+
+@pytest.mark.parametrize("extra", [[], ["--prefill", "one-shot", "--policy", "snapkv:window=4", "--budget", "8"],
+                                   ["--json"]])
+def test_generate_shows_prefill_progress_on_a_terminal_and_erases_it_first(tiny_ckpt, extra, monkeypatch):
+    log = run_on_a_terminal(tiny_ckpt, extra, monkeypatch)
+    first_out = next(i for i, (name, _) in enumerate(log) if name == "out")
+    before, after = log[:first_out], log[first_out:]
+    assert {name for name, _ in before} == {"err"} and before[-1] == ("err", CLEAR), before  # erased before the text
+    drawn = [text for _, text in before[:-1]]
+    assert drawn and all(text.startswith(CLEAR) for text in drawn), drawn
+    if "one-shot" in extra:
+        assert re.fullmatch(r"\r\x1b\[Kprefill \(one-shot\) \d+ tokens: 2/2 layers  [\d,]+ tok/s  \d+\.\d s", drawn[-1])
+    else:
+        assert re.fullmatch(r"\r\x1b\[Kprefill (\d+)/\1 tokens  [\d,]+ tok/s  \d+\.\d s", drawn[-1]), drawn
+    assert not any("\r" in text for name, text in after if name == "err")  # the summary: plain lines
+    if "--json" in extra:
+        import json
+        assert json.loads("".join(text for name, text in after if name == "out"))["generated_tokens"] == 3
+
+
+def test_generate_quiet_prints_no_progress_on_a_terminal(tiny_ckpt, monkeypatch):
+    log = run_on_a_terminal(tiny_ckpt, ["--quiet"], monkeypatch)
+    err = "".join(text for name, text in log if name == "err")
+    assert "\r" not in err and "prefill" not in err.split("---")[0] and "--- " in err  # the summary, no line
+    assert any(name == "out" and text for name, text in log)
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_generate_prints_no_progress_when_stderr_is_not_a_terminal(tiny_ckpt, terminal):
+    """A real process, no delay before a line: stderr a pipe gets no carriage return; the same run with stderr a
+    pseudo-terminal gets its line (the control: this test would see one)."""
+    import os
+    import subprocess
+    import sys
+    from conftest import REPO
+    code = ("import sys, progress; progress.DELAY = 0; import generate; "
+            f"sys.exit(generate.main(sys.argv[1:]))")
+    argv = [sys.executable, "-c", code, "--checkpoint", str(tiny_ckpt), "--prompt", PROMPT, "--max-new-tokens", "3",
+            "--block-size", "4", "--threads", "1"]
+    if not terminal:
+        r = subprocess.run(argv, cwd=REPO, capture_output=True, timeout=300)  # bytes: text mode reads \r as \n
+        assert r.returncode == 0, r.stderr
+        assert b"\r" not in r.stderr and b"\x1b" not in r.stderr and b"--- " in r.stderr, r.stderr
+        return
+    master, slave = os.openpty()
+    try:
+        p = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=slave)
+        os.close(slave)
+        err = b""
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            err += chunk
+        assert p.wait(timeout=300) == 0, err
+    finally:
+        os.close(master)
+    assert b"\r\x1b[Kprefill " in err and b"--- " in err, err
