@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from files import fsync_path, remove_stale_tmp, tmp_path, write_atomic, write_error, write_text
+from progress import Progress, Ticker
 
 ENGINE_FILE = "budgetkv.safetensors"
 # Recorded in every engine file's identity; a file written by another converter version is converted again
@@ -41,8 +42,9 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read; the message is one line for the user."""
 
 
-def hf_to_engine(get, names: set[str], n_layers: int, tied: bool) -> dict[str, torch.Tensor]:
-    """Rename and fuse HF Llama/Mistral/Qwen2 tensors. `get(name)` loads one tensor, `names` lists those present."""
+def hf_to_engine(get, names: set[str], n_layers: int, tied: bool, on_layer=None) -> dict[str, torch.Tensor]:
+    """Rename and fuse HF Llama/Mistral/Qwen2 tensors. `get(name)` loads one tensor, `names` lists those present;
+    on_layer(layers done), if given, after each layer."""
     def need(name):
         if name not in names:
             raise CheckpointError(f"the checkpoint lacks tensor {name!r}")
@@ -63,11 +65,15 @@ def hf_to_engine(get, names: set[str], n_layers: int, tied: bool) -> dict[str, t
             out[e + "attention.wo.bias"] = need(p + "self_attn.o_proj.bias")
         out[e + "feed_forward.w13.weight"] = torch.cat([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")])
         out[e + "feed_forward.w2.weight"] = need(p + "mlp.down_proj.weight")
+        if on_layer is not None:
+            on_layer(i + 1)
     return out
 
 
-def read_hf_dir(ckpt_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Engine-named tensors from an HF directory's *.safetensors (sharded or not), read lazily one at a time."""
+def read_hf_dir(ckpt_dir: Path, dtype: torch.dtype | None = None,
+                progress: str | None = None) -> dict[str, torch.Tensor]:
+    """Engine-named tensors from an HF directory's *.safetensors (sharded or not), read lazily one at a time.
+    progress: the label of a progress line over the layers read (progress.py: a terminal's, past a delay)."""
     from safetensors import SafetensorError, safe_open
 
     config = read_config(ckpt_dir)
@@ -94,7 +100,8 @@ def read_hf_dir(ckpt_dir: Path, dtype: torch.dtype | None = None) -> dict[str, t
     n_layers = config.get("num_hidden_layers")
     if type(n_layers) is not int or n_layers < 1:
         raise CheckpointError(f"{ckpt_dir}/config.json lacks a valid num_hidden_layers")
-    return hf_to_engine(get, set(where), n_layers, tied)
+    with Progress(n_layers, progress or "", "layers", enabled=progress is not None) as bar:
+        return hf_to_engine(get, set(where), n_layers, tied, bar.update)
 
 
 def read_config(ckpt_dir: Path) -> dict:
@@ -134,17 +141,20 @@ def convert_hf_dir(ckpt_dir: Path) -> Path:
     remove_stale_tmp(ckpt_dir)
     stats = load_stats(ckpt_dir)
     sources = {f.name: file_sha256(f, stats) for f in hf_sources(ckpt_dir)}  # before reading: a later change shows
-    save_engine(read_hf_dir(ckpt_dir), ckpt_dir / ENGINE_FILE, identity("hf", ckpt_dir, sources, {}))
+    tensors = read_hf_dir(ckpt_dir, progress=f"converting {ckpt_dir.name}")
+    save_engine(tensors, ckpt_dir / ENGINE_FILE, identity("hf", ckpt_dir, sources, {}))
     save_stats(stats)
     return ckpt_dir
 
 
 def save_engine(tensors: dict[str, torch.Tensor], path: Path, ident: dict) -> None:
-    """The engine file, written last and atomically, with the identity of what it was converted from."""
+    """The engine file, written last and atomically, with the identity of what it was converted from (a terminal
+    shows the seconds it takes, from the first on)."""
     from safetensors.torch import save_file
     metadata = {"format": "budgetkv", "budgetkv_identity": json.dumps(ident)}
-    write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-                                             metadata=metadata))
+    with Ticker(f"writing {path}"):
+        write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                                                 metadata=metadata))
 
 
 # ------------------------------------------------------------------------------------------- source identity
@@ -190,10 +200,16 @@ def save_stats(stats: dict) -> None:
 
 
 def hash_file(path: Path) -> str:
+    """sha256 of a file, read 1 MiB at a time (a progress line for a large one on a terminal: progress.py)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
+        mib = (os.fstat(f.fileno()).st_size + (1 << 20) - 1) >> 20
+        with Progress(mib, f"hashing {path.name}", "MiB") as bar:
+            done = 0
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+                done += 1
+                bar.update(done)
     return h.hexdigest()
 
 
@@ -274,7 +290,8 @@ def read_gguf(gguf_path: Path):
     the field; returns (reader, config.json dict). Nothing is dequantized yet."""
     import gguf
     try:
-        reader = gguf.GGUFReader(str(gguf_path))
+        with Ticker(f"reading {gguf_path.name}"):  # seconds: the tokenizer's vocabulary is parsed here
+            reader = gguf.GGUFReader(str(gguf_path))
     except Exception as e:  # gguf raises bare ValueError / struct errors on bad files
         raise CheckpointError(f"cannot read GGUF file {gguf_path}: {' '.join(str(e).split())}") from None
     name = gguf_path.name
@@ -376,17 +393,19 @@ def convert_gguf(gguf_path: Path, out_dir: Path, opened=None) -> Path:
     stats = load_stats(out_dir)
     sources = {gguf_path.name: file_sha256(gguf_path, stats)}  # before reading the tensors: a later change shows
     tensors = {}
-    for t in reader.tensors:
-        try:
-            with np.errstate(all="ignore"):  # damaged data is reported below, not as numpy warnings
-                data = gguf.quants.dequantize(t.data, t.tensor_type)
-        except Exception as e:  # an unknown quantization type, a truncated tensor
-            raise CheckpointError(f"cannot dequantize tensor {t.name} of GGUF file {gguf_path.name}: "
-                                  f"{' '.join(str(e).split()) or type(e).__name__}") from None
-        tensors[t.name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
-        if not torch.isfinite(tensors[t.name]).all():
-            raise CheckpointError(f"tensor {t.name} of GGUF file {gguf_path.name} holds NaN or inf values (a damaged "
-                                  "file?)")
+    with Progress(len(reader.tensors), f"converting {gguf_path.name}", "tensors") as bar:
+        for t in reader.tensors:
+            try:
+                with np.errstate(all="ignore"):  # damaged data is reported below, not as numpy warnings
+                    data = gguf.quants.dequantize(t.data, t.tensor_type)
+            except Exception as e:  # an unknown quantization type, a truncated tensor
+                raise CheckpointError(f"cannot dequantize tensor {t.name} of GGUF file {gguf_path.name}: "
+                                      f"{' '.join(str(e).split()) or type(e).__name__}") from None
+            tensors[t.name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+            if not torch.isfinite(tensors[t.name]).all():
+                raise CheckpointError(f"tensor {t.name} of GGUF file {gguf_path.name} holds NaN or inf values (a "
+                                      "damaged file?)")
+            bar.update(len(tensors))
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     for i in range(config["num_hidden_layers"]):

@@ -17,6 +17,7 @@ import time
 
 DELAY = 1.0  # seconds of work before the first line: fast work prints nothing
 INTERVAL = 0.25  # at most 4 updates a second (the final one is always drawn)
+TICK = 1.0  # a Ticker's line: rewritten every second, the first after one
 CLEAR = "\r\x1b[K"  # back to the start of the line, clear to its end
 quiet = False  # set by a command line's --quiet: no progress line anywhere in the process
 
@@ -30,11 +31,12 @@ def on_terminal(stream) -> bool:
 
 def columns(stream) -> int:
     """The width of the terminal `stream` writes to (80 when it cannot tell): a longer line would wrap, and the
-    carriage return would then rewrite only its last row."""
+    carriage return would then rewrite only its last row. A terminal whose size is unset says 0."""
     try:
-        return os.get_terminal_size(stream.fileno()).columns
+        n = os.get_terminal_size(stream.fileno()).columns
     except (AttributeError, ValueError, OSError):
-        return shutil.get_terminal_size().columns
+        n = 0
+    return n if n > 0 else shutil.get_terminal_size().columns
 
 
 class _Line:
@@ -107,12 +109,14 @@ class Progress(_Line):
 
 
 class Ticker(_Line):
-    """`label ... 12 s`, rewritten every `interval` seconds from a daemon thread while the `with` block runs, for work
-    without steps (a torch.compile); the line is cleared at the end of the block."""
+    """`label ... 12 s`, rewritten every `interval` seconds (default TICK) from a daemon thread while the `with` block
+    runs, for work without steps (a torch.compile); the line is cleared at the end of the block."""
 
-    def __init__(self, label: str, *, stream=None, enabled: bool = True, interval: float = 1.0, clock=time.monotonic):
+    def __init__(self, label: str, *, stream=None, enabled: bool = True, interval: float | None = None,
+                 clock=time.monotonic):
         super().__init__(stream, enabled)
-        self.label, self.interval, self.clock = label, interval, clock
+        self.label, self.clock = label, clock
+        self.interval = TICK if interval is None else interval
         self.stop = threading.Event()
         self.thread = None
 

@@ -53,6 +53,7 @@ from convert import (ENGINE_FILE, TOKENIZER_FILES, CheckpointError, checkpoint_f
 from errors import UserError
 from files import remove_stale_tmp, write_atomic, write_text
 from model import ModelArgs
+from progress import Progress
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -334,8 +335,10 @@ def quantize_model(model: nn.Module, mode: str, groupsize: int | None = None, he
     head = head_quantized(mode) if head is None else head
     targets = list(linears(model, head))
     groupsize = check_mode(mode, groupsize, {full: lin.in_features for _, _, full, lin in targets})
-    for parent, attr, _, lin in targets:
-        setattr(parent, attr, quantized_from_linear(lin, mode, groupsize).to(lin.weight.dtype))
+    with Progress(len(targets), f"quantizing to {mode_name(mode, groupsize)}", "Linears") as bar:
+        for done, (parent, attr, _, lin) in enumerate(targets, 1):
+            setattr(parent, attr, quantized_from_linear(lin, mode, groupsize).to(lin.weight.dtype))
+            bar.update(done)
     prepare(model)
     return model
 
@@ -390,16 +393,25 @@ def quantize_checkpoint(ckpt: Path, args: ModelArgs, mode: str, groupsize: int |
     """The quantized checkpoint's tensors: Linear weights quantized, everything else as stored."""
     get, names = open_tensors(ckpt)
     out = {}
-    for name in names:
-        module, _, kind = name.rpartition(".")
-        if kind == "weight" and module.rpartition(".")[2] in LINEARS and (head or module != "output"):
-            out.update({f"{module}.{k}": v for k, v in quantize_weight(get(name), mode, groupsize).items()})
-        else:
-            out[name] = get(name)
-    if head and "output.weight" not in names:  # a tied head: its own quantized copy of the embedding
-        out.update({f"output.{k}": v for k, v in quantize_weight(get("tok_embeddings.weight"), mode,
-                                                                  groupsize).items()})
+    tied_head = head and "output.weight" not in names  # a tied head: its own quantized copy of the embedding
+    total = len(names) + tied_head
+    with Progress(total, f"quantizing {ckpt.name} to {mode_name(mode, groupsize)}", "tensors") as bar:
+        for done, name in enumerate(names, 1):
+            module, _, kind = name.rpartition(".")
+            if kind == "weight" and module.rpartition(".")[2] in LINEARS and (head or module != "output"):
+                out.update({f"{module}.{k}": v for k, v in quantize_weight(get(name), mode, groupsize).items()})
+            else:
+                out[name] = get(name)
+            bar.update(done)
+        if tied_head:
+            out.update({f"output.{k}": v for k, v in quantize_weight(get("tok_embeddings.weight"), mode,
+                                                                      groupsize).items()})
+            bar.update(total)
     return out
+
+
+def mode_name(mode: str, groupsize: int | None) -> str:
+    return f"{mode} (group {groupsize})" if groupsize else mode
 
 
 def head_quantized(mode: str, head: str = "auto") -> bool:

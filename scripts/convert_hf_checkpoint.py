@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cli import Parser, check_out_dir, check_writable, run_cli  # noqa: E402
 from convert import ENGINE_FILE, convert_gguf, convert_hf_dir  # noqa: E402
 from errors import UserError  # noqa: E402
+import progress  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -26,6 +27,9 @@ def parse_args(argv=None):
     ap.add_argument("--checkpoint", type=Path, required=True, help="HF directory or .gguf file")
     ap.add_argument("--out-dir", type=Path, help="output directory for a GGUF (default: checkpoints/<gguf stem>); an "
                                                  "HF directory is converted in place, so it takes no --out-dir")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress line (one goes to stderr only when it is a terminal and the work takes more "
+                         "than a second, and is erased when it is done)")
     return ap.parse_args(argv)
 
 
@@ -58,6 +62,7 @@ def check_args(a) -> None:
 
 
 def run(a) -> int:
+    progress.quiet = a.quiet
     check_args(a)
     if a.checkpoint.suffix == ".gguf":
         out = convert_gguf(a.checkpoint, a.out_dir or Path("checkpoints") / a.checkpoint.stem)

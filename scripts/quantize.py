@@ -12,6 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # first: the library quantize.py, not this file
 
 import quantize  # noqa: E402
+import progress  # noqa: E402
 from checkpoint import resolve_checkpoint  # noqa: E402
 from cli import Parser, check_out_dir, run_cli  # noqa: E402
 from errors import UserError  # noqa: E402
@@ -31,6 +32,9 @@ def parse_args(argv=None):
                          "with int4, where a 4-bit head costs far more quality than it saves")
     ap.add_argument("--out", type=Path, help="output directory (default: <checkpoint>-int8 or "
                                              "<checkpoint>-int4-g<groupsize> beside the checkpoint)")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress line (one goes to stderr only when it is a terminal and the work takes more "
+                         "than a second, and is erased when it is done)")
     return ap.parse_args(argv)
 
 
@@ -53,6 +57,7 @@ def check_out(ckpt: Path, a) -> None:
 
 
 def run(a) -> int:
+    progress.quiet = a.quiet
     ckpt = resolve_checkpoint(a.checkpoint)
     check_out(ckpt, a)
     r = quantize.quantize_dir(ckpt, a.mode, a.groupsize, a.head, a.out)

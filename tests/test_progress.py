@@ -252,3 +252,99 @@ def test_generate_prints_no_progress_when_stderr_is_not_a_terminal(tiny_ckpt, te
     finally:
         os.close(master)
     assert b"\r\x1b[Kprefill " in err and b"--- " in err, err
+
+
+# ------------------------------------------------------------------------------------- conversion, quantization
+
+def on_a_terminal(monkeypatch):
+    """stderr a fake terminal on which every update is drawn, from the first on; returns it. Called in the test: pytest
+    sets sys.stderr again after the fixtures."""
+    err = FakeTTY()
+    monkeypatch.setattr("sys.stderr", err)
+    monkeypatch.setattr(progress, "DELAY", 0)
+    monkeypatch.setattr(progress, "INTERVAL", 0)
+    monkeypatch.setattr(progress, "columns", lambda stream: 1000)  # the paths of tmp_path in full
+    return err
+
+
+def counts(err, pattern):
+    """The `done` of each line matching `pattern` (a regex with the done count as group 1 and the total as group 2,
+    matched at the start), checked to end at the total; and that the last thing written clears the line."""
+    drawn = [m for s in lines(err.getvalue()) if (m := re.match(pattern, s))]
+    assert drawn and err.getvalue().endswith(CLEAR), err.getvalue()
+    assert drawn[-1][1] == drawn[-1][2], drawn[-1][0]
+    return [int(m[1]) for m in drawn]
+
+
+def test_hashing_counts_mib(tmp_path, monkeypatch):
+    import hashlib
+    from convert import hash_file
+    terminal = on_a_terminal(monkeypatch)
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"x" * (3 << 20) + b"y")
+    assert hash_file(f) == hashlib.sha256(f.read_bytes()).hexdigest()
+    assert counts(terminal, r"hashing w\.bin (\d+)/(\d+) MiB  [\d,]+ MiB/s") == [1, 2, 3, 4]
+
+
+def test_gguf_conversion_counts_tensors(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    from test_gguf_convert import write_tiny_llama
+    from convert import convert_gguf
+    terminal = on_a_terminal(monkeypatch)
+    convert_gguf(write_tiny_llama(tmp_path / "tiny.gguf"), tmp_path / "out")
+    assert counts(terminal, r"converting tiny\.gguf (\d+)/(\d+) tensors") == list(range(1, 13))
+
+
+def test_hf_conversion_counts_layers(hf_tiny, tmp_path, monkeypatch):
+    import shutil
+    from convert import convert_hf_dir
+    _, src = hf_tiny("llama")
+    terminal = on_a_terminal(monkeypatch)
+    d = shutil.copytree(src, tmp_path / "hf")
+    convert_hf_dir(d)
+    assert counts(terminal, r"converting hf (\d+)/(\d+) layers") == [1, 2]
+
+
+def test_quantization_counts_tensors_the_tied_head_included(hf_tiny, tmp_path, monkeypatch):
+    import quantize
+    _, src = hf_tiny("qwen2")  # tied: the int8 head is a quantized copy of the embedding, one step more
+    terminal = on_a_terminal(monkeypatch)
+    quantize.quantize_dir(src, "int8", out=tmp_path / "q")
+    n = counts(terminal, r"quantizing \S+ to int8 (\d+)/(\d+) tensors")
+    assert n == list(range(1, len(quantize.open_tensors(src)[1]) + 2))
+
+
+def test_reading_a_gguf_and_writing_an_engine_file_tick(tmp_path, monkeypatch):
+    """Work without steps shows the seconds (made slow here: each one sleeps past a tick)."""
+    gguf = pytest.importorskip("gguf")
+    import convert
+    from test_gguf_convert import write_tiny_llama
+    terminal = on_a_terminal(monkeypatch)
+    monkeypatch.setattr(progress, "TICK", 0.01)
+    reader, write = gguf.GGUFReader, convert.write_atomic
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a: (time.sleep(0.1), reader(*a))[1])
+    monkeypatch.setattr(convert, "write_atomic", lambda *a: (time.sleep(0.1), write(*a))[1])
+    convert.convert_gguf(write_tiny_llama(tmp_path / "tiny.gguf"), tmp_path / "out")
+    drawn = lines(terminal.getvalue())
+    assert "reading tiny.gguf ... 0 s" in drawn and f"writing {tmp_path / 'out' / convert.ENGINE_FILE} ... 0 s" in drawn
+    assert terminal.getvalue().endswith(CLEAR)
+
+
+@pytest.mark.parametrize("script", ["quantize", "convert"])
+def test_scripts_quiet(hf_tiny, tmp_path, script, monkeypatch):
+    """--quiet: nothing on the terminal but the result; without it, the progress lines (the control)."""
+    import shutil
+    _, src = hf_tiny("llama")
+    terminal = on_a_terminal(monkeypatch)
+    for quiet in (False, True):
+        terminal.seek(0)
+        terminal.truncate()
+        if script == "quantize":
+            from scripts.quantize import main
+            code = main(["--checkpoint", str(src), "--mode", "int8", "--out", str(tmp_path / f"q{quiet}")]
+                        + ["--quiet"] * quiet)
+        else:
+            from scripts.convert_hf_checkpoint import main
+            code = main(["--checkpoint", str(shutil.copytree(src, tmp_path / f"hf{quiet}"))] + ["--quiet"] * quiet)
+        assert code == 0, terminal.getvalue()
+        assert (CLEAR in terminal.getvalue()) != quiet, terminal.getvalue()
