@@ -11,6 +11,7 @@ import re
 import sys
 import tempfile
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 from convert import CheckpointError
@@ -18,6 +19,7 @@ from errors import EnvironmentFailure, UserError
 from model import ConfigError
 
 ERROR_LOG = Path(tempfile.gettempdir()) / "budgetkv-error.log"  # the last internal error's traceback
+COMPILE_LOG = Path(tempfile.gettempdir()) / "budgetkv-compile.log"  # what torch.compile printed, last compile
 
 
 class Parser(argparse.ArgumentParser):
@@ -30,6 +32,37 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+
+def is_verbose(a) -> bool:
+    return getattr(a, "verbose", False) or os.environ.get("BUDGETKV_VERBOSE") == "1"
+
+
+@contextmanager
+def stderr_to_log(log: Path, verbose: bool):
+    """Send file descriptor 2 (torch.compile's autotune tables, the C++ compiler's and Python's warnings) to `log`
+    for the block, and yield a text stream on the terminal's own stderr, for a progress line. verbose, or a log that
+    cannot be opened: stderr stays as it is."""
+    sys.stderr.flush()
+    try:
+        if verbose:
+            raise OSError
+        log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError:
+        yield sys.stderr
+        return
+    saved, saved_stream = os.dup(2), sys.stderr
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    sys.stderr = open(os.dup(2), "w")  # Python's own writes too, where sys.stderr is not fd 2
+    try:
+        with open(os.dup(saved), "w") as terminal:
+            yield terminal
+    finally:
+        sys.stderr.close()
+        sys.stderr = saved_stream
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def check_writable(path: Path, flag: str) -> None:
@@ -110,7 +143,7 @@ def run_cli(run_fn, a) -> int:
     from policies import PolicyError
     from safetensors import SafetensorError
     from tokenizer import TokenizerError
-    verbose = getattr(a, "verbose", False) or os.environ.get("BUDGETKV_VERBOSE") == "1"
+    verbose = is_verbose(a)
     try:
         return run_fn(a)
     except (UserError, ConfigError, CheckpointError, TokenizerError, PolicyError, DownloadError,

@@ -1,6 +1,7 @@
 """The engine: build a model from a checkpoint directory and run it with a fixed-budget KV cache (block-wise or
 one-shot prefill, then decode), plus what the command lines share to time and measure it. generate.py is its
 command line."""
+import os
 import time
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from convert import ENGINE_FILE, CheckpointError, read_config, read_hf_dir
 from errors import UserError
 from model import ModelArgs, Transformer, rope_inv_freq
 from policies import Run
+
+INDUCTOR_CACHE = Path(__file__).resolve().parent / "build" / "inductor-cache"  # compiled steps, kept across runs
 
 
 def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | None = None) -> Transformer:
@@ -83,14 +86,19 @@ def step_modes(device: str, mode: str | None) -> tuple[str | None, str | None]:
     return no_graphs.get(mode, mode), mode or "reduce-overhead"
 
 
-def compile_steps(device: str, mode: str | None = None, prefill: bool = True):
+def compile_steps(device: str, mode: str | None = None, prefill: bool = True, freezing: bool = False):
     """(prefill_step, decode_step), each compiled once with fullgraph=True; decode under CUDA graphs on GPU.
 
-    prefill=False leaves the prefill step eager (gpt-fast's default; generate.py's on CPU, where each frozen graph
-    holds its own packed copy of the weights: docs/performance.md has the memory and time it costs)."""
-    if not device.startswith("cuda"):
-        # On CPU freezing lets inductor fold the weights and pick packed GEMM kernels.
-        torch._inductor.config.freezing = True
+    The graphs read the module's own weights (no inductor freezing, unless freezing=True): a frozen CPU graph packs
+    its own copy of the weights into oneDNN tensors that inductor's caches cannot store, so every process compiled
+    again for minutes and held two copies of the weights, for no faster decode (docs/performance.md). Unfrozen, the
+    compiled graphs are cached on disk (TORCHINDUCTOR_CACHE_DIR) and a second process starts in seconds.
+    prefill=False leaves the prefill step eager (gpt-fast's default; generate.py's on CPU). The cache is the
+    repository's build/inductor-cache unless TORCHINDUCTOR_CACHE_DIR says otherwise (torch's own default is under
+    /tmp, which a reboot empties)."""
+    if os.access(INDUCTOR_CACHE.parent.parent, os.W_OK):
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE))
+    torch._inductor.config.freezing = freezing
     prefill_mode, decode_mode = step_modes(device, mode)
     prefill_fn = prefill_step
     if prefill:
@@ -258,7 +266,8 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: i
     L = len(prompt_ids)
     check_capacity(model, L, max_new_tokens, one_shot)
     mem = PeakMemory(device)
-    stats = {"prompt_tokens": L, "memory_measure": mem.measure}
+    # the peak so far: loading and compiling (before the first reset; on CPU the process's peak RSS since it began)
+    stats = {"prompt_tokens": L, "memory_measure": mem.measure, "startup_peak_bytes": mem.peak()}
 
     mem.reset()
     sync(device)

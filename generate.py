@@ -28,10 +28,11 @@ check_python()
 # once, when torch loads OpenMP: OMP_WAIT_POLICY=ACTIVE in the environment keeps the spinning.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 
 from cache import kv_bytes  # noqa: E402
 from checkpoint import MODELS, resolve_checkpoint  # noqa: E402
-from cli import Parser, check_writable, run_cli  # noqa: E402
+from cli import COMPILE_LOG, Parser, check_writable, is_verbose, run_cli, stderr_to_log  # noqa: E402
 from convert import read_config  # noqa: E402
 from files import tmp_path  # noqa: E402
 from cache import is_scorer  # noqa: E402
@@ -275,7 +276,7 @@ def run(a) -> int:
                    evict_before_attend=a.evict_before_attend, kv_dtype=torch.int8 if a.kv_dtype == "int8" else None)
 
     steps = (prefill_step, model_step)
-    compile_s = 0.0
+    compile_s, compile_cache = 0.0, None
     if a.compile:
         quantized = "budgetkv_quantization" in model.config
         if a.compile_mode in (None, "auto"):
@@ -284,16 +285,20 @@ def run(a) -> int:
             a.compile_prefill = a.device != "cpu"
         a.compile_prefill = a.compile_prefill and a.prefill == "block"  # one-shot prefill never runs the block step
         steps = compile_steps(a.device, a.compile_mode, prefill=a.compile_prefill)
+        counters["inductor"].clear()
         t = time.perf_counter()
-        with torch.inference_mode():  # compile both graphs before timing; then start from an empty cache
+        # inductor's autotune tables and compiler warnings go to a log (-v shows them); the terminal gets one line
+        with stderr_to_log(COMPILE_LOG, is_verbose(a)) as terminal, compile_ticker(a, terminal), torch.inference_mode():
+            # compile both graphs before timing; then start from an empty cache
             idx, pos = block_inputs(torch.tensor(ids[:1], device=a.device), 0, a.block_size)
             steps[0](model, idx, pos)
             # a fresh [1, 1] tensor as decode passes it (a view of idx has other strides: dynamo would recompile);
             # twice, since CUDA graph trees warm up on the first call and record on the second: not in the timing
             for _ in range(2):
                 steps[1](model, torch.tensor([ids[:1]], device=a.device), torch.tensor([1], device=a.device))
-        sync(a.device)
+            sync(a.device)
         compile_s = time.perf_counter() - t
+        compile_cache = cache_state(counters["inductor"])
 
     printed = [""]
 
@@ -333,8 +338,10 @@ def run(a) -> int:
                  compiled_prefill=bool(a.compile and a.compile_prefill),
                  compile_mode=(a.compile_mode or ("reduce-overhead" if a.device.startswith("cuda") else "default"))
                  if a.compile else None,
-                 compile_s=round(compile_s, 2), kv_cache_bytes=kv_bytes(model), weight_bytes=weight_b,
+                 compile_s=round(compile_s, 2), compile_cache=compile_cache, kv_cache_bytes=kv_bytes(model), weight_bytes=weight_b,
                  kv_read_bytes_per_step=kv_read_b,
+                 process_peak_bytes=max(stats["startup_peak_bytes"], stats["prefill_peak_bytes"],
+                                        stats["decode_peak_bytes"]),
                  bandwidth_gb_s=(weight_b + kv_read_b) * stats["decode_tok_s"] / 1e9,
                  max_new_tokens=a.max_new_tokens,
                  clamped_to_context={flag[2:]: {"default": d, "used": v} for flag, (d, v) in clamped.items()})
@@ -348,7 +355,8 @@ def run(a) -> int:
         print(flush=True)
         mib = 2 ** 20
         scope = "" if stats["compiled_prefill"] else ", decode only"
-        compiled_note = f", compiled ({stats['compile_mode']}{scope}) in {compile_s:.1f} s" if a.compile else ""
+        compiled_note = (f", compiled ({stats['compile_mode']}{scope}) in {compile_s:.1f} s "
+                         f"({CACHE_NOTES[compile_cache]})" if a.compile else "")
         slots = f" ({budget} used by its layout)" if budget != token_budget else ""
         print(f"--- {stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated | "
               f"policy {a.policy} ({a.prefill} prefill), budget {token_budget} slots{slots}, {read:.1f} tokens read "
@@ -358,8 +366,10 @@ def run(a) -> int:
               f"TTFT {stats['ttft_s']:.3f} s | prefill {stats['prefill_tok_s']:.1f} tok/s | "
               f"decode {stats['decode_tok_s']:.2f} tok/s | bandwidth {stats['bandwidth_gb_s']:.2f} GB/s "
               f"(weights + KV read per step)\n"
-              f"peak memory ({stats['memory_measure']}): prefill {stats['prefill_peak_bytes'] / mib:.1f} MiB, "
-              f"decode {stats['decode_peak_bytes'] / mib:.1f} MiB | KV cache {stats['kv_cache_bytes'] / mib:.2f} MiB"
+              f"peak memory ({stats['memory_measure']}): process {stats['process_peak_bytes'] / mib:.1f} MiB "
+              f"(loading{' and compiling' if a.compile else ''} included) | prefill "
+              f"{stats['prefill_peak_bytes'] / mib:.1f} MiB, decode {stats['decode_peak_bytes'] / mib:.1f} MiB "
+              f"(each phase's own) | KV cache {stats['kv_cache_bytes'] / mib:.2f} MiB"
               f"{' (int8)' if a.kv_dtype == 'int8' else ''}",
               file=sys.stderr)
         if clamped:
@@ -393,13 +403,27 @@ def prefill_progress(a, prompt_len: int, n_layers: int):
     return bar, on_prefill
 
 
-def compile_ticker(a) -> Ticker:
+CACHE_NOTES = {"hit": "from the compile cache", "miss": "now cached for the next run",
+               "bypass": "not cacheable: compiles again next run", "off": "cache off"}
+
+
+def cache_state(inductor_counters) -> str:
+    """What inductor's FX graph cache did for the graphs just compiled: every graph found ("hit"), some compiled
+    and saved ("miss"), some not cacheable ("bypass"), or no lookup at all ("off": the cache disabled)."""
+    if inductor_counters["fxgraph_cache_bypass"]:
+        return "bypass"
+    if inductor_counters["fxgraph_cache_miss"]:
+        return "miss"
+    return "hit" if inductor_counters["fxgraph_cache_hit"] else "off"
+
+
+def compile_ticker(a, stream=None) -> Ticker:
     """The line to show while --compile compiles (on a terminal, without --quiet; erased at the end of the `with`):
     "compiling the decode step (max-autotune-no-cudagraphs) ... 12 s". Call it once a.compile_mode and
     a.compile_prefill are settled."""
     what = "the prefill and decode steps" if a.compile_prefill else "the decode step"
     mode = a.compile_mode or ("reduce-overhead" if a.device.startswith("cuda") else "default")
-    return Ticker(f"compiling {what} ({mode})")
+    return Ticker(f"compiling {what} ({mode})", stream=stream)
 
 
 def export_trace(prof, path: Path) -> None:

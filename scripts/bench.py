@@ -400,10 +400,13 @@ def run_paired(args) -> None:
     config = check_context(ckpt, args)
     _, ids = make_document(load_tokenizer(ckpt), args.prompt_tokens)
     prompt = torch.tensor(ids, device=args.device)
-    models = {}
+    models, frozen = {}, {}
     for label, policy in zip(labels, pols):
-        model = models[label] = load_model(ckpt, torch.float32, args.device, config)
-        setup(model, policy, args.budget, len(ids), args.decode_steps, args.block_size, evict=label != "no-evict")
+        for twin in [False, True] if args.freezing_twins else [False]:
+            name = f"{label} (frozen)" if twin else label
+            model = models[name] = load_model(ckpt, torch.float32, args.device, config)
+            frozen[name] = twin
+            setup(model, policy, args.budget, len(ids), args.decode_steps, args.block_size, evict=label != "no-evict")
     if args.profile:  # name each compiled kernel in the profile (inductor's CPU kernels are anonymous otherwise)
         torch._inductor.config.cpp.enable_kernel_profile = True
     decode_fn = bench_steps(args)[1]
@@ -416,7 +419,9 @@ def run_paired(args) -> None:
         for label, model in models.items():
             logits = engine_prefill(model, prompt, args.block_size)
             t = time.perf_counter()  # the first decode step (with --compile: compiles this model's graph)
-            toks[label] = decode_fn(model, logits.argmax(-1).view(1, 1), torch.tensor([len(ids)], device=args.device))
+            with torch._inductor.config.patch(freezing=frozen[label]):
+                toks[label] = decode_fn(model, logits.argmax(-1).view(1, 1),
+                                        torch.tensor([len(ids)], device=args.device))
             sync(args.device)
             first_s[label] = time.perf_counter() - t
         step_s = {label: [] for label in models}
@@ -526,6 +531,9 @@ def parser() -> Parser:
                     help="inductor's C++ wrapper (torch._inductor.config.cpp_wrapper): no Python between kernels")
     ap.add_argument("--paired", action="store_true",
                     help="decode-step overhead of --policies over no-evict, steps alternating in one process")
+    ap.add_argument("--freezing-twins", action="store_true",
+                    help="with --paired --compile: each configuration twice, its graph compiled without (generate.py's "
+                         "choice) and with inductor's freezing (weights folded into the graph: '<policy> (frozen)')")
     ap.add_argument("--profile", type=int, nargs="?", const=15, metavar="ROWS",
                     help="with --paired: after the timed steps, profile 10 decode steps of each configuration and "
                          "print the top ROWS (15) kernels by self time (with --compile: inductor's named kernels, "
@@ -598,7 +606,7 @@ def check_context(ckpt, args) -> dict:
 # the flags that apply to some kinds of run only (the others refuse them)
 ONLY = {"contexts": ["figure"], "budgets": ["figure"], "out_dir": ["figure"], "ppl_texts": ["quant"],
         "ppl_prefix": ["quant"], "ppl_tokens": ["quant"], "kvpress": ["table"], "hf_model": ["table"],
-        "profile": ["paired"], "policies": ["table", "paired"], "budget": ["table", "paired"],
+        "profile": ["paired"], "freezing_twins": ["paired"], "policies": ["table", "paired"], "budget": ["table", "paired"],
         "prompt_tokens": ["table", "paired", "quant"], "json": ["table", "quant"],
         "resume": ["table", "quant", "figure"]}
 RUNS = {"table": "the policy table", "paired": "--paired", "figure": "--figure", "quant": "--quant"}
@@ -618,7 +626,7 @@ def check_args(args) -> None:
                             f"{flag} does not apply to {RUNS[kind]} (only to {', '.join(where)})")
     if args.hf_model != defaults["hf_model"] and not args.kvpress:
         raise UserError("--hf-model is the model --kvpress runs: give --kvpress too")
-    for k in ("compile_mode", "cpp_wrapper", "no_compile_prefill"):
+    for k in ("compile_mode", "cpp_wrapper", "no_compile_prefill", "freezing_twins"):
         if k in given and not args.compile:
             raise UserError(f"--{k.replace('_', '-')} needs --compile")
     if args.resume and kind != "figure" and args.json is None:

@@ -42,6 +42,47 @@ def test_tiny_run_prints_summary(tiny_ckpt, capsys):
     for key in ("ttft_s", "prefill_tok_s", "decode_tok_s", "prefill_peak_bytes", "decode_peak_bytes",
                 "bandwidth_gb_s", "memory_measure"):
         assert key in stats
+    # the process peak covers loading (and compiling) too: never below a phase's own peak
+    assert stats["process_peak_bytes"] >= max(stats["prefill_peak_bytes"], stats["decode_peak_bytes"],
+                                              stats["startup_peak_bytes"]) > 0
+    assert stats["compile_cache"] is None
+
+
+def test_a_second_process_starts_from_the_compile_cache(tiny_ckpt, tmp_path):
+    """Compiled steps survive the process: the graphs are not frozen (a frozen CPU graph holds oneDNN tensors that
+    inductor's cache cannot store), so a second run of the same configuration finds every graph in the cache,
+    and the summary says which it was. Inductor's noise goes to the compile log, not the terminal."""
+    argv = [sys.executable, str(REPO / "generate.py"), "--checkpoint", str(tiny_ckpt), "--prompt",
+            "the quick brown fox jumps, " * 4, "--max-new-tokens", "4", "--json", "--policy", "keydiff", "--budget",
+            "8", "--block-size", "4", "--compile", "--compile-mode", "default"]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TMPDIR": str(tmp_path)}
+    runs = []
+    for _ in range(2):
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert r.stderr == ""  # nothing from inductor or the C++ compiler on the terminal
+        runs.append(json.loads(r.stdout))
+    assert [x["compile_cache"] for x in runs] == ["miss", "hit"]
+    assert runs[0]["text"] == runs[1]["text"]
+    assert (tmp_path / "budgetkv-compile.log").is_file()
+
+
+def test_stderr_goes_to_the_compile_log_and_progress_to_the_terminal(tmp_path, capfd):
+    from cli import stderr_to_log
+    log = tmp_path / "compile.log"
+    with stderr_to_log(log, verbose=False) as terminal:
+        os.write(2, b"AUTOTUNE table from C\n")
+        print("a Python warning", file=sys.stderr)
+        terminal.write("compiling ... 3 s")
+        terminal.flush()
+    print("after", file=sys.stderr)
+    err = capfd.readouterr().err
+    assert err == "compiling ... 3 safter\n"
+    assert log.read_text() == "AUTOTUNE table from C\na Python warning\n"
+    with stderr_to_log(log, verbose=True) as terminal:  # -v: everything stays on the terminal
+        os.write(2, b"noise\n")
+        assert terminal is sys.stderr
+    assert capfd.readouterr().err == "noise\n"
 
 
 def test_threads_flag_sets_torch_threads(tiny_ckpt, capsys):
