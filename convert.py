@@ -401,10 +401,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, opened=None) -> Path:
             except Exception as e:  # an unknown quantization type, a truncated tensor
                 raise CheckpointError(f"cannot dequantize tensor {t.name} of GGUF file {gguf_path.name}: "
                                       f"{' '.join(str(e).split()) or type(e).__name__}") from None
-            tensors[t.name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
-            if not torch.isfinite(tensors[t.name]).all():
+            data = np.array(data, dtype=np.float32)  # a writable copy
+            if not np.isfinite(data).all():  # numpy's one pass: torch's threads cost more than they gain here
                 raise CheckpointError(f"tensor {t.name} of GGUF file {gguf_path.name} holds NaN or inf values (a "
                                       "damaged file?)")
+            tensors[t.name] = torch.from_numpy(data)
             bar.update(len(tensors))
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}

@@ -105,12 +105,14 @@ def parse_args(argv=None):
                     help="seed of sampling (default 0; sampling only: the random policy has its own, random:seed=N)")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the decode step (fullgraph; CUDA graphs on GPU) and, by default on CUDA, the "
-                         "prefill-block step (see --compile-prefill)")
+                         "prefill-block step (see --compile-prefill). The first run of a model, policy, budget, block "
+                         "size, dtype and device compiles (a minute or two on a small CPU) and caches the graphs in "
+                         "build/inductor-cache (TORCHINDUCTOR_CACHE_DIR); later runs start from the cache in seconds. "
+                         "What the compiler prints goes to " + str(COMPILE_LOG) + " (-v: to the terminal)")
     ap.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
                     help="with --compile: also compile the prefill-block step. Default: yes on CUDA, no on CPU, where "
-                         "each frozen graph holds its own packed copy of the weights (a compiled prefill measured "
-                         "+80%% peak RSS, 2x the compile time and ~1.1x the prefill tok/s on SmolLM2-135M). Block-wise "
-                         "prefill only: a one-shot prefill never runs the block step")
+                         "it doubles a cold compile for ~1.1x the prefill tok/s (SmolLM2-135M, docs/performance.md). "
+                         "Block-wise prefill only: a one-shot prefill never runs the block step")
     ap.add_argument("--compile-mode", choices=["auto", "default", "reduce-overhead", "max-autotune",
                                                                "max-autotune-no-cudagraphs"],
                     help="torch.compile mode; auto = max-autotune-no-cudagraphs on CPU in fp32 (about 2x the default "

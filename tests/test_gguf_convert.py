@@ -12,10 +12,10 @@ gguf = pytest.importorskip("gguf")
 DIM, N_HEADS, N_KV, HEAD_DIM, FFN, VOCAB = 32, 4, 2, 8, 64, 260
 
 
-def write_tiny_llama(path, eps=1e-5, rope_freqs=False, seed=0, meta=None, drop=(), **kv):
+def write_tiny_llama(path, eps=1e-5, rope_freqs=False, seed=0, meta=None, drop=(), poison=None, **kv):
     """A 1-layer llama GGUF with random fp32 weights (from `seed`) and a byte-level BPE vocab; meta: {add_* name:
     value} replacing a default (None: left out; a callable: called with the writer instead); drop: tensors left
-    out; kv: extra add_* metadata."""
+    out; poison: (tensor name, value) written into that tensor's first element; kv: extra add_* metadata."""
     w = gguf.GGUFWriter(str(path), "llama")
     defaults = {"context_length": 2048, "embedding_length": DIM, "block_count": 1, "feed_forward_length": FFN,
                 "head_count": N_HEADS, "head_count_kv": N_KV, "rope_dimension_count": HEAD_DIM,
@@ -46,7 +46,10 @@ def write_tiny_llama(path, eps=1e-5, rope_freqs=False, seed=0, meta=None, drop=(
         shapes["rope_freqs.weight"] = (HEAD_DIM // 2,)
     for name, shape in shapes.items():
         if name not in drop:
-            w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+            data = rng.standard_normal(shape).astype(np.float32)
+            if poison is not None and poison[0] == name:
+                data.flat[0] = poison[1]
+            w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -65,6 +68,14 @@ def test_plain_llama_converts_and_loads(tmp_path):
     assert cfg["source"] == "converted from t.gguf (F32 weights, dequantized to float32)"
     model = load_model(out, torch.float32, "cpu")
     assert model.layers[0].attention.wqkv.weight.shape == ((N_HEADS + 2 * N_KV) * HEAD_DIM, DIM)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_weight_that_is_not_finite_is_refused_by_name(tmp_path, value):
+    path = write_tiny_llama(tmp_path / "t.gguf", poison=("blk.0.ffn_up.weight", value))
+    with pytest.raises(CheckpointError, match="tensor blk.0.ffn_up.weight of GGUF file t.gguf holds NaN or inf"):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out" / "budgetkv.safetensors").exists()
 
 
 def test_llama31_rope_freqs_is_refused(tmp_path):
