@@ -161,6 +161,8 @@ CASES = [
     (["bench.py", *FIGURE, "--policies", "sink"], {}, 2, "--policies does not apply to --figure"),
     (["bench.py", "--kvpress", "--paired"], {}, 2, "--kvpress does not apply to --paired"),
     (["bench.py", "--hf-model", "{tmp}/hf"], {}, 2, "--hf-model is the model --kvpress runs"),
+    (["bench.py", "--llamacpp", "--paired"], {}, 2, "--llamacpp does not apply to --paired"),
+    (["bench.py", "--llamacpp", "--quant", "int8"], {}, 2, "--llamacpp does not apply to --quant"),
     (["bench.py", "--compile-mode", "default"], {}, 2, "--compile-mode needs --compile"),
     (["bench.py", "--compile", "--compile-mode", "fast"], {}, 2, "invalid choice: 'fast'"),
     (["bench.py", "--cpp-wrapper"], {}, 2, "--cpp-wrapper needs --compile"),
