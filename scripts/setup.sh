@@ -11,7 +11,7 @@ if [ "${1:-}" = "llamacpp" ]; then
   # llama-cpp-python compiles llama.cpp (several minutes on 2 cores): a CPU build for this machine, no BLAS.
   [ -x .venv-llamacpp/bin/python ] || "$PY" -m venv .venv-llamacpp
   LC=".venv-llamacpp/bin/python -m pip --disable-pip-version-check -q"
-  echo "building llama-cpp-python from source (several minutes on 2 cores)"
+  echo "llama-cpp-python: built from source on its first install (several minutes on 2 cores)"
   CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DGGML_BLAS=OFF}" \
     CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
     $LC install --no-cache-dir -r requirements-llamacpp.txt
