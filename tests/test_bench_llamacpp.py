@@ -1,0 +1,175 @@
+"""llama.cpp as the CPU peer of scripts/bench.py (--llamacpp, scripts/bench_llamacpp.py).
+
+Without .venv-llamacpp (CI, `bash scripts/setup.sh test` never builds it): `bench.py --llamacpp` stops before any
+configuration with one line naming `bash scripts/setup.sh llamacpp`, and bench_llamacpp.py refuses bad input before it
+imports llama_cpp (so it does in .venv, which has no llama_cpp). With .venv-llamacpp (`bash scripts/setup.sh llamacpp`):
+bench_llamacpp.py on 64 prompt ids and 4 decode steps, the embedded Q4_1 GGUF as shipped and its F32 copy, whose
+greedy tokens must be budgetkv `full`'s on the same ids (all fp32 on both sides, KV cache included)."""
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+
+from scripts import bench
+
+LLAMA_PY = REPO / ".venv-llamacpp" / "bin" / "python"
+SCRIPT = REPO / "scripts" / "bench_llamacpp.py"
+F32 = REPO / "build" / "SmolLM2-135M-Instruct.Q4_1.F32.gguf"  # where bench.py --llamacpp keeps it (made once)
+needs_venv = pytest.mark.skipif(not LLAMA_PY.exists(),
+                                reason=f"no llama.cpp venv at {LLAMA_PY} (bash scripts/setup.sh llamacpp)")
+FIELDS = {"model": str, "kv_type": str, "ttft_s": float, "prefill_s": float, "prefill_tok_s": float,
+          "decode_step_ms": float, "decode_tok_s": float, "decode_tok_s_repeats": list, "prefill_peak_mib": float,
+          "decode_peak_mib": float, "tokens": list, "threads": int, "n_ctx": int, "warmup_s": float}
+
+
+def test_bench_without_the_venv_stops_first(tmp_path, monkeypatch, capsys):
+    """--llamacpp is strict: a missing .venv-llamacpp is one line and exit 1 before any model or configuration."""
+    def never(*a, **k):
+        raise AssertionError("--llamacpp without its venv got as far as a configuration")
+    monkeypatch.setattr(bench, "LLAMACPP_PY", tmp_path / ".venv-llamacpp" / "bin" / "python")
+    for name in ("load_model", "run_one", "read_bandwidth_gb_s", "run_llamacpp", "resolve_checkpoint"):
+        monkeypatch.setattr(bench, name, never)
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--prompt-tokens", "100", "--llamacpp"])
+    assert bench.main() == 1
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "bash scripts/setup.sh llamacpp" in lines[0], captured.err
+    assert lines[0].startswith("error: --llamacpp needs .venv-llamacpp") and captured.out == ""
+
+
+def test_settings_name_the_flag_only_when_given(tmp_path):
+    """--llamacpp changes the output, so it is a setting (--resume refuses to mix); without it the settings are those
+    of a run before the flag existed (its outputs stay resumable)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    without = bench.bench_settings(bench.parser().parse_args([]), ckpt, "table")
+    with_it = bench.bench_settings(bench.parser().parse_args(["--llamacpp"]), ckpt, "table")
+    assert "llamacpp" not in without and with_it["llamacpp"] is True
+    assert {k: v for k, v in with_it.items() if k != "llamacpp"} == without
+
+
+def test_same_tokens():
+    assert bench.same_tokens([1, 2, 3], [1, 2, 3]) == "yes (3 tokens)"
+    assert bench.same_tokens([1, 5, 3], [1, 2, 3]) == "no: from token 2 of 3"
+    assert bench.same_tokens([1, 2], [1, 2, 3]) == "no: from token 3 of 3"
+    assert bench.same_tokens(None, [1]) == "n/a"
+
+
+def test_resume_keeps_llamacpp_rows(tmp_path):
+    """--resume: the llama.cpp rows of an output with the same settings are reused; an output written before them
+    (no "llamacpp" yet) has none; a malformed row is refused in one line."""
+    from errors import UserError
+    args = bench.parser().parse_args(["--llamacpp", "--resume", "--json", str(tmp_path / "b.json")])
+    settings = {"mode": "table", "llamacpp": True}
+    row = {k: "x" if kind is str else 1.0 for k, kind in bench.LLAMACPP_FIELDS.items()}
+
+    def prev(out):
+        (tmp_path / "b.json").write_text(json.dumps({"settings": settings, **out}))
+        return bench.previous(args.json, settings, args, "llamacpp", dict, bench.LLAMACPP_FIELDS, missing_ok=True)
+    assert prev({"results": {}}) == {}
+    assert prev({"llamacpp": {"shipped": row}}) == {"shipped": row}
+    with pytest.raises(UserError, match="has no llamacpp as this script writes them"):
+        prev({"llamacpp": {"shipped": row | {"ttft_s": "slow"}}})
+
+
+def test_llamacpp_source_needs_a_gguf_conversion(tmp_path):
+    """llama.cpp runs the GGUF the checkpoint was converted from: an HF folder's conversion has none (one line)."""
+    from errors import UserError
+    args = bench.parser().parse_args(["--checkpoint", str(tmp_path), "--llamacpp"])
+    with pytest.raises(UserError, match="is not a GGUF's conversion"):
+        bench.llamacpp_source(tmp_path, args)
+
+
+def run_script(py, *argv):
+    return subprocess.run([str(py), str(SCRIPT), *map(str, argv)], capture_output=True, text=True, timeout=600)
+
+
+def test_script_checks_before_importing_llama_cpp(tmp_path):
+    """In .venv (no llama_cpp): bad input is exit 2, good input reaches the import and says how to get it (exit 1);
+    one line each, nothing on stdout."""
+    if importlib.util.find_spec("llama_cpp") is not None:
+        pytest.skip("llama_cpp is importable in this Python")
+    ids = tmp_path / "ids.json"
+    ids.write_text("[1, 2, -3]")
+    r = run_script(sys.executable, "--ids-file", ids)
+    assert r.returncode == 2 and r.stdout == "" and "not a non-empty JSON list" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    ids.write_text("[1, 2, 3]")
+    r = run_script(sys.executable, "--ids-file", ids, "--gguf", gguf)
+    assert r.returncode == 1 and r.stdout == "" and "bash scripts/setup.sh llamacpp" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------------------------------ with .venv-llamacpp
+
+@pytest.fixture(scope="module")
+def prompt():
+    """64 ids of a chat prompt (the embedded model's tokenizer)."""
+    from checkpoint import resolve_checkpoint
+    from tokenizer import load_tokenizer
+    tok = load_tokenizer(resolve_checkpoint("smollm2-135m"))
+    text = " ".join(f"Item {i}: the river passed the mill and the old clock tower." for i in range(20))
+    return tok.chat_prompt_ids(text)[:64]
+
+
+def llama(prompt, tmp_path, *argv) -> dict:
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(prompt))
+    r = run_script(LLAMA_PY, "--ids-file", ids, "--decode-steps", 4, "--repeats", 2, "--threads", 2, *argv)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1, r.stdout  # llama.cpp's own output kept off stdout
+    x = json.loads(lines[0])
+    for k, kind in FIELDS.items():
+        assert isinstance(x[k], kind), (k, x[k])
+    assert len(x["tokens"]) == 5 and x["n_ctx"] == 68 and x["kv_tokens"] == 68 and x["same_tokens_every_repeat"]
+    assert len(x["decode_tok_s_repeats"]) == 2 and x["prefill_peak_mib"] > 0 and x["decode_peak_mib"] > 0
+    assert x["ttft_s"] > 0 and x["prefill_tok_s"] > 0 and x["decode_tok_s"] > 0 and x["threads"] == 2
+    return x
+
+
+def budgetkv_full(ids, n_new):
+    """budgetkv's greedy tokens with the full cache (policy None), fp32 on CPU (README, "Python API")."""
+    import engine
+    from checkpoint import resolve_checkpoint
+    model = engine.load_model(resolve_checkpoint("smollm2-135m"), torch.float32, "cpu")
+    engine.setup(model, None, budget=len(ids) + n_new, prompt_len=len(ids), max_new_tokens=n_new, block_size=128)
+    out, _ = engine.generate(model, ids, n_new, block_size=128, steps=(engine.prefill_step, engine.model_step))
+    return out
+
+
+@needs_venv
+def test_shipped_q4_1(prompt, tmp_path):
+    x = llama(prompt, tmp_path)
+    assert "Q4_1" in x["model"] and x["kv_type"] == "f16" and x["source_gguf"].endswith(".Q4_1.gguf")
+
+
+@needs_venv
+def test_f32_greedy_tokens_are_budgetkv_full(prompt, tmp_path):
+    x = llama(prompt, tmp_path, "--kv-type", "f32", "--dequantize", F32)
+    assert "F32" in x["model"] and x["gguf"] == str(F32) and F32.is_file()
+    assert x["tokens"] == budgetkv_full(prompt, 5)
+
+
+@needs_venv
+def test_bad_input_with_llama_cpp(prompt, tmp_path):
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([1, 2, 10**6]))
+    r = run_script(LLAMA_PY, "--ids-file", ids)
+    assert r.returncode == 2 and r.stdout == "" and "outside the vocabulary (49152)" in r.stderr, r.stderr
+    ids.write_text(json.dumps([1] * 8200))
+    r = run_script(LLAMA_PY, "--ids-file", ids)
+    assert r.returncode == 2 and "exceed the model's context (8192)" in r.stderr, r.stderr
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(60))
+    ids.write_text("[1, 2, 3]")
+    r = run_script(LLAMA_PY, "--ids-file", ids, "--gguf", bad)
+    assert r.returncode == 2 and r.stdout == "" and "cannot load" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
