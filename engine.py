@@ -86,32 +86,38 @@ def step_modes(device: str, mode: str | None) -> tuple[str | None, str | None]:
     return no_graphs.get(mode, mode), mode or "reduce-overhead"
 
 
-def compile_steps(device: str, mode: str | None = None, prefill: bool = True, freezing: bool = False):
+def compile_steps(device: str, mode: str | None = None, prefill: bool = True, freeze: bool = False):
     """(prefill_step, decode_step), each compiled once with fullgraph=True; decode under CUDA graphs on GPU.
 
-    The graphs read the module's own weights (no inductor freezing, unless freezing=True): a frozen CPU graph packs
-    its own copy of the weights into oneDNN tensors that inductor's caches cannot store, so every process compiled
-    again for minutes and held two copies of the weights, for no faster decode (docs/performance.md). Unfrozen, the
-    compiled graphs are cached on disk (TORCHINDUCTOR_CACHE_DIR) and a second process starts in seconds.
-    prefill=False leaves the prefill step eager (gpt-fast's default; generate.py's on CPU). The cache is the
-    repository's build/inductor-cache unless TORCHINDUCTOR_CACHE_DIR says otherwise (torch's own default is under
-    /tmp, which a reboot empties)."""
+    Unfrozen (the default), a compiled graph reads the module's own weights and inductor caches it on disk: a later
+    process of the same model, policy, budget, block size, dtype and device loads it in seconds. freeze=True folds
+    the weights into the graph as constants (inductor's freezing; on CPU its packed GEMM kernels): a faster decode
+    step on a small model, but a second, packed copy of the weights per graph, and a graph that inductor's cache
+    cannot store (oneDNN tensors), so every process compiles it again (docs/performance.md). prefill=False leaves
+    the prefill step eager (gpt-fast's default; generate.py's on CPU). The cache is the repository's
+    build/inductor-cache unless TORCHINDUCTOR_CACHE_DIR says otherwise (torch's default is under /tmp, which a
+    reboot empties)."""
     if os.access(INDUCTOR_CACHE.parent.parent, os.W_OK):
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE))
-    torch._inductor.config.freezing = freezing
+
+    # Dynamo reads the global flag when it traces (frozen, the weights are constants, not graph inputs): it holds
+    # until another compile_steps. In the options too, so that a frozen and an unfrozen step never share a graph.
+    torch._inductor.config.freezing = freeze
+
+    def compiled(fn, mode):  # a mode is a set of inductor options
+        options = {**torch._inductor.list_mode_options(mode or "default"), "freezing": freeze}
+        return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
     prefill_mode, decode_mode = step_modes(device, mode)
-    prefill_fn = prefill_step
-    if prefill:
-        prefill_fn = torch.compile(prefill_step, fullgraph=True, dynamic=False, mode=prefill_mode)
-    decode_fn = torch.compile(model_step, fullgraph=True, dynamic=False, mode=decode_mode)
-    return prefill_fn, decode_fn
+    return (compiled(prefill_step, prefill_mode) if prefill else prefill_step), compiled(model_step, decode_mode)
 
 
-def default_compile_mode(device: str, dtype: torch.dtype, quantized: bool) -> str | None:
-    """--compile-mode auto: on CPU in fp32, max-autotune (with freezing: inductor's packed micro-GEMM templates; the
-    speed-up is in docs/performance.md); bf16 on CPU and quantized Linears (kernels of their own) keep torch's
-    default; on CUDA None means reduce-overhead (CUDA graphs) for decode."""
-    return "max-autotune-no-cudagraphs" if device == "cpu" and dtype == torch.float32 and not quantized else None
+def default_compile_mode(device: str, dtype: torch.dtype, quantized: bool, freeze: bool = False) -> str | None:
+    """--compile-mode auto: frozen on CPU in fp32, max-autotune (inductor's packed micro-GEMM templates, which need
+    the weights as constants); otherwise torch's default (unfrozen graphs have nothing for max-autotune to pick
+    from on CPU, and quantized Linears have kernels of their own); on CUDA None means reduce-overhead (CUDA graphs)
+    for decode."""
+    packed = freeze and device == "cpu" and dtype == torch.float32 and not quantized
+    return "max-autotune-no-cudagraphs" if packed else None
 
 
 def set_threads(n: int | None) -> None:

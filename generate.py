@@ -113,12 +113,17 @@ def parse_args(argv=None):
                     help="with --compile: also compile the prefill-block step. Default: yes on CUDA, no on CPU, where "
                          "it doubles a cold compile for ~1.1x the prefill tok/s (SmolLM2-135M, docs/performance.md). "
                          "Block-wise prefill only: a one-shot prefill never runs the block step")
+    ap.add_argument("--freeze", action="store_true",
+                    help="with --compile: fold the weights into the compiled graphs (inductor's freezing). On CPU its "
+                         "packed GEMM kernels decode a small model faster (SmolLM2-135M: see docs/performance.md), "
+                         "but each frozen graph holds a second, packed copy of the weights and cannot be cached: "
+                         "every run compiles for minutes. Pays for long generations and benchmarks")
     ap.add_argument("--compile-mode", choices=["auto", "default", "reduce-overhead", "max-autotune",
                                                                "max-autotune-no-cudagraphs"],
-                    help="torch.compile mode; auto = max-autotune-no-cudagraphs on CPU in fp32 (about 2x the default "
-                         "mode's decode, ~1.5x the compile time), else torch's default (reduce-overhead for CUDA "
-                         "decode); 'default' forces torch's default (no CUDA graphs). The prefill step never "
-                         "runs under CUDA graphs; reduce-overhead (CUDA graphs) is refused on CPU")
+                    help="torch.compile mode; auto = max-autotune-no-cudagraphs with --freeze on CPU in fp32 (the "
+                         "packed GEMM templates), else torch's default (reduce-overhead for CUDA decode); 'default' "
+                         "forces torch's default (no CUDA graphs). The prefill step never runs under CUDA graphs; "
+                         "reduce-overhead (CUDA graphs) is refused on CPU")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads torch uses (intra-op and inter-op; default: one per core). Threads wait "
                          "passively (OMP_WAIT_POLICY=PASSIVE unless set), so a busy machine slows a run down instead "
@@ -192,8 +197,8 @@ def check_args(a) -> None:
         if a.profile.is_symlink() or (a.profile.exists() and not a.profile.is_file()):
             raise UserError(f"--profile {a.profile}: not a regular file (the trace replaces what is there)")
         check_writable(a.profile, "--profile")
-    if (a.compile_prefill is not None or a.compile_mode is not None) and not a.compile:
-        raise UserError("--compile-prefill / --no-compile-prefill / --compile-mode need --compile")
+    if (a.compile_prefill is not None or a.compile_mode is not None or a.freeze) and not a.compile:
+        raise UserError("--compile-prefill / --no-compile-prefill / --compile-mode / --freeze need --compile")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", a.device):
         raise UserError(f"unsupported --device {a.device!r} (cpu, cuda or cuda:N)")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -282,11 +287,11 @@ def run(a) -> int:
     if a.compile:
         quantized = "budgetkv_quantization" in model.config
         if a.compile_mode in (None, "auto"):
-            a.compile_mode = default_compile_mode(a.device, dtype, quantized)
+            a.compile_mode = default_compile_mode(a.device, dtype, quantized, a.freeze)
         if a.compile_prefill is None:
             a.compile_prefill = a.device != "cpu"
         a.compile_prefill = a.compile_prefill and a.prefill == "block"  # one-shot prefill never runs the block step
-        steps = compile_steps(a.device, a.compile_mode, prefill=a.compile_prefill)
+        steps = compile_steps(a.device, a.compile_mode, prefill=a.compile_prefill, freeze=a.freeze)
         counters["inductor"].clear()
         t = time.perf_counter()
         # inductor's autotune tables and compiler warnings go to a log (-v shows them); the terminal gets one line
@@ -337,7 +342,7 @@ def run(a) -> int:
                  weights=weights_format(model.config, str(dtype).replace("torch.", "")), device=a.device,
                  threads=torch.get_num_threads(),
                  compiled=a.compile,
-                 compiled_prefill=bool(a.compile and a.compile_prefill),
+                 compiled_prefill=bool(a.compile and a.compile_prefill), frozen=bool(a.compile and a.freeze),
                  compile_mode=(a.compile_mode or ("reduce-overhead" if a.device.startswith("cuda") else "default"))
                  if a.compile else None,
                  compile_s=round(compile_s, 2), compile_cache=compile_cache, kv_cache_bytes=kv_bytes(model), weight_bytes=weight_b,
@@ -357,6 +362,7 @@ def run(a) -> int:
         print(flush=True)
         mib = 2 ** 20
         scope = "" if stats["compiled_prefill"] else ", decode only"
+        scope += ", frozen" if a.freeze else ""
         compiled_note = (f", compiled ({stats['compile_mode']}{scope}) in {compile_s:.1f} s "
                          f"({CACHE_NOTES[compile_cache]})" if a.compile else "")
         slots = f" ({budget} used by its layout)" if budget != token_budget else ""
@@ -423,7 +429,8 @@ def compile_ticker(a, stream=None) -> Ticker:
     """The line to show while --compile compiles (on a terminal, without --quiet; erased at the end of the `with`):
     "compiling the decode step (max-autotune-no-cudagraphs) ... 12 s". Call it once a.compile_mode and
     a.compile_prefill are settled."""
-    what = "the prefill and decode steps" if a.compile_prefill else "the decode step"
+    what = ("the prefill and decode steps" if a.compile_prefill else "the decode step") + \
+        (" (frozen: this takes minutes every run)" if a.freeze else "")
     mode = a.compile_mode or ("reduce-overhead" if a.device.startswith("cuda") else "default")
     return Ticker(f"compiling {what} ({mode})", stream=stream)
 

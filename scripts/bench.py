@@ -148,7 +148,9 @@ def figure_one(model, label: str, T: int, args) -> dict:
         policy = policies.RocketKV(read=t)
         budget = policies.rocket_params(T + N, t, model.args.head_dim, N).C
     budget = setup(model, policy, budget, T, N, args.block_size, prefill="one-shot")
-    decode_fn = bench_steps(args)[1]
+    # one compiled step per configuration: dynamo treats a module's weights as inputs, so configurations that trace
+    # alike would share one graph, and a frozen twin would run its unfrozen sibling's
+    decode_fns = {label: bench_steps(args, freeze=frozen[label])[1] for label in models}
     mem = PeakMemory(args.device)
     with torch.inference_mode():
         t = time.perf_counter()
@@ -334,11 +336,13 @@ def run_quant(args) -> None:
               f"{x['ppl'] / base['ppl'] - 1:+.2%} | {x['decode_peak_mib']:.0f} |")
 
 
-def bench_steps(args):
-    """(prefill, decode) steps: eager, or compiled (the prefill step too unless --no-compile-prefill)."""
+def bench_steps(args, freeze: bool | None = None):
+    """(prefill, decode) steps: eager, or compiled (the prefill step too unless --no-compile-prefill; frozen with
+    --freeze, or as `freeze` says)."""
     if not args.compile:
         return prefill_step, model_step
-    return compile_steps(args.device, args.compile_mode, prefill=not args.no_compile_prefill)
+    return compile_steps(args.device, args.compile_mode, prefill=not args.no_compile_prefill,
+                         freeze=args.freeze if freeze is None else freeze)
 
 
 def steps_label(args) -> str:
@@ -425,7 +429,9 @@ def run_paired(args) -> None:
             setup(model, policy, args.budget, len(ids), args.decode_steps, args.block_size, evict=label != "no-evict")
     if args.profile:  # name each compiled kernel in the profile (inductor's CPU kernels are anonymous otherwise)
         torch._inductor.config.cpp.enable_kernel_profile = True
-    decode_fn = bench_steps(args)[1]
+    # one compiled step per configuration: dynamo treats a module's weights as inputs, so configurations that trace
+    # alike would share one graph, and a frozen twin would run its unfrozen sibling's
+    decode_fns = {label: bench_steps(args, freeze=frozen[label])[1] for label in models}
     # Bandwidth probe, timed once per round of steps: each step's bandwidth-bound fraction is taken against the
     # read bandwidth measured next to it, since both drift together on a shared VM. The probe also flushes the
     # caches before each round, which a model smaller than the last-level cache would otherwise sit in.
@@ -435,9 +441,9 @@ def run_paired(args) -> None:
         for label, model in models.items():
             logits = engine_prefill(model, prompt, args.block_size)
             t = time.perf_counter()  # the first decode step (with --compile: compiles this model's graph)
-            with torch._inductor.config.patch(freezing=frozen[label]):
-                toks[label] = decode_fn(model, logits.argmax(-1).view(1, 1),
-                                        torch.tensor([len(ids)], device=args.device))
+            with torch._inductor.config.patch(freezing=frozen[label]):  # read when dynamo traces
+                toks[label] = decode_fns[label](model, logits.argmax(-1).view(1, 1),
+                                                torch.tensor([len(ids)], device=args.device))
             sync(args.device)
             first_s[label] = time.perf_counter() - t
         step_s = {label: [] for label in models}
@@ -448,7 +454,8 @@ def run_paired(args) -> None:
                 for label in order:
                     tok = toks[label].argmax(-1).view(1, 1)
                     t = time.perf_counter()
-                    toks[label] = decode_fn(models[label], tok, torch.tensor([len(ids) + 1 + i], device=args.device))
+                    toks[label] = decode_fns[label](models[label], tok,
+                                                    torch.tensor([len(ids) + 1 + i], device=args.device))
                     sync(args.device)
                     step_s[label].append(time.perf_counter() - t)
     bw = [probe.nbytes / t / 1e9 for t in probe_s]
@@ -475,10 +482,10 @@ def run_paired(args) -> None:
               f"{f[0]:.1%} .. {f[2]:.1%} | {first_s[label]:.1f} |")
     if args.profile:
         with torch._dynamo.config.patch(error_on_recompile=True):  # profile the graphs just timed, not new ones
-            profile_steps(models, toks, len(ids) + 1 + args.decode_steps, decode_fn, args)
+            profile_steps(models, toks, len(ids) + 1 + args.decode_steps, decode_fns, args)
 
 
-def profile_steps(models, toks, next_pos, decode_fn, args, n_steps: int = 10) -> None:
+def profile_steps(models, toks, next_pos, decode_fns, args, n_steps: int = 10) -> None:
     """--profile: torch.profiler over n_steps decode steps of each configuration, the top kernels by self time."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
@@ -487,7 +494,8 @@ def profile_steps(models, toks, next_pos, decode_fn, args, n_steps: int = 10) ->
         with torch.inference_mode(), profile(activities=activities) as prof:
             tok = toks[label].argmax(-1).view(1, 1)  # an inference tensor, as when the step was compiled
             for i in range(n_steps):
-                tok = decode_fn(model, tok, torch.tensor([next_pos + i], device=args.device)).argmax(-1).view(1, 1)
+                tok = decode_fns[label](model, tok, torch.tensor([next_pos + i], device=args.device))
+                tok = tok.argmax(-1).view(1, 1)
             sync(args.device)
         print(f"\n{label}: {n_steps} decode steps, top kernels by self time\n")
         print(prof.key_averages().table(sort_by=sort_by, row_limit=args.profile, max_name_column_width=60))
@@ -547,6 +555,8 @@ def parser() -> Parser:
                     help="inductor's C++ wrapper (torch._inductor.config.cpp_wrapper): no Python between kernels")
     ap.add_argument("--paired", action="store_true",
                     help="decode-step overhead of --policies over no-evict, steps alternating in one process")
+    ap.add_argument("--freeze", action="store_true",
+                    help="with --compile: fold the weights into the compiled graphs (generate.py --freeze)")
     ap.add_argument("--freezing-twins", action="store_true",
                     help="with --paired --compile: each configuration twice, its graph compiled without (generate.py's "
                          "choice) and with inductor's freezing (weights folded into the graph: '<policy> (frozen)')")
@@ -650,7 +660,7 @@ def check_args(args) -> None:
     if args.llamacpp and not LLAMACPP_PY.is_file():  # strict: a skipped peer must not look like a result
         raise EnvironmentFailure(f"--llamacpp needs {LLAMACPP_PY.parent.parent.name}, which is missing: make it with "
                                  "`bash scripts/setup.sh llamacpp` (builds llama-cpp-python, several minutes)")
-    for k in ("compile_mode", "cpp_wrapper", "no_compile_prefill", "freezing_twins"):
+    for k in ("compile_mode", "cpp_wrapper", "no_compile_prefill", "freeze", "freezing_twins"):
         if k in given and not args.compile:
             raise UserError(f"--{k.replace('_', '-')} needs --compile")
     if args.resume and kind != "figure" and args.json is None:

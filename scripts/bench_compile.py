@@ -44,6 +44,8 @@ def parser() -> Parser:
     ap.add_argument("--repeats", type=int, default=2, help="eager and warm runs, alternating (default 2 each)")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--compile-mode", default="auto", help="generate.py's --compile-mode (default auto)")
+    ap.add_argument("--freeze", action="store_true",
+                    help="compile with generate.py --freeze (never cached: every compiled run is cold)")
     ap.add_argument("--device", default=None, help="generate.py's --device (default: its own)")
     ap.add_argument("--json", type=Path, help="also write the runs and the break-even here")
     return ap
@@ -60,7 +62,7 @@ def generate_run(args, prompt_file: Path, cache: Path, compiled: bool) -> dict:
     if args.device:
         cmd += ["--device", args.device]
     if compiled:
-        cmd += ["--compile", "--compile-mode", args.compile_mode]
+        cmd += ["--compile", "--compile-mode", args.compile_mode] + (["--freeze"] if args.freeze else [])
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
@@ -108,7 +110,7 @@ def run(args) -> int:
     first = runs[0]
     print(f"\n{args.checkpoint}, --policy {args.policy} --budget {args.budget}, {first['prompt_tokens']} prompt tokens, "
           f"{args.new_tokens} new, {first['weights'].split(' [')[0]} on {first['device']} ({first['threads']} threads), "
-          f"--compile-mode {args.compile_mode} ({first['compile_mode']})\n")
+          f"--compile-mode {args.compile_mode} ({first['compile_mode']}){', frozen' if args.freeze else ''}\n")
     print("| run | compile s | TTFT s | prefill tok/s | decode tok/s | wall s (compile + TTFT + decode) | "
           "process peak MiB | prefill peak MiB | decode peak MiB |")
     print("|---|---|---|---|---|---|---|---|---|")

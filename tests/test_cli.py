@@ -122,8 +122,9 @@ def test_int8_kv_run_reports_the_smaller_buffer(tiny_ckpt, capsys):
 
 @pytest.mark.parametrize("flag,prefill,compile_prefill", [(["--compile-prefill"], "block", True),
                                                          ([], "block", False),
-                                                         ([], "one-shot", False)],
-                         ids=["both-steps", "decode-only", "one-shot"])
+                                                         ([], "one-shot", False),
+                                                         (["--freeze"], "block", False)],
+                         ids=["both-steps", "decode-only", "one-shot", "frozen"])
 def test_compiled_run_never_recompiles(tiny_ckpt, capsys, flag, prefill, compile_prefill):
     """--compile warms both graphs up with the shapes and strides generation uses: no recompile afterwards.
     On CPU the default compiles the decode step alone (one frame, prefill eager) and generates the same text;
@@ -143,10 +144,15 @@ def test_compiled_run_never_recompiles(tiny_ckpt, capsys, flag, prefill, compile
     assert counters["stats"]["unique_graphs"] == (2 if compile_prefill else 1)  # the compiled steps, nothing else
     stats = json.loads(out)
     assert stats["generated_tokens"] == 6 and stats["compiled_prefill"] is compile_prefill
-    assert stats["compile_mode"] == "max-autotune-no-cudagraphs"  # --compile-mode auto on CPU, fp32
+    # --compile-mode auto on CPU, fp32: the packed GEMM templates of max-autotune where the weights are frozen
+    frozen = "--freeze" in flag
+    assert stats["compile_mode"] == ("max-autotune-no-cudagraphs" if frozen else "default")
+    assert stats["frozen"] is frozen
+    if frozen:  # the oneDNN-packed constants of a frozen graph: inductor's cache cannot store it
+        assert stats["compile_cache"] == "bypass"
     code, out, err = run_main(argv, capsys)
     assert code == 0, err
-    assert json.loads(out)["text"] == stats["text"]  # the autotuned kernels generate what eager does
+    assert json.loads(out)["text"] == stats["text"]  # the compiled kernels generate what eager does
 
 
 BAD = [
