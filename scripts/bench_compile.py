@@ -111,11 +111,12 @@ def run(args) -> int:
     print(f"\n{args.checkpoint}, --policy {args.policy} --budget {args.budget}, {first['prompt_tokens']} prompt tokens, "
           f"{args.new_tokens} new, {first['weights'].split(' [')[0]} on {first['device']} ({first['threads']} threads), "
           f"--compile-mode {args.compile_mode} ({first['compile_mode']}){', frozen' if args.freeze else ''}\n")
-    print("| run | compile s | TTFT s | prefill tok/s | decode tok/s | wall s (compile + TTFT + decode) | "
-          "process peak MiB | prefill peak MiB | decode peak MiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| run | compile s | cache | TTFT s | prefill tok/s | generated tokens | decode tok/s | wall s (compile + "
+          "TTFT + decode) | process peak MiB | prefill peak MiB | decode peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
-        print(f"| {r['run']} | {r['compile_s']:.1f} | {r['ttft_s']:.2f} | {r['prefill_tok_s']:.0f} | "
+        print(f"| {r['run']} | {r['compile_s']:.1f} | {r['compile_cache'] or ''} | {r['ttft_s']:.2f} | "
+              f"{r['prefill_tok_s']:.0f} | {r['generated_tokens']} | "
               f"{r['decode_tok_s']:.1f} | {wall_s(r):.1f} | {r['process_peak_bytes'] / MIB:.0f} | "
               f"{r['prefill_peak_bytes'] / MIB:.0f} | {r['decode_peak_bytes'] / MIB:.0f} |")
 

@@ -168,7 +168,8 @@ BAD = [
     (["--compile", "--compile-mode", "fastest"], "invalid choice"),
     (["--no-compile-prefill"], "need --compile"),
     (["--compile-prefill"], "need --compile"),
-    (["--compile-mode", "default"], "--compile-mode need --compile"),
+    (["--compile-mode", "default"], "--compile-mode / --freeze need --compile"),
+    (["--freeze"], "--freeze need --compile"),
     (["--device", "cuda"], "CUDA is not available"),
     (["--batch-size", "2"], "only batch 1 is supported yet"),
     (["--budget", "abc"], "invalid int value"),
@@ -409,3 +410,25 @@ def test_the_summary_names_the_weight_format_and_source():
                                                        "m.gguf (Q4_1 weights, dequantized to float32)]")
     assert generate.weights_format({"budgetkv_quantization": {"mode": "int8"}}, "float32") == \
         "int8 weights, float32 activations"
+
+
+def test_bench_compile_measures_eager_cold_and_warm(tiny_ckpt, tmp_path):
+    """scripts/bench_compile.py: generate.py runs as a user runs them; the warm run finds the cold run's graphs in
+    the cache, the JSON holds every run and the break-even, and bad sizes are one line."""
+    out = tmp_path / "compile.json"
+    argv = [sys.executable, str(REPO / "scripts" / "bench_compile.py"), "--checkpoint", str(tiny_ckpt),
+            "--policy", "keydiff", "--budget", "8", "--prompt-tokens", "100", "--new-tokens", "4", "--repeats", "1",
+            "--threads", "1"]
+    caches_before = set((REPO / "build").glob("bench-compile-cache-*"))
+    r = subprocess.run(argv + ["--json", str(out)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert [x["run"] for x in runs] == ["cold", "eager", "warm"]
+    assert [x["compile_cache"] for x in runs] == ["miss", None, "hit"]
+    assert all(x["generated_tokens"] == runs[0]["generated_tokens"] for x in runs)
+    assert "| warm |" in r.stdout and "--compile pays off from" in r.stdout
+    assert set((REPO / "build").glob("bench-compile-cache-*")) == caches_before  # the cold run's cache is removed
+    r = subprocess.run(argv + ["--prompt-tokens", "10"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: need --prompt-tokens >= 64, --new-tokens >= 2, --repeats >= 1 and --budget >= 1"]
