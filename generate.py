@@ -9,8 +9,6 @@ prompt is prefilled densely layer by layer and compressed once. The buffer never
 block-size slots per layer and KV head.
 """
 import argparse
-import ctypes
-import gc
 import json
 import math
 import os
@@ -308,7 +306,6 @@ def run(a) -> int:
             sync(a.device)
         compile_s = time.perf_counter() - t
         compile_cache = cache_state(counters["inductor"])
-        trim_heap()  # what compiling freed goes back to the system: the phases' peaks are the run's own
 
     printed = [""]
 
@@ -348,7 +345,8 @@ def run(a) -> int:
                  compiled_prefill=bool(a.compile and a.compile_prefill), frozen=bool(a.compile and a.freeze),
                  compile_mode=(a.compile_mode or ("reduce-overhead" if a.device.startswith("cuda") else "default"))
                  if a.compile else None,
-                 compile_s=round(compile_s, 2), compile_cache=compile_cache, kv_cache_bytes=kv_bytes(model), weight_bytes=weight_b,
+                 compile_s=round(compile_s, 2), compile_cache=compile_cache, kv_cache_bytes=kv_bytes(model),
+                 weight_bytes=weight_b,
                  kv_read_bytes_per_step=kv_read_b,
                  process_peak_bytes=max(stats["startup_peak_bytes"], stats["prefill_peak_bytes"],
                                         stats["decode_peak_bytes"]),
@@ -412,15 +410,6 @@ def prefill_progress(a, prompt_len: int, n_layers: int):
             sync(a.device)
             bar.update(step)
     return bar, on_prefill
-
-
-def trim_heap() -> None:
-    """Hand the memory the process has freed back to the system (glibc's malloc_trim; nothing elsewhere)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 CACHE_NOTES = {"hit": "from the compile cache", "miss": "now cached for the next run",

@@ -66,7 +66,8 @@ from checkpoint import resolve_checkpoint  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
 from engine import (PeakMemory, block_inputs, compile_steps, decode_bytes_per_step,  # noqa: E402
-                    load_model, model_step, prefill_one_shot, prefill_protocol, prefill_step, setup, sync)
+                    default_compile_mode, load_model, model_step, prefill_one_shot, prefill_protocol, prefill_step,
+                    setup, sync)
 from engine import prefill as engine_prefill  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
 from model import ModelArgs  # noqa: E402
@@ -148,9 +149,7 @@ def figure_one(model, label: str, T: int, args) -> dict:
         policy = policies.RocketKV(read=t)
         budget = policies.rocket_params(T + N, t, model.args.head_dim, N).C
     budget = setup(model, policy, budget, T, N, args.block_size, prefill="one-shot")
-    # one compiled step per configuration: dynamo treats a module's weights as inputs, so configurations that trace
-    # alike would share one graph, and a frozen twin would run its unfrozen sibling's
-    decode_fns = {label: bench_steps(args, freeze=frozen[label])[1] for label in models}
+    decode_fn = bench_steps(args)[1]
     mem = PeakMemory(args.device)
     with torch.inference_mode():
         t = time.perf_counter()
@@ -341,8 +340,9 @@ def bench_steps(args, freeze: bool | None = None):
     --freeze, or as `freeze` says)."""
     if not args.compile:
         return prefill_step, model_step
-    return compile_steps(args.device, args.compile_mode, prefill=not args.no_compile_prefill,
-                         freeze=args.freeze if freeze is None else freeze)
+    freeze = args.freeze if freeze is None else freeze
+    mode = args.compile_mode or default_compile_mode(args.device, torch.float32, False, freeze)  # as generate.py's
+    return compile_steps(args.device, mode, prefill=not args.no_compile_prefill, freeze=freeze)
 
 
 def steps_label(args) -> str:
@@ -460,7 +460,8 @@ def run_paired(args) -> None:
                     step_s[label].append(time.perf_counter() - t)
     bw = [probe.nbytes / t / 1e9 for t in probe_s]
     bw_q = statistics.quantiles(bw, n=4)
-    mode = (args.compile_mode or "default") + (" + cpp_wrapper" if args.cpp_wrapper else "") if args.compile else "eager"
+    mode = (args.compile_mode or "generate.py's mode") + (" + cpp_wrapper" if args.cpp_wrapper else "") \
+        if args.compile else "eager"
     print(f"\n{args.checkpoint}, prompt {len(ids)} tokens, budget {args.budget}, {args.decode_steps} alternating decode "
           f"steps, float32 on {args.device}, {mode}, torch threads {torch.get_num_threads()}, read bandwidth "
           f"(probe next to each round) median {statistics.median(bw):.1f} GB/s, quartiles {bw_q[0]:.1f} .. "
@@ -546,7 +547,9 @@ def parser() -> Parser:
     ap.add_argument("--compile", action="store_true", help="compile prefill-block and decode steps per policy")
     ap.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune",
                                                              "max-autotune-no-cudagraphs"],
-                    help="torch.compile mode (default: engine.step_modes' choice per device)")
+                    help="torch.compile mode (default: generate.py's: max-autotune-no-cudagraphs for frozen CPU "
+                         "graphs, "
+                         "else torch's default; on CUDA decode under CUDA graphs)")
     ap.add_argument("--no-compile-prefill", action="store_true",
                     help="with --compile: compile the decode step only, prefill stays eager (what generate.py "
                          "--compile does on CPU; bench's --compile compiles both unless this is given; --paired and "

@@ -40,7 +40,8 @@ def parser() -> Parser:
     ap.add_argument("--policy", default="keydiff", help="generate.py's --policy (default keydiff)")
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--prompt-tokens", type=int, default=4096)
-    ap.add_argument("--new-tokens", type=int, default=128, help="generated tokens per run (default 128; a raw prompt, --no-chat: generation rarely meets EOS early)")
+    ap.add_argument("--new-tokens", type=int, default=128,
+                    help="at most this many generated tokens per run (default 128; generation stops at EOS)")
     ap.add_argument("--repeats", type=int, default=2, help="eager and warm runs, alternating (default 2 each)")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--compile-mode", default="auto", help="generate.py's --compile-mode (default auto)")
@@ -108,8 +109,9 @@ def run(args) -> int:
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     first = runs[0]
-    print(f"\n{args.checkpoint}, --policy {args.policy} --budget {args.budget}, {first['prompt_tokens']} prompt tokens, "
-          f"{args.new_tokens} new, {first['weights'].split(' [')[0]} on {first['device']} ({first['threads']} threads), "
+    print(f"\n{args.checkpoint}, --policy {args.policy} --budget {args.budget}, {first['prompt_tokens']} prompt "
+          f"tokens, {args.new_tokens} new at most, {first['weights'].split(' [')[0]} on {first['device']} "
+          f"({first['threads']} threads), "
           f"--compile-mode {args.compile_mode} ({first['compile_mode']}){', frozen' if args.freeze else ''}\n")
     print("| run | compile s | cache | TTFT s | prefill tok/s | generated tokens | decode tok/s | wall s (compile + "
           "TTFT + decode) | process peak MiB | prefill peak MiB | decode peak MiB |")
