@@ -869,17 +869,8 @@ def run_llamacpp(gguf: Path, ids: list[int], variant: str, args) -> dict:
                "--threads", str(torch.get_num_threads()), *LLAMACPP_VARIANTS[variant]]
         if variant == "F32":
             cmd += ["--dequantize", str(REPO / "build" / f"{gguf.stem}.F32.gguf")]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-    lines = r.stdout.strip().splitlines()
-    if r.returncode == 0 and lines:
-        try:
-            return json.loads(lines[-1])
-        except json.JSONDecodeError:
-            pass
-    log = Path(tempfile.gettempdir()) / f"budgetkv-bench-llamacpp-{os.getpid()}.log"
-    log.write_text(r.stdout + r.stderr)
-    last = (r.stderr.strip().splitlines() or ["no result"])[-1].removeprefix("error: ")
-    raise EnvironmentFailure(f"llama.cpp {variant} failed (exit {r.returncode}): {last} (whole output: {log})")
+        return json_result(subprocess.run(cmd, capture_output=True, text=True), f"llama.cpp {variant}",
+                           "budgetkv-bench-llamacpp")
 
 
 def llama_label(variant: str, x: dict) -> str:
@@ -980,17 +971,26 @@ def run_one(argv: list[str], what: str) -> dict:
     """One configuration in a fresh process (this script with `argv` added); its JSON line. A failure ends the run
     with one line; the process's whole output goes to a log."""
     r = subprocess.run([sys.executable, __file__, *sys.argv[1:], *argv], capture_output=True, text=True)
+    try:
+        return json_result(r, what, "budgetkv-bench")
+    except EnvironmentFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+def json_result(r: subprocess.CompletedProcess, what: str, log_name: str) -> dict:
+    """The JSON line a measuring subprocess printed last; or EnvironmentFailure naming its last stderr line and a
+    log holding its whole output."""
     lines = r.stdout.strip().splitlines()
     if r.returncode == 0 and lines:
         try:
             return json.loads(lines[-1])
         except json.JSONDecodeError:
             pass
-    log = Path(tempfile.gettempdir()) / f"budgetkv-bench-{os.getpid()}.log"
+    log = Path(tempfile.gettempdir()) / f"{log_name}-{os.getpid()}.log"
     log.write_text(r.stdout + r.stderr)
     last = (r.stderr.strip().splitlines() or ["no result"])[-1].removeprefix("error: ")
-    print(f"error: {what} failed (exit {r.returncode}): {last} (whole output: {log})", file=sys.stderr)
-    sys.exit(1)
+    raise EnvironmentFailure(f"{what} failed (exit {r.returncode}): {last} (whole output: {log})")
 
 
 if __name__ == "__main__":

@@ -16,27 +16,8 @@ from pathlib import Path
 
 import torch
 
-
-class BadInput(Exception):
-    """One line on stderr, exit 2 (this script runs in .venv-kv, without the project's cli.py)."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def peak_bytes():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer import BadInput, Parser, peak_bytes, reset_peak  # noqa: E402  (standard library only)
 
 
 def make_hf_copy(out: Path) -> None:

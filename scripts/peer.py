@@ -1,0 +1,27 @@
+"""What the peer scripts share (scripts/bench_kvpress.py in .venv-kv, scripts/bench_llamacpp.py in .venv-llamacpp):
+they run in venvs of their own, without the project's modules, so this file imports the standard library only."""
+import argparse
+import sys
+
+
+class BadInput(Exception):
+    """One line on stderr, exit 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def reset_peak() -> None:
+    """Start a phase: the process's peak RSS (VmHWM) back to its current RSS (the measure bench.py uses)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
