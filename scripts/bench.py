@@ -644,10 +644,6 @@ def int_list(text: str, flag: str) -> list[int]:
     return values
 
 
-def model_context(ckpt) -> int:
-    return ModelArgs.from_config(read_config(ckpt)).max_seq_len
-
-
 def check_context(ckpt, args) -> dict:
     """The checkpoint's config.json (read once: pass it on to load_model), after checking the sizes against it."""
     return check_sizes(read_config(ckpt), args)
