@@ -44,7 +44,9 @@ def parser() -> Parser:
                     help="at most this many generated tokens per run (default 128; generation stops at EOS)")
     ap.add_argument("--repeats", type=int, default=2, help="eager and warm runs, alternating (default 2 each)")
     ap.add_argument("--threads", type=int)
-    ap.add_argument("--compile-mode", default="auto", help="generate.py's --compile-mode (default auto)")
+    ap.add_argument("--compile-mode", default="auto", choices=["auto", "default", "reduce-overhead", "max-autotune",
+                                                               "max-autotune-no-cudagraphs"],
+                    help="generate.py's --compile-mode (default auto)")
     ap.add_argument("--freeze", action="store_true",
                     help="compile with generate.py --freeze (never cached: every compiled run is cold)")
     ap.add_argument("--device", default=None, help="generate.py's --device (default: its own)")
