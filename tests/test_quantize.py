@@ -273,7 +273,7 @@ def test_float_head_stays_tied(hf_tiny, tmp_path):
 
 @pytest.mark.parametrize("mode,groupsize", [("int8", None), ("int4", 32)])
 def test_compiled_decode_fullgraph_without_recompiles(hf_tiny, mode, groupsize):
-    """Eager and compiled (fullgraph, inductor with freezing, as generate.py --compile) decode give the same tokens,
+    """Eager and compiled (fullgraph, inductor, as generate.py --compile) decode give the same tokens,
     and error_on_recompile holds over 2 x 69 decode steps."""
     _, src = hf_tiny("qwen2")
     model = quantize.quantize_model(load_model(src, torch.float32, "cpu"), mode, groupsize)
