@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer import BadInput, Parser, peak_bytes, reset_peak  # noqa: E402  (standard library only)
+from peer import BadInput, Parser, os_error_line, peak_bytes, reset_peak  # noqa: E402  (standard library only)
 
 
 def make_hf_copy(out: Path) -> None:
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a folder it cannot write (the HF copy)
-        print(f"error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
+        print(os_error_line(e), file=sys.stderr)
         return 1
     return 0
 

