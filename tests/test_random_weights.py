@@ -199,8 +199,8 @@ def test_eval_has_no_random_weights():
 def test_bench_with_random_weights(tiny_config_dir, tmp_path):
     bench = [sys.executable, str(REPO / "scripts" / "bench.py"), "--checkpoint", str(tiny_config_dir),
              "--random-weights", "--decode-steps", "4", "--repeats", "1", "--threads", "1"]
-    for extra, message in ((["--quant", "int8"], "--random-weights does not apply to --quant"),
-                           (["--kvpress"], "--random-weights has not: drop one of them")):
+    for extra, message in ((["--llamacpp"], "--random-weights has not: drop one of them"),
+                           (["--kvpress", "--hf-model", str(tmp_path)], "--hf-model is a checkpoint")):
         r = subprocess.run(bench + extra, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and message in err_line(r.stderr)
     out = tmp_path / "bench.json"
@@ -217,5 +217,24 @@ def test_bench_with_random_weights(tiny_config_dir, tmp_path):
     rows = json.loads((tmp_path / "fig" / "rocketkv_figure.json").read_text())["rows"]
     assert sorted(x["label"] for x in rows) == ["full", "rocketkv-16"]
     r = subprocess.run(bench + ["--paired", "--policies", "keydiff", "--prompt-tokens", "64", "--budget", "32",
-                                "--block-size", "16"], capture_output=True, text=True, timeout=300)
+                                "--block-size", "16", "--json", str(tmp_path / "paired.json")],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+    rows = json.loads((tmp_path / "paired.json").read_text())["rows"]
+    assert [x["label"] for x in rows] == ["no-evict", "keydiff"] and rows[0]["overhead"] == 0.0
+
+
+def test_bench_quant_with_random_weights(tiny_config_dir, tmp_path):
+    """--quant on shapes alone: the random model quantized in memory, decode rows, no perplexity; int8 and int4
+    read fewer bytes per step than float32 (int4 keeps this tiny model's large head in float32 by default)."""
+    out = tmp_path / "quant.json"
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--checkpoint", str(tiny_config_dir),
+                        "--random-weights", "--decode-steps", "4", "--repeats", "1", "--threads", "1", "--quant",
+                        "float32,int8,int4-g32", "--prompt-tokens", "64", "--block-size", "16", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "no perplexity (random weights)" in r.stderr and "| int4-g32 |" in r.stdout
+    rows = {x["mode"]: x for x in json.loads(out.read_text())["rows"]}
+    assert all(x["ppl"] is None for x in rows.values())
+    assert max(rows["int4-g32"]["bytes_per_step"], rows["int8"]["bytes_per_step"]) < rows["float32"]["bytes_per_step"]
+    assert "int4" in rows["int4-g32"]["kernels"] or rows["int4-g32"]["kernels"]

@@ -402,7 +402,7 @@ def test_small_budget_compresses_and_differs_from_full(tiny):
     assert c.read_tokens() == pol.rp.k + pol.rp.approx_tokens
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.cuda
 def test_cuda_decode_replays_as_a_cuda_graph(hf_tiny):
     """On CUDA the decode step compiles with mode="reduce-overhead": RocketKV's step (in-place page update, hybrid
     top-k, gathered sparse attention) must be captured as a CUDA graph (inductor skips none) and equal eager."""

@@ -1,0 +1,58 @@
+"""CUDA-only tests (marked `cuda`: skipped without a GPU; scripts/gpu_check.sh runs them as `pytest -m cuda`)."""
+import pytest
+import torch
+
+from conftest import REPO
+from engine import PeakMemory, load_model, random_model, setup
+
+pytestmark = pytest.mark.cuda
+
+
+def test_cuda_logits_match_cpu(hf_tiny):
+    _, ckpt = hf_tiny("llama31")
+    idx = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(64)
+    logits = {}
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for device in ("cpu", "cuda"):
+        model = load_model(ckpt, torch.float32, device)
+        setup(model, None, 64, 64, 1, 64)
+        with torch.inference_mode():
+            logits[device] = model(idx.to(device), pos.to(device)).cpu()
+    torch.testing.assert_close(logits["cuda"], logits["cpu"], rtol=1e-4, atol=1e-4)
+
+
+def test_random_weights_are_made_on_the_device_without_a_host_copy():
+    """bfloat16 random weights of smollm2-360m's shapes (~0.7 GB) filled on the GPU: the process RSS grows by far
+    less than the weights."""
+    import json
+
+    def rss():
+        return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+    config = json.loads((REPO / "configs" / "smollm2-360m.json").read_text())
+    before_rss, before_gpu = rss(), torch.cuda.memory_allocated()
+    model = random_model(config, torch.bfloat16, "cuda")
+    weights = sum(p.nbytes for p in model.parameters())
+    assert all(p.is_cuda and p.dtype == torch.bfloat16 for p in model.parameters())
+    assert torch.cuda.memory_allocated() - before_gpu >= weights
+    assert rss() - before_rss < weights / 4
+
+
+def test_peak_memory_on_cuda_is_max_memory_allocated():
+    mem = PeakMemory("cuda")
+    assert mem.measure == "cuda max_memory_allocated"
+    mem.reset()
+    base = torch.cuda.memory_allocated()
+    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del x
+    assert mem.peak() - base >= 64 << 20
+
+
+def test_keydiff_decode_replays_as_a_cuda_graph(hf_tiny):
+    """gpu_check's per-policy check on the tiny model: reduce-overhead, no cudagraph skip, one graph, eager's tokens."""
+    from scripts import gpu_check as gc
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cuda")
+    prompt = torch.randint(0, 512, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    r = gc.graph_check(model, "keydiff", prompt, 16, 32, "cuda")
+    assert gc.graph_row(r)["ok"], gc.graph_row(r)

@@ -1,0 +1,139 @@
+"""scripts/gpu_check.py's logic on this CPU: what decides pass or fail, the orchestration of bench.py and the peer,
+the warm-up order before a CUDA graph capture, the compile modes, and the one line on a machine without CUDA. Its
+GPU measurements themselves run on a GPU only (bash scripts/gpu_check.sh)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import FAMILIES, REPO
+from engine import step_modes, warm_up
+from scripts import gpu_check as gc
+
+
+def result(**kw):
+    base = dict(policy="keydiff", eager=[1, 2, 3], compiled=[1, 2, 3], recompiled=None, step_ms=1.0, eager_step_ms=2.0,
+                graphs=1, cudagraph_skips=0)
+    return base | kw
+
+
+@pytest.mark.parametrize("kw, problem", [
+    ({}, None),
+    ({"cudagraph_skips": 2}, "2 cudagraph skip(s)"),
+    ({"compiled": [1, 5, 3]}, "tokens differ from eager at 1"),
+    ({"compiled": [1, 2]}, "tokens differ from eager at 2"),
+    ({"compiled": None, "step_ms": None, "recompiled": "size mismatch"}, "recompiled: size mismatch"),
+    ({"graphs": 2}, "2 graphs compiled"),
+])
+def test_graph_row_fails_on_a_skip_a_recompile_or_other_tokens(kw, problem):
+    r = gc.graph_row(result(**kw))
+    assert r["ok"] is (problem is None)
+    assert (problem or "") in r["detail"] and (problem is not None or r["detail"] == "")
+
+
+def test_graph_check_on_cpu_compiles_once_and_matches_eager(hf_tiny):
+    """The same check the GPU runs per policy (mode None on CPU, no graphs to capture): one compiled graph, eager's
+    greedy tokens; a one-shot policy too."""
+    from engine import load_model
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    prompt = torch.randint(0, 512, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    for spec in ("keydiff", "snapkv++"):
+        r = gc.graph_check(model, spec, prompt, 12, 32, "cpu", mode=None)
+        row = gc.graph_row(r)
+        assert row["ok"], row
+        assert r["graphs"] == 1 and r["compiled"] == r["eager"] and len(r["eager"]) == 12
+        assert model.layers[0].attention.kv_cache.budget == 48  # graph_budget: it evicts (150-token prompt)
+
+
+def test_warm_up_calls_prefill_once_then_decode_twice_with_fresh_tensors(hf_tiny):
+    """CUDA graph trees warm up on a graph's first call and record on its second: warm_up makes both before any
+    timed step, each decode input a fresh contiguous [1, 1] tensor (a view would have other strides: a recompile)."""
+    calls = []
+
+    def prefill(model, idx, pos):
+        calls.append(("prefill", tuple(idx.shape), pos.tolist()[:2], torch.is_inference_mode_enabled()))
+
+    def decode(model, idx, pos):
+        calls.append(("decode", tuple(idx.shape), idx.is_contiguous() and idx._base is None, pos.tolist()))
+
+    warm_up(None, (prefill, decode), 7, 16, "cpu")
+    assert calls == [("prefill", (1, 16), [0, -1], True), ("decode", (1, 1), True, [1]), ("decode", (1, 1), True, [1])]
+
+
+def test_compile_modes_put_decode_under_cuda_graphs_and_prefill_never():
+    assert step_modes("cuda", None) == (None, "reduce-overhead")
+    assert step_modes("cuda:0", "reduce-overhead") == (None, "reduce-overhead")
+    assert step_modes("cuda", "max-autotune") == ("max-autotune-no-cudagraphs", "max-autotune")
+    assert step_modes("cpu", None) == (None, None)
+
+
+def test_junit_rows(tmp_path):
+    xml = tmp_path / "t.xml"
+    xml.write_text('<testsuites><testsuite><testcase classname="tests.test_a" name="test_ok"/>'
+                   '<testcase classname="tests.test_a" name="test_bad"><failure message="boom"/></testcase>'
+                   '<testcase classname="tests.test_b" name="test_skip"><skipped message="needs a CUDA GPU"/>'
+                   '</testcase></testsuite></testsuites>')
+    rows = gc.test_rows(xml)
+    assert [(r["check"], r["ok"], r["value"]) for r in rows] == [
+        ("test_a::test_ok", True, "passed"), ("test_a::test_bad", False, "failed"),
+        ("test_b::test_skip", False, "skipped")]  # on the GPU a skipped CUDA test is a failed check
+
+
+def test_figure_and_bench_targets():
+    full = dict(label="full", T=16384, decode_step_ms=10.0, bytes_per_step=170e6)
+    rk = dict(label="rocketkv-256", T=16384, decode_step_ms=3.0, speedup=3.1, ideal_speedup=3.6, peak_saving=0.3)
+    small = dict(rk, T=4096, speedup=1.0, peak_saving=0.0)
+    rows = gc.figure_rows([rk, full, small], read_gb_s=20.0)  # full: 17 GB/s of 20 = 85%
+    assert [(r["check"], r["ok"]) for r in rows] == [("rocketkv-256 @ 4096", None), ("full @ 16384", True),
+                                                     ("rocketkv-256 @ 16384", True)]
+    assert not gc.figure_rows([dict(rk, speedup=2.0)], 20.0)[0]["ok"]
+    assert not gc.figure_rows([full], 25.0)[0]["ok"]  # 68% of the bound
+    res = {"no-evict": {"decode_step_ms": 10.0}, "keydiff": {"decode_step_ms": 10.5, "decode_tok_s": 95.0,
+                                                             "kvpress": {"decode_tok_s": 40.0}},
+           "full": {"decode_step_ms": 12.0, "decode_tok_s": 80.0, "kvpress": None}}
+    rows = gc.bench_rows(res)
+    assert rows[0]["ok"] and "+5.0%" in rows[0]["value"]
+    assert rows[1]["value"].startswith("did not run") and rows[2]["value"].startswith("2.38x")
+    assert not gc.bench_rows(res | {"keydiff": dict(res["keydiff"], decode_step_ms=11.5)})[0]["ok"]
+
+
+def test_figure_and_bench_sections_run_end_to_end_on_tiny_shapes(tmp_path):
+    """The orchestration on CPU with tiny shapes, eager: bench.py --figure and the policy table with HF + kvpress
+    (random config in .venv-kv) run, their JSON is read back, and the table lands in OUT.md and OUT.json."""
+    if not (REPO / ".venv-kv" / "bin" / "python").is_file():
+        pytest.skip(".venv-kv missing (bash scripts/setup.sh test)")
+    shapes = tmp_path / "tiny"
+    shapes.mkdir()
+    (shapes / "config.json").write_text(json.dumps(FAMILIES["llama"]))
+    out = tmp_path / "check"
+    r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--no-compile", "--only",
+                        "figure,bench", "--shapes", str(shapes), "--dtype", "float32", "--contexts", "256",
+                        "--budgets", "32", "--bench-context", "256", "--bench-budget", "64", "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode in (0, 1), r.stderr  # 1: a tiny CPU model misses the GPU targets
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [x["check"] for x in rows] == ["full @ 256", "rocketkv-32 @ 256", "keydiff overhead vs no-evict",
+                                          "full decode vs HF + kvpress", "keydiff decode vs HF + kvpress"]
+    assert "could not run" not in r.stdout and "x (" in rows[-1]["value"]
+    assert out.with_suffix(".md").read_text().count("\n| ") == len(rows) + 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_without_cuda_one_line_and_exit_1():
+    r = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs a CUDA GPU" in lines[0] and "TORCH_INDEX=" in lines[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--only", "figure,nope"], "sections are tests, graphs, figure, bench"),
+    (["--graph-layers", "0"], "--graph-layers must be >= 1"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message):
+    r = subprocess.run([sys.executable, "scripts/gpu_check.py", *argv], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr
