@@ -67,6 +67,27 @@ def test_each_sequence_generates_its_batch_one_tokens(hf_tiny, spec, prefill, bu
     assert c.k.shape[0] == 3 and c.k.shape[2] == c.budget + BLOCK  # one static buffer [batch, kv_heads, C, D]
 
 
+VARIANTS = [("keydiff", dict(kv_dtype=torch.int8), 16), ("h2o", dict(evict_before_attend=True), 16),
+            ("snapkv:window=8", dict(evict_before_attend=True), 16), ("full", dict(kv_dtype=torch.int8), 60),
+            ("rocketkv:read=12,window=4", dict(kv_dtype=torch.int8, prefill="one-shot"), 24)]
+
+
+@pytest.mark.parametrize("spec,options,budget", VARIANTS, ids=[f"{s}-{sorted(o)}" for s, o, _ in VARIANTS])
+def test_int8_cache_and_evict_before_attend_batch(hf_tiny, spec, options, budget):
+    """The int8 buffer (per-row scales written per row) and --evict-before-attend batch alike."""
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    one_shot = options.get("prefill") == "one-shot"
+    with torch.inference_mode():
+        want = []
+        for p in PROMPTS:
+            setup(model, policies.make(spec), budget, len(p), NEW, BLOCK, **options)
+            want.append(generate(model, p, NEW, block_size=BLOCK, steps=EAGER, one_shot=one_shot)[0])
+        setup_batch(model, policies.make(spec), budget, [len(p) for p in PROMPTS], NEW, BLOCK, **options)
+        got, _ = generate_batch(model, PROMPTS, NEW, block_size=BLOCK, steps=EAGER, one_shot=one_shot)
+    assert got == want
+
+
 def test_sliding_window_batch(hf_tiny):
     """Mistral's window masks per sequence too (each query at its own position)."""
     _, ckpt = hf_tiny("mistral")
