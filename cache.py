@@ -244,6 +244,7 @@ class KVCache(nn.Module):
         self.quantized = self.kv_dtype == torch.int8
         self.budget, self.block_size, self.window, self.policy = budget, block_size, window, policy
         self.layer = layer  # this layer's index in the model
+        self.run = None  # the policies.Run that engine.setup planned the policy for (a batch re-plans per prompt)
         # The budget a recent window is a fraction of: a one-shot scratch's budget is the prompt, its keep_budget
         # the destination cache's. keep: the prompt slots a one-shot compression into this cache keeps.
         self.keep_budget = keep_budget or budget

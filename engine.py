@@ -445,8 +445,11 @@ def replan(model, prompt_len: int) -> None:
     layout, SnapKV++'s kernel) before that prompt's one-shot compression; setup_batch checked that every prompt's
     plan decodes alike."""
     c = model.layers[0].attention.kv_cache
-    if c.policy is not None:
-        c.policy.plan(dataclasses.replace(c.run, prompt_len=prompt_len))
+    if c.policy is None:
+        return
+    if c.run is None:
+        raise UserError("a one-shot batch needs its caches from engine.setup_batch (which plans every prompt)")
+    c.policy.plan(dataclasses.replace(c.run, prompt_len=prompt_len))
 
 
 @torch.inference_mode()
@@ -461,8 +464,10 @@ def generate_batch(model, prompts_ids: list[list[int]], max_new_tokens: int, *, 
     prefill_fn, decode_fn = steps
     for layer in model.layers:
         layer.attention.kv_cache.reset()
-    prompts = [torch.tensor(ids, dtype=torch.long, device=device) for ids in prompts_ids]
     lens = [len(ids) for ids in prompts_ids]
+    if not lens or min(lens) == 0:
+        raise UserError("a batch needs at least one prompt, and no prompt may be empty")
+    prompts = [torch.tensor(ids, dtype=torch.long, device=device) for ids in prompts_ids]
     check_capacity(model, max(lens), max_new_tokens, one_shot)
     mem = PeakMemory(device)
     stats = {"batch_size": len(prompts), "prompt_tokens": lens, "memory_measure": mem.measure,

@@ -155,3 +155,17 @@ def test_compiled_batch_never_recompiles(hf_tiny, spec, prefill, budget):
         torch._inductor.config.freezing = False
         torch._dynamo.reset()
     assert got == want and again == want
+
+
+def test_empty_prompt_in_a_batch_is_refused_before_any_step(hf_tiny):
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    setup_batch(model, policies.make("keydiff"), 16, [3, 1], NEW, BLOCK)
+    calls = []
+
+    def step(model, idx, pos):
+        calls.append(1)
+        return model_step(model, idx, pos)
+    with pytest.raises(UserError, match="no prompt may be empty"):
+        generate_batch(model, [[1, 2, 3], []], NEW, block_size=BLOCK, steps=(step, step))
+    assert calls == []
