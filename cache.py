@@ -69,9 +69,10 @@ def attention_mask(slot_pos: Tensor, query_pos: Tensor, window: int | None) -> T
     block) sees every valid slot, so that its (discarded) output stays finite; no real query ever sees a pad."""
     sp = slot_pos[:, :, None, :]
     qp = per_row(query_pos)[:, None, :, None]
-    pad = qp < 0
     seen = (sp <= qp) if window is None else (sp <= qp) & (sp > qp - window)  # Mistral: `window` latest positions
-    return (sp >= 0) & (seen | pad)
+    if query_pos.dim() == 2:  # per sequence: a row may be all padding (positions [T] always hold a real one)
+        seen = seen | (qp < 0)
+    return (sp >= 0) & seen
 
 
 def drop_lowest(scores: Tensor, pos: Tensor, T: int) -> Tensor:
