@@ -19,6 +19,8 @@ excepted); every buffer write happens here.
 
 Everything is a static-shaped tensor op: the shapes depend only on budget and T, never on the data.
 """
+import copy
+
 import torch
 import torch.nn as nn
 from torch import Tensor
@@ -50,14 +52,27 @@ def flat_rows(slot: Tensor, C: int) -> Tensor:
     return (slot + C * torch.arange(B * H, device=slot.device).view(B, H, 1)).view(-1)
 
 
+def per_row(positions: Tensor) -> Tensor:
+    """Positions [T] (one row shared by the whole batch) or [B, T] (each sequence its own) as [1 or B, T]."""
+    return positions.reshape(-1, positions.shape[-1])
+
+
+def newest(query_pos: Tensor) -> Tensor:
+    """The newest position of each sequence's step, [1 or B, 1, 1] (broadcasts over [B, H, S]); -1 for a row that
+    is all padding."""
+    return per_row(query_pos).amax(-1).view(-1, 1, 1)
+
+
 def attention_mask(slot_pos: Tensor, query_pos: Tensor, window: int | None) -> Tensor:
-    """Bool mask [B, H, T, S]: a query sees every valid slot at or before its position (within the window)."""
+    """Bool mask [B, H, T, S]: a query sees every valid slot at or before its position (within the window).
+    query_pos [T] or [B, T]. A query at -1 (a sequence whose whole block is padding: its prompt ended in an earlier
+    block) sees every valid slot, so that its (discarded) output stays finite; no real query ever sees a pad."""
     sp = slot_pos[:, :, None, :]
-    qp = query_pos[None, None, :, None]
-    mask = (sp >= 0) & (sp <= qp)
-    if window is not None:
-        mask = mask & (sp > qp - window)  # Mistral: a query sees its `window` most recent positions
-    return mask
+    qp = per_row(query_pos)[:, None, :, None]
+    seen = (sp <= qp) if window is None else (sp <= qp) & (sp > qp - window)  # Mistral: `window` latest positions
+    if query_pos.dim() == 2:  # per sequence: a row may be all padding (positions [T] always hold a real one)
+        seen = seen | (qp < 0)
+    return (sp >= 0) & seen
 
 
 def drop_lowest(scores: Tensor, pos: Tensor, T: int) -> Tensor:
@@ -102,7 +117,7 @@ def evict_fill_holes(scores: Tensor, budget: int, buffers: list[Tensor], pos: Te
 
 
 def attention_weights(cache: "KVCache", q: Tensor, q_pos: Tensor, S: int, group_mean: bool = True) -> Tensor:
-    """Softmax attention of query rows q [B, Hq, R, D] (positions q_pos [R], -1 = ignore the row) over the first
+    """Softmax attention of query rows q [B, Hq, R, D] (positions q_pos [R] or [B, R], -1 = ignore the row) over the first
     S slots, fp32, averaged over the query heads of each KV group: [B, H_kv, R, S] (group_mean=False: per query
     head, [B, H_kv, G, R, S]). A small separate matmul for the few rows a policy needs, so the main attention
     stays SDPA/flash. Masked rows come out all zero."""
@@ -110,7 +125,7 @@ def attention_weights(cache: "KVCache", q: Tensor, q_pos: Tensor, S: int, group_
     k = cache.keys(S).float()
     H = k.shape[1]
     logits = torch.einsum("bhgrd,bhsd->bhgrs", q.float().view(B, H, Hq // H, R, D), k) / D ** 0.5
-    mask = attention_mask(cache.pos[:, :, :S], q_pos, cache.window) & (q_pos >= 0)[None, None, :, None]
+    mask = attention_mask(cache.pos[:, :, :S], q_pos, cache.window) & (per_row(q_pos) >= 0)[:, None, :, None]
     mask = mask[:, :, None]
     w = logits.masked_fill(~mask, torch.finfo(torch.float32).min).softmax(-1) * mask
     return w.mean(2) if group_mean else w
@@ -122,8 +137,10 @@ class View:
     keys, values [B, H_kv, S, D] in the compute dtype (dequantized when stored as int8); pos [B, H_kv, S] int32
     (-1 = empty); state: the per-slot tensors the policy declared, [B, H_kv, S, ...] (observe may update them in
     place); layer_state: its per-layer tensors; shared: cross-layer state the engine owns for one forward (a dict,
-    fresh for each one-shot prefill). The step: q [B, H_q, T, D] post-RoPE queries, input_pos [T] their positions
-    (-1 = padding), query_pos [T] (padding rows query as the last real token), slot [T] the slots just written.
+    fresh for each one-shot prefill). The step: q [B, H_q, T, D] post-RoPE queries, input_pos [T] (shared by the
+    batch) or [B, T] (each sequence its own) their positions (-1 = padding), query_pos of the same shape (padding
+    rows query as their sequence's last real token), slot [T] the slots just written (or [B, T] when the sequences
+    wrote different slots: a batch with `full` or appending after a one-shot compression).
     budget: the slots the layer holds (--budget); keep: how many of the prompt a one-shot compression keeps."""
 
     def __init__(self, cache: "KVCache", S: int, q=None, input_pos=None, query_pos=None, slot=None, shared=None,
@@ -160,8 +177,8 @@ class View:
 
     @property
     def newest(self) -> Tensor:
-        """The newest position seen so far (the last real query's)."""
-        return self.query_pos.max()
+        """The newest position each sequence has seen so far (its last real query's): [1 or B, 1, 1]."""
+        return newest(self.query_pos)
 
     def key_rows(self, slot: Tensor) -> Tensor:
         return self.cache.key_rows(slot)
@@ -172,9 +189,32 @@ class View:
         return attention_weights(self.cache, q, q_pos, self.S, group_mean)
 
     def last_query(self) -> tuple[Tensor, Tensor]:
-        """The step's last real query [B, H_q, 1, D] and its position [1]."""
-        last = (self.input_pos >= 0).sum().sub(1).reshape(1)
-        return self.q.index_select(2, last), self.query_pos.index_select(0, last)
+        """Each sequence's last real query of the step [B, H_q, 1, D] and its position [1 or B, 1]."""
+        last = last_real(self.input_pos)
+        B, Hq, _, D = self.q.shape
+        q_last = self.q.gather(2, last.view(-1, 1, 1, 1).expand(B, Hq, 1, D))
+        return q_last, per_row(self.query_pos).gather(-1, last.view(-1, 1))
+
+
+def last_real(input_pos: Tensor) -> Tensor:
+    """Index [1 or B] of each row's last real (non-padding) entry of positions [T] or [B, T]; 0 for a row that is
+    all padding."""
+    return (per_row(input_pos) >= 0).sum(-1).sub(1).clamp_min(0)
+
+
+def write_slots(buf: Tensor, dst: Tensor, x: Tensor | int) -> None:
+    """buf[b, :, dst[b, t]] = x[b, :, t] for buf [B, H, C, ...], dst [1 or B, T] (one row: the same slots in every
+    sequence, one index_copy_), x [B, H, T, ...] or a number (a fill)."""
+    if dst.shape[0] == 1:
+        if isinstance(x, Tensor):
+            buf.index_copy_(2, dst[0], x)
+        else:
+            buf.index_fill_(2, dst[0], x)
+        return
+    B, H = buf.shape[:2]
+    b = torch.arange(B, device=buf.device).view(B, 1, 1)
+    h = torch.arange(H, device=buf.device).view(1, H, 1)
+    buf.index_put_((b, h, dst[:, None, :]), x if isinstance(x, Tensor) else buf.new_full((), x))
 
 
 def is_scorer(policy) -> bool:
@@ -205,6 +245,7 @@ class KVCache(nn.Module):
         self.quantized = self.kv_dtype == torch.int8
         self.budget, self.block_size, self.window, self.policy = budget, block_size, window, policy
         self.layer = layer  # this layer's index in the model
+        self.run = None  # the policies.Run that engine.setup planned the policy for (a batch re-plans per prompt)
         # The budget a recent window is a fraction of: a one-shot scratch's budget is the prompt, its keep_budget
         # the destination cache's. keep: the prompt slots a one-shot compression into this cache keeps.
         self.keep_budget = keep_budget or budget
@@ -260,9 +301,13 @@ class KVCache(nn.Module):
         return dequantize_rows(v, self.v_scale[:, :, :v.shape[2]], self.dtype) if self.quantized else v
 
     def key_rows(self, slot: Tensor) -> Tensor:
-        """Keys [B, H, n, D] of the slots `slot` [n] (compute dtype)."""
-        k = self.k.index_select(2, slot)
-        return dequantize_rows(k, self.k_scale.index_select(2, slot), self.dtype) if self.quantized else k
+        """Keys [B, H, n, D] of the slots `slot` [n] (the same in every sequence) or [B, n] (compute dtype)."""
+        if slot.dim() == 1:
+            k = self.k.index_select(2, slot)
+            return dequantize_rows(k, self.k_scale.index_select(2, slot), self.dtype) if self.quantized else k
+        idx = slot[:, None, :].expand(-1, self.k.shape[1], -1)
+        k = take_slots(self.k, idx)
+        return dequantize_rows(k, take_slots(self.k_scale, idx), self.dtype) if self.quantized else k
 
     def reset(self) -> None:
         self.pos.fill_(-1)
@@ -286,34 +331,42 @@ class KVCache(nn.Module):
         n = read(self.view(self.budget)) if read is not None else None
         return self.slots(1) if n is None else n
 
-    def update(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, query_pos: Tensor):
-        """Write a block k, v [B, H, T, D] at positions input_pos [T] (-1 = padding); return what to attend.
-        With evict_before_attend the policy evicts first and the block attends over the kept slots only."""
-        T = k.shape[2]
-        tail = torch.arange(self.budget, self.budget + T, device=k.device)
+    def destinations(self, input_pos: Tensor) -> Tensor:
+        """The slots [1 or B, T] a block at positions input_pos ([T] or [B, T], -1 = padding) is written to: the
+        tail (an evicting scorer: the same slots in every sequence), after each sequence's valid slots (appending),
+        or slot == position (full, selector-only, a one-shot scratch); padding goes to the tail, which no real
+        position reaches."""
+        ip = per_row(input_pos)
+        T = ip.shape[1]
+        tail = torch.arange(self.budget, self.budget + T, device=ip.device)
+        if self.evicts:
+            return tail[None]
         if self.appends:  # after a one-shot compression: append after the valid slots, which fill [0, n) in order
-            n = (self.pos[0, 0, :self.budget] >= 0).sum()
-            dst = torch.where(input_pos >= 0, n + torch.arange(T, device=k.device), tail)
-        elif self.evicts:
-            dst = tail
-        else:
-            # full, selector-only and a one-shot scratch (which holds the whole prompt): slot == position; padding
-            # goes to the tail, which no real position reaches.
-            dst = torch.where(input_pos >= 0, input_pos, tail)
+            n = (self.pos[:, 0, :self.budget] >= 0).sum(-1, keepdim=True)
+            return torch.where(ip >= 0, n + torch.arange(T, device=ip.device), tail)
+        return torch.where(ip >= 0, ip, tail)
+
+    def update(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, query_pos: Tensor):
+        """Write a block k, v [B, H, T, D] at positions input_pos [T] (shared by the batch) or [B, T] (each sequence
+        its own; -1 = padding); return what to attend. With evict_before_attend the policy evicts first and the
+        block attends over the kept slots only."""
+        B, H, T = k.shape[:3]
+        dst = self.destinations(input_pos)
         if self.quantized:
             (k, k_scale), (v, v_scale) = quantize_rows(k), quantize_rows(v)
-            self.k_scale.index_copy_(2, dst, k_scale)
-            self.v_scale.index_copy_(2, dst, v_scale)
-        self.k.index_copy_(2, dst, k)
-        self.v.index_copy_(2, dst, v)
-        self.pos.index_copy_(2, dst, input_pos.to(torch.int32).expand(*self.pos.shape[:2], T))
+            write_slots(self.k_scale, dst, k_scale)
+            write_slots(self.v_scale, dst, v_scale)
+        write_slots(self.k, dst, k)
+        write_slots(self.v, dst, v)
+        write_slots(self.pos, dst, per_row(input_pos).to(torch.int32)[:, None, :].expand(B, H, T))
         for t in self.state.values():  # a new token starts with zero state
-            t.index_fill_(2, dst, 0)
+            write_slots(t, dst, 0)
         S = self.slots(T)
         if self.evict_before_attend:
             self._evict(q, input_pos, query_pos)
         if T == 1 and self.selector is not None:  # decode: the selector picks the slots
-            view = self.view(self.budget, q=q, input_pos=input_pos, query_pos=query_pos, slot=dst)
+            slot = dst[0] if dst.shape[0] == 1 else dst
+            view = self.view(self.budget, q=q, input_pos=input_pos, query_pos=query_pos, slot=slot)
             idx = self.selector.select(view)
             if idx is not None:
                 return self.gather(idx, query_pos)
@@ -397,6 +450,17 @@ class KVCache(nn.Module):
 
     def n_valid(self) -> Tensor:
         return (self.pos >= 0).sum(-1)
+
+
+def row_cache(cache: KVCache, b: int) -> KVCache:
+    """Sequence b of a batch cache as a batch-1 cache whose every buffer (K, V, positions, per-slot and per-layer
+    state, all batch-first) is a view of row b: what is written to it lands in the batch buffer. A one-shot
+    prefill compresses each sequence of a batch through one (engine.prefill_one_shot)."""
+    row = copy.copy(cache)
+    row._buffers = {name: t[b:b + 1] for name, t in cache._buffers.items()}
+    row.state = {name: row._buffers[f"state_{name}"] for name in cache.state}
+    row.layer_state = {name: row._buffers[f"layer_{name}"] for name in cache.layer_state}
+    return row
 
 
 def take_slots(x: Tensor, idx: Tensor) -> Tensor:

@@ -1,13 +1,14 @@
 """The engine: build a model from a checkpoint directory and run it with a fixed-budget KV cache (block-wise or
 one-shot prefill, then decode), plus what the command lines share to time and measure it. generate.py is its
 command line."""
+import dataclasses
 import os
 import time
 from pathlib import Path
 
 import torch
 
-from cache import is_scorer, make_cache, setup_caches
+from cache import is_scorer, make_cache, row_cache, setup_caches
 from convert import ENGINE_FILE, CheckpointError, read_config, read_hf_dir
 from errors import UserError
 from model import ModelArgs, RMSNorm, Transformer, rope_inv_freq
@@ -191,15 +192,22 @@ def compile_steps(device: str, mode: str | None = None, prefill: bool = True, fr
 
 
 @torch.inference_mode()
-def warm_up(model, steps, first_id: int, block_size: int, device: str) -> None:
+def warm_up(model, steps, first_id: int, block_size: int, device: str, batch: int = 1) -> None:
     """Compile (or load) both steps before anything is timed, in the order a run calls them: the prefill step on one
-    padded block, then the decode step twice with a fresh [1, 1] tensor as decode passes it (a view of a block has
-    other strides: dynamo would recompile). Twice, since CUDA graph trees warm up on a graph's first call and record
-    it on the second; the third call, the first timed one, replays. Leaves the caches dirty: reset before use."""
-    idx, pos = block_inputs(torch.tensor([first_id], device=device), 0, block_size)
+    padded block, then the decode step twice with its inputs made as decode makes them (batch 1: fresh [1, 1] and
+    [1] tensors; a batch: [B, 1] views of fresh [B] tensors; other strides would recompile). Twice, since CUDA graph
+    trees warm up on a graph's first call and record it on the second; the third call, the first timed one,
+    replays. Leaves the caches dirty: reset before use."""
+    first = torch.tensor([first_id], device=device)
+    idx, pos = block_inputs(first, 0, block_size) if batch == 1 else \
+        batch_block_inputs([first] * batch, 0, block_size)
     steps[0](model, idx, pos)
     for _ in range(2):
-        steps[1](model, torch.tensor([[first_id]], device=device), torch.tensor([1], device=device))
+        if batch == 1:
+            steps[1](model, torch.tensor([[first_id]], device=device), torch.tensor([1], device=device))
+        else:
+            steps[1](model, torch.full((batch,), first_id, device=device).view(-1, 1),
+                     torch.ones(batch, dtype=torch.long, device=device).view(-1, 1))
     sync(device)
 
 
@@ -256,19 +264,32 @@ def block_inputs(prompt: torch.Tensor, start: int, block_size: int):
     return idx, pos
 
 
+def batch_block_inputs(prompts: list[torch.Tensor], start: int, block_size: int):
+    """Block `start // block_size` of every sequence of a batch, each at its own positions: idx, input_pos
+    [B, block_size], left-aligned (a sequence's block i holds its tokens [start, start + block_size), as its
+    batch-1 prefill would; -1 pads a short block, and the whole block once the sequence's prompt has ended)."""
+    rows = [block_inputs(p, start, block_size) for p in prompts]
+    return torch.cat([idx for idx, _ in rows]), torch.stack([pos for _, pos in rows])
+
+
 def prefill_one_shot(model, prompt: torch.Tensor, block_size: int, shared: dict | None = None, *,
-                     on_prefill=None) -> torch.Tensor:
+                     on_prefill=None, row: int | None = None) -> torch.Tensor:
     """Dense prefill of the whole prompt, then one compression per layer (the SnapKV / RocketKV / kvpress protocol):
     model.prefill_layer_major with one scratch cache at a time (one layer's K/V for the whole prompt, slot =
     position), each compressed into its layer's cache (cache.compress_into) before the next layer runs. `shared`:
     the cross-layer state of this forward (K-VEC's coverage counter), a fresh dict unless given. on_prefill(done, L)
     after each layer: the share of the prompt's work done, L * layers done // layers (every token goes through a
-    layer at once). Returns the last position's logits [1, vocab]."""
+    layer at once). row: compress into sequence `row` of a batch cache (cache.row_cache), the others untouched.
+    Returns the last position's logits [1, vocab]."""
     L = prompt.numel()
     n_layers = len(model.layers)
     n_blocks = -(-L // block_size)
     idx, input_pos = block_inputs(prompt, 0, n_blocks * block_size)
     shared = {} if shared is None else shared
+
+    def layer_cache(i):
+        c = model.layers[i].attention.kv_cache
+        return c if row is None else row_cache(c, row)
 
     def scratch(i):
         c = model.layers[i].attention.kv_cache
@@ -276,7 +297,7 @@ def prefill_one_shot(model, prompt: torch.Tensor, block_size: int, shared: dict 
                           keep_budget=c.budget, layer=i)
 
     def done(i, scratch):
-        c = model.layers[i].attention.kv_cache
+        c = layer_cache(i)
         if c.scorer is None:  # full, Exact-TopK: the scratch already is the whole prompt
             for dst, src in zip([c.pos, *c.slot_buffers()], [scratch.pos, *scratch.slot_buffers()], strict=True):
                 dst[:, :, :L] = src[:, :, :L]
@@ -404,6 +425,112 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: i
     return out, stats
 
 
+def prefill_batch(model, prompts: list[torch.Tensor], block_size: int, step=prefill_step, one_shot: bool = False,
+                  *, on_prefill=None) -> torch.Tensor:
+    """Every prompt of a batch into its row of the caches; returns each sequence's last-position logits [B, vocab].
+    Block-wise: one step per block index for the whole batch (batch_block_inputs: each sequence at its own
+    positions, so its blocks are exactly its batch-1 blocks; a sequence whose prompt has ended gets padding, which
+    changes nothing it keeps), its logits taken from the block holding its last token. One-shot: each sequence
+    alone through prefill_one_shot into its row, with the policy planned for that prompt's length (replan).
+    on_prefill(done, total) in prompt tokens of the whole batch."""
+    total, done = sum(p.numel() for p in prompts), 0
+    if one_shot:
+        policy = model.layers[0].attention.kv_cache.policy
+        planned = dict(vars(policy)) if policy is not None else {}  # the batch's plan, as the decode step saw it
+        rows = []
+        for b, p in enumerate(prompts):
+            replan(model, p.numel())
+            rows.append(prefill_one_shot(model, p, block_size, row=b)[0])
+            done += p.numel()
+            if on_prefill is not None:
+                on_prefill(done, total)
+        if policy is not None:
+            vars(policy).update(planned)  # the same objects again: a compiled decode step's guards still hold
+        return torch.stack(rows)
+    longest = max(p.numel() for p in prompts)
+    last_block = [(p.numel() - 1) // block_size for p in prompts]
+    rows = [None] * len(prompts)
+    for i, start in enumerate(range(0, longest, block_size)):
+        logits = step(model, *batch_block_inputs(prompts, start, block_size))
+        for b in (b for b, last in enumerate(last_block) if last == i):
+            rows[b] = logits[b].clone()
+        done += sum(min(block_size, max(0, p.numel() - start)) for p in prompts)
+        if on_prefill is not None:
+            on_prefill(done, total)
+    return torch.stack(rows)
+
+
+def replan(model, prompt_len: int) -> None:
+    """Plan the caches' policy for one prompt of a batch (what plan() sizes from the prompt length: SAGE-KV's
+    layout, SnapKV++'s kernel) before that prompt's one-shot compression; setup_batch checked that every prompt's
+    plan decodes alike."""
+    c = model.layers[0].attention.kv_cache
+    if c.policy is None:
+        return
+    if c.run is None:
+        raise UserError("a one-shot batch needs its caches from engine.setup_batch (which plans every prompt)")
+    c.policy.plan(dataclasses.replace(c.run, prompt_len=prompt_len))
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts_ids: list[list[int]], max_new_tokens: int, *, block_size: int, steps,
+                   eos_ids=(), temperature=0.0, top_k=0, top_p=1.0, device="cpu", one_shot=False,
+                   on_prefill=None, on_done=None) -> tuple[list[list[int]], dict]:
+    """Generate a batch of prompts of any lengths at once (caches from setup_batch, one row per prompt); returns
+    (each sequence's generated ids, stats). Each sequence keeps its own positions and kept set; greedy, each one's
+    tokens are its batch-1 generate() tokens. A sequence stops at its first EOS (included, as generate() does) or
+    at max_new_tokens; it keeps stepping with the others (the batch is a static shape) but nothing more is
+    recorded for it. on_done(b, ids) once sequence b is complete. Stats count decode tokens over all sequences."""
+    prefill_fn, decode_fn = steps
+    for layer in model.layers:
+        layer.attention.kv_cache.reset()
+    lens = [len(ids) for ids in prompts_ids]
+    if not lens or min(lens) == 0:
+        raise UserError("a batch needs at least one prompt, and no prompt may be empty")
+    prompts = [torch.tensor(ids, dtype=torch.long, device=device) for ids in prompts_ids]
+    check_capacity(model, max(lens), max_new_tokens, one_shot)
+    mem = PeakMemory(device)
+    stats = {"batch_size": len(prompts), "prompt_tokens": lens, "memory_measure": mem.measure,
+             "startup_peak_bytes": mem.peak()}
+
+    mem.reset()
+    sync(device)
+    t0 = time.perf_counter()
+    logits = prefill_batch(model, prompts, block_size, prefill_fn, one_shot, on_prefill=on_prefill)
+    token = sample_finite(logits, temperature, top_k, top_p)
+    outs = [[tok] for tok in token.tolist()]
+    for out in outs:
+        check_finite(out[0], 0)
+    t1 = time.perf_counter()
+    stats.update(ttft_s=t1 - t0, prefill_tok_s=sum(lens) / (t1 - t0), prefill_peak_bytes=mem.peak())
+
+    live = [out[0] not in eos_ids and max_new_tokens > 1 for out in outs]
+    for b, out in enumerate(outs):
+        if not live[b] and on_done:
+            on_done(b, out)
+    mem.reset()
+    t2 = time.perf_counter()
+    positions, n_steps = list(lens), 0
+    while any(live):
+        n_steps += 1
+        logits = decode_fn(model, token.clamp_min(0).view(-1, 1), torch.tensor(positions, device=device).view(-1, 1))
+        token = sample_finite(logits, temperature, top_k, top_p)
+        for b, tok in enumerate(token.tolist()):
+            if live[b]:
+                check_finite(tok, len(outs[b]))
+                outs[b].append(tok)
+                live[b] = tok not in eos_ids and len(outs[b]) < max_new_tokens
+                if not live[b] and on_done:
+                    on_done(b, outs[b])
+        positions = [p + 1 for p in positions]
+    sync(device)
+    t3 = time.perf_counter()
+    n_decode = sum(len(out) - 1 for out in outs)
+    stats.update(decode_tokens=n_decode, decode_s=t3 - t2, decode_tok_s=n_decode / (t3 - t2) if n_decode else 0.0,
+                 decode_peak_bytes=mem.peak(), generated_tokens=[len(out) for out in outs], decode_steps=n_steps)
+    return outs, stats
+
+
 def prefill_protocol(policy, prefill: str | None) -> str:
     """The prefill protocol for `policy` and a --prefill choice (None: the policy's default): "block" or
     "one-shot". A paper that defines its protocol fixes it."""
@@ -417,7 +544,7 @@ def prefill_protocol(policy, prefill: str | None) -> str:
 
 def setup(model, policy, budget: int, prompt_len: int, max_new_tokens: int, block_size: int, *,
           prefill: str = "block", evict_before_attend: bool = False, kv_dtype: torch.dtype | None = None,
-          evict: bool = True) -> int:
+          evict: bool = True, batch: int = 1) -> int:
     """Plan `policy` for this run and give every layer its cache of `budget` slots (fewer when the policy's own
     layout needs fewer: SAGE-KV); returns the slots. policy None (`full`) and selector-only policies (Exact-TopK)
     hold every token: budget >= prompt + new tokens. evict=False: the `no-evict` baseline (the same buffer and
@@ -432,12 +559,34 @@ def setup(model, policy, budget: int, prompt_len: int, max_new_tokens: int, bloc
     if evict_before_attend and budget < block_size:  # else a block's first queries may keep no key to see
         raise UserError(f"--evict-before-attend needs --budget >= --block-size ({budget} < {block_size})")
     slots, keep = budget, None
+    run = Run(budget, prompt_len, max_new_tokens, block_size, model.args)
     if policy is not None:
-        run = Run(budget, prompt_len, max_new_tokens, block_size, model.args)
         slots = policy.plan(run) or budget
         keep = policy.prompt_keep(run) if prefill == "one-shot" else None
-    setup_caches(model, 1, slots, block_size, policy, evict_before_attend, kv_dtype, keep=keep, evict=evict)
+    setup_caches(model, batch, slots, block_size, policy, evict_before_attend, kv_dtype, keep=keep, evict=evict)
+    for layer in model.layers:
+        layer.attention.kv_cache.run = run  # what the policy was planned for (replan: one prompt of a batch)
     return slots
+
+
+def setup_batch(model, policy, budget: int, prompt_lens: list[int], max_new_tokens: int, block_size: int,
+                **kw) -> int:
+    """setup() for a batch of prompts of these lengths: one cache row per prompt, `budget` slots each. The policy
+    is planned for every prompt first: a plan that depends on the prompt's length (SAGE-KV's layout, RocketKV's
+    default read) must give every prompt the same slots and the same decode plan (policy.decode_plan), since
+    the whole batch decodes as one static shape; otherwise UserError, before anything is allocated."""
+    if policy is not None:
+        plans = {}
+        for L in sorted(set(prompt_lens)):
+            slots = policy.plan(Run(budget, L, max_new_tokens, block_size, model.args)) or budget
+            plans[L] = (slots, policy.decode_plan())
+        (La, pa), *rest = plans.items()
+        for Lb, pb in rest:
+            if pb != pa:
+                raise UserError(f"--policy {policy.name} plans a {La}-token and a {Lb}-token prompt differently "
+                                f"(slots and decode plan {pa} vs {pb}) and a batch decodes with one plan: "
+                                f"{policy.batch_hint or 'run these prompts in separate batches'}")
+    return setup(model, policy, budget, max(prompt_lens), max_new_tokens, block_size, batch=len(prompt_lens), **kw)
 
 
 def check_capacity(model, prompt_len: int, max_new_tokens: int, one_shot: bool) -> None:

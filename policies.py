@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cache import attention_mask, drop_lowest, position_order, take_slots
+from cache import attention_mask, drop_lowest, newest, per_row, position_order, take_slots
 
 INF = float("inf")
 
@@ -80,6 +80,13 @@ class Policy:
         """Check the parameters against one run and size its per-run state. Returns the slots the cache needs
         when a layout of the policy's own holds fewer than run.budget (None: run.budget)."""
 
+    batch_hint: ClassVar[str] = ""  # what to do when a batch's prompts get different decode plans
+
+    def decode_plan(self):
+        """What plan() sized that a decode step reads (None: nothing): every prompt of a batch must give the same,
+        since the batch decodes as one static shape (engine.setup_batch)."""
+        return None
+
     def prompt_keep(self, run: Run) -> int:
         """How many prompt tokens a one-shot compression keeps per KV head."""
         return run.budget - run.max_new_tokens if self.decode == "append" else run.budget
@@ -102,8 +109,9 @@ class Scorer(Policy):
 
 
 def recent_mask(slot_pos: Tensor, query_pos: Tensor, n_recent: int) -> Tensor:
-    """True on the slots holding the `n_recent` latest positions seen so far (query_pos.max() is the newest)."""
-    return slot_pos > query_pos.max() - n_recent
+    """True on the slots holding the `n_recent` latest positions each sequence has seen so far (its step's largest
+    query position is its newest)."""
+    return slot_pos > newest(query_pos) - n_recent
 
 
 def protect_recent(scores: Tensor, slot_pos: Tensor, query_pos: Tensor, n_recent: int) -> Tensor:
@@ -272,15 +280,17 @@ class SnapKV(Scorer):
     def layer_state(self, cache):
         B, _, _, D = cache.k.shape
         return {"ring_q": ((B, cache.n_heads, self.ring_size(), D), torch.float32, 0.0),
-                "ring_pos": ((self.ring_size(),), torch.long, -1)}
+                "ring_pos": ((B, self.ring_size()), torch.long, -1)}
 
     def observe(self, view):
-        """Keep the `ring_size` latest queries of ring + block (the top positions; padding is -1)."""
+        """Keep each sequence's `ring_size` latest queries of ring + block (the top positions; padding is -1)."""
         ring_q, ring_pos = view.layer_state["ring_q"], view.layer_state["ring_pos"]
-        cand_pos = torch.cat([ring_pos, view.input_pos.long()])
-        newest = cand_pos.topk(self.ring_size()).indices
-        ring_q.copy_(torch.cat([ring_q, view.q.float()], dim=2).index_select(2, newest))
-        ring_pos.copy_(cand_pos.index_select(0, newest))
+        B, Hq, R, D = ring_q.shape
+        cand_pos = torch.cat([ring_pos, per_row(view.input_pos).long().expand(B, -1)], dim=-1)
+        latest = cand_pos.topk(R, dim=-1).indices  # [B, R]
+        cand_q = torch.cat([ring_q, view.q.float()], dim=2)
+        ring_q.copy_(cand_q.gather(2, latest[:, None, :, None].expand(B, Hq, R, D)))
+        ring_pos.copy_(cand_pos.gather(-1, latest))
 
     def score(self, view):
         return pool_votes(window_votes(view), view.pos, view.newest, self.window, self.kernel, "avg")
@@ -498,16 +508,19 @@ def build_pages(k: Tensor, valid: Tensor, p: int) -> Tensor:
 
 
 def update_page(pages: Tensor, k_new: Tensor, slot: Tensor, p: int) -> None:
-    """Fold the key k_new [B, H, 1, D] just written at slot [1] into page slot // p, in place; the page's first
-    slot overwrites min and max (no +-inf arithmetic, same result)."""
+    """Fold the key k_new [B, H, 1, D] just written at slot [1] (every sequence's) or [B, 1] (each its own) into
+    page slot // p, in place; the page's first slot overwrites min and max (no +-inf arithmetic, same result)."""
+    B, H, D2, _ = pages.shape
     D = k_new.shape[-1]
+    slot = per_row(slot).expand(B, 1)
     j = torch.div(slot, p, rounding_mode="floor").clamp_max(pages.shape[-1] - 1)
+    col_idx = j.view(B, 1, 1, 1).expand(B, H, D2, 1)
     kn = k_new.transpose(-1, -2).to(pages.dtype)  # [B, H, D, 1]
-    col = pages.index_select(3, j)
-    first = (slot % p == 0).view(1, 1, 1, 1)
+    col = pages.gather(3, col_idx)
+    first = (slot % p == 0).view(B, 1, 1, 1)
     lo = torch.where(first, kn, torch.minimum(col[:, :, :D], kn))
     hi = torch.where(first, kn, torch.maximum(col[:, :, D:], kn))
-    pages.index_copy_(3, j, torch.cat([lo, hi], 2))
+    pages.scatter_(3, col_idx, torch.cat([lo, hi], 2))
 
 
 def hybrid_scores(Q: Tensor, pages: Tensor, r: int) -> tuple[Tensor, Tensor]:
@@ -610,6 +623,12 @@ class RocketKV(SnapKVPlusPlus):
         if self.local_window > self.rp.k:
             raise PolicyError(f"rocketkv: local_window {self.local_window} must not exceed k = {self.rp.k} (it is "
                               "counted in the top-k)")
+
+    batch_hint = "give rocketkv:read=N (the default read depends on each prompt's length)"
+
+    def decode_plan(self):
+        rp = self.rp
+        return rp.sparse, rp.p, rp.r, rp.k, rp.Np
 
     def selector_state(self, cache):
         if not self.rp.sparse:
@@ -759,6 +778,12 @@ class SageKV(Scorer):
         self.layout = SageLayout(S, k, W, G, run.prompt_len)
         return self.layout.budget
 
+    batch_hint = "batch prompts of at least sink + top-k + ring tokens, which all get the same layout"
+
+    def decode_plan(self):
+        lay = self.layout
+        return lay.n_sink, lay.kk, lay.ring_start, lay.W
+
     def keep_slots(self, view):
         """Steps 1-3 for one layer: the scratch slots of the sink, each query head's top-kk of the candidates and
         the W - 1 newest prompt tokens, in that order."""
@@ -801,16 +826,18 @@ class SageKV(Scorer):
 
 
 def window_means(A: Tensor, q_pos: Tensor, O: int, O2: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Eqs. 8, 11, 13 from per-query-head attention rows A [B, H_kv, G, R, S] of queries at positions q_pos [R]
-    (-1 = unused row; rows in any order). P, P2 [B, H_kv, S]: mean attention each slot receives from the last O and
-    last O2 queries, averaged over each KV group's query heads. I [B, S]: max over ALL query heads, then the mean
-    over the last O queries (Eq. 13; not max_h P). Means, not SnapKV's sums, over the queries that
+    """Eqs. 8, 11, 13 from per-query-head attention rows A [B, H_kv, G, R, S] of queries at positions q_pos [R] or
+    [B, R] (-1 = unused row; rows in any order). P, P2 [B, H_kv, S]: mean attention each slot receives from the last
+    O and last O2 queries, averaged over each KV group's query heads. I [B, S]: max over ALL query heads, then the
+    mean over the last O queries (Eq. 13; not max_h P). Means, not SnapKV's sums, over the queries that
     exist (a prompt shorter than the window has fewer)."""
-    newest = q_pos.max()
+    qp = per_row(q_pos)
+    latest = qp.amax(-1, keepdim=True)
 
-    def last(x, n):  # mean over the rows (dim -2) of the n newest queries
-        rows = ((q_pos >= 0) & (q_pos > newest - n)).to(x.dtype)
-        return (x * rows[:, None]).sum(-2) / rows.sum().clamp_min(1)
+    def last(x, n):  # mean over the rows (dim -2) of the n newest queries of each sequence
+        rows = ((qp >= 0) & (qp > latest - n)).to(x.dtype)
+        rows = rows.view(rows.shape[0], *[1] * (x.dim() - 3), rows.shape[1], 1)
+        return (x * rows).sum(-2) / rows.sum(-2).clamp_min(1)
     A_kv = A.mean(2)
     return last(A_kv, O), last(A_kv, O2), last(A.amax(dim=(1, 2)), O)
 

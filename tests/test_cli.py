@@ -171,7 +171,7 @@ BAD = [
     (["--compile-mode", "default"], "--compile-mode / --freeze need --compile"),
     (["--freeze"], "--freeze need --compile"),
     (["--device", "cuda"], "CUDA is not available"),
-    (["--batch-size", "2"], "only batch 1 is supported yet"),
+    (["--batch-size", "3", "--prompt", "the fox", "--prompt", "the dog"], "--batch-size 3 with 2 prompts"),
     (["--budget", "abc"], "invalid int value"),
     (["--policy", "full", "--budget", "4"], "must be >= prompt + max-new-tokens"),
     (["--top-p", "0"], "top-p"),
@@ -203,7 +203,15 @@ BAD = [
     (["--temperature", "nan"], "finite --temperature"),
     (["--temperature", "inf"], "finite --temperature"),
     (["--seed", "99999999999999999999999"], "--seed must be in [0, 2**63)"),
-    (["--batch-size", "0"], "--batch-size 0: only batch 1"),
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--prompt", "the fox", "--prompt", "  "], "prompt 2 of the batch is empty"),
+    (["--prompt", "the fox", "--prompt", "the dog", "--prompt-file", "/nonexistent/p.jsonl"],
+     "give --prompt or --prompt-file, not both"),
+    (["--prompt", "the fox", "--prompt", "the quick brown fox jumps over the lazy dog " * 3, "--max-new-tokens", "250"],
+     "the longest prompt (prompt 2 of the batch, "),
+    (["--prompt", "the fox", "--prompt", "the dog", "--policy", "sink", "--budget", "3"], "must exceed the 4 sink"),
+    (["--prompt", "the fox", "--prompt", "the quick brown fox jumps over the lazy dog " * 4, "--policy", "sagekv",
+      "--budget", "24"], "sagekv plans a"),
     (["--profile", "/proc/no/such/dir/t.json"], "--profile /proc/no/such/dir/t.json: cannot write there"),
     (["--profile", "/proc/t.json"], "--profile /proc/t.json: cannot write there"),
     (["--policy", "caote:tova:heads=all", "--budget", "16"], "heads=all is not supported"),
@@ -228,6 +236,76 @@ def test_bad_input_one_line_exit_2(tiny_ckpt, capsys, extra, message):
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
+
+
+@pytest.mark.parametrize("lines,message", [
+    (['{"prompt": "the fox"}', '["the dog"]'], "line 2: not a JSON object"),
+    (['{"prompt": "the fox"}', '', '{"text": "the dog"}'], 'line 3: no "prompt" string'),
+    (['{"prompt": "the fox"}', '{"prompt": 7}'], 'line 2: no "prompt" string'),
+    (['{"prompt": "the fox"', '{"prompt": "the dog"}'], "line 1: not JSON"),
+    (['{"prompt": "the fox"}', '{"prompt": " "}'], "prompt 2 of the batch is empty"),
+    (['', ' '], "holds no prompt"),
+])
+def test_bad_jsonl_prompt_file_one_line_exit_2(tiny_ckpt, tmp_path, capsys, lines, message):
+    """A .jsonl --prompt-file is a batch; a bad line is named by its number, before anything is generated."""
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    code, out, err = run_main(["--checkpoint", str(tiny_ckpt), "--prompt-file", str(f), "--max-new-tokens", "2"],
+                              capsys)
+    assert code == 2 and out == ""
+    err_lines = err.strip().splitlines()
+    assert len(err_lines) == 1 and err_lines[0].startswith("error:") and message in err_lines[0], err
+
+
+def test_batch_prints_every_sequence_as_its_batch_one_run(tiny_ckpt, tmp_path, capsys):
+    """Prompts of different lengths from a .jsonl file (or repeated --prompt) run as one batch: --json gives each
+    sequence's text and ids, equal to a run of that prompt alone; without --json each sequence is printed under a
+    [i/n] header; --batch-size N repeats one prompt."""
+    prompts = ["the quick brown fox jumps over the lazy dog, " * 3, "the lazy dog", "the fox jumps over the dog"]
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    common = ["--checkpoint", str(tiny_ckpt), "--max-new-tokens", "5", "--policy", "keydiff", "--budget", "8",
+              "--block-size", "4"]
+    code, out, err = run_main(common + ["--prompt-file", str(f), "--json"], capsys)
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["batch_size"] == 3 and len(got["sequences"]) == 3
+    assert got["decode_tokens"] == 3 * 4 and got["decode_tok_s"] > 0
+    for p, seq in zip(prompts, got["sequences"]):
+        code, out, err = run_main(common + ["--prompt", p, "--json"], capsys)
+        assert code == 0, err
+        alone = json.loads(out)
+        assert (seq["token_ids"], seq["text"], seq["prompt_tokens"]) == (alone["token_ids"], alone["text"],
+                                                                         alone["prompt_tokens"])
+    code, out, err = run_main(common + [arg for p in prompts for arg in ("--prompt", p)], capsys)
+    assert code == 0, err
+    assert sorted(line[:5] for line in out.splitlines() if line.startswith("[")) == ["[1/3]", "[2/3]", "[3/3]"]
+    assert "batch of 3:" in err
+    code, out, err = run_main(common + ["--prompt", prompts[1], "--batch-size", "2", "--json"], capsys)
+    assert code == 0, err
+    seqs = json.loads(out)["sequences"]
+    assert len(seqs) == 2 and seqs[0]["token_ids"] == seqs[1]["token_ids"]
+
+
+def test_compiled_batch_run_never_recompiles(tiny_ckpt, capsys):
+    """--compile warms a batch's steps up with the shapes generate_batch passes ([B, block] and [B, 1], positions
+    per sequence): no recompile afterwards, and the compiled batch generates what the eager one does."""
+    import torch
+    from torch._dynamo.utils import counters
+    argv = ["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps, " * 4, "--prompt", "the dog",
+            "--max-new-tokens", "6", "--json", "--policy", "keydiff", "--budget", "8", "--block-size", "4"]
+    counters.clear()
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            code, out, err = run_main(argv + ["--compile", "--compile-prefill"], capsys)
+    finally:
+        torch._dynamo.reset()
+    assert code == 0, err
+    assert counters["stats"]["unique_graphs"] == 2
+    compiled = json.loads(out)["sequences"]
+    code, out, err = run_main(argv, capsys)
+    assert code == 0, err
+    assert json.loads(out)["sequences"] == compiled
 
 
 def test_defaults_are_clamped_to_the_context_and_said_so(tiny_ckpt, tmp_path, capsys):

@@ -54,13 +54,17 @@ def test_warm_up_calls_prefill_once_then_decode_twice_with_fresh_tensors(hf_tiny
     calls = []
 
     def prefill(model, idx, pos):
-        calls.append(("prefill", tuple(idx.shape), pos.tolist()[:2], torch.is_inference_mode_enabled()))
+        calls.append(("prefill", tuple(idx.shape), pos[..., :2].tolist()[:2], torch.is_inference_mode_enabled()))
 
     def decode(model, idx, pos):
         calls.append(("decode", tuple(idx.shape), idx.is_contiguous() and idx._base is None, pos.tolist()))
 
     warm_up(None, (prefill, decode), 7, 16, "cpu")
     assert calls == [("prefill", (1, 16), [0, -1], True), ("decode", (1, 1), True, [1]), ("decode", (1, 1), True, [1])]
+    calls.clear()  # a batch of 3: positions per sequence, decode inputs as generate_batch makes them ([B, 1] views)
+    warm_up(None, (prefill, decode), 7, 16, "cpu", batch=3)
+    assert calls[0] == ("prefill", (3, 16), [[0, -1], [0, -1]], True)
+    assert [c[:2] for c in calls[1:]] == [("decode", (3, 1))] * 2 and calls[1][3] == [[1], [1], [1]]
 
 
 def test_compile_modes_put_decode_under_cuda_graphs_and_prefill_never():

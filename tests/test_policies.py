@@ -166,7 +166,7 @@ def test_C7_keynorm():
 def test_snapkv_ring_keeps_the_latest_queries():
     policy = policies.SnapKV(window=4, kernel=3)
     _, cache = stream(policy, torch.randn(11, 2), 6, 3, queries=torch.arange(11.0).view(11, 1, 1).expand(11, 1, 2))
-    assert sorted(cache.layer_state["ring_pos"].tolist()) == [7, 8, 9, 10]
+    assert sorted(cache.layer_state["ring_pos"][0].tolist()) == [7, 8, 9, 10]  # [batch, window]
     assert sorted(cache.layer_state["ring_q"][0, 0, :, 0].tolist()) == [7.0, 8.0, 9.0, 10.0]
 
 

@@ -75,7 +75,7 @@ def scratch_with(T, w, G=2, D=8, kernel=3, seed=0):
 def test_11_3_window_causal_mask_and_group_sum():
     T, w, G, D = 10, 4, 2, 8
     c, pol, q, k = scratch_with(T, w, G, D)
-    ring_pos = c.layer_state["ring_pos"]
+    ring_pos = c.layer_state["ring_pos"][0]  # [batch, w]: one sequence
     assert sorted(ring_pos.tolist()) == list(range(T - w, T))  # the ring holds the last w queries
     A = attention_weights(c, c.layer_state["ring_q"], ring_pos, T)[:, :, ring_pos.argsort()]  # [1, 1, w, T]
     for i in range(w):
