@@ -210,6 +210,9 @@ class KVCache(nn.Module):
         self.keep_budget = keep_budget or budget
         self.keep = keep or budget
         self.scratch = scratch  # a one-shot prefill's full-length scratch: always dense, no decode-time state
+        # Without eviction a token goes to slot position - slot_base: 0, except in a scratch that re-compresses a
+        # kept history plus a new chat turn (chat.py), whose turn starts after the history's slots.
+        self.slot_base = 0
         self.n_heads = n_heads or n_kv_heads  # query heads, for policies that keep queries
         self.scorer = policy if is_scorer(policy) else None
         self.selector = policy if is_selector(policy) and not scratch else None
@@ -299,7 +302,7 @@ class KVCache(nn.Module):
         else:
             # full, selector-only and a one-shot scratch (which holds the whole prompt): slot == position; padding
             # goes to the tail, which no real position reaches.
-            dst = torch.where(input_pos >= 0, input_pos, tail)
+            dst = torch.where(input_pos >= 0, input_pos - self.slot_base, tail)
         if self.quantized:
             (k, k_scale), (v, v_scale) = quantize_rows(k), quantize_rows(v)
             self.k_scale.index_copy_(2, dst, k_scale)
