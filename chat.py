@@ -362,6 +362,9 @@ def repl(chat: Chat, *, json_mode: bool = False, stdin=None, out=None, err=None)
     answer ends that answer; Ctrl-C at the prompt discards the line. Returns the exit code (0)."""
     stdin, out, err = stdin or sys.stdin, out or sys.stdout, err or sys.stderr
     prompt = "> " if not json_mode and stdin.isatty() else ""
+    if prompt:
+        print(f"chat: {chat.name} ({chat.protocol} prefill), budget {chat.budget} slots per layer and KV head; "
+              "/help lists the commands, /exit or Ctrl-D leaves", file=err)
     while True:
         try:
             line = read_turn(stdin, prompt)

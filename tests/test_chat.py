@@ -9,9 +9,10 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, make_policy
+from conftest import REPO
 
 import generate
+import policies
 from chat import Chat, TurnRefused, repl, stats_line
 from engine import generate as one_shot_generate
 from engine import load_model, model_step, prefill_step, setup
@@ -82,7 +83,7 @@ def test_full_chat_equals_one_shot_runs_of_the_concatenated_conversation(loaded)
         assert ids == expected
 
 
-@pytest.mark.parametrize("spec", ["keydiff", "h2o", "snapkv:window=4,kernel=3", "tova"])
+@pytest.mark.parametrize("spec", ["keydiff", "h2o", "snapkv:window=4,kernel=3", "tova", "sink", "caote:keydiff"])
 def test_block_wise_chat_with_block_1_equals_a_one_shot_run(loaded, spec):
     """Evicting block-wise policies: with block size 1 a prefill block is a decode step, so the turn boundaries
     do not matter and the chat must equal one engine run over the concatenated ids with the same budget."""
@@ -93,8 +94,7 @@ def test_block_wise_chat_with_block_1_equals_a_one_shot_run(loaded, spec):
     assert int(chat.held().max()) <= 24
     for ids, answer in log[2:]:  # past the budget: evictions happened
         assert len(ids) > 24
-        assert answer == reference(model, ids, 4, make_policy(spec.split(":")[0], None) if ":" not in spec
-                                   else __import__("policies").make(spec), budget=24, block_size=1)
+        assert answer == reference(model, ids, 4, policies.make(spec), budget=24, block_size=1)
 
 
 @pytest.mark.parametrize("spec", ["snapkv++:kernel=3", "kvec"])
@@ -109,11 +109,14 @@ def test_recompression_keeping_everything_equals_full(loaded, spec):
         assert answer == reference(model, ids, 5, budget=400)
 
 
-@pytest.mark.parametrize("spec", ["keydiff", "snapkv++:kernel=3", "rocketkv", "kvec:window=4,obs_window=4,long_window=4",
-                                  "sagekv", "h2o"])
-def test_the_cache_never_exceeds_its_budget(loaded, spec):
+@pytest.mark.parametrize("spec, prefill", [
+    ("keydiff", None), ("keydiff", "one-shot"), ("snapkv++:kernel=3", None), ("rocketkv:read=8", None),
+    ("kvec:window=4,obs_window=4,long_window=4", None), ("sagekv", None), ("h2o", None), ("sink", None)])
+def test_the_cache_never_exceeds_its_budget(loaded, spec, prefill):
+    """Block-wise continuation, one-shot then evicting (SAGE-KV, keydiff one-shot) and re-compression (SnapKV++,
+    RocketKV, K-VEC) all stay within the budget while the conversation grows past it."""
     model, tok = loaded
-    chat = Chat(model, tok, spec, budget=40, max_new_tokens=6, block_size=8)
+    chat = Chat(model, tok, spec, budget=40, max_new_tokens=6, block_size=8, prefill=prefill)
     no_eos(chat)
     for t in TURNS[:8]:
         chat.send(t)
