@@ -91,10 +91,17 @@ class Chat:
         self.eos_ids = set(tokenizer.eos_ids)
         self.steps, self.evict_before_attend = steps, evict_before_attend
         self.device = str(model.tok_embeddings.weight.device)
-        self.slots = None  # the slots per layer and KV head, once a conversation's first turn has set the caches up
+        self.slots = None  # the slots per layer and KV head (SAGE-KV: its layout's), set by plan()
         self.last = {}  # the last turn's stats
         self._stop = False
+        self.plan(budget if is_scorer(policy) else 1)  # what cannot work fails now, not at the first turn
         self.reset()
+
+    def plan(self, prompt_len: int) -> None:
+        """Set every layer's cache up for a conversation whose first turn has prompt_len tokens (the policy planned
+        against it: SAGE-KV's layout, SnapKV++'s kernel); UserError / PolicyError where the budget cannot work."""
+        self.slots = setup(self.model, self.policy, self.budget, prompt_len, self.max_new_tokens, self.block_size,
+                           prefill=self.protocol, evict_before_attend=self.evict_before_attend, kv_dtype=self.kv_dtype)
 
     # ------------------------------------------------------------------------------------------- the conversation
 
@@ -135,9 +142,7 @@ class Chat:
             raise TurnRefused(f"the tokenizer gives token id {max(ids)}, outside the model's vocab_size {vocab}")
         n_new = self.room(len(ids))
         if self.fresh:
-            self.slots = setup(self.model, self.policy, self.budget, len(ids), self.max_new_tokens, self.block_size,
-                               prefill=self.protocol, evict_before_attend=self.evict_before_attend,
-                               kv_dtype=self.kv_dtype)
+            self.plan(len(ids))
         self._stop = False
         mem = PeakMemory(self.device)
         mem.reset()
@@ -246,8 +251,6 @@ class Chat:
         start an empty conversation; the caches are set up again at the first turn, with the same shapes."""
         if self.protocol == "one-shot" and is_scorer(self.policy):  # plans that depend on the prompt's length
             return
-        setup(self.model, self.policy, self.budget, 1, self.max_new_tokens, self.block_size, prefill="block",
-              evict_before_attend=self.evict_before_attend, kv_dtype=self.kv_dtype)
         with torch.inference_mode():
             idx, pos = block_inputs(torch.zeros(1, dtype=torch.long, device=self.device), 0, self.block_size)
             self.steps[0](self.model, idx, pos)
@@ -264,8 +267,7 @@ class Chat:
         return torch.stack([layer.attention.kv_cache.n_valid() for layer in self.model.layers])
 
     def held_summary(self) -> dict:
-        held = int(self.held().max()) if self.slots is not None else 0
-        return dict(tokens_held=held, slots=self.slots or self.budget,
+        return dict(tokens_held=int(self.held().max()), slots=self.slots,
                     positions_used=self.position + len(self.pending), context=self.model.args.max_seq_len)
 
     def stats(self) -> dict:

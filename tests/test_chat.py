@@ -269,6 +269,9 @@ def test_fifty_turns_through_stdin_keep_memory_flat(chat_ckpt):
     (["--prompt-file", "x.txt"], "--interactive takes its turns from stdin"),
     (["--random-weights", "--prompt-tokens", "4"], "--interactive needs a tokenizer"),
     (["--profile", "t.json"], "--profile"),
+    (["--policy", "snapkv", "--budget", "8"], "must exceed the observation window"),  # before the first turn
+    (["--budget", "100", "--max-new-tokens", "100"], "--budget must be >= prompt + max-new-tokens"),
+    (["--budget", "5000"], "larger than the model's context (2048)"),
 ])
 def test_bad_interactive_flags_get_one_line(chat_ckpt, capsys, extra, message):
     code = generate.main(["--checkpoint", str(chat_ckpt), "--interactive", *extra])
@@ -300,3 +303,19 @@ def test_an_answer_ending_in_eos_is_closed_by_the_template(loaded):
     chat.send(TURNS[1])
     assert list(chat.tokens[prompt_end:chat.prompt_end]) == first[:first.index(eos)] + \
         tok.template_ids(f"</s>\n<s>user\n{TURNS[1]}</s>\n<s>assistant\n")
+
+
+def test_interactive_compile_compiles_before_the_first_turn(chat_ckpt, tmp_path):
+    """--interactive --compile: the steps compile once, before the first turn (the compiler's output goes to the
+    log, not the terminal), and every turn's answer equals an eager chat's."""
+    argv = ["--policy", "keydiff", "--budget", "16", "--block-size", "4", "--max-new-tokens", "4", "--json"]
+    turns = "\n".join(TURNS[:3]) + "\n"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TMPDIR": str(tmp_path)}
+    compiled = subprocess.run([sys.executable, str(REPO / "generate.py"), "--checkpoint", str(chat_ckpt),
+                               "--interactive", "--compile", "--compile-prefill", *argv], input=turns,
+                              capture_output=True, text=True, timeout=600, env=env)
+    eager = cli(chat_ckpt, *argv, stdin=turns)
+    assert compiled.returncode == 0 and eager.returncode == 0, compiled.stderr + eager.stderr
+    assert compiled.stderr == ""
+    answers = [[json.loads(line)["token_ids"] for line in r.stdout.splitlines()] for r in (compiled, eager)]
+    assert len(answers[0]) == 3 and answers[0] == answers[1]
