@@ -107,7 +107,7 @@ class Chat:
 
     def reset(self) -> None:
         """Forget the conversation: empty caches (planned again at the next turn), positions restart at 0."""
-        self.tokens = array("l")  # the token at each position written so far, in position order
+        self.tokens = array("i")  # the token at each position written so far, in position order
         self.pending: list[int] = []  # the last answer's last token: sampled, not yet written
         self.last_user: str | None = None
         self.turns, self.generated, self.decode_s, self.prefill_tokens, self.prefill_s = 0, 0, 0.0, 0, 0.0
