@@ -2,6 +2,7 @@
 
     python generate.py --checkpoint smollm2-135m --prompt "What is the capital of France?"
     python generate.py --checkpoint llama3.1-8b --policy keydiff --budget 2048 --prompt-file doc.txt --compile
+    python generate.py --interactive --policy keydiff --budget 512     # chat: the cache carries over between turns
 
 --budget is the KV slots held per layer and KV head. Block-wise (--prefill block) the prompt goes in blocks of
 --block-size tokens and the policy evicts back to --budget after every block and generated token; one-shot, the
