@@ -341,7 +341,7 @@ def ctrl_c_stops(chat: Chat):
 
 def stats_line(st: dict) -> str:
     mib = 2 ** 20
-    return (f"--- {st['turns']} turns | {st['policy']} ({st['prefill']} prefill): {st['tokens_held']} tokens held of "
+    return (f"--- {st['turns']} turn{'' if st['turns'] == 1 else 's'} | {st['policy']} ({st['prefill']} prefill): {st['tokens_held']} tokens held of "
             f"{st['slots']} slots per layer and KV head | positions used {st['positions_used']} of "
             f"{st['context']} | peak memory {st['peak_bytes'] / mib:.1f} MiB ({st['memory_measure']}, the largest "
             f"turn's) | decode {st['decode_tok_s']:.1f} tok/s, prefill {st['prefill_tok_s']:.1f} tok/s")
