@@ -251,6 +251,9 @@ class KVCache(nn.Module):
         self.keep_budget = keep_budget or budget
         self.keep = keep or budget
         self.scratch = scratch  # a one-shot prefill's full-length scratch: always dense, no decode-time state
+        # Without eviction a token goes to slot position - slot_base: 0, except in a scratch that re-compresses a
+        # kept history plus a new chat turn (chat.py), whose turn starts after the history's slots.
+        self.slot_base = 0
         self.n_heads = n_heads or n_kv_heads  # query heads, for policies that keep queries
         self.scorer = policy if is_scorer(policy) else None
         self.selector = policy if is_selector(policy) and not scratch else None
@@ -344,7 +347,8 @@ class KVCache(nn.Module):
         if self.appends:  # after a one-shot compression: append after the valid slots, which fill [0, n) in order
             n = (self.pos[:, 0, :self.budget] >= 0).sum(-1, keepdim=True)
             return torch.where(ip >= 0, n + torch.arange(T, device=ip.device), tail)
-        return torch.where(ip >= 0, ip, tail)
+        # slot == position - slot_base: 0, except in a chat's re-compression scratch (chat.py)
+        return torch.where(ip >= 0, ip - self.slot_base, tail)
 
     def update(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, query_pos: Tensor):
         """Write a block k, v [B, H, T, D] at positions input_pos [T] (shared by the batch) or [B, T] (each sequence

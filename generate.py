@@ -2,6 +2,7 @@
 
     python generate.py --checkpoint smollm2-135m --prompt "What is the capital of France?"
     python generate.py --checkpoint llama3.1-8b --policy keydiff --budget 2048 --prompt-file doc.txt --compile
+    python generate.py --interactive --policy keydiff --budget 512     # chat: the cache carries over between turns
 
 --budget is the KV slots held per layer and KV head. Block-wise (--prefill block) the prompt goes in blocks of
 --block-size tokens and the policy evicts back to --budget after every block and generated token; one-shot, the
@@ -149,6 +150,11 @@ def parse_args(argv=None):
                     help="KV cache storage: auto = --dtype; int8 = one scale per token and head (the buffer ~4x "
                          "smaller than fp32, ~2x than bf16; every policy scores the dequantized keys). Saves memory, "
                          "not decode time: attention runs on a dequantized copy of the attended slots")
+    ap.add_argument("--interactive", action="store_true",
+                    help="chat: read one user turn per line from stdin ('> ' on a terminal), stream each answer; the "
+                         "KV cache (--budget slots, default 2048 for every policy, full included) carries over "
+                         "between turns. /reset, /stats, /exit (or EOF); Ctrl-C stops an answer. With --json: one "
+                         "JSON object per turn. See README's Chat section")
     ap.add_argument("--batch-size", type=int,
                     help="sequences generated together (default: the number of prompts). Several prompts (repeated "
                          "--prompt or --prompt-ids, a .jsonl --prompt-file) are one batch of any lengths; with one "
@@ -242,6 +248,7 @@ def check_args(a) -> None:
         raise UserError("need a finite --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
     if a.seed is not None and not 0 <= a.seed < 2 ** 63:
         raise UserError(f"--seed must be in [0, 2**63), got {a.seed}")
+    check_interactive_flags(a)
     check_prompt_flags(a)
     seed = () if a.random_weights else (("--seed", a.seed),)  # random weights: --seed seeds them (and the prompt)
     given = [flag for flag, v in (("--top-k", a.top_k), ("--top-p", a.top_p), *seed) if v is not None]
@@ -266,6 +273,22 @@ def check_args(a) -> None:
     if a.compile_mode == "reduce-overhead" and a.device == "cpu":
         raise UserError("--compile-mode reduce-overhead is CUDA graphs, which CPU has not (use default or "
                         "max-autotune-no-cudagraphs)")
+
+
+def check_interactive_flags(a) -> None:
+    """--interactive reads its turns from stdin: no prompt flags (one prompt or a batch), no --random-weights (no
+    tokenizer), no --profile."""
+    if not a.interactive:
+        return
+    given = [f for f in ("--prompt", "--prompt-file") if getattr(a, f[2:].replace("-", "_"), None) is not None]
+    if given:
+        raise UserError(f"--interactive takes its turns from stdin, not {given[0]} (one prompt or a batch): drop it")
+    if a.batch_size is not None and a.batch_size != 1:
+        raise UserError(f"--interactive holds one conversation; --batch-size {a.batch_size} does not apply to it")
+    if a.random_weights:
+        raise UserError("--interactive needs a tokenizer for its text turns; --random-weights has none")
+    if a.profile is not None:
+        raise UserError("--profile traces one generation; it does not apply to --interactive")
 
 
 def check_prompt_flags(a) -> None:
@@ -373,7 +396,7 @@ def run(a) -> int:
     if a.prefill == "one-shot" and a.compile_prefill is not None:
         raise UserError("--compile-prefill / --no-compile-prefill apply to --prefill block: a one-shot prefill never "
                         "runs the block step")
-    texts = None if a.random_weights else read_prompts(a)
+    texts = None if a.random_weights or a.interactive else read_prompts(a)
     dtype = {"auto": torch.bfloat16 if a.device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
     torch.manual_seed(a.seed or 0)
@@ -391,6 +414,9 @@ def run(a) -> int:
         tokenizer = load_tokenizer(ckpt)
         model = load_model(ckpt, dtype, a.device, config)
         args = model.args
+        if a.interactive:
+            import chat
+            return chat.run_interactive(a, model, tokenizer, policy, dtype)
         prompts = batch_of(a, [tokenize(a, tokenizer, text, i, len(texts), ckpt, args.vocab_size)
                                for i, text in enumerate(texts)])
     ids, batched = prompts[0], len(prompts) > 1

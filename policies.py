@@ -949,7 +949,8 @@ class KVec(SnapKVPlusPlus):
         P = cross_head(P, P2, cand, self.delta)
         n_cov = view.shared.get("n_cov")
         if view.layer == 0 or n_cov is None:  # a new prompt: no layer has kept anything yet
-            n_cov = view.shared["n_cov"] = torch.zeros(pos.shape[0], view.S, dtype=torch.int32, device=pos.device)
+            n_pos = view.S + view.cache.slot_base  # past every position in the scratch (chat.py's re-compression)
+            n_cov = view.shared["n_cov"] = torch.zeros(pos.shape[0], n_pos, dtype=torch.int32, device=pos.device)
             view.shared["prompt"] = pos[:, 0] >= 0  # the scratch's slot s holds position s (or padding)
         n = n_cov.gather(1, pos.clamp_min(0).long().flatten(1)).view_as(pos)
         K = min(int(self.beta * view.keep), view.keep - W)

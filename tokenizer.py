@@ -35,11 +35,15 @@ class Tokenizer:
     chat_template_file: str = ""  # where the template came from, for error messages
 
     def render_chat(self, user_message: str) -> str:
+        return self.render_messages([{"role": "user", "content": user_message}])
+
+    def render_messages(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template's text for `messages` ({"role", "content"} dicts), as HF's apply_chat_template."""
         if not self.chat_template:
             raise ValueError("this checkpoint has no chat template")
         try:
-            return _render(self.chat_template, messages=[{"role": "user", "content": user_message}],
-                           add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token)
+            return _render(self.chat_template, messages=messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=self.bos_token, eos_token=self.eos_token)
         except Exception as e:  # the template is the checkpoint's code: any failure of it is a broken checkpoint
             line = f" line {e.lineno}" if isinstance(e, jinja2.TemplateSyntaxError) and e.lineno else ""
             raise TokenizerError(f"the chat template in {self.chat_template_file or 'the tokenizer files'}{line} "
@@ -47,7 +51,10 @@ class Tokenizer:
 
     def chat_prompt_ids(self, user_message: str) -> list[int]:
         # Templates write the BOS string themselves; HF apply_chat_template does not add another.
-        text = self.render_chat(user_message)
+        return self.template_ids(self.render_chat(user_message))
+
+    def template_ids(self, text: str) -> list[int]:
+        """Token ids of text the chat template wrote (no BOS added: the template writes it)."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate written by the template

@@ -1,0 +1,441 @@
+"""A conversation whose fixed-budget KV cache persists across turns (`Chat`), and generate.py --interactive's REPL.
+
+    chat = Chat(model, tokenizer, "keydiff", budget=512)
+    print(chat.send("What is the capital of France?"))
+    print(chat.send("And of Italy?", on_text=lambda s: print(s, end="", flush=True)))
+
+The rules, turn by turn:
+
+- Positions never restart within a conversation: turn n is prefilled at the positions after everything turn n - 1
+  wrote, on top of what the caches kept. The last sampled token of an answer is not written during its turn (no step
+  ran on it): it is fed first in the next turn, unless it is an end-of-sequence token and the chat template closes
+  the assistant's turn itself (the template's end-of-turn text follows the answer instead).
+- The chat template is applied turn by turn: turn 1 is the template's prompt for one user message; turn n > 1 is
+  what the template writes after the previous answer (its end of turn, the new user message, the generation
+  prompt), found by rendering [previous user, assistant, new user] with a marker as the assistant's text. Earlier
+  turns are never rendered again: the cache holds each turn as it was sent. Without a template (or
+  chat_template=False) a turn is its raw text, BOS before the first one only.
+- Block-wise policies (the default --prefill block, full and exact-topk included) just continue: the new turn goes
+  in blocks, and a scorer evicts back to the budget after every block and every generated token, as in one run.
+  One-shot compression that then evicts during decode (SAGE-KV; any `--prefill one-shot` of a block-wise scorer)
+  compresses turn 1 once and continues every later turn block-wise with that evicting rule.
+  One-shot compression that appends during decode (SnapKV++, RocketKV, K-VEC) re-compresses: each later turn is
+  prefilled densely layer by layer on top of the kept history (the history's slots, then the turn's, in one
+  scratch per layer), and history plus turn are compressed again to the `budget - max_new_tokens` prompt slots
+  the policy keeps, with the new turn's last queries as the observation window (`recompress`).
+- A turn that would not fit is refused before anything is written (`TurnRefused`, one line): past the model's
+  context (max_position_embeddings) for every policy (positions keep growing even where the cache holds only the
+  budget: RoPE beyond the trained range is not trusted), and for `full` / exact-topk when the conversation would
+  outgrow their slots (raise the budget or reset). An answer stops early where the context ends.
+- `stop()` (Ctrl-C in the REPL) ends the current answer after the token being generated; the prefill of a turn
+  always completes, so the history stays consistent: the tokens produced so far stay in it.
+- `reset()` forgets the conversation: the caches are emptied (set up again, planned for the next first turn) and
+  positions restart at 0.
+
+Memory stays flat: the caches are allocated once per conversation (budget + block slots per layer and KV head); a
+turn allocates only its token ids, its prefill's activations and, re-compressing, one layer's history + turn
+scratch. The transcript's token ids (4 bytes each) are the one thing that grows.
+"""
+import json
+import signal
+import sys
+import threading
+import time
+from array import array
+from contextlib import contextmanager
+
+import torch
+
+from cache import is_scorer, make_cache
+from engine import (PeakMemory, block_inputs, check_finite, model_step, prefill_one_shot, prefill_protocol,
+                    prefill_step, sample_finite, setup, sync)
+from errors import UserError
+
+DEFAULT_BUDGET = 2048  # as generate.py's; clamped to the model's context
+MARKER = "<<budgetkv:assistant-answer>>"  # stands for the previous answer when the template renders a new turn
+COMMANDS = {"/reset": "forget the conversation (positions restart at 0)", "/stats": "the conversation's summary",
+            "/exit": "leave (EOF too)", "/help": "this list"}
+
+
+class TurnRefused(UserError):
+    """A turn that does not fit (the model's context, a cache that keeps every token): nothing was written, the
+    conversation goes on (a REPL prints the line and reads the next turn)."""
+
+
+class Chat:
+    """One conversation with a model whose KV cache persists across turns (the rules are in the module docstring).
+
+    policy: a policy object, a spec string ("keydiff", "snapkv:window=16") or None / "full"; budget: KV slots per
+    layer and KV head (default 2048, or the model's context if smaller) for every policy, full included (there it
+    bounds the whole conversation); prefill: "block" or "one-shot" (None: the policy's default); steps: the
+    (prefill block, decode) step functions (engine.compile_steps for compiled ones)."""
+
+    def __init__(self, model, tokenizer, policy=None, budget: int | None = None, *, max_new_tokens: int = 200,
+                 block_size: int = 128, prefill: str | None = None, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, kv_dtype: torch.dtype | None = None, chat_template: bool = True,
+                 steps=(prefill_step, model_step), evict_before_attend: bool = False):
+        import policies
+        if isinstance(policy, str):
+            policy = policies.make(policy)
+        ctx = model.args.max_seq_len
+        budget = min(DEFAULT_BUDGET, ctx) if budget is None else budget
+        for name, v in (("max_new_tokens", max_new_tokens), ("block_size", block_size), ("budget", budget)):
+            if v < 1:
+                raise UserError(f"{name} must be >= 1, got {v}")
+        self.model, self.tokenizer, self.policy, self.budget = model, tokenizer, policy, budget
+        self.name = policy.name if policy is not None else "full"
+        self.protocol = prefill_protocol(policy, prefill)
+        self.max_new_tokens, self.block_size, self.kv_dtype = max_new_tokens, block_size, kv_dtype
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.template = chat_template and tokenizer.chat_template is not None
+        self.eos_ids = set(tokenizer.eos_ids)
+        self.steps, self.evict_before_attend = steps, evict_before_attend
+        self.device = str(model.tok_embeddings.weight.device)
+        self.slots = None  # the slots per layer and KV head (SAGE-KV: its layout's), set by plan()
+        self.last = {}  # the last turn's stats
+        self._stop = False
+        self.plan(budget if is_scorer(policy) else 1)  # what cannot work fails now, not at the first turn
+        self.reset()
+
+    def plan(self, prompt_len: int) -> None:
+        """Set every layer's cache up for a conversation whose first turn has prompt_len tokens (the policy planned
+        against it: SAGE-KV's layout, SnapKV++'s kernel); UserError / PolicyError where the budget cannot work."""
+        self.slots = setup(self.model, self.policy, self.budget, prompt_len, self.max_new_tokens, self.block_size,
+                           prefill=self.protocol, evict_before_attend=self.evict_before_attend, kv_dtype=self.kv_dtype)
+
+    # ------------------------------------------------------------------------------------------- the conversation
+
+    def reset(self) -> None:
+        """Forget the conversation: empty caches (planned again at the next turn), positions restart at 0."""
+        self.tokens = array("i")  # the token at each position written so far, in position order
+        self.pending: list[int] = []  # the last answer's last token: sampled, not yet written
+        self.last_user: str | None = None
+        self.turns, self.generated, self.decode_s, self.prefill_tokens, self.prefill_s = 0, 0, 0.0, 0, 0.0
+        self.peak_bytes, self.memory_measure = 0, PeakMemory(self.device).measure
+        self.prompt_end = 0  # positions [0, prompt_end) were the history plus the last turn's prompt
+        self.answer_ids: list[int] = []
+        self.fresh = True
+        for layer in self.model.layers:
+            cache = getattr(layer.attention, "kv_cache", None)
+            if cache is not None:
+                cache.reset()
+
+    def stop(self) -> None:
+        """End the answer being generated after its current token (safe from a signal handler or a callback)."""
+        self._stop = True
+
+    @property
+    def position(self) -> int:
+        """The next position to write; the pending token (if any) takes it."""
+        return len(self.tokens)
+
+    def send(self, text: str, on_text=None) -> str:
+        """One user turn: its tokens prefilled on top of the kept history, then the answer (greedy or sampled) until
+        an end-of-sequence token, max_new_tokens, the model's context or stop(). on_text(piece): each new piece of
+        the answer's text as it is generated. Returns the answer's text; raises TurnRefused (nothing written) when
+        the turn does not fit."""
+        ids = self.turn_ids(text)
+        if not ids:
+            raise TurnRefused("the turn is empty once tokenized")
+        vocab = self.model.args.vocab_size
+        if max(ids) >= vocab:
+            raise TurnRefused(f"the tokenizer gives token id {max(ids)}, outside the model's vocab_size {vocab}")
+        n_new = self.room(len(ids))
+        if self.fresh:
+            self.plan(len(ids))
+        self._stop = False
+        mem = PeakMemory(self.device)
+        mem.reset()
+        sync(self.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            logits = self.prefill(torch.tensor(ids, dtype=torch.long, device=self.device))
+            self.fresh = False
+            self.tokens.extend(ids)
+            self.prompt_end, self.pending = len(self.tokens), []
+            t1 = time.perf_counter()
+            out = self.answer(logits, n_new, on_text)
+        sync(self.device)
+        t2 = time.perf_counter()
+        self.last_user, self.answer_ids = text, out
+        self.tokens.extend(out[:-1])  # written by the decode steps; the last one is pending
+        self.pending = out[-1:]
+        self.turns += 1
+        self.generated += len(out)
+        self.prefill_tokens += len(ids)
+        self.prefill_s += t1 - t0
+        self.decode_s += t2 - t1
+        peak = mem.peak()
+        self.peak_bytes = max(self.peak_bytes, peak)
+        self.memory_measure = mem.measure
+        self.last = dict(turn=self.turns, prompt_tokens=len(ids), generated_tokens=len(out),
+                         stopped=self._stop, ttft_s=t1 - t0, decode_tok_s=(len(out) - 1) / (t2 - t1) if len(out) > 1
+                         else 0.0, peak_bytes=peak, **self.held_summary())
+        return self.decode(out)
+
+    def turn_ids(self, text: str) -> list[int]:
+        """The token ids turn `text` feeds: the pending token (unless the template closes an answer that ended with
+        an end-of-sequence token), then the template's text for the turn (see the module docstring)."""
+        tok = self.tokenizer
+        if not self.template:
+            return self.pending + tok.encode(text, add_bos=self.position == 0 and not self.pending)
+        if self.last_user is None:
+            return self.pending + tok.chat_prompt_ids(text)
+        rendered = tok.render_messages([{"role": "user", "content": self.last_user},
+                                        {"role": "assistant", "content": MARKER}, {"role": "user", "content": text}])
+        if rendered.count(MARKER) != 1:
+            raise UserError(f"the chat template in {tok.chat_template_file} does not write an assistant's message "
+                            "as it is, so turns cannot be added one by one (--no-chat skips the template)")
+        after = tok.template_ids(rendered.split(MARKER)[1])
+        pending = [t for t in self.pending if t not in self.eos_ids]  # the template writes the end of the turn
+        return pending + after
+
+    def room(self, n_prompt: int) -> int:
+        """The answer tokens this turn may generate (max_new_tokens, fewer where the model's context ends first);
+        TurnRefused when not one fits, or when a cache that keeps every token (full, exact-topk) would need more
+        slots than it has (positions are slots there)."""
+        start, ctx = self.position, self.model.args.max_seq_len
+        if start + n_prompt >= ctx:
+            raise TurnRefused(f"the conversation has used {start} of the model's {ctx} positions and this turn's "
+                              f"{n_prompt} tokens leave no room for an answer: /reset starts a new conversation")
+        n_new = min(self.max_new_tokens, ctx - start - n_prompt)
+        if not is_scorer(self.policy) and start + n_prompt + n_new > self.budget:
+            raise TurnRefused(f"{self.name} keeps every token: {start} held + this turn's {n_prompt} + up to {n_new} "
+                              f"new exceed its {self.budget} slots (raise the budget, --budget, or /reset)")
+        return n_new
+
+    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
+        """The turn's tokens [L] into the caches at positions position, position + 1, ...; the last one's logits."""
+        if self.fresh and self.protocol == "one-shot":
+            return prefill_one_shot(self.model, prompt, self.block_size)
+        if self.model.layers[0].attention.kv_cache.appends:
+            return recompress(self.model, prompt, self.position, self.block_size)
+        return prefill_at(self.model, prompt, self.position, self.block_size, self.steps[0])
+
+    def answer(self, logits: torch.Tensor, n_new: int, on_text) -> list[int]:
+        """Sample the answer from the prompt's last logits, feeding each token at the next position (engine.generate's
+        decode loop), until EOS, n_new tokens or stop(). The last token is returned, not written."""
+        decode, s = self.steps[1], self.sampling
+        token = sample_finite(logits, s["temperature"], s["top_k"], s["top_p"])
+        tok = int(token.item())
+        check_finite(tok, 0)
+        out, shown, p = [tok], [""], self.position
+        self.stream(out, shown, on_text)
+        while len(out) < n_new and tok not in self.eos_ids and not self._stop:
+            logits = decode(self.model, token.view(1, 1), torch.tensor([p], device=self.device))
+            token = sample_finite(logits, s["temperature"], s["top_k"], s["top_p"])
+            tok = int(token.item())
+            check_finite(tok, len(out))
+            out.append(tok)
+            p += 1
+            self.stream(out, shown, on_text)
+        if on_text is not None and self.decode(out) != shown[0]:
+            on_text(self.decode(out)[len(shown[0]):])
+        return out
+
+    def stream(self, out: list[int], shown: list[str], on_text) -> None:
+        """Hand on_text the answer's new complete characters (none while the text ends in a partial character)."""
+        if on_text is None:
+            return
+        s = self.decode(out)
+        if s.endswith("\ufffd") or len(s) <= len(shown[0]) or not s.startswith(shown[0]):
+            return
+        on_text(s[len(shown[0]):])
+        shown[0] = s
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def warm_up(self) -> None:
+        """Run both steps once on a one-token prompt (a compiled step compiles here, not in the first turn), then
+        start an empty conversation; the caches are set up again at the first turn, with the same shapes."""
+        if self.protocol == "one-shot" and is_scorer(self.policy):  # plans that depend on the prompt's length
+            return
+        with torch.inference_mode():
+            idx, pos = block_inputs(torch.zeros(1, dtype=torch.long, device=self.device), 0, self.block_size)
+            self.steps[0](self.model, idx, pos)
+            for _ in range(2):  # CUDA graph trees record on the second call
+                self.steps[1](self.model, torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                              torch.tensor([1], device=self.device))
+        sync(self.device)
+        self.reset()
+
+    # ------------------------------------------------------------------------------------------------ the numbers
+
+    def held(self) -> torch.Tensor:
+        """Valid slots [layers, batch, KV heads]: what every layer's cache holds now."""
+        return torch.stack([layer.attention.kv_cache.n_valid() for layer in self.model.layers])
+
+    def held_summary(self) -> dict:
+        return dict(tokens_held=int(self.held().max()), slots=self.slots,
+                    positions_used=self.position + len(self.pending), context=self.model.args.max_seq_len)
+
+    def stats(self) -> dict:
+        """The conversation so far: turns, tokens held (the most any layer and KV head holds), positions used, the
+        peak memory of its turns (each turn's, the largest) and the decode and prefill rates."""
+        decoded = self.generated - self.turns  # every turn's first token comes from its prefill
+        return dict(policy=self.name, prefill=self.protocol, turns=self.turns, generated_tokens=self.generated,
+                    prompt_tokens=self.prefill_tokens, **self.held_summary(), peak_bytes=self.peak_bytes,
+                    memory_measure=self.memory_measure,
+                    decode_tok_s=decoded / self.decode_s if decoded and self.decode_s else 0.0,
+                    prefill_tok_s=self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0)
+
+
+def shifted(input_pos: torch.Tensor, start: int) -> torch.Tensor:
+    """Block positions [T] moved to start at `start` (padding stays -1)."""
+    return torch.where(input_pos >= 0, input_pos + start, input_pos)
+
+
+def prefill_at(model, prompt: torch.Tensor, start: int, block_size: int, step=prefill_step) -> torch.Tensor:
+    """Block-wise prefill of prompt [L] at positions start, start + 1, ... on top of what the caches hold (a scorer
+    evicts back to its budget after every block, as in one run); returns the last position's logits [1, vocab]."""
+    for s in range(0, prompt.numel(), block_size):
+        idx, pos = block_inputs(prompt, s, block_size)
+        logits = step(model, idx, shifted(pos, start))
+    return logits
+
+
+def recompress(model, prompt: torch.Tensor, start: int, block_size: int, shared: dict | None = None) -> torch.Tensor:
+    """A new turn [L] at positions start, ... for caches that append after a one-shot compression (SnapKV++,
+    RocketKV, K-VEC): per layer, one scratch holds the kept history (its n valid slots, which fill [0, n) in
+    position order) and then the turn (slot = position - slot_base); model.prefill_layer_major runs the turn densely
+    over it, and the scratch is compressed into the emptied layer cache as a one-shot prompt is: the policy's
+    `keep` best of history + turn, scored with the turn's last queries. Peak: one layer's history + turn scratch on
+    top of the budgets. Returns the last position's logits [1, vocab]."""
+    n_blocks = -(-prompt.numel() // block_size)
+    idx, input_pos = block_inputs(prompt, 0, n_blocks * block_size)
+    shared = {} if shared is None else shared
+
+    def scratch(i):
+        c = model.layers[i].attention.kv_cache
+        n = int(c.n_valid().max())
+        s = make_cache(model, 1, n + n_blocks * block_size, block_size, c.policy, scratch=True, kv_dtype=c.kv_dtype,
+                       keep_budget=c.budget, layer=i)
+        for dst, src in zip([s.pos, *s.slot_buffers()], [c.pos, *c.slot_buffers()], strict=True):
+            dst[:, :, :n] = src[:, :, :n]
+        s.slot_base = start - n
+        return s
+
+    def done(i, s):
+        c = model.layers[i].attention.kv_cache
+        c.reset()  # rebuilt from the scratch: no stale slot past what the compression keeps
+        s.compress_into(c, shared)
+    return model.prefill_layer_major(idx, shifted(input_pos, start), block_size, scratch, done)
+
+
+# ---------------------------------------------------------------------------------------------------- the REPL
+
+@contextmanager
+def ctrl_c_stops(chat: Chat):
+    """While the block runs, Ctrl-C (SIGINT) calls chat.stop() instead of raising KeyboardInterrupt: the answer
+    ends, the program goes on. Signal handlers exist in the main thread only; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, lambda *_: chat.stop())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def stats_line(st: dict) -> str:
+    mib = 2 ** 20
+    return (f"--- {st['turns']} turn{'' if st['turns'] == 1 else 's'} | {st['policy']} ({st['prefill']} prefill): {st['tokens_held']} tokens held of "
+            f"{st['slots']} slots per layer and KV head | positions used {st['positions_used']} of "
+            f"{st['context']} | peak memory {st['peak_bytes'] / mib:.1f} MiB ({st['memory_measure']}, the largest "
+            f"turn's) | decode {st['decode_tok_s']:.1f} tok/s, prefill {st['prefill_tok_s']:.1f} tok/s")
+
+
+def read_turn(stdin, prompt: str) -> str | None:
+    """One line of input (None at EOF); the prompt is shown on a terminal only."""
+    if prompt and stdin is sys.stdin:
+        try:
+            return input(prompt)
+        except EOFError:
+            return None
+    line = stdin.readline()
+    return None if line == "" else line.rstrip("\n")
+
+
+def repl(chat: Chat, *, json_mode: bool = False, stdin=None, out=None, err=None) -> int:
+    """Read turns line by line, stream each answer (json_mode: one JSON object per turn, no streaming); commands
+    /reset, /stats, /help, /exit (or EOF). A refused turn prints one line and the loop goes on; Ctrl-C during an
+    answer ends that answer; Ctrl-C at the prompt discards the line. Returns the exit code (0)."""
+    stdin, out, err = stdin or sys.stdin, out or sys.stdout, err or sys.stderr
+    prompt = "> " if not json_mode and stdin.isatty() else ""
+    if prompt:
+        print(f"chat: {chat.name} ({chat.protocol} prefill), budget {chat.budget} slots per layer and KV head; "
+              "/help lists the commands, /exit or Ctrl-D leaves", file=err)
+    while True:
+        try:
+            line = read_turn(stdin, prompt)
+        except KeyboardInterrupt:
+            print(file=out)
+            continue
+        if line is None:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/") and " " not in text:
+            if text == "/exit":
+                break
+            if text == "/reset":
+                chat.reset()
+                print("(conversation reset: positions restart at 0)", file=err)
+            elif text == "/stats":
+                st = chat.stats()
+                print(json.dumps({"stats": st}) if json_mode else stats_line(st), file=out, flush=True)
+            elif text == "/help":
+                print("\n".join(f"{c:8} {h}" for c, h in COMMANDS.items()), file=err)
+            else:
+                print(f"error: unknown command {text} ({', '.join(COMMANDS)})", file=err)
+            continue
+        def show(piece):
+            out.write(piece)
+            out.flush()
+        try:
+            with ctrl_c_stops(chat):
+                answer = chat.send(text, on_text=None if json_mode else show)
+        except TurnRefused as e:
+            print(f"error: {e}", file=err, flush=True)
+            continue
+        if json_mode:
+            print(json.dumps({"text": answer, "token_ids": chat.answer_ids, **chat.last}), file=out, flush=True)
+        else:
+            print(file=out, flush=True)
+    return 0
+
+
+def run_interactive(a, model, tokenizer, policy, dtype) -> int:
+    """generate.py --interactive once the model and tokenizer are loaded: the flags' defaults against the model's
+    context (--max-new-tokens 200, --block-size 128, --budget 2048 for every policy, each clamped to the context; a
+    value given must fit), --compile's steps compiled before the first turn, then the REPL."""
+    from cli import COMPILE_LOG, is_verbose, stderr_to_log
+    from engine import compile_steps, default_compile_mode
+    from progress import Ticker
+    ctx = model.args.max_seq_len
+    for flag, v in (("--block-size", a.block_size), ("--budget", a.budget), ("--max-new-tokens", a.max_new_tokens)):
+        if v is not None and v > ctx:
+            raise UserError(f"{flag} {v} is larger than the model's context ({ctx})")
+    if a.top_k is not None and a.top_k > model.args.vocab_size:
+        raise UserError(f"--top-k {a.top_k} exceeds the model's vocabulary ({model.args.vocab_size} tokens)")
+    steps = (prefill_step, model_step)
+    if a.compile:
+        quantized = "budgetkv_quantization" in model.config
+        mode = default_compile_mode(a.device, dtype, quantized, a.freeze) if a.compile_mode in (None, "auto") \
+            else a.compile_mode
+        compile_prefill = (a.device != "cpu" if a.compile_prefill is None else a.compile_prefill) and \
+            prefill_protocol(policy, a.prefill) == "block"
+        steps = compile_steps(a.device, mode, prefill=compile_prefill, freeze=a.freeze)
+    chat = Chat(model, tokenizer, policy, a.budget, max_new_tokens=a.max_new_tokens or min(200, ctx - 1),
+                block_size=a.block_size or min(128, ctx), prefill=a.prefill, temperature=a.temperature,
+                top_k=a.top_k or 0, top_p=1.0 if a.top_p is None else a.top_p,
+                kv_dtype=torch.int8 if a.kv_dtype == "int8" else None, chat_template=not a.no_chat, steps=steps,
+                evict_before_attend=a.evict_before_attend)
+    if a.compile:
+        with stderr_to_log(COMPILE_LOG, is_verbose(a)) as terminal, \
+                Ticker("compiling the steps", stream=terminal, enabled=not a.quiet):
+            chat.warm_up()
+    return repl(chat, json_mode=a.json)

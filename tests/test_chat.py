@@ -1,0 +1,321 @@
+"""chat.py: a conversation whose budget cache persists across turns, checked against one-shot runs of the same
+concatenated token ids (engine.generate, an independent path), and generate.py --interactive as a user drives it."""
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+
+import generate
+import policies
+from chat import Chat, TurnRefused, repl, stats_line
+from engine import generate as one_shot_generate
+from engine import load_model, model_step, prefill_step, setup
+from tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+EAGER = (prefill_step, model_step)
+TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}\n{{ m.content }}</s>\n{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+WORDS = "the quick brown fox jumps over the lazy dog"
+TURNS = [f"{w} {WORDS.split()[(i * 3) % 9]} fox" for i, w in enumerate(WORDS.split() * 6)]
+
+
+@pytest.fixture(scope="module")
+def chat_ckpt(hf_tiny, tmp_path_factory):
+    """The tiny llama checkpoint (context 2048) with a small tokenizer and a ChatML-like template ending turns
+    with its EOS token </s>."""
+    from conftest import with_tiny_tokenizer
+    _, src = hf_tiny("llama")
+    d = with_tiny_tokenizer(src, tmp_path_factory.mktemp("tiny_chat"), WORDS)
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                         "chat_template": TEMPLATE}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def loaded(chat_ckpt):
+    return load_model(chat_ckpt, torch.float32, "cpu"), load_tokenizer(chat_ckpt)
+
+
+def reference(model, ids, n_new, policy=None, budget=None, block_size=8, one_shot=False):
+    """The answer of one engine.generate run over `ids` prefilled in one go (fresh caches)."""
+    budget = budget or len(ids) + n_new
+    setup(model, policy, budget, len(ids), n_new, block_size, prefill="one-shot" if one_shot else "block")
+    out, _ = one_shot_generate(model, ids, n_new, block_size=block_size, steps=EAGER, one_shot=one_shot,
+                               eos_ids=set())
+    return out
+
+
+def converse(chat, turns):
+    """Send the turns; per turn (prompt ids as prefilled, the answer's ids)."""
+    log = []
+    for t in turns:
+        chat.send(t)
+        log.append((list(chat.tokens[:chat.prompt_end]), list(chat.answer_ids)))
+    return log
+
+
+def no_eos(chat):
+    chat.eos_ids = set()  # random weights: an early </s> would make the answers trivially short
+
+
+def test_full_chat_equals_one_shot_runs_of_the_concatenated_conversation(loaded):
+    """With full and a large budget, every turn's answer equals a fresh one-shot run over the conversation's token
+    ids up to that turn's prompt (the kept history is exactly what a single prefill would have written)."""
+    model, tok = loaded
+    chat = Chat(model, tok, "full", budget=600, max_new_tokens=6, block_size=8)
+    no_eos(chat)
+    log = converse(chat, TURNS[:5])
+    for ids, answer in log:
+        assert answer == reference(model, ids, 6, budget=600)
+    # the transcript, built independently: the template's first prompt, then per turn the previous answer (its last
+    # token included: not an EOS here) and the template's text closing it and opening the new turn
+    expected = tok.chat_prompt_ids(TURNS[0])
+    assert log[0][0] == expected
+    for (_, answer), (ids, _), turn in zip(log, log[1:], TURNS[1:]):
+        expected = expected + answer + tok.template_ids(f"</s>\n<s>user\n{turn}</s>\n<s>assistant\n")
+        assert ids == expected
+
+
+@pytest.mark.parametrize("spec", ["keydiff", "h2o", "snapkv:window=4,kernel=3", "tova", "sink", "caote:keydiff"])
+def test_block_wise_chat_with_block_1_equals_a_one_shot_run(loaded, spec):
+    """Evicting block-wise policies: with block size 1 a prefill block is a decode step, so the turn boundaries
+    do not matter and the chat must equal one engine run over the concatenated ids with the same budget."""
+    model, tok = loaded
+    chat = Chat(model, tok, spec, budget=24, max_new_tokens=4, block_size=1)
+    no_eos(chat)
+    log = converse(chat, TURNS[:4])
+    assert int(chat.held().max()) <= 24
+    for ids, answer in log[2:]:  # past the budget: evictions happened
+        assert len(ids) > 24
+        assert answer == reference(model, ids, 4, policies.make(spec), budget=24, block_size=1)
+
+
+@pytest.mark.parametrize("spec", ["snapkv++:kernel=3", "kvec"])
+def test_recompression_keeping_everything_equals_full(loaded, spec):
+    """One-shot policies that append re-compress history + turn every turn: with a budget that keeps every token
+    the kept history must be the whole conversation in position order, i.e. the answers equal full's."""
+    model, tok = loaded
+    chat = Chat(model, tok, spec, budget=400, max_new_tokens=5, block_size=8)
+    no_eos(chat)
+    log = converse(chat, TURNS[:4])
+    for ids, answer in log:
+        assert answer == reference(model, ids, 5, budget=400)
+
+
+@pytest.mark.parametrize("spec, prefill", [
+    ("keydiff", None), ("keydiff", "one-shot"), ("snapkv++:kernel=3", None), ("rocketkv:read=8", None),
+    ("kvec:window=4,obs_window=4,long_window=4", None), ("sagekv", None), ("h2o", None), ("sink", None)])
+def test_the_cache_never_exceeds_its_budget(loaded, spec, prefill):
+    """Block-wise continuation, one-shot then evicting (SAGE-KV, keydiff one-shot) and re-compression (SnapKV++,
+    RocketKV, K-VEC) all stay within the budget while the conversation grows past it."""
+    model, tok = loaded
+    chat = Chat(model, tok, spec, budget=40, max_new_tokens=6, block_size=8, prefill=prefill)
+    no_eos(chat)
+    for t in TURNS[:8]:
+        chat.send(t)
+        assert int(chat.held().max()) <= chat.slots <= 40
+    assert chat.position > 100  # the conversation outgrew the budget
+    assert chat.stats()["turns"] == 8
+
+
+def test_stop_ends_the_answer_and_keeps_its_tokens(loaded):
+    """stop() from the streaming callback ends the answer; the tokens produced stay in the history (the next turn
+    equals a one-shot run over it)."""
+    model, tok = loaded
+    chat = Chat(model, tok, "full", budget=300, max_new_tokens=20, block_size=8)
+    no_eos(chat)
+    pieces = []
+
+    def on_text(piece):
+        pieces.append(piece)
+        if len(pieces) == 3:
+            chat.stop()
+    chat.send(TURNS[0], on_text=on_text)
+    chat_first, first_end = list(chat.answer_ids), chat.prompt_end
+    assert chat.last["stopped"] and 3 <= len(chat_first) < 20
+    assert "".join(pieces) == tok.decode(chat.answer_ids)
+    ids, answer = converse(chat, TURNS[1:2])[0]
+    assert len(answer) == 20 and not chat.last["stopped"]
+    # the stopped answer's tokens (its last one fed at the start of this turn) follow the first prompt in the history
+    assert ids[first_end:first_end + len(chat_first)] == chat_first
+    assert answer == reference(model, ids, 20, budget=300)
+
+
+def test_reset_restarts_positions_and_repeats_the_first_answer(loaded):
+    model, tok = loaded
+    chat = Chat(model, tok, "keydiff", budget=32, max_new_tokens=5, block_size=4)
+    no_eos(chat)
+    first = chat.send(TURNS[0])
+    chat.send(TURNS[1])
+    chat.reset()
+    assert chat.position == 0 and int(chat.held().max()) == 0
+    assert chat.send(TURNS[0]) == first
+
+
+def test_refusals_leave_the_conversation_unchanged(loaded):
+    model, tok = loaded
+    chat = Chat(model, tok, "full", budget=60, max_new_tokens=10, block_size=8)
+    no_eos(chat)
+    chat.send(TURNS[0])
+    before = (list(chat.tokens), list(chat.pending))
+    with pytest.raises(TurnRefused, match="keeps every token.*raise the budget"):
+        for t in TURNS[1:]:
+            before = (list(chat.tokens), list(chat.pending))
+            chat.send(t)
+    assert (list(chat.tokens), list(chat.pending)) == before
+    # the model's context: positions are refused past max_position_embeddings whatever the policy keeps
+    model.args.max_seq_len, ctx = 80, model.args.max_seq_len
+    try:
+        chat = Chat(model, tok, "keydiff", budget=16, max_new_tokens=10, block_size=8)
+        no_eos(chat)
+        with pytest.raises(TurnRefused, match="of the model's 80 positions"):
+            for t in TURNS:
+                chat.send(t)
+        assert chat.position <= 80
+    finally:
+        model.args.max_seq_len = ctx
+
+
+def test_a_compiled_chat_does_not_recompile_between_turns(loaded):
+    from engine import compile_steps
+    model, tok = loaded
+    torch._dynamo.reset()
+    try:
+        chat = Chat(model, tok, "keydiff", budget=24, max_new_tokens=4, block_size=8, steps=compile_steps("cpu"))
+        no_eos(chat)
+        chat.send(TURNS[0])
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            compiled = converse(chat, TURNS[1:4])
+            chat.reset()
+            chat.send(TURNS[0])
+    finally:
+        torch._inductor.config.freezing = False
+        torch._dynamo.reset()
+    eager = Chat(model, tok, "keydiff", budget=24, max_new_tokens=4, block_size=8)
+    no_eos(eager)
+    eager.send(TURNS[0])
+    assert converse(eager, TURNS[1:4]) == compiled
+
+
+def test_repl_commands_and_ctrl_c(loaded, monkeypatch):
+    """The REPL: a turn per line, /stats, /reset, unknown commands, and SIGINT during an answer stops the answer,
+    not the loop."""
+    model, tok = loaded
+    chat = Chat(model, tok, "keydiff", budget=32, max_new_tokens=30, block_size=8)
+    no_eos(chat)
+    send = chat.send
+
+    def send_with_ctrl_c(text, on_text=None):
+        n = [0]
+
+        def hit(piece):
+            n[0] += 1
+            if n[0] == 2 and text == "interrupt me":
+                os.kill(os.getpid(), signal.SIGINT)  # the handler runs at the next bytecode: chat.stop()
+            on_text(piece)
+        answer = send(text, on_text=hit)
+        stopped.append(chat.last["stopped"])
+        answers.append(answer)
+        return answer
+    stopped, answers = [], []
+    monkeypatch.setattr(chat, "send", send_with_ctrl_c)
+    stats_of = chat.stats
+
+    def keep_stats():
+        stats.update(stats_of())
+        return stats_of()
+    stats = {}
+    monkeypatch.setattr(chat, "stats", keep_stats)
+    stdin = io.StringIO(f"{TURNS[0]}\ninterrupt me\n/stats\n/bogus\n/reset\n\n{TURNS[0]}\n/exit\nnever read\n")
+    out, err = io.StringIO(), io.StringIO()
+    assert repl(chat, stdin=stdin, out=out, err=err) == 0
+    assert out.getvalue() == "\n".join([answers[0], answers[1], stats_line(stats), answers[2], ""])
+    assert stats["turns"] == 2 and stats_line(stats).startswith("--- 2 turns | keydiff (block prefill)")
+    assert answers[2] == answers[0]  # after /reset the first turn's answer again
+    assert "unknown command /bogus" in err.getvalue() and "conversation reset" in err.getvalue()
+    assert chat.turns == 1 and stopped == [False, True, False]
+
+
+def cli(ckpt, *extra, stdin="", timeout=300):
+    return subprocess.run([sys.executable, str(REPO / "generate.py"), "--checkpoint", str(ckpt), "--interactive",
+                           *extra], input=stdin, capture_output=True, text=True, timeout=timeout)
+
+
+def test_fifty_turns_through_stdin_keep_memory_flat(chat_ckpt):
+    """50 scripted turns through generate.py --interactive --json: the cache never holds more than its budget and
+    the process's peak memory of a turn stays within a few percent of the first turns'."""
+    turns = (TURNS * 2)[:50]
+    r = cli(chat_ckpt, "--policy", "keydiff", "--budget", "32", "--block-size", "8", "--max-new-tokens", "8",
+            "--json", stdin="\n".join(turns) + "\n/stats\n", timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    stats = rows.pop()["stats"]
+    assert len(rows) == 50 and stats["turns"] == 50
+    assert all(row["tokens_held"] <= 32 for row in rows)
+    assert rows[-1]["positions_used"] > 10 * 32  # the conversation is far longer than the cache
+    early = max(row["peak_bytes"] for row in rows[:5])
+    assert max(row["peak_bytes"] for row in rows[5:]) <= 1.03 * early
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--prompt", "hi"], "--interactive takes its turns from stdin"),
+    (["--prompt-file", "x.txt"], "--interactive takes its turns from stdin"),
+    (["--random-weights", "--prompt-tokens", "4"], "--interactive needs a tokenizer"),
+    (["--profile", "t.json"], "--profile"),
+    (["--policy", "snapkv", "--budget", "8"], "must exceed the observation window"),  # before the first turn
+    (["--budget", "100", "--max-new-tokens", "100"], "--budget must be >= prompt + max-new-tokens"),
+    (["--budget", "5000"], "larger than the model's context (2048)"),
+])
+def test_bad_interactive_flags_get_one_line(chat_ckpt, capsys, extra, message):
+    code = generate.main(["--checkpoint", str(chat_ckpt), "--interactive", *extra])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1
+
+
+def test_interactive_full_budget_exhausted_is_one_line_not_the_end(chat_ckpt):
+    r = cli(chat_ckpt, "--budget", "40", "--max-new-tokens", "8", stdin="\n".join(TURNS[:4]) + "\n/stats\n")
+    assert r.returncode == 0, r.stderr
+    assert "error: full keeps every token" in r.stderr and "Traceback" not in r.stderr
+    assert "--- " in r.stdout
+
+
+def test_an_answer_ending_in_eos_is_closed_by_the_template(loaded):
+    """The EOS that ended an answer is not fed again: the template's own end of turn follows the answer's text."""
+    model, tok = loaded
+    probe = Chat(model, tok, "full", budget=300, max_new_tokens=8, block_size=8)
+    no_eos(probe)
+    probe.send(TURNS[0])
+    first = probe.answer_ids
+    eos = next(t for i, t in enumerate(first) if i > 0 and t not in first[:i])  # a token that first appears later
+    chat = Chat(model, tok, "full", budget=300, max_new_tokens=8, block_size=8)
+    chat.eos_ids = {eos}
+    chat.send(TURNS[0])
+    assert chat.answer_ids == first[:first.index(eos) + 1]
+    prompt_end = chat.prompt_end
+    chat.send(TURNS[1])
+    assert list(chat.tokens[prompt_end:chat.prompt_end]) == first[:first.index(eos)] + \
+        tok.template_ids(f"</s>\n<s>user\n{TURNS[1]}</s>\n<s>assistant\n")
+
+
+def test_interactive_compile_compiles_before_the_first_turn(chat_ckpt, tmp_path):
+    """--interactive --compile: the steps compile once, before the first turn (the compiler's output goes to the
+    log, not the terminal), and every turn's answer equals an eager chat's."""
+    argv = ["--policy", "keydiff", "--budget", "16", "--block-size", "4", "--max-new-tokens", "4", "--json"]
+    turns = "\n".join(TURNS[:3]) + "\n"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TMPDIR": str(tmp_path)}
+    compiled = subprocess.run([sys.executable, str(REPO / "generate.py"), "--checkpoint", str(chat_ckpt),
+                               "--interactive", "--compile", "--compile-prefill", *argv], input=turns,
+                              capture_output=True, text=True, timeout=600, env=env)
+    eager = cli(chat_ckpt, *argv, stdin=turns)
+    assert compiled.returncode == 0 and eager.returncode == 0, compiled.stderr + eager.stderr
+    assert compiled.stderr == ""
+    answers = [[json.loads(line)["token_ids"] for line in r.stdout.splitlines()] for r in (compiled, eager)]
+    assert len(answers[0]) == 3 and answers[0] == answers[1]
