@@ -3,6 +3,7 @@
 one. A killed run's temporary files are removed by the next run that writes into the same folder (their process is
 gone). A failed write is one line (EnvironmentFailure, exit 1) naming the file."""
 import errno
+import json
 import os
 import re
 import shutil
@@ -83,3 +84,27 @@ def write_atomic(path: Path, write) -> None:
 
 def write_text(path: Path, text: str) -> None:
     write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def jsonl_objects(path: Path, text: str, what: str = "a row", limit: int | None = None) -> list[dict]:
+    """The first `limit` JSON objects of a .jsonl text (blank lines skipped), each with its line number as "_line";
+    ValueError naming the line for one that is not JSON or not an object (`what` names what a line holds)."""
+    rows = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if limit is not None and len(rows) >= limit:
+            break
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {n} is not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} line {n}: {what} is a JSON object, not {json_type(row)}")
+        rows.append(row | {"_line": n})
+    return rows
+
+
+def json_type(v) -> str:
+    return {str: "a string", list: "a list", dict: "an object", bool: "true/false", type(None): "null"}.get(
+        type(v), "a number")

@@ -35,7 +35,7 @@ from cache import kv_bytes  # noqa: E402
 from checkpoint import MODELS, resolve_checkpoint, shape_config  # noqa: E402
 from cli import COMPILE_LOG, Parser, check_writable, is_verbose, run_cli, stderr_to_log  # noqa: E402
 from convert import read_config  # noqa: E402
-from files import tmp_path  # noqa: E402
+from files import jsonl_objects, tmp_path  # noqa: E402
 from cache import is_scorer  # noqa: E402
 from engine import (MIN_TEMPERATURE, compile_steps, decode_bytes_per_step, default_compile_mode,  # noqa: E402
                     generate, generate_batch, kv_cache_estimate, load_model, model_step, prefill_protocol,
@@ -188,18 +188,14 @@ def read_prompts(a) -> list[str]:
 def jsonl_prompts(path: Path, data: str) -> list[str]:
     """The "prompt" string of every non-blank line of a JSONL file; a line that is not a JSON object with a
     "prompt" string is refused, naming its line number."""
+    try:
+        rows = jsonl_objects(path, data, what="a prompt line")
+    except ValueError as e:
+        raise UserError(str(e)) from None
     texts = []
-    for n, line in enumerate(data.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path} line {n}: not JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise UserError(f"{path} line {n}: not a JSON object (expected {{\"prompt\": \"...\"}})")
+    for obj in rows:
         if not isinstance(obj.get("prompt"), str):
-            raise UserError(f"{path} line {n}: no \"prompt\" string in the object")
+            raise UserError(f"{path} line {obj['_line']}: no \"prompt\" string in the object")
         texts.append(obj["prompt"])
     if not texts:
         raise UserError(f"{path} holds no prompt (one JSON object per line)")

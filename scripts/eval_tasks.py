@@ -14,13 +14,14 @@ LongBench prompts use LongBench's own per-task template (meta["template"]); its 
 metrics.py, whose numbers the papers report, quirks included (noted where they matter).
 """
 import itertools
-import json
 import random
 import re
 import string
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from files import json_type, jsonl_objects
 
 
 @dataclass
@@ -537,25 +538,7 @@ def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
-    rows = []
-    for n, line in enumerate(text.split("\n"), 1):
-        if limit is not None and len(rows) >= limit:
-            break
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {n} is not JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path} line {n}: a row is a JSON object, not {json_type(row)}")
-        rows.append(row | {"_line": n})
-    return rows
-
-
-def json_type(v) -> str:
-    return {str: "a string", list: "a list", dict: "an object", bool: "true/false", type(None): "null"}.get(
-        type(v), "a number")
+    return jsonl_objects(path, text, limit=limit)
 
 
 def check_row(r: dict, where: str) -> None:

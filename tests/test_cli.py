@@ -239,10 +239,10 @@ def test_bad_input_one_line_exit_2(tiny_ckpt, capsys, extra, message):
 
 
 @pytest.mark.parametrize("lines,message", [
-    (['{"prompt": "the fox"}', '["the dog"]'], "line 2: not a JSON object"),
+    (['{"prompt": "the fox"}', '["the dog"]'], "line 2: a prompt line is a JSON object, not a list"),
     (['{"prompt": "the fox"}', '', '{"text": "the dog"}'], 'line 3: no "prompt" string'),
     (['{"prompt": "the fox"}', '{"prompt": 7}'], 'line 2: no "prompt" string'),
-    (['{"prompt": "the fox"', '{"prompt": "the dog"}'], "line 1: not JSON"),
+    (['{"prompt": "the fox"', '{"prompt": "the dog"}'], "line 1 is not JSON"),
     (['{"prompt": "the fox"}', '{"prompt": " "}'], "prompt 2 of the batch is empty"),
     (['', ' '], "holds no prompt"),
 ])
