@@ -729,6 +729,7 @@ def run_batch(args) -> None:
           f"{args.decode_steps} decode steps (the first a warm-up), {weights_label(args)} on {args.device}, "
           f"{'compiled' if args.compile else 'eager'}, torch threads {torch.get_num_threads()}; each row a copy of "
           f"one prefilled sequence", file=sys.stderr)
+    load = [os.getloadavg()[0]]  # the machine's 1-minute load at the start and the end (shared: say how busy)
     bw = read_bandwidth_gb_s(args.device)
     rows, prefills = [], {}
     work = Path(tempfile.mkdtemp(prefix="budgetkv-bench-batch-"))
@@ -784,9 +785,12 @@ def run_batch(args) -> None:
             f.unlink()
         work.rmdir()
     summary = batch_summary(rows, labels)
+    load.append(os.getloadavg()[0])
     if args.json:
-        save(args.json, args, settings, read_gb_s=bw, memory_cap_mib=args.memory_cap, rows=rows, summary=summary)
-    print(f"\nmeasured read bandwidth {bw:.1f} GB/s; memory cap {args.memory_cap:g} MiB; each row a copy of one "
+        save(args.json, args, settings, read_gb_s=bw, memory_cap_mib=args.memory_cap, rows=rows, summary=summary,
+             load_average=load)
+    print(f"\nload average (1 min) {load[0]:.2f} at the start, {load[1]:.2f} at the end; "
+          f"measured read bandwidth {bw:.1f} GB/s; memory cap {args.memory_cap:g} MiB; each row a copy of one "
           f"prefilled sequence ({args.prompt_tokens} tokens); ideal tok/s = B / ((weights + B x KV per sequence) / "
           f"bandwidth); peak: {next((x['memory_measure'] for x in rows if x.get('measured')), '?')} during decode\n")
     print("| policy | batch | cache slots / seq | estimate MiB (weights + cache) | fits cap | decode tok/s | "
@@ -810,7 +814,7 @@ def run_batch(args) -> None:
               + (f"{s['vs_full']:.2f}x | {s['ideal_vs_full']:.2f}x | {s['of_ideal_ratio']:.0%} |"
                  if s.get("vs_full") is not None else "| | |"))
     if args.plot:
-        plot_batch(rows, summary, args.plot, args)
+        plot_batch(rows, summary, args.plot, args, load)
         print(f"\nwrote {args.plot}", file=sys.stderr)
 
 
@@ -833,12 +837,12 @@ def batch_summary(rows: list[dict], labels: list[str]) -> dict:
     return out
 
 
-def plot_batch(rows: list[dict], summary: dict, path: Path, args) -> None:
+def plot_batch(rows: list[dict], summary: dict, path: Path, args, load: list[float]) -> None:
     """Decode tok/s against batch size per policy (dashed: the bandwidth model), the cap's largest batch starred."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
     for label, s in summary.items():
         xs = sorted((x for x in rows if x["label"] == label and x.get("measured")), key=lambda x: x["batch"])
         if not xs:
@@ -852,10 +856,11 @@ def plot_batch(rows: list[dict], summary: dict, path: Path, args) -> None:
     ax.set_yscale("log")
     ax.set(xlabel="batch size (sequences)", ylabel="decode tokens/s (all sequences)",
            title=f"{args.checkpoint} {args.dtype}, {args.prompt_tokens}-token context, budget {args.budget}, "
-                 f"cap {args.memory_cap:g} MiB")
+                 f"cap {args.memory_cap:g} MiB, load average {load[0]:.1f} -> {load[1]:.1f}")
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(title="star: largest batch under the cap; dashed: bandwidth model", title_fontsize=7)
+    ax.legend(title="star: largest batch under the cap\ndashed: bandwidth model", title_fontsize=7, fontsize=8,
+              loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     save_png(fig, path, dpi=120)
     plt.close(fig)
