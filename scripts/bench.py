@@ -42,6 +42,15 @@ VM whose speed drifts by 10% and more between processes, configurations timed in
 above) cannot resolve a few percent; alternating steps puts both under the same conditions. The bandwidth-bound
 fraction is paired the same way: a 256 MiB read probe is timed before each round of steps, and each step's bytes
 are costed at the bandwidth of its own round. `--profile [ROWS]` then prints each configuration's top kernels.
+
+    python scripts/bench.py --batch --prompt-tokens 8176 --budget 512 --memory-cap 4096 [--policies keydiff,snapkv]
+                            [--batch-sizes 1,2,4,...] [--plot docs/batch_throughput.png] [--compile]
+
+`--batch`: throughput at a memory cap. For `full` and each policy, decode tok/s (B / median step) and the decode
+peak memory at batch 1, 2, 4, ... until the next batch's estimate (weights + B rows of every layer's whole cache,
+decided before allocating) exceeds --memory-cap MiB; the largest batch under the cap; beside it the bandwidth model
+(weights read once per step, K/V once per sequence). Each row a copy of one prefilled sequence: one batch-1 prefill
+per policy (its own process), its cache state copied into every row of each batch's process.
 """
 import argparse
 import dataclasses
