@@ -1,0 +1,101 @@
+"""scripts/bench.py --batch (throughput at a memory cap): a batch whose every row is a copy of one prefilled
+sequence's cache state decodes, greedily, each row exactly as that sequence does alone (batch-1 generate()); the
+end-to-end run on tiny random-weight shapes writes one row per (policy, batch), stops at the first batch whose
+estimate (weights + whole cache) exceeds --memory-cap, and names the largest batch that fits."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import policies
+from engine import generate, load_model, model_step, prefill, prefill_protocol, prefill_step, setup, setup_batch
+from scripts import bench
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+REPO = Path(__file__).resolve().parent.parent
+BLOCK, NEW = 8, 10
+PROMPT = torch.randint(0, 512, (45,), generator=torch.Generator().manual_seed(7)).tolist()
+
+CASES = [  # (policy spec, cache budget): full, block-wise evicting with per-slot state (h2o) and a query ring
+    # (snapkv), one-shot compressions whose decode appends (snapkv++, rocketkv with its selector pages)
+    ("full", len(PROMPT) + NEW), ("keydiff", 16), ("h2o", 16), ("snapkv:window=8", 16), ("tova", 16),
+    ("snapkv++:window=4", 24), ("rocketkv:read=12,window=4", 24)]
+STATEFUL = {"h2o", "snapkv:window=8", "rocketkv:read=12,window=4"}
+
+
+@pytest.mark.parametrize("spec,budget", CASES, ids=[c[0] for c in CASES])
+def test_copied_rows_decode_as_the_batch_one_sequence(hf_tiny, spec, budget):
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    protocol = prefill_protocol(policies.make(spec), None)
+    one_shot = protocol == "one-shot"
+    L = len(PROMPT)
+    with torch.inference_mode():
+        setup(model, policies.make(spec), budget, L, NEW, BLOCK, prefill=protocol)
+        want = generate(model, PROMPT, NEW, block_size=BLOCK, steps=(prefill_step, model_step),
+                        one_shot=one_shot)[0]
+        # what bench --batch does: one batch-1 prefill, its cache state copied into every row of a fresh batch
+        setup_batch(model, policies.make(spec), budget, [L], NEW, BLOCK, prefill=protocol)
+        first = int(prefill(model, torch.tensor(PROMPT), BLOCK, one_shot=one_shot).argmax(-1)[0])
+        state = bench.cache_state(model)
+        setup_batch(model, policies.make(spec), budget, [L] * 3, NEW, BLOCK, prefill=protocol)
+        bench.copy_rows(model, state)
+        _, rows = bench.decode_rows(model, first, L, 3, NEW - 1, model_step, "cpu")
+    assert len(want) == NEW and len(set(want)) > 1  # a real sequence, not one token repeated
+    assert rows == [want] * 3
+    # the cases with policy state beyond K, V and positions (per slot, per layer): it travelled with the rows
+    assert bool(set(state[0]) - {"k", "v", "pos"}) == (spec in STATEFUL)
+
+
+def test_copy_rows_refuses_a_cache_of_another_shape(hf_tiny):
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    setup(model, policies.make("h2o"), 16, 20, 4, BLOCK)
+    state = bench.cache_state(model)
+    setup_batch(model, policies.make("h2o"), 24, [20, 20], 4, BLOCK)  # 24 slots, not 16
+    with pytest.raises(ValueError, match="is not one row of"):
+        bench.copy_rows(model, state)
+    setup_batch(model, None, 16, [8, 8], 4, BLOCK)  # full: the same slots, no policy state
+    with pytest.raises(ValueError, match="cache buffers differ"):
+        bench.copy_rows(model, state)
+
+
+@pytest.fixture
+def tiny_config_dir(tmp_path):
+    from conftest import FAMILIES
+    d = tmp_path / "tiny"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(FAMILIES["llama"], tie_word_embeddings=True)))
+    return d
+
+
+def test_batch_run_stops_at_the_cap(tiny_config_dir, tmp_path):
+    out, png, cap = tmp_path / "batch.json", tmp_path / "batch.png", 1.2
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--checkpoint", str(tiny_config_dir),
+                        "--random-weights", "--batch", "--policies", "keydiff", "--prompt-tokens", "256", "--budget",
+                        "48", "--block-size", "16", "--decode-steps", "3", "--threads", "1", "--memory-cap", str(cap),
+                        "--json", str(out), "--plot", str(png)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "each row a copy of one prefilled sequence" in r.stderr + r.stdout
+    assert "| keydiff |" in r.stdout and "| full |" in r.stdout
+    saved = json.loads(out.read_text())
+    rows, summary = saved["rows"], saved["summary"]
+    assert saved["memory_cap_mib"] == cap and saved["settings"]["mode"] == "batch"
+    for label in ("full", "keydiff"):
+        mine = [x for x in rows if x["label"] == label]
+        assert [x["batch"] for x in mine] == [2 ** i for i in range(len(mine))]  # 1, 2, 4, ... in order
+        *fit, over = mine
+        assert fit and all(x["fits"] and x["measured"] and x["estimate_mib"] <= cap for x in fit)
+        assert not over["fits"] and not over["measured"] and over["estimate_mib"] > cap  # decided, not run
+        assert "decode_tok_s" not in over
+        assert all(x["rows_identical"] and x["decode_tok_s"] > 0 and x["ideal_tok_s"] > 0 for x in fit)
+        assert [x["estimate_mib"] for x in mine] == sorted(x["estimate_mib"] for x in mine)
+        assert summary[label]["batch"] == fit[-1]["batch"]
+        assert len({tuple(x["tokens"]) for x in fit}) == 1  # every batch size decodes the same sequence
+    # keydiff's 48-slot rows are smaller than full's 256 + decode: more of them fit under the same cap
+    assert summary["keydiff"]["batch"] > summary["full"]["batch"]
+    assert summary["keydiff"]["ideal_vs_full"] > 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
