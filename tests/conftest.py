@@ -90,6 +90,17 @@ def hf_tiny(tmp_path_factory):
     return get
 
 
+@pytest.fixture
+def tiny_config_dir(tmp_path):
+    """A folder holding only a tiny llama config.json (--random-weights shapes; tied embeddings: the head must stay
+    tied)."""
+    import json
+    d = tmp_path / "tiny"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(FAMILIES["llama"], tie_word_embeddings=True)))
+    return d
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny matmuls gain nothing from threads, and on a busy 2-core machine OpenMP spinning makes them ~50x slower.

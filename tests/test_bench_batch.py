@@ -63,15 +63,6 @@ def test_copy_rows_refuses_a_cache_of_another_shape(hf_tiny):
         bench.copy_rows(model, state)
 
 
-@pytest.fixture
-def tiny_config_dir(tmp_path):
-    from conftest import FAMILIES
-    d = tmp_path / "tiny"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(dict(FAMILIES["llama"], tie_word_embeddings=True)))
-    return d
-
-
 def test_batch_run_stops_at_the_cap(tiny_config_dir, tmp_path):
     out, png, cap = tmp_path / "batch.json", tmp_path / "batch.png", 1.2
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--checkpoint", str(tiny_config_dir),

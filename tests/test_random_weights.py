@@ -54,15 +54,6 @@ def test_shipped_configs_carry_the_published_rope_and_windows():
     assert (args("llama2-7b").n_kv_heads, args("llama3.1-8b").n_kv_heads, args("qwen2.5-0.5b").n_kv_heads) == (32, 8, 2)
 
 
-@pytest.fixture
-def tiny_config_dir(tmp_path):
-    """A folder holding only a tiny llama config.json (tied embeddings: the head must stay tied)."""
-    d = tmp_path / "tiny"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(dict(FAMILIES["llama"], tie_word_embeddings=True)))
-    return d
-
-
 def run_main(argv, capsys):
     code = generate.main(argv)
     out, err = capsys.readouterr()
