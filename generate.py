@@ -154,7 +154,7 @@ def parse_args(argv=None):
                     help="chat: read one user turn per line from stdin ('> ' on a terminal), stream each answer; the "
                          "KV cache (--budget slots, default 2048 for every policy, full included) carries over "
                          "between turns. /reset, /stats, /exit (or EOF); Ctrl-C stops an answer. With --json: one "
-                         "JSON object per turn. See README's Chat section")
+                         "JSON object per turn. See docs/chat.md")
     ap.add_argument("--batch-size", type=int,
                     help="sequences generated together (default: the number of prompts). Several prompts (repeated "
                          "--prompt or --prompt-ids, a .jsonl --prompt-file) are one batch of any lengths; with one "
