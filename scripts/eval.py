@@ -8,8 +8,9 @@
 Tasks (--tasks):
   fidelity   teacher-forced natural text (Python's own pydoc topics): after a --fid-prefix-token prefix, each of the
              next --fid-tokens tokens is fed one at a time (the policy evicts at every step). Per policy and budget:
-             mean KL(full || policy) of the next-token distributions (nats), top-1 agreement with the full cache and
-             the text's perplexity. The primary measure for a small model.
+             mean KL(full || policy) of the next-token distributions (nats), top-1 agreement with the full cache,
+             acceptance as a draft (draft tokens accepted per round of --accept-k: draft_rounds) and the text's
+             perplexity. The primary measure for a small model.
   freegen    free generation from the same prefixes: --gen-tokens greedy tokens, each fed back (as a user's run
              does; a policy that evicts the tokens it just wrote can loop, which teacher forcing never shows). Per
              policy and budget: tokens until the first divergence from the full cache's continuation, token overlap
@@ -197,11 +198,37 @@ def each_config(task: str, cfgs, n_texts: int, use_args, measure, bar=None, done
     return records
 
 
+def draft_rounds(agree: list[bool], k: int) -> list[int]:
+    """Tokens accepted in each round of greedy speculative decoding with k draft tokens per round, where agree[t] says
+    whether the draft's next token equals the target's at position t. A round starting at t accepts the leading
+    agreements among agree[t:t + k] (n <= k); the target then supplies position t + n itself (its correction, or its
+    bonus token after k accepted), so the next round starts at t + n + 1. A last round that the end of `agree` cuts
+    short before a disagreement or k agreements is not counted (its outcome is unknown)."""
+    rounds, t = [], 0
+    while t < len(agree):
+        n = 0
+        while n < k and t + n < len(agree) and agree[t + n]:
+            n += 1
+        if n < k and t + n == len(agree):  # cut short by the end
+            break
+        rounds.append(n)
+        t += n + 1
+    return rounds
+
+
+def mean_accepted(agree: list[bool], k: int) -> float:
+    """Mean draft tokens accepted per round (draft_rounds); 0 when no round is complete."""
+    rounds = draft_rounds(agree, k)
+    return sum(rounds) / len(rounds) if rounds else 0.0
+
+
 @torch.inference_mode()
-def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: int, steps, bar=None,
-             done=None) -> list[dict]:
+def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: int, steps, accept_k: int = 4,
+             bar=None, done=None) -> list[dict]:
     """Teacher-force each text's continuation after `prefix` tokens; per config and text: mean KL(full || policy)
-    (nats), top-1 agreement with full and mean NLL of the text (perplexity = exp of the mean NLL)."""
+    (nats), top-1 agreement with full, the mean draft tokens accepted per round of `accept_k` when the policy's
+    cache drafts for the full cache's (mean_accepted of the top-1 agreements) and mean NLL of the text (perplexity =
+    exp of the mean NLL)."""
     total = max(len(t) for t in texts)
     use(model, "full", total, block_size)
     ref = [teacher_force(model, prefill(model, t[:prefix], steps, block_size, False), prefix, t[prefix:], steps)
@@ -213,8 +240,9 @@ def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: in
             model, prefill(model, t[:prefix], steps, block_size, protocol == "one-shot"), prefix, t[prefix:], steps)
         target = torch.tensor(t[prefix:], device=logp.device)[:, None]
         kl = (ref[i].exp() * (ref[i] - logp)).sum(-1).clamp_min(0)
-        return dict(kl=kl.mean().item(), agree=(ref[i].argmax(-1) == logp.argmax(-1)).float().mean().item(),
-                    nll=-logp.gather(-1, target).mean().item())
+        agree = ref[i].argmax(-1) == logp.argmax(-1)
+        return dict(kl=kl.mean().item(), agree=agree.float().mean().item(),
+                    accept=mean_accepted(agree.tolist(), accept_k), nll=-logp.gather(-1, target).mean().item())
 
     return each_config("fidelity", cfgs, len(texts), lambda protocol, policy, budget: (
         model, policy, budget or total, block_size, prefix, total - prefix, protocol), measure, bar, done)
@@ -385,13 +413,13 @@ def summarize(records: list[dict]) -> dict:
 
 def measures(task: str) -> list[str]:
     """What summarize averages over a task's records."""
-    return (["kl", "agree", "nll"] if task == "fidelity" else ["match", "overlap", "rep"] if task == "freegen" else
+    return (["kl", "agree", "accept", "nll"] if task == "fidelity" else ["match", "overlap", "rep"] if task == "freegen" else
             ["score"] if task.startswith("longbench/") else ["score", "partial", "logp"])
 
 
 def cell(task: str, m: dict) -> str:
     if task == "fidelity":
-        return f"{m['kl']:.3f} / {100 * m['agree']:.1f} / {m['ppl']:.2f}"
+        return f"{m['kl']:.3f} / {100 * m['agree']:.1f} / {m['accept']:.2f} / {m['ppl']:.2f}"
     if task == "freegen":
         return f"{m['match']:.1f} / {100 * m['overlap']:.1f} / {100 * m['rep']:.1f}"
     if task.startswith("longbench"):
@@ -401,7 +429,8 @@ def cell(task: str, m: dict) -> str:
 
 def legend(task: str, rows: dict) -> str:
     if task == "fidelity":
-        return "KL(full ‖ policy) nats / top-1 agreement with full % / perplexity"
+        return ("KL(full ‖ policy) nats / top-1 agreement with full % / draft tokens accepted per round (of K, as a "
+                "draft for full) / perplexity")
     if task == "freegen":
         return ("greedy continuation: tokens until the first divergence from full / token overlap with full % / "
                 "repeated 4-grams % (near 100: a loop)")
@@ -452,11 +481,12 @@ def plot(summary: dict, records: list[dict], budgets: list[int], out_dir: Path) 
 
     for task, rows in summary.items():
         if task == "fidelity":
-            fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+            fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
             lines(axes[0], {r: v for r, v in rows.items() if r != "full"}, "kl", "KL(full || policy), nats")
             axes[0].set_yscale("log")
             lines(axes[1], rows, "agree", "top-1 agreement with full, %", 100)
-            lines(axes[2], rows, "ppl", "perplexity")
+            lines(axes[2], rows, "accept", "draft tokens accepted per round (of K)")
+            lines(axes[3], rows, "ppl", "perplexity")
         elif task == "freegen":
             fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
             lines(axes[0], rows, "match", "tokens until the first divergence from full")
@@ -528,6 +558,8 @@ def parse_args(argv=None):
     ap.add_argument("--fid-prefix", type=int, default=2048, help="fidelity: tokens before the scored part (2048)")
     ap.add_argument("--fid-tokens", type=int, default=128, help="fidelity: tokens teacher-forced and scored (128)")
     ap.add_argument("--fid-texts", type=int, default=1, help="fidelity, freegen: number of text windows (1)")
+    ap.add_argument("--accept-k", type=int, default=4,
+                    help="fidelity: draft tokens per round for the acceptance measure (4; 1 to --fid-tokens)")
     ap.add_argument("--gen-tokens", type=int, default=128,
                     help="freegen: greedy tokens generated after the --fid-prefix prefix (128)")
     ap.add_argument("--longbench", type=csv(str), default=[],
@@ -591,6 +623,8 @@ def check_args(a) -> None:
     for name in ("samples", "block_size", "fid_prefix", "fid_tokens", "fid_texts", "gen_tokens"):
         if getattr(a, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 1 <= a.accept_k <= a.fid_tokens:
+        raise UserError(f"--accept-k must be between 1 and --fid-tokens ({a.fid_tokens})")
     if a.threads < 0 or a.max_new_tokens < 0 or a.longbench_limit < 0 or a.longbench_max_tokens < 0:
         raise UserError("--threads, --max-new-tokens, --longbench-limit and --longbench-max-tokens must be >= 0")
     if not all(0 <= d <= 1 for d in a.depths):
@@ -705,7 +739,7 @@ def run(a) -> int:
         with tqdm(total=len(todo) * n, desc=task, unit="prompt", dynamic_ncols=True, mininterval=1,
                   disable=not sys.stderr.isatty()) as bar:  # a progress line on a terminal only
             if task == "fidelity":
-                fidelity(model, texts, a.fid_prefix, todo, bar=bar, **kw)
+                fidelity(model, texts, a.fid_prefix, todo, accept_k=a.accept_k, bar=bar, **kw)
             elif task == "freegen":
                 freegen(model, texts, a.fid_prefix, a.gen_tokens, todo, bar=bar, **kw)
             else:
@@ -767,7 +801,7 @@ def write_outputs(a, ckpt, dtype, records, timings, wall_s, resumed=0, n_configs
     header = (f"# budgetkv eval: {a.checkpoint}\n\n{a.device}, {str(dtype).replace('torch.', '')}, block "
               f"{a.block_size}, prefill {','.join(a.prefill)}, lengths {','.join(map(str, a.lengths))}, "
               f"{a.samples} sample(s) per task/length/depth, fidelity {a.fid_texts} x ({a.fid_prefix} + "
-              f"{a.fid_tokens}) tokens, free generation {a.gen_tokens} tokens, seed {a.seed}; {wall_s:.0f} s")
+              f"{a.fid_tokens}) tokens, draft rounds of K={a.accept_k}, free generation {a.gen_tokens} tokens, seed {a.seed}; {wall_s:.0f} s")
     if resumed:
         header += f" ({resumed} of {n_configs} configurations from an earlier run, --resume)"
     reasons = sorted({why for why in NOT_APPLICABLE.values()})

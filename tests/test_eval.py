@@ -47,7 +47,7 @@ def test_fidelity_exact_without_eviction(tiny, protocol):
     assert len(records) == len(cfgs) * len(texts)
     full_nll = {r["text"]: r["nll"] for r in records if r["policy"] == "full"}
     for r in records:
-        assert r["kl"] < 1e-6 and r["agree"] == 1.0, r
+        assert r["kl"] < 1e-6 and r["agree"] == 1.0 and r["accept"] == 4.0, r  # every round accepts all K=4
         assert r["nll"] == pytest.approx(full_nll[r["text"]], abs=1e-5), r
 
 
@@ -62,6 +62,22 @@ def test_fidelity_small_budget_diverges(tiny):
     assert len(records) == len(cfgs) * len(texts)  # every configuration ran (none was not applicable)
     for r in records:
         assert r["kl"] > 1e-4, r
+
+
+def test_draft_rounds_by_hand():
+    """Rounds of K draft tokens over the teacher-forced agreements: a round accepts the leading agreements, the
+    target supplies the next position, and a round the text's end cuts short is not counted."""
+    a = [1, 1, 0, 1, 1, 1, 1, 0]
+    # K=4: t=0 accepts 2 (a[2] = 0; the target supplies 2), t=3 accepts 4 (a[3:7]; the target's bonus token is 7)
+    assert ev.draft_rounds(a, 4) == [2, 4] and ev.mean_accepted(a, 4) == 3.0
+    # K=2: t=0 accepts 2 (bonus 2), t=3 accepts 2 (bonus 5), t=6 accepts 1 (a[7] = 0)
+    assert ev.draft_rounds(a, 2) == [2, 2, 1] and ev.mean_accepted(a, 2) == pytest.approx(5 / 3)
+    # K=1: t=0 1, t=2 0, t=3 1, t=5 1, t=7 0
+    assert ev.draft_rounds(a, 1) == [1, 0, 1, 1, 0]
+    assert ev.draft_rounds([1, 1, 0, 1, 1], 4) == [2]  # the round at t=3 is cut short after 2 agreements
+    assert ev.draft_rounds([1] * 10, 4) == [4, 4] and ev.draft_rounds([1] * 8, 4) == [4]  # t=5: 3 left, cut short
+    assert ev.draft_rounds([0, 0, 0], 4) == [0, 0, 0] and ev.draft_rounds([], 4) == []
+    assert ev.mean_accepted([1, 1], 4) == 0.0  # no complete round
 
 
 def test_perplexity_matches_hf(tiny):
@@ -143,8 +159,11 @@ def test_quick_cli_writes_outputs(tiny_tok_ckpt, tmp_path, capsys):
     assert list(res["summary"]["passkey"]) == ["full", "sink", "keydiff", "sink (one-shot)", "keydiff (one-shot)"]
     assert set(res["summary"]["fidelity"]["sink"]) == {"128", "256"}  # --quick's budgets
     assert res["summary"]["fidelity"]["full"]["all"]["kl"] == 0 and res["config"]["depths"] == [0.0, 1.0]
+    assert res["summary"]["fidelity"]["full"]["all"]["accept"] == 4.0 and res["config"]["accept_k"] == 4
+    assert all(0 <= r["accept"] <= 4 for r in res["records"] if r["task"] == "fidelity")
     md = (out / "results.md").read_text()
-    assert "## fidelity" in md and "## passkey" in md and "| full (no eviction) |" in md
+    assert "## fidelity" in md and "## passkey" in md and "| full (no eviction) | 0.000 / 100.0 / 4.00 / " in md
+    assert "draft tokens accepted per round" in md and "draft rounds of K=4" in md
     for png in ["fidelity.png", "freegen.png", "passkey.png", "needle.png", "niah_heatmap_full.png", "niah_heatmap_keydiff_128.png",
                 "niah_heatmap_sink_256_one-shot.png"]:
         assert (out / png).read_bytes()[:4] == b"\x89PNG", png
@@ -173,6 +192,8 @@ def test_longbench_average(tiny_tok_ckpt, tmp_path, monkeypatch, capsys):
 BAD = [(["--policies", "full,nope"], "unknown policy"), (["--tasks", "fidelity,nope"], "unknown task"),
        (["--budgets", "128,0"], "--budgets must all be >= 1"), (["--prefill", "both"], "unknown --prefill"),
        (["--samples", "0"], "--samples must be >= 1"), (["--budgets", "x"], "invalid"),
+       (["--accept-k", "0"], "--accept-k must be between 1 and --fid-tokens (128)"),
+       (["--accept-k", "9", "--fid-tokens", "8"], "--accept-k must be between 1 and --fid-tokens (8)"),
        (["--policies", "snapkv", "--budgets", "16"], "observation window"),
        (["--longbench", "nope"], "unknown LongBench task"), (["--depths", "2"], "--depths must be in [0, 1]"),
        (["--checkpoint", "no-such-model"], "unknown checkpoint"),

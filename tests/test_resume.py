@@ -128,6 +128,7 @@ def test_eval_resume_drops_a_line_cut_short_and_adds_new_configurations(ckpt, un
     (["--seed", "1"], "seed: 0 there, 1 now"),
     (["--dtype", "bfloat16"], 'dtype: "torch.float32" there, "torch.bfloat16" now'),
     (["--fid-tokens", "9"], "fid_tokens: 8 there, 9 now"),
+    (["--accept-k", "2"], "accept_k: 4 there, 2 now"),
 ])
 def test_eval_resume_refuses_other_settings(ckpt, uninterrupted, tmp_path, capsys, extra, message):
     _, done = uninterrupted
@@ -138,6 +139,23 @@ def test_eval_resume_refuses_other_settings(ckpt, uninterrupted, tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "other settings" in err[0] and message in err[0], err
     assert (out / "results.jsonl").read_bytes() == before
+
+
+def test_eval_resume_refuses_a_journal_from_before_the_acceptance_measure(ckpt, uninterrupted, tmp_path, capsys):
+    """A journal written before --accept-k existed (no accept_k setting, no accept measure) is refused in one line
+    that names it."""
+    _, done = uninterrupted
+    out = tmp_path / "eval"
+    shutil.copytree(done, out)
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    del lines[0]["settings"]["accept_k"]
+    for e in lines[1:]:
+        for r in e["records"]:
+            r.pop("accept", None)
+    (out / "results.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert ev.main(eval_argv(ckpt, out, "--resume")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "other settings (accept_k: null there, 4 now)" in err[0], err
 
 
 @pytest.mark.parametrize("damage", ["nan", "inf", "no-records"])
