@@ -124,11 +124,13 @@ def attention_weights(cache: "KVCache", q: Tensor, q_pos: Tensor, S: int, group_
     B, Hq, R, D = q.shape
     k = cache.keys(S).float()
     H = k.shape[1]
-    logits = torch.einsum("bhgrd,bhsd->bhgrs", q.float().view(B, H, Hq // H, R, D), k) / D ** 0.5
-    mask = attention_mask(cache.pos[:, :, :S], q_pos, cache.window) & (per_row(q_pos) >= 0)[:, None, :, None]
-    mask = mask[:, :, None]
-    w = logits.masked_fill(~mask, torch.finfo(torch.float32).min).softmax(-1) * mask
-    return w.mean(2) if group_mean else w
+    logits = torch.einsum("bhgrd,bhsd->bhgrs", q.float().view(B, H, Hq // H, R, D), k).div_(D ** 0.5)
+    mask = attention_mask(cache.pos[:, :, :S], q_pos, cache.window)
+    w = logits.masked_fill_(~mask[:, :, None], torch.finfo(torch.float32).min).softmax(-1)
+    # A row that sees no slot (or is ignored) comes out zero. The rest equal softmax(...) * mask exactly (a masked
+    # entry's exp underflows to 0), so the row's flag multiplies the G-times smaller group mean, not every weight.
+    rows = (mask.any(-1) & (per_row(q_pos) >= 0)[:, None, :]).float()[..., None]  # [B, H_kv, R, 1]
+    return w.mean(2) * rows if group_mean else w * rows[:, :, None]
 
 
 class View:

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from cache import KVCache, attention_mask, evict_fill_holes
+from cache import KVCache, attention_mask, attention_weights, evict_fill_holes
 from policies import Scorer
 
 
@@ -108,3 +108,22 @@ def test_ties_keep_the_newer_position():
     evict_fill_holes(torch.zeros(1, 1, 6), 3, [k], pos)
     assert sorted(pos.flatten()[:3].tolist()) == [7, 8, 9]
     assert torch.equal(k.flatten()[:3], pos.flatten()[:3].float())
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_attention_weights_equal_the_masked_softmax_bitwise(window):
+    """attention_weights = softmax of the masked logits times the mask, averaged over each KV group, bit for bit;
+    a row that sees no slot, or whose position is -1, is all zero (batch rows with their own positions)."""
+    g = torch.Generator().manual_seed(0)
+    B, H, G, R, D, C = 2, 2, 3, 5, 16, 12
+    cache = KVCache(B, H, D, C - 2, 2, torch.float32, "cpu", None, window, H * G)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.pos.copy_(torch.randint(-1, 20, cache.pos.shape, generator=g, dtype=torch.int32))
+    q = 3 * torch.randn(B, H * G, R, D, generator=g)
+    q_pos = torch.tensor([[-1, 0, 7, 19, 25], [3, -1, 12, 2, 30]])
+    mask = attention_mask(cache.pos[:, :, :C], q_pos, window) & (q_pos >= 0)[:, None, :, None]
+    logits = torch.einsum("bhgrd,bhsd->bhgrs", q.view(B, H, G, R, D), cache.k) / D ** 0.5
+    ref = logits.masked_fill(~mask[:, :, None], torch.finfo(torch.float32).min).softmax(-1) * mask[:, :, None]
+    per_head = attention_weights(cache, q, q_pos, C, group_mean=False)
+    assert torch.equal(per_head, ref) and torch.equal(attention_weights(cache, q, q_pos, C), ref.mean(2))
+    assert (per_head[0, :, :, 0] == 0).all() and (per_head[1, :, :, 1] == 0).all()
