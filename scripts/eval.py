@@ -623,7 +623,7 @@ def check_args(a) -> None:
     for name in ("samples", "block_size", "fid_prefix", "fid_tokens", "fid_texts", "gen_tokens"):
         if getattr(a, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
-    if not 1 <= a.accept_k <= a.fid_tokens:
+    if a.accept_k < 1 or "fidelity" in a.tasks and a.accept_k > a.fid_tokens:
         raise UserError(f"--accept-k must be between 1 and --fid-tokens ({a.fid_tokens})")
     if a.threads < 0 or a.max_new_tokens < 0 or a.longbench_limit < 0 or a.longbench_max_tokens < 0:
         raise UserError("--threads, --max-new-tokens, --longbench-limit and --longbench-max-tokens must be >= 0")

@@ -62,6 +62,7 @@ def test_fidelity_small_budget_diverges(tiny):
     assert len(records) == len(cfgs) * len(texts)  # every configuration ran (none was not applicable)
     for r in records:
         assert r["kl"] > 1e-4, r
+        assert 0 <= r["accept"] <= 4 and (r["agree"] < 1 or r["accept"] == 4), r
 
 
 def test_draft_rounds_by_hand():
@@ -194,6 +195,7 @@ BAD = [(["--policies", "full,nope"], "unknown policy"), (["--tasks", "fidelity,n
        (["--samples", "0"], "--samples must be >= 1"), (["--budgets", "x"], "invalid"),
        (["--accept-k", "0"], "--accept-k must be between 1 and --fid-tokens (128)"),
        (["--accept-k", "9", "--fid-tokens", "8"], "--accept-k must be between 1 and --fid-tokens (8)"),
+       (["--accept-k", "-1", "--tasks", "passkey"], "--accept-k must be between 1 and --fid-tokens"),
        (["--policies", "snapkv", "--budgets", "16"], "observation window"),
        (["--longbench", "nope"], "unknown LongBench task"), (["--depths", "2"], "--depths must be in [0, 1]"),
        (["--checkpoint", "no-such-model"], "unknown checkpoint"),
