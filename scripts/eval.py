@@ -413,8 +413,8 @@ def summarize(records: list[dict]) -> dict:
 
 def measures(task: str) -> list[str]:
     """What summarize averages over a task's records."""
-    return (["kl", "agree", "accept", "nll"] if task == "fidelity" else ["match", "overlap", "rep"] if task == "freegen" else
-            ["score"] if task.startswith("longbench/") else ["score", "partial", "logp"])
+    return (["kl", "agree", "accept", "nll"] if task == "fidelity" else ["match", "overlap", "rep"]
+            if task == "freegen" else ["score"] if task.startswith("longbench/") else ["score", "partial", "logp"])
 
 
 def cell(task: str, m: dict) -> str:
@@ -801,7 +801,8 @@ def write_outputs(a, ckpt, dtype, records, timings, wall_s, resumed=0, n_configs
     header = (f"# budgetkv eval: {a.checkpoint}\n\n{a.device}, {str(dtype).replace('torch.', '')}, block "
               f"{a.block_size}, prefill {','.join(a.prefill)}, lengths {','.join(map(str, a.lengths))}, "
               f"{a.samples} sample(s) per task/length/depth, fidelity {a.fid_texts} x ({a.fid_prefix} + "
-              f"{a.fid_tokens}) tokens, draft rounds of K={a.accept_k}, free generation {a.gen_tokens} tokens, seed {a.seed}; {wall_s:.0f} s")
+              f"{a.fid_tokens}) tokens, draft rounds of K={a.accept_k}, free generation {a.gen_tokens} tokens, seed "
+              f"{a.seed}; {wall_s:.0f} s")
     if resumed:
         header += f" ({resumed} of {n_configs} configurations from an earlier run, --resume)"
     reasons = sorted({why for why in NOT_APPLICABLE.values()})
