@@ -17,13 +17,14 @@ from policies import Run
 INDUCTOR_CACHE = Path(__file__).resolve().parent / "build" / "inductor-cache"  # compiled steps, kept across runs
 
 
-def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | None = None) -> Transformer:
+def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | None = None, shard=None) -> Transformer:
     """Build the model from config.json and load weights without a second copy (meta init + assign).
 
     `config`: the checkpoint's config.json when the caller has read it already (read here otherwise); the model
     carries it as `model.config`, so that nobody reads it twice. A checkpoint written by scripts/quantize.py (a
     "budgetkv_quantization" entry in config.json) gets its Linears swapped for quantized ones before loading, and
-    repacked for the device's kernel after."""
+    repacked for the device's kernel after. shard(model): applied once the weights are in, before that repacking
+    (tp.apply_tp: each rank keeps its slice of every Linear)."""
     if config is None:
         config = read_config(ckpt_dir)
     args = ModelArgs.from_config(config)
@@ -61,6 +62,8 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
         raise CheckpointError(f"weights in {ckpt_dir} do not match its config.json: "
                               f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     model.inv_freq = rope_inv_freq(args).to(device)
+    if shard is not None:
+        shard(model)
     if quant is not None:
         quantize.prepare(model)  # pick each Linear's kernel for this device; says once if it falls back
     model.config = config

@@ -323,14 +323,15 @@ def pool_votes(votes: Tensor, pos: Tensor, newest: Tensor, window: int, kernel: 
 @dataclass
 class RandomScores(Scorer):
     """A seeded hash of (position, head): the floor every real policy must beat, and a neutral scorer for testing
-    the cache mechanics. Static and deterministic (no RNG state), so compiled == eager."""
+    the cache mechanics. Static and deterministic (no RNG state), so compiled == eager; the head is the model's
+    KV head index (view.head0 + local index), so a tensor-parallel rank scores its heads as one device does."""
     name = "random"
     summary = "seeded random eviction (the floor)"
     seed: int = param(0, "seed of the hash (independent of --seed, which seeds sampling)")
 
     def score(self, view):
         pos = view.pos.double()
-        head = torch.arange(pos.shape[1], device=pos.device, dtype=torch.float64)[None, :, None]
+        head = torch.arange(view.head0, view.head0 + pos.shape[1], device=pos.device, dtype=torch.float64)[None, :, None]
         x = torch.sin(pos * 12.9898 + head * 78.233 + self.seed * 37.719) * 43758.5453
         return (x - x.floor()).float()
 

@@ -1,0 +1,284 @@
+"""Tensor parallel over torch.distributed, in the spirit of gpt-fast's tp.py: N ranks (one per GPU, or processes on
+a CPU with gloo) each hold 1/N of every layer's heads and MLP columns, and their KV cache holds only their own KV
+heads: each rank evicts its own heads, with no communication.
+
+    torchrun --nproc-per-node 2 generate.py --policy keydiff --budget 2048 ...
+
+Sharding (Megatron-style; docs/tensor_parallel.md):
+- attention: the fused wqkv is column-parallel with its q, k and v parts sliced separately by head (rank r gets
+  query heads [r hq/N, (r+1) hq/N) and KV heads [r hkv/N, (r+1) hkv/N), biases too); wo is row-parallel (its input
+  columns of those query heads), its bias added on rank 0 only;
+- MLP: the fused w13 is column-parallel with its gate and up halves sliced separately; w2 is row-parallel;
+- one all-reduce (sum) after wo and one after w2: model.py's `tp_group` hook on Attention / FeedForward, a
+  functional collective, so it stays inside a compiled graph;
+- embeddings, norms and the output head are replicated (every rank computes the same logits: no gather, and the
+  same token is sampled everywhere from the same seed).
+Quantized Linears (quantize.py, int8 and int4) shard the same way with their scales, before they are packed for
+the device's kernel. N must divide the query heads, the KV heads and the MLP width: N > KV heads (KV-head
+replication) is refused. A policy that reads several KV heads at once is refused (`refusal`).
+"""
+import copy
+import dataclasses
+import os
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from errors import UserError
+
+TIMEOUT_S = float(os.environ.get("BUDGETKV_TP_TIMEOUT", 120))  # no rank waits longer in a collective
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    """This process's place in the tensor-parallel group: rank, world size, local rank, and the group (None when
+    world == 1)."""
+    rank: int
+    world: int
+    local_rank: int
+    group: object = None
+
+
+def env_world() -> int:
+    """WORLD_SIZE from torchrun's environment (1 when not started by torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_world(world: int, requested: int | None, device: str) -> None:
+    """The checks every rank makes before any collective (each rank reaches the same answer from the same flags):
+    an explicit --tp that is not torchrun's world size, a CUDA run with fewer GPUs than ranks."""
+    if requested is not None and requested != world:
+        raise UserError(f"--tp {requested} does not match torchrun's world size {world} "
+                        f"(run torchrun --nproc-per-node {requested} generate.py ...)")
+    if device.startswith("cuda") and world > 1:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n < int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+            raise UserError(f"tensor parallel over {world} ranks needs one CUDA device per rank; this machine has {n}")
+
+
+def init(device: str = "cpu", timeout_s: float = TIMEOUT_S) -> Mesh:
+    """Join torchrun's process group (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT from the environment): NCCL on
+    CUDA (this rank's device is cuda:LOCAL_RANK), gloo on CPU, with a timeout so that no rank waits forever for a
+    rank that failed. A world of 1 (no torchrun) initialises nothing."""
+    world = env_world()
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if world == 1:
+        return Mesh(0, 1, 0, None)
+    if not dist.is_initialized():
+        cuda = device.startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+                                **({"device_id": torch.device("cuda", local_rank)} if cuda else {}))
+    return Mesh(rank, world, local_rank, dist.group.WORLD)
+
+
+def finish() -> None:
+    """Leave the process group (nothing when none was joined), once every rank is done: a gloo group destroyed by
+    the interpreter's exit instead can abort the process (its worker threads still hold tensors)."""
+    if dist.is_initialized():
+        import gc
+        gc.collect()
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def start(requested: int | None, device: str, policy) -> Mesh:
+    """The command line's entry: validate (on every rank, before any collective, so that bad input fails
+    everywhere at once: an explicit --tp that is not torchrun's world size, too few GPUs, a policy refused under
+    TP), then join the group; only rank 0 prints from here on. Without torchrun and without --tp: one device,
+    nothing initialised."""
+    world = env_world()
+    check_world(world, requested, device)
+    check_policy(policy, world)
+    mesh = init(device)
+    quiet_other_ranks(mesh)
+    return mesh
+
+
+def rank_device(device: str, mesh: Mesh) -> str:
+    """This rank's device: cuda:LOCAL_RANK for a CUDA run over several ranks, else `device` as given."""
+    return f"cuda:{mesh.local_rank}" if device.startswith("cuda") and mesh.world > 1 else device
+
+
+def quiet_other_ranks(mesh: Mesh) -> Path | None:
+    """Only rank 0 prints: the other ranks' stdout goes to /dev/null and their stderr to a log file (returned), which
+    a failure on that rank alone can be read from."""
+    if mesh.rank == 0:
+        return None
+    log = Path(tempfile.gettempdir()) / f"budgetkv-rank{mesh.rank}.log"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+    return log
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+
+def check_shapes(args, world: int) -> None:
+    """N must divide the query heads, the KV heads (no KV-head replication) and the MLP width."""
+    if world == 1:
+        return
+    for what, n in (("KV heads", args.n_kv_heads), ("query heads", args.n_heads),
+                    ("MLP width (intermediate_size)", args.intermediate_size)):
+        if n % world:
+            raise UserError(f"tensor parallel over {world} ranks needs {world} to divide the model's {what} ({n}); "
+                            f"use a world size that divides {n}" + (" (KV-head replication for more ranks than KV "
+                                                                     "heads is not implemented)"
+                                                                     if what == "KV heads" else ""))
+
+
+def refusal(policy) -> str | None:
+    """Why `policy` cannot run tensor parallel (None: it can). A policy whose scores for one KV head read other KV
+    heads would see only this rank's heads: K-VEC's cross-head module (the delta least focused heads of the
+    layer) and its coverage bonus (a per-token max over all query heads, a counter of tokens kept by any head), and
+    TOVA's heads=all (one mean over every query head). Every other policy scores per KV head."""
+    if policy is None:
+        return None
+    if policy.name == "kvec" and (policy.delta > 0 or policy.lam > 0):
+        return ("kvec reads every KV head of a layer (its cross-head module and coverage bonus): refused under "
+                "tensor parallel (kvec:delta=0,lam=0, which reads one head at a time, runs)")
+    if policy.name == "tova" and getattr(policy, "heads", "group") == "all":
+        return "tova:heads=all averages over every query head of a layer: refused under tensor parallel " \
+               "(heads=group, the default, runs)"
+    return None
+
+
+def check_policy(policy, world: int) -> None:
+    if world > 1 and (why := refusal(policy)):
+        raise UserError(why)
+
+
+# -------------------------------------------------------------------------------------------------- sharding
+
+def shard_rows(t: torch.Tensor, parts: list[int], rank: int, world: int) -> torch.Tensor:
+    """Dim 0 of t cut into consecutive parts of the given sizes (wqkv's q, k, v; w13's gate, up); rank's 1/world
+    of each part, concatenated (a copy: the full tensor can be freed)."""
+    out, start = [], 0
+    for n in parts:
+        k = n // world
+        out.append(t[start + rank * k:start + (rank + 1) * k])
+        start += n
+    return torch.cat(out).contiguous()
+
+
+def shard_cols(t: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
+    """rank's 1/world of t along `dim` (a copy)."""
+    k = t.shape[dim] // world
+    return t.narrow(dim, rank * k, k).contiguous()
+
+
+def param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def shard_column(mod: nn.Module, parts: list[int], rank: int, world: int) -> None:
+    """Column-parallel: keep rank's output features of each part (a float Linear, or a quantized one with its scales:
+    int8 scales [N]; int4 scales_and_zeros [K/g, N, 2], whose N is dim 1)."""
+    from quantize import Int4Linear, Int8Linear
+    if isinstance(mod, Int4Linear) and mod.layout != "nibbles":
+        raise UserError("an int4 Linear already packed for its kernel cannot be sharded: shard before "
+                        "quantize.prepare (tp.load_model does)")
+    mod.weight = param(shard_rows(mod.weight.data, parts, rank, world))
+    if mod.bias is not None:
+        mod.bias = param(shard_rows(mod.bias.data, parts, rank, world))
+    if isinstance(mod, Int8Linear):
+        mod.scales = param(shard_rows(mod.scales.data, parts, rank, world))
+    if isinstance(mod, Int4Linear):
+        sz = mod.scales_and_zeros.data.transpose(0, 1)  # [N, K/g, 2]
+        mod.scales_and_zeros = param(shard_rows(sz, parts, rank, world).transpose(0, 1).contiguous())
+    if hasattr(mod, "out_features"):
+        mod.out_features = sum(parts) // world
+
+
+def shard_row(mod: nn.Module, rank: int, world: int) -> None:
+    """Row-parallel: keep rank's input features (int8 scales are per output feature: kept whole; int4 nibbles hold
+    two input features a byte and its scales one group of in-features a row). The bias is added once: rank 0 keeps
+    it, the others get zeros (the all-reduce sums the partial outputs)."""
+    from quantize import Int4Linear
+    if isinstance(mod, Int4Linear):
+        if mod.layout != "nibbles":
+            raise UserError("an int4 Linear already packed for its kernel cannot be sharded: shard before "
+                            "quantize.prepare (tp.load_model does)")
+        k = mod.in_features // world
+        if k % mod.groupsize:
+            raise UserError(f"int4 group size {mod.groupsize} does not divide a rank's {k} in-features of a "
+                            f"row-parallel Linear: use a smaller --groupsize or fewer ranks")
+        mod.scales_and_zeros = param(shard_cols(mod.scales_and_zeros.data, rank, world, dim=0))
+    mod.weight = param(shard_cols(mod.weight.data, rank, world))
+    if mod.bias is not None and rank != 0:
+        mod.bias = param(torch.zeros_like(mod.bias.data))
+    if hasattr(mod, "in_features"):
+        mod.in_features //= world
+
+
+def apply_tp(model, mesh: Mesh):
+    """Shard `model` in place for this rank (see the module docstring) and give it a per-rank copy of its ModelArgs
+    (n_heads, n_kv_heads divided by the world size; dim, head_dim unchanged), so that cache.make_cache allocates
+    only this rank's KV heads, and `kv_head0`, the global index of its first KV head (RandomScores hashes global
+    heads). A world of 1 changes nothing. Call before quantize.prepare for an int4 model (tp.load_model does)."""
+    world, rank = mesh.world, mesh.rank
+    if world == 1:
+        return model
+    args = model.args
+    check_shapes(args, world)
+    hq, hkv, d = args.n_heads, args.n_kv_heads, args.head_dim
+    for layer in model.layers:
+        att, ffn = layer.attention, layer.feed_forward
+        shard_column(att.wqkv, [hq * d, hkv * d, hkv * d], rank, world)
+        shard_row(att.wo, rank, world)
+        att.n_heads, att.n_kv_heads = hq // world, hkv // world
+        shard_column(ffn.w13, [args.intermediate_size, args.intermediate_size], rank, world)
+        shard_row(ffn.w2, rank, world)
+        att.tp_group = ffn.tp_group = mesh.group
+    model.full_args = args
+    model.args = dataclasses.replace(args, n_heads=hq // world, n_kv_heads=hkv // world,
+                                     intermediate_size=args.intermediate_size // world)
+    model.kv_head0 = rank * (hkv // world)
+    model.tp = mesh
+    return model
+
+
+def load_model(ckpt_dir, dtype, device: str, mesh: Mesh, config: dict | None = None):
+    """engine.load_model for this rank: the checkpoint loaded, sharded (before quantized Linears are packed for the
+    device's kernel), then prepared."""
+    import engine
+    return engine.load_model(ckpt_dir, dtype, device, config, shard=lambda m: apply_tp(m, mesh))
+
+
+# ------------------------------------------------------------------------------------------------ the summary
+
+def report(mesh: Mesh, stats: dict) -> str:
+    """Gather every rank's KV bytes and peak memory (one all_gather), add them to stats (tp_world,
+    kv_cache_bytes_per_rank, kv_cache_bytes_total, peak_bytes_per_rank, weight_bytes_per_rank) and return the
+    summary's line."""
+    keys = ("kv_cache_bytes", "process_peak_bytes", "weight_bytes")
+    rows = gather_ints([int(stats[k]) for k in keys], mesh)
+    kv, peak, weights = ([r[i] for r in rows] for i in range(len(keys)))
+    stats.update(tp_world=mesh.world, kv_cache_bytes_per_rank=kv, kv_cache_bytes_total=sum(kv),
+                 peak_bytes_per_rank=peak, weight_bytes_per_rank=weights)
+    mib = 2 ** 20
+    return (f"tensor parallel over {mesh.world} ranks: KV cache per rank "
+            f"{', '.join(f'{b / mib:.2f}' for b in kv)} MiB (total {sum(kv) / mib:.2f} MiB) | weights per rank "
+            f"{', '.join(f'{b / mib:.1f}' for b in weights)} MiB | peak memory per rank "
+            f"{', '.join(f'{b / mib:.1f}' for b in peak)} MiB")
+
+
+def gather_ints(values: list[int], mesh: Mesh) -> list[list[int]]:
+    """Every rank's `values` (the same length on each), rank by rank: one all_gather of an int64 tensor (on the
+    group's device: CPU for gloo, this rank's GPU for NCCL)."""
+    if mesh.world == 1:
+        return [list(values)]
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(mesh.group) == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.int64, device=dev)
+    out = [torch.empty_like(t) for _ in range(mesh.world)]
+    dist.all_gather(out, t, group=mesh.group)
+    return [o.tolist() for o in out]
