@@ -251,9 +251,9 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def tp_sum(x: Tensor, group) -> Tensor:
+def tp_sum(x: Tensor, group: str | None) -> Tensor:
     """x summed over the ranks of a tensor-parallel group (tp.py: each rank holds a slice of the heads or of the
-    MLP, and its row-parallel Linear a partial sum); x itself when group is None (one device: graphs unchanged).
+    MLP, and its row-parallel Linear a partial sum; group: its name); x itself when group is None (one device: graphs unchanged).
     A functional collective, so that a compiled step keeps it inside its graph."""
     if group is None:
         return x

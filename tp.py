@@ -43,6 +43,9 @@ class Mesh:
     local_rank: int
     group: object = None
 
+    def __deepcopy__(self, memo):  # a ProcessGroup cannot be copied: a copied model shares its rank's group
+        return self
+
 
 def env_world() -> int:
     """WORLD_SIZE from torchrun's environment (1 when not started by torchrun)."""
@@ -96,11 +99,11 @@ def start(requested: int | None, device: str, policy) -> Mesh:
     TP), then join the group; only rank 0 prints from here on. Without torchrun and without --tp: one device,
     nothing initialised."""
     world = env_world()
+    if world > 1:
+        quiet_other_ranks(int(os.environ.get("RANK", "0")))
     check_world(world, requested, device)
     check_policy(policy, world)
-    mesh = init(device)
-    quiet_other_ranks(mesh)
-    return mesh
+    return init(device)
 
 
 def rank_device(device: str, mesh: Mesh) -> str:
@@ -108,16 +111,18 @@ def rank_device(device: str, mesh: Mesh) -> str:
     return f"cuda:{mesh.local_rank}" if device.startswith("cuda") and mesh.world > 1 else device
 
 
-def quiet_other_ranks(mesh: Mesh) -> Path | None:
+def quiet_other_ranks(rank: int) -> Path | None:
     """Only rank 0 prints: the other ranks' stdout goes to /dev/null and their stderr to a log file (returned), which
     a failure on that rank alone can be read from."""
-    if mesh.rank == 0:
+    if rank == 0:
         return None
-    log = Path(tempfile.gettempdir()) / f"budgetkv-rank{mesh.rank}.log"
+    log = Path(tempfile.gettempdir()) / f"budgetkv-rank{rank}.log"
     sys.stdout.flush()
     sys.stderr.flush()
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-    os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+    for fd, path, flags in ((1, os.devnull, os.O_WRONLY), (2, log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        new = os.open(path, flags, 0o644)
+        os.dup2(new, fd)
+        os.close(new)
     return log
 
 
@@ -238,7 +243,7 @@ def apply_tp(model, mesh: Mesh):
         att.n_heads, att.n_kv_heads = hq // world, hkv // world
         shard_column(ffn.w13, [args.intermediate_size, args.intermediate_size], rank, world)
         shard_row(ffn.w2, rank, world)
-        att.tp_group = ffn.tp_group = mesh.group
+        att.tp_group = ffn.tp_group = mesh.group.group_name  # a name: the model stays copyable
     model.full_args = args
     model.args = dataclasses.replace(args, n_heads=hq // world, n_kv_heads=hkv // world,
                                      intermediate_size=args.intermediate_size // world)

@@ -149,17 +149,61 @@ def quantized(model, mode: str):
     return model
 
 
+def plain_kernels(model):
+    """Every quantized Linear on its dequantize + matmul kernel, in fp32: sharding then changes only the order of
+    wo's and w2's sums (the fused kernels round each rank's partial output to bfloat16, checked separately)."""
+    import quantize
+    for mod in model.modules():
+        if isinstance(mod, (quantize.Int8Linear, quantize.Int4Linear)):
+            quantize.pack_for_kernel(mod, "linear" if isinstance(mod, quantize.Int8Linear) else "dequant")
+    return model
+
+
+def fused_linears(qfull, qshard, mesh) -> dict:
+    """With the device's fused kernels (bfloat16 inside): each column-parallel shard's output equals its slice of
+    the whole Linear's output, and the row-parallel shards' outputs summed over the ranks equal the whole output,
+    within bfloat16 rounding (relative to the output's largest value)."""
+    from torch.distributed._functional_collectives import all_reduce
+    x = torch.randn(1, 5, qfull.args.dim, generator=torch.Generator().manual_seed(3))
+    full, shard, r, n = qfull.layers[0], qshard.layers[0], mesh.rank, mesh.world
+    args = qfull.args
+    hq, hkv, d, I = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.head_dim, \
+        args.intermediate_size
+    errs = {}
+    with torch.inference_mode():
+        y = full.attention.wqkv(x)
+        parts = [y[..., :hq], y[..., hq:hq + hkv], y[..., hq + hkv:]]
+        want = torch.cat([p.chunk(n, -1)[r] for p in parts], -1)
+        errs["wqkv"] = rel(shard.attention.wqkv(x), want)
+        g, u = full.feed_forward.w13(x).chunk(2, -1)
+        errs["w13"] = rel(shard.feed_forward.w13(x), torch.cat([g.chunk(n, -1)[r], u.chunk(n, -1)[r]], -1))
+        xo = torch.randn(1, 5, hq, generator=torch.Generator().manual_seed(4))
+        errs["wo"] = rel(all_reduce(shard.attention.wo(xo.chunk(n, -1)[r]), "sum", mesh.group),
+                         full.attention.wo(xo))
+        xi = torch.randn(1, 5, I, generator=torch.Generator().manual_seed(5))
+        errs["w2"] = rel(all_reduce(shard.feed_forward.w2(xi.chunk(n, -1)[r]), "sum", mesh.group),
+                         full.feed_forward.w2(xi))
+    del d
+    return errs
+
+
+def rel(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
 def quant_suite(mesh):
     import quantize
     results = {}
     for mode in ("int8", "int4"):
         qfull = quantized(tiny_model("kv2"), mode)
         qshard = tp.apply_tp(copy.deepcopy(qfull), mesh)
+        plain = plain_kernels(copy.deepcopy(qfull)), plain_kernels(copy.deepcopy(qshard))
         kernels = quantize.prepare(qfull), quantize.prepare(qshard)
         wqkv = qshard.layers[0].attention.wqkv
         for spec, prefill in (("keydiff", "block"), ("snapkv++", "one-shot")):
-            r = compare(run(qfull, spec, prefill), run(qshard, spec, prefill), mesh, qshard.args.n_kv_heads)
-            r.update(kernels=[sorted(k) for k in kernels], wqkv_out=wqkv.out_features, wqkv_type=type(wqkv).__name__)
+            r = compare(run(plain[0], spec, prefill), run(plain[1], spec, prefill), mesh, qshard.args.n_kv_heads)
+            r.update(kernels=[sorted(k) for k in kernels], wqkv_out=wqkv.out_features, wqkv_type=type(wqkv).__name__,
+                     fused_rel_err=fused_linears(qfull, qshard, mesh))
             results[f"kv2|{spec}|{prefill}|{mode}"] = r
     return results
 
