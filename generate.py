@@ -537,7 +537,8 @@ def run(a) -> int:
                  bandwidth_gb_s=(weight_b + kv_read_b) * decode_steps_per_s(stats) / 1e9,
                  max_new_tokens=a.max_new_tokens,
                  clamped_to_context={flag[2:]: {"default": d, "used": v} for flag, (d, v) in clamped.items()})
-    tp_line = tp.report(mesh, stats) if mesh.world > 1 else None  # every rank's KV bytes and peaks    sys.stdout.flush()
+    tp_line = tp.report(mesh, model, stats) if mesh.world > 1 else None  # every rank's KV bytes and peaks
+    sys.stdout.flush()
     if batched:
         seqs = [{"text": None if a.random_weights else decoded(o), "token_ids": o, "prompt_tokens": n,
                  "generated_tokens": len(o)} for o, n in zip(outs, lens)]

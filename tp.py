@@ -89,8 +89,9 @@ def finish() -> None:
         gc.collect()
         try:
             dist.barrier()
-        finally:
-            dist.destroy_process_group()
+        except Exception:  # a rank already lost: nothing to wait for (its failure is what the user reads)
+            pass
+        dist.destroy_process_group()
 
 
 def start(requested: int | None, device: str, policy) -> Mesh:
@@ -253,28 +254,84 @@ def apply_tp(model, mesh: Mesh):
 
 
 def load_model(ckpt_dir, dtype, device: str, mesh: Mesh, config: dict | None = None):
-    """engine.load_model for this rank: the checkpoint loaded, sharded (before quantized Linears are packed for the
-    device's kernel), then prepared."""
+    """engine.load_model for this rank: the checkpoint read on the host, sharded there, only this rank's slices
+    moved to `device`, then quantized Linears packed for its kernel. (Each rank still reads the whole checkpoint
+    into host memory once: reading only its slices is not implemented.)"""
     import engine
-    return engine.load_model(ckpt_dir, dtype, device, config, shard=lambda m: apply_tp(m, mesh))
+    if mesh.world == 1:
+        return engine.load_model(ckpt_dir, dtype, device, config)
+
+    def shard(model):
+        apply_tp(model, mesh)
+        model.to(device)
+    return engine.load_model(ckpt_dir, dtype, "cpu", config, shard=shard)
+
+
+# ------------------------------------------------------------------------------------------------ memory plan
+
+SHARDED = ("attention.wqkv.", "attention.wo.weight", "feed_forward.w13.", "feed_forward.w2.weight")
+
+
+def weight_bytes_per_rank(config: dict, world: int, dtype: torch.dtype) -> int:
+    """Bytes of the weights one rank holds (float weights in dtype): the sharded Linears' 1/world (wqkv and w13
+    with their biases, wo and w2), everything else whole (embeddings, output head, norms, wo's bias). From the
+    meta-device model: nothing is allocated."""
+    import engine
+    model = engine.meta_model(config)
+    seen, total = set(), 0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:  # a tied head: one tensor
+            continue
+        seen.add(id(p))
+        n = p.numel() // world if any(s in name for s in SHARDED) else p.numel()
+        total += n * dtype.itemsize
+    return total
+
+
+def memory_table(config: dict, worlds=(1, 2, 4, 8), contexts=(8192, 16384, 32768, 65536, 131072),
+                 budget: int = 2048, block: int = 128, dtype: torch.dtype = torch.bfloat16) -> str:
+    """A markdown table of one rank's weights and KV cache (GiB) for each world size: the full cache for each
+    context (every token held: context + block slots per layer and KV head) against a budget (budget + block
+    slots, whatever the context)."""
+    import engine
+    from model import ModelArgs
+    args = ModelArgs.from_config(config)
+    gib = 2 ** 30
+    head = ["ranks", "weights / rank"] + [f"KV full {c // 1024}K / rank" for c in contexts] + \
+        [f"KV budget {budget} / rank", f"total / rank, {contexts[-1] // 1024}K: full vs budget"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for n in worlds:
+        if args.n_kv_heads % n:
+            continue
+        local = dataclasses.replace(args, n_kv_heads=args.n_kv_heads // n)
+        w = weight_bytes_per_rank(config, n, dtype)
+        full = [engine.kv_cache_estimate(local, c + block, dtype) for c in contexts]
+        bud = engine.kv_cache_estimate(local, budget + block, dtype)
+        rows.append("| " + " | ".join([str(n), f"{w / gib:.1f}"] + [f"{f / gib:.2f}" for f in full] +
+                                      [f"{bud / gib:.2f}", f"{(w + full[-1]) / gib:.1f} vs {(w + bud) / gib:.1f}"])
+                    + " |")
+    return "\n".join(rows)
 
 
 # ------------------------------------------------------------------------------------------------ the summary
 
-def report(mesh: Mesh, stats: dict) -> str:
-    """Gather every rank's KV bytes and peak memory (one all_gather), add them to stats (tp_world,
-    kv_cache_bytes_per_rank, kv_cache_bytes_total, peak_bytes_per_rank, weight_bytes_per_rank) and return the
+def report(mesh: Mesh, model, stats: dict) -> str:
+    """Every rank's KV cache bytes, weight bytes and peak memory (the largest of generate()'s startup, prefill and
+    decode peaks), gathered with one all_gather (every rank calls it), added to stats (tp_world,
+    kv_cache_bytes_per_rank, kv_cache_bytes_total, weight_bytes_per_rank, peak_bytes_per_rank); returns the
     summary's line."""
-    keys = ("kv_cache_bytes", "process_peak_bytes", "weight_bytes")
-    rows = gather_ints([int(stats[k]) for k in keys], mesh)
-    kv, peak, weights = ([r[i] for r in rows] for i in range(len(keys)))
+    from cache import kv_bytes
+    peak = max(stats.get(k, 0) for k in ("startup_peak_bytes", "prefill_peak_bytes", "decode_peak_bytes"))
+    weights = sum(p.nbytes for p in model.parameters())
+    rows = gather_ints([kv_bytes(model), weights, peak], mesh)
+    kv, weights, peak = ([r[i] for r in rows] for i in range(3))
     stats.update(tp_world=mesh.world, kv_cache_bytes_per_rank=kv, kv_cache_bytes_total=sum(kv),
-                 peak_bytes_per_rank=peak, weight_bytes_per_rank=weights)
+                 weight_bytes_per_rank=weights, peak_bytes_per_rank=peak)
     mib = 2 ** 20
     return (f"tensor parallel over {mesh.world} ranks: KV cache per rank "
             f"{', '.join(f'{b / mib:.2f}' for b in kv)} MiB (total {sum(kv) / mib:.2f} MiB) | weights per rank "
             f"{', '.join(f'{b / mib:.1f}' for b in weights)} MiB | peak memory per rank "
-            f"{', '.join(f'{b / mib:.1f}' for b in peak)} MiB")
+            f"{', '.join(f'{b / mib:.1f}' for b in peak)} MiB ({stats.get('memory_measure', 'peak')})")
 
 
 def gather_ints(values: list[int], mesh: Mesh) -> list[list[int]]:

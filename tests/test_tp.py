@@ -148,6 +148,35 @@ def test_cli_under_torchrun(tmp_path):
     assert len(got["peak_bytes_per_rank"]) == 2 and min(got["peak_bytes_per_rank"]) > 0
 
 
+def test_cli_loads_checkpoints(hf_tiny, tmp_path):
+    """A float checkpoint under torchrun gives one process's tokens; an int4 one (quantized Linears sharded before
+    they are packed for the CPU kernel) runs; an int4 group size that does not divide a rank's in-features of wo
+    (64 > 32) is one line, exit 2."""
+    from conftest import with_tiny_tokenizer
+    from quantize import quantize_dir
+    _, src = hf_tiny("llama")
+    tiny = with_tiny_tokenizer(src, tmp_path / "tok", "the quick brown fox jumps over the lazy dog")
+    args = ["--prompt", "the quick brown fox", "--max-new-tokens", "5", "--json", "--threads", "1"]
+    one = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(tiny), *args], cwd=REPO, env=env(),
+                         capture_output=True, text=True, timeout=120)
+    p = torchrun(["generate.py", "--checkpoint", str(tiny), *args], 180)
+    assert p.returncode == 0 and one.returncode == 0, p.stderr[-3000:] + one.stderr
+    assert json.loads(p.stdout)["token_ids"] == json.loads(one.stdout)["token_ids"]
+    for groupsize, code in ((32, 0), (64, 2)):
+        q = tmp_path / f"int4-g{groupsize}"
+        quantize_dir(tiny, "int4", groupsize, out=q)
+        r0, r1 = two_ranks(["--checkpoint", str(q), *args], timeout=120)
+        assert (r0.returncode, r1.returncode) == (code, code), r0.stderr + r1.stderr
+        if code == 0:
+            got = json.loads(r0.stdout)
+            assert got["generated_tokens"] == 5 and got["tp_world"] == 2
+        else:
+            assert r0.stderr.strip().splitlines() == [
+                "error: int4 group size 64 does not divide a rank's 32 in-features of a row-parallel Linear: use a "
+                "smaller --groupsize or fewer ranks"]
+        assert r1.stdout == r1.stderr == ""
+
+
 def two_ranks(args: list, timeout: int = 60, **extra) -> list[subprocess.CompletedProcess]:
     """generate.py as 2 ranks with torchrun's environment, each its own process (so that each rank's exit code and
     output can be read)."""
