@@ -669,6 +669,7 @@ def weights_format(config: dict, dtype: str) -> str:
 
 
 def main(argv=None) -> int:
+    tp.quiet_other_ranks()  # under torchrun only rank 0 prints, from the first line on
     try:
         return run_cli(run, parse_args(argv))
     finally:

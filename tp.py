@@ -15,7 +15,7 @@ Sharding (Megatron-style; docs/tensor_parallel.md):
   same token is sampled everywhere from the same seed).
 Quantized Linears (quantize.py, int8 and int4) shard the same way with their scales, before they are packed for
 the device's kernel. N must divide the query heads, the KV heads and the MLP width: N > KV heads (KV-head
-replication) is refused. A policy that reads several KV heads at once is refused (`refusal`).
+replication) is refused. The few policy rules that read every KV head of a layer gather them (policies.all_heads).
 """
 import copy
 import dataclasses
@@ -97,11 +97,8 @@ def finish() -> None:
 def start(requested: int | None, device: str, policy) -> Mesh:
     """The command line's entry: validate (on every rank, before any collective, so that bad input fails
     everywhere at once: an explicit --tp that is not torchrun's world size, too few GPUs, a policy refused under
-    TP), then join the group; only rank 0 prints from here on. Without torchrun and without --tp: one device,
-    nothing initialised."""
+    TP), then join the group. Without torchrun and without --tp: one device, nothing initialised."""
     world = env_world()
-    if world > 1:
-        quiet_other_ranks(int(os.environ.get("RANK", "0")))
     check_world(world, requested, device)
     check_policy(policy, world)
     return init(device)
@@ -112,10 +109,12 @@ def rank_device(device: str, mesh: Mesh) -> str:
     return f"cuda:{mesh.local_rank}" if device.startswith("cuda") and mesh.world > 1 else device
 
 
-def quiet_other_ranks(rank: int) -> Path | None:
-    """Only rank 0 prints: the other ranks' stdout goes to /dev/null and their stderr to a log file (returned), which
-    a failure on that rank alone can be read from."""
-    if rank == 0:
+def quiet_other_ranks() -> Path | None:
+    """Only rank 0 prints (under torchrun; call it first thing, so that a bad flag is one line too): the other
+    ranks' stdout goes to /dev/null and their stderr to a log file (returned), which a failure on that rank alone
+    can be read from."""
+    rank = int(os.environ.get("RANK", "0"))
+    if env_world() == 1 or rank == 0:
         return None
     log = Path(tempfile.gettempdir()) / f"budgetkv-rank{rank}.log"
     sys.stdout.flush()
@@ -143,19 +142,10 @@ def check_shapes(args, world: int) -> None:
 
 
 def refusal(policy) -> str | None:
-    """Why `policy` cannot run tensor parallel (None: it can). A policy whose scores for one KV head read other KV
-    heads would see only this rank's heads: K-VEC's cross-head module (the delta least focused heads of the
-    layer) and its coverage bonus (a per-token max over all query heads, a counter of tokens kept by any head), and
-    TOVA's heads=all (one mean over every query head). Every other policy scores per KV head."""
-    if policy is None:
-        return None
-    if policy.name == "kvec" and (policy.delta > 0 or policy.lam > 0):
-        return ("kvec reads every KV head of a layer (its cross-head module and coverage bonus): refused under "
-                "tensor parallel (kvec:delta=0,lam=0, which reads one head at a time, runs)")
-    if policy.name == "tova" and getattr(policy, "heads", "group") == "all":
-        return "tova:heads=all averages over every query head of a layer: refused under tensor parallel " \
-               "(heads=group, the default, runs)"
-    return None
+    """Why `policy` cannot run tensor parallel (None: it can): its own `tp_refusal()`. Every registered policy runs:
+    those that score each KV head alone need nothing, and the two rules that read every head of a layer gather
+    them (policies.all_heads, max_over_ranks: K-VEC's cross-head module and coverage, TOVA's heads=all)."""
+    return None if policy is None else policy.tp_refusal()
 
 
 def check_policy(policy, world: int) -> None:
@@ -249,6 +239,7 @@ def apply_tp(model, mesh: Mesh):
     model.args = dataclasses.replace(args, n_heads=hq // world, n_kv_heads=hkv // world,
                                      intermediate_size=args.intermediate_size // world)
     model.kv_head0 = rank * (hkv // world)
+    model.tp_group = mesh.group.group_name  # the caches' (policies that read every head gather over it)
     model.tp = mesh
     return model
 

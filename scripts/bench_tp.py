@@ -101,6 +101,7 @@ def run(a) -> int:
 
 
 def main(argv=None) -> int:
+    tp.quiet_other_ranks()  # under torchrun only rank 0 prints, from the first line on
     try:
         return run_cli(run, parser().parse_args(argv))
     finally:

@@ -10,8 +10,10 @@ processes with torchrun's environment), tiny GQA models with 2 and 4 KV heads, f
 - int8 / int4 weights: sharded with their scales (tokens, logits, kept sets on the fp32 dequantize kernels; each
   sharded Linear on the fused bfloat16 kernels against the whole one);
 - the command line under torchrun: only rank 0 prints, the summary's per-rank KV bytes, the tokens of one
-  process; bad input (world-size mismatch, a refused policy, 2 ranks for 1 KV head, too few GPUs): one line on
-  rank 0, exit 2 on every rank, no hang; a lost rank does not hang the other (the group's timeout).
+  process; bad input (world-size mismatch, --device cuda without CUDA, 2 ranks for 1 KV head, an int4 group
+  size, too few GPUs): one line on rank 0, exit 2 on every rank, no hang; a lost rank does not hang the other (the group's
+  timeout); a policy's refusal (none of the registered ones refuses: K-VEC and tova:heads=all gather the heads
+  they read) is one line.
 """
 import json
 import os
@@ -79,15 +81,30 @@ def test_tp2_equals_tp1(eager, model, spec, prefill):
 def test_every_policy_is_covered():
     """A new policy in the registry is in the TP cases (or the test must say why not)."""
     import policies
-    covered = {spec.split(":delta")[0] for spec, _ in cases()}
+    covered = {spec for spec, _ in cases()}
     assert set(policies.REGISTRY) | {"full"} <= covered
 
 
-def test_policies_reading_other_heads_are_refused(eager):
+def test_no_registered_policy_is_refused(eager):
+    """The rules that read every KV head of a layer (K-VEC, tova:heads=all) gather them: nothing is refused."""
     for rank in (0, 1):
         for model in MODELS:
             refused = eager[rank][f"{model}|refused"]
-            assert all(refused.values()), refused
+            assert not any(refused.values()), refused
+
+
+def test_a_policy_can_refuse_tp():
+    """A policy that cannot run per rank says why (tp_refusal), and tp.check_policy turns it into one line."""
+    import policies
+    import tp
+    from errors import UserError
+
+    class Whole(policies.KeyNorm):
+        def tp_refusal(self):
+            return "whole: reads every head, refused under tensor parallel"
+    tp.check_policy(Whole(), 1)
+    with pytest.raises(UserError, match="^whole: reads every head, refused under tensor parallel$"):
+        tp.check_policy(Whole(), 2)
 
 
 def test_compiled(tmp_path):
@@ -197,16 +214,18 @@ def two_ranks(args: list, timeout: int = 60, **extra) -> list[subprocess.Complet
     return out
 
 
-@pytest.mark.parametrize("case", ["world", "policy", "kv_heads"])
+@pytest.mark.parametrize("case", ["world", "cuda", "kv_heads"])
 def test_bad_input_exits_2_on_every_rank(tmp_path, case):
-    extra, over = {"world": (["--tp", "4"], {}), "policy": (["--policy", "kvec"], {}),
+    extra, over = {"world": (["--tp", "4"], {}), "cuda": (["--device", "cuda"], {}),
                    "kv_heads": ([], {"num_key_value_heads": 1})}[case]
+    if case == "cuda" and torch.cuda.is_available():
+        pytest.skip("checks a machine without CUDA")
     ckpt = tiny_config(tmp_path, **over)
     r0, r1 = two_ranks(gen_args(ckpt, *extra))
     assert (r0.returncode, r1.returncode) == (2, 2), (r0.stderr, r1.stderr)
     lines = r0.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), r0.stderr
-    want = {"world": "does not match torchrun's world size 2", "policy": "refused under tensor parallel",
+    want = {"world": "does not match torchrun's world size 2", "cuda": "CUDA is not available",
             "kv_heads": "to divide the model's KV heads (1)"}[case]
     assert want in lines[0]
     assert r1.stdout == r1.stderr == "", "only rank 0 prints"

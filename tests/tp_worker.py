@@ -87,16 +87,17 @@ def compare(ref, got, mesh: tp.Mesh, hkv_local: int) -> dict:
 
 
 def cases() -> list[tuple[str, str]]:
-    """(policy spec, protocol) for every registered policy under each protocol it allows; kvec with its per-head
-    settings (its defaults are refused under TP)."""
+    """(policy spec, protocol) for every registered policy under each protocol it allows, plus the settings that
+    read every KV head of a layer (gathered across ranks): tova:heads=all, K-VEC's cross-head module picking one
+    head of the layer (delta=1) and its coverage alone (delta=0)."""
     out = [("full", "block"), ("full", "one-shot")]
     for name, cls in policies.REGISTRY.items():
-        spec = "kvec:delta=0,lam=0" if name == "kvec" else name
         for prefill in ("block", "one-shot"):
             if cls.protocol == "one-shot" and prefill == "block":
                 continue
-            out.append((spec, prefill))
-    return out
+            out.append((name, prefill))
+    return out + [("tova:heads=all", "block"), ("tova:heads=all", "one-shot"), ("kvec:delta=1", "one-shot"),
+                  ("kvec:delta=0", "one-shot")]
 
 
 def eager_suite(mesh):
@@ -110,8 +111,7 @@ def eager_suite(mesh):
             r = compare(run(full, spec, prefill), run(shard, spec, prefill), mesh, hkv)
             r["seconds"] = time.perf_counter() - t
             results[f"{mname}|{spec}|{prefill}"] = r
-        results[f"{mname}|refused"] = {s: tp.refusal(policies.make(s)) for s in ("kvec", "kvec:delta=3,lam=0",
-                                                                                  "kvec:delta=0,lam=1", "tova:heads=all")}
+        results[f"{mname}|refused"] = {s: tp.refusal(policies.make(s)) for s in policies.REGISTRY}
     return results
 
 
