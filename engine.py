@@ -115,19 +115,23 @@ def check_fits(label: str, n_params: int, dtype: torch.dtype, device: str, kv_by
 
 
 def random_model(config: dict, dtype: torch.dtype, device: str, seed: int = 0, std: float = 0.02, *,
-                 label: str = "the model", kv_bytes: int = 0) -> Transformer:
+                 label: str = "the model", kv_bytes: int = 0, shard=None, n_params: int | None = None) -> Transformer:
     """The model of a config.json with seeded random weights instead of a checkpoint's (speed and memory do not
     depend on the values): every Linear and the embedding normal(0, std), norms 1, biases 0. Built on the meta
     device, then each tensor allocated once, in `dtype`, on `device` and filled there (no float32 copy on the host
     for a bfloat16 run; a tied head shares the embedding). Refused (UserError) before any allocation when the weights
-    plus kv_bytes (the KV cache the caller will allocate) exceed the device's free memory."""
+    plus kv_bytes (the KV cache the caller will allocate) exceed the device's free memory. shard(name, module):
+    called on each module once its own tensors are made, to keep a slice of them (tp.random_model: a rank holds
+    its shard plus at most one whole tensor at a time, with the values of the whole model's); n_params: the
+    parameters that then remain (what check_fits counts)."""
     model = meta_model(config)
     args = model.args
-    check_fits(f"{label}'s shapes", parameter_count(model), dtype, device, kv_bytes)
+    check_fits(f"{label}'s shapes", n_params or parameter_count(model), dtype, device, kv_bytes)
     gen = torch.Generator(device=device).manual_seed(seed)
     made, keep = {}, []  # keep: the meta tensors stay alive, so that no id is reused during the walk
     with torch.no_grad():
-        for module in model.modules():
+        for module_name, module in model.named_modules():
+            meta = {name: p for name, p in module._parameters.items() if p is not None}
             for name, p in list(module._parameters.items()):
                 if p is None:
                     continue
@@ -142,6 +146,10 @@ def random_model(config: dict, dtype: torch.dtype, device: str, seed: int = 0, s
                     made[id(p)] = torch.nn.Parameter(t)
                     keep.append(p)
                 module._parameters[name] = made[id(p)]
+            if shard is not None:
+                shard(module_name, module)
+                for name, p in meta.items():  # only the slice stays referenced: the whole tensor is freed
+                    made[id(p)] = module._parameters[name]
     if args.tie_embeddings:
         assert model.output.weight is model.tok_embeddings.weight
     model.inv_freq = rope_inv_freq(args).to(device)

@@ -441,7 +441,7 @@ def run(a) -> int:
         kv_need = len(prompts) * kv_cache_estimate(args, token_budget + a.block_size, kv_dtype or dtype)  # every layer's
         if a.prefill == "one-shot":  # and one layer's scratch of the whole (padded) prompt
             kv_need += kv_cache_estimate(args, -(-L // a.block_size) * a.block_size, kv_dtype or dtype) // args.n_layers
-        model = tp.apply_tp(random_model(config, dtype, a.device, a.seed or 0, label=shapes, kv_bytes=kv_need), mesh)
+        model = tp.random_model(config, dtype, a.device, a.seed or 0, mesh, label=shapes, kv_bytes=kv_need)
     plan = dict(prefill=a.prefill, evict_before_attend=a.evict_before_attend, kv_dtype=kv_dtype)
     if batched:
         budget = setup_batch(model, policy, token_budget, lens, a.max_new_tokens, a.block_size, **plan)

@@ -216,32 +216,65 @@ def shard_row(mod: nn.Module, rank: int, world: int) -> None:
         mod.in_features //= world
 
 
+def shard_module(name: str, mod: nn.Module, args, mesh: Mesh) -> None:
+    """The sharding rule of one module, by its name in model.py: wqkv column-parallel by q, k, v parts, wo
+    row-parallel, w13 column-parallel by gate and up halves, w2 row-parallel; anything else stays whole."""
+    rank, world = mesh.rank, mesh.world
+    hq, hkv, d, inter = args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size
+    if name.endswith("attention.wqkv"):
+        shard_column(mod, [hq * d, hkv * d, hkv * d], rank, world)
+    elif name.endswith("attention.wo"):
+        shard_row(mod, rank, world)
+    elif name.endswith("feed_forward.w13"):
+        shard_column(mod, [inter, inter], rank, world)
+    elif name.endswith("feed_forward.w2"):
+        shard_row(mod, rank, world)
+
+
 def apply_tp(model, mesh: Mesh):
-    """Shard `model` in place for this rank (see the module docstring) and give it a per-rank copy of its ModelArgs
-    (n_heads, n_kv_heads divided by the world size; dim, head_dim unchanged), so that cache.make_cache allocates
-    only this rank's KV heads, and `kv_head0`, the global index of its first KV head (RandomScores hashes global
-    heads). A world of 1 changes nothing. Call before quantize.prepare for an int4 model (tp.load_model does)."""
-    world, rank = mesh.world, mesh.rank
-    if world == 1:
+    """Shard `model` in place for this rank (see the module docstring) and localize it. A world of 1 changes
+    nothing. Call before quantize.prepare for an int4 model (tp.load_model does)."""
+    if mesh.world == 1:
         return model
-    args = model.args
-    check_shapes(args, world)
-    hq, hkv, d = args.n_heads, args.n_kv_heads, args.head_dim
+    check_shapes(model.args, mesh.world)
+    for name, mod in list(model.named_modules()):
+        shard_module(name, mod, model.args, mesh)
+    return localize(model, mesh)
+
+
+def localize(model, mesh: Mesh):
+    """After its Linears are sharded: the per-rank head counts on each Attention, the all-reduce group on each
+    Attention / FeedForward, a per-rank copy of ModelArgs (n_heads, n_kv_heads, intermediate_size divided by the
+    world size; dim, head_dim unchanged), so that cache.make_cache allocates only this rank's KV heads, and
+    `kv_head0`, the model's index of its first KV head (RandomScores hashes the model's heads)."""
+    world, args = mesh.world, model.args
+    hq, hkv = args.n_heads // world, args.n_kv_heads // world
     for layer in model.layers:
-        att, ffn = layer.attention, layer.feed_forward
-        shard_column(att.wqkv, [hq * d, hkv * d, hkv * d], rank, world)
-        shard_row(att.wo, rank, world)
-        att.n_heads, att.n_kv_heads = hq // world, hkv // world
-        shard_column(ffn.w13, [args.intermediate_size, args.intermediate_size], rank, world)
-        shard_row(ffn.w2, rank, world)
-        att.tp_group = ffn.tp_group = mesh.group.group_name  # a name: the model stays copyable
+        layer.attention.n_heads, layer.attention.n_kv_heads = hq, hkv
+        layer.attention.tp_group = layer.feed_forward.tp_group = mesh.group.group_name  # a name: copyable
     model.full_args = args
-    model.args = dataclasses.replace(args, n_heads=hq // world, n_kv_heads=hkv // world,
+    model.args = dataclasses.replace(args, n_heads=hq, n_kv_heads=hkv,
                                      intermediate_size=args.intermediate_size // world)
-    model.kv_head0 = rank * (hkv // world)
+    model.kv_head0 = mesh.rank * hkv
     model.tp_group = mesh.group.group_name  # the caches' (policies that read every head gather over it)
     model.tp = mesh
     return model
+
+
+def random_model(config: dict, dtype, device: str, seed: int, mesh: Mesh, *, label: str, kv_bytes: int = 0):
+    """engine.random_model for this rank: the whole model's values (the same generator stream), each Linear
+    sliced as soon as it is made, so that a rank holds its shard plus one whole tensor at a time (Llama-3.1-70B on
+    8 GPUs never needs the whole model on one). kv_bytes: the whole model's KV cache (a rank holds 1/N)."""
+    import engine
+    from model import ModelArgs
+    if mesh.world == 1:
+        return engine.random_model(config, dtype, device, seed, label=label, kv_bytes=kv_bytes)
+    args = ModelArgs.from_config(config)
+    check_shapes(args, mesh.world)
+    n = weight_bytes_per_rank(config, mesh.world, dtype) // dtype.itemsize
+    model = engine.random_model(config, dtype, device, seed, label=label, kv_bytes=kv_bytes // mesh.world,
+                                shard=lambda name, mod: shard_module(name, mod, args, mesh), n_params=n)
+    return localize(model, mesh)
 
 
 def load_model(ckpt_dir, dtype, device: str, mesh: Mesh, config: dict | None = None):

@@ -62,7 +62,7 @@ def run(a) -> int:
     dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16}[a.dtype]
     config, label = shape_config(a.checkpoint)
-    model = tp.apply_tp(engine.random_model(config, dtype, device, 0, label=label), mesh)
+    model = tp.random_model(config, dtype, device, 0, mesh, label=label)
     group = model.layers[0].attention.tp_group
     L = a.prompt_tokens
     engine.setup(model, policy, a.budget if policy is not None else L + 2 * a.steps + 2, L, 2 * a.steps + 2,

@@ -147,7 +147,7 @@ def gen_args(ckpt, *extra) -> list:
 
 def test_cli_under_torchrun(tmp_path):
     """torchrun --nproc-per-node 2 generate.py: one JSON object (rank 0 only), the tokens of one process, per-rank
-    and total KV bytes (each rank half the KV heads) and peaks."""
+    and total KV bytes (each rank half the KV heads), weights (its shard) and peaks."""
     ckpt = tiny_config(tmp_path)
     args = gen_args(ckpt, "--policy", "snapkv:window=8", "--json")
     one = subprocess.run([sys.executable, "generate.py", *args], cwd=REPO, env=env(), capture_output=True, text=True,
@@ -163,6 +163,9 @@ def test_cli_under_torchrun(tmp_path):
     assert got["kv_cache_bytes_per_rank"] == [want["kv_cache_bytes"] // 2] * 2
     assert got["kv_cache_bytes_total"] == want["kv_cache_bytes"]
     assert len(got["peak_bytes_per_rank"]) == 2 and min(got["peak_bytes_per_rank"]) > 0
+    import tp  # each rank built only its shard of the random weights (tp.random_model), with one process's values
+    config = json.loads((ckpt / "config.json").read_text())
+    assert got["weight_bytes_per_rank"] == [tp.weight_bytes_per_rank(config, 2, torch.float32)] * 2
 
 
 def test_cli_loads_checkpoints(hf_tiny, tmp_path):
