@@ -113,6 +113,9 @@ def test_compiled(tmp_path):
     cores; seconds from build/inductor-cache)."""
     for rank_results in suite("compiled", tmp_path, timeout=900):
         for key, r in rank_results.items():
+            if key.endswith("explain"):  # one graph, no break, 2 all-reduces per layer (2 layers) inside it
+                assert r == dict(graphs=1, breaks=0, all_reduces=4), (key, r)
+                continue
             check_case(r)
             assert r["again"] == r["tp"], key
 

@@ -127,6 +127,14 @@ def compiled_suite(mesh):
     for spec, prefill in COMPILED:
         ref = run(full, spec, prefill)
         torch._dynamo.reset()
+        # the decode step is one graph holding the 2 all-reduces of every layer
+        tok, pos = torch.zeros(1, 1, dtype=torch.long), torch.tensor([PROMPT_LEN])
+        setup(shard, policies.make(spec), BUDGET, PROMPT_LEN, NEW, BLOCK, prefill=prefill)  # (run() sets up again)
+        with torch.inference_mode():
+            exp = torch._dynamo.explain(engine.model_step)(shard, tok, pos)
+        results[f"kv2|{spec}|explain"] = dict(graphs=exp.graph_count, breaks=exp.graph_break_count,
+                                              all_reduces=sum(str(g.code).count("all_reduce") for g in exp.graphs))
+        torch._dynamo.reset()
         steps = engine.compile_steps("cpu", prefill=prefill == "block")
         t = time.perf_counter()
         with torch._dynamo.config.patch(error_on_recompile=True):
