@@ -253,8 +253,8 @@ class RMSNorm(nn.Module):
 
 def tp_sum(x: Tensor, group: str | None) -> Tensor:
     """x summed over the ranks of a tensor-parallel group (tp.py: each rank holds a slice of the heads or of the
-    MLP, and its row-parallel Linear a partial sum; group: its name); x itself when group is None (one device: graphs unchanged).
-    A functional collective, so that a compiled step keeps it inside its graph."""
+    MLP, and its row-parallel Linear a partial sum; group: its name); x itself when group is None (one device: the
+    code path and its graphs unchanged). A functional collective, so that a compiled step keeps it in its graph."""
     if group is None:
         return x
     from torch.distributed._functional_collectives import all_reduce

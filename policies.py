@@ -355,7 +355,8 @@ class RandomScores(Scorer):
 
     def score(self, view):
         pos = view.pos.double()
-        head = torch.arange(view.head0, view.head0 + pos.shape[1], device=pos.device, dtype=torch.float64)[None, :, None]
+        head = torch.arange(view.head0, view.head0 + pos.shape[1], device=pos.device,
+                            dtype=torch.float64)[None, :, None]
         x = torch.sin(pos * 12.9898 + head * 78.233 + self.seed * 37.719) * 43758.5453
         return (x - x.floor()).float()
 

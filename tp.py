@@ -17,7 +17,6 @@ Quantized Linears (quantize.py, int8 and int4) shard the same way with their sca
 the device's kernel. N must divide the query heads, the KV heads and the MLP width: N > KV heads (KV-head
 replication) is refused. The few policy rules that read every KV head of a layer gather them (policies.all_heads).
 """
-import copy
 import dataclasses
 import os
 import sys

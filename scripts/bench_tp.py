@@ -7,11 +7,11 @@ shapes with seeded random weights (speed does not depend on the values).
 After a block-wise prefill of --prompt-tokens random ids, --steps decode steps alternate between the real step and
 the same step with the all-reduces switched off (every Attention / FeedForward's tp_group set to None: the same
 per-rank compute, no communication; its output is wrong and thrown away; both kinds write the same cache, which
-changes which slots are kept, never a step's shapes). Each rank times its own steps (device sync before and after); rank 0 prints every rank's median
-step time, the median without all-reduces, and the all-reduce share 1 - without / with (it includes waiting for
-the slowest rank: what a rank really loses to the collectives). --compile compiles both kinds (two graphs; CUDA
-graphs on a GPU). On CPU with gloo this is a correctness run: two processes on one machine's cores are slower than
-one (docs/tensor_parallel.md).
+changes which slots are kept, never a step's shapes). Each rank times its own steps (device sync before and after);
+rank 0 prints every rank's median step time, the median without all-reduces, and the all-reduce share 1 - without /
+with (it includes waiting for the slowest rank: what a rank really loses to the collectives). --compile compiles
+both kinds (two graphs; CUDA graphs on a GPU). On CPU with gloo this is a correctness run: two processes on one
+machine's cores are slower than one (docs/tensor_parallel.md).
 """
 import argparse
 import json

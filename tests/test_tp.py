@@ -9,11 +9,11 @@ processes with torchrun's environment), tiny GQA models with 2 and 4 KV heads, f
   decode steps) and rocketkv (one-shot, the selector's decode step): docs/testing.md says why these two;
 - int8 / int4 weights: sharded with their scales (tokens, logits, kept sets on the fp32 dequantize kernels; each
   sharded Linear on the fused bfloat16 kernels against the whole one);
-- the command line under torchrun: only rank 0 prints, the summary's per-rank KV bytes, the tokens of one
-  process; bad input (world-size mismatch, --device cuda without CUDA, 2 ranks for 1 KV head, an int4 group
-  size, too few GPUs): one line on rank 0, exit 2 on every rank, no hang; a lost rank does not hang the other (the group's
-  timeout); a policy's refusal (none of the registered ones refuses: K-VEC and tova:heads=all gather the heads
-  they read) is one line.
+- the command line under torchrun: only rank 0 prints, the summary's per-rank KV bytes, the tokens of one process;
+  bad input (world-size mismatch, --device cuda without CUDA, 2 ranks for 1 KV head, an int4 group size, too few
+  GPUs): one line on rank 0, exit 2 on every rank, no hang; a lost rank does not hang the other (the group's
+  timeout); a policy's refusal (none of the registered ones refuses: K-VEC and tova:heads=all gather the heads they
+  read) is one line.
 """
 import json
 import os

@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 import engine  # noqa: E402
 import policies  # noqa: E402
 import tp  # noqa: E402
-from engine import generate, prefill_protocol, setup  # noqa: E402
+from engine import generate, setup  # noqa: E402
 
 BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=2048,
             rms_norm_eps=1e-5, rope_theta=10000.0, model_type="llama", architectures=["LlamaForCausalLM"])
@@ -175,8 +175,7 @@ def fused_linears(qfull, qshard, mesh) -> dict:
     x = torch.randn(1, 5, qfull.args.dim, generator=torch.Generator().manual_seed(3))
     full, shard, r, n = qfull.layers[0], qshard.layers[0], mesh.rank, mesh.world
     args = qfull.args
-    hq, hkv, d, I = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.head_dim, \
-        args.intermediate_size
+    hq, hkv, I = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.intermediate_size
     errs = {}
     with torch.inference_mode():
         y = full.attention.wqkv(x)
@@ -191,7 +190,6 @@ def fused_linears(qfull, qshard, mesh) -> dict:
         xi = torch.randn(1, 5, I, generator=torch.Generator().manual_seed(5))
         errs["w2"] = rel(all_reduce(shard.feed_forward.w2(xi.chunk(n, -1)[r]), "sum", mesh.group),
                          full.feed_forward.w2(xi))
-    del d
     return errs
 
 
