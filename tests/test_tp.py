@@ -6,7 +6,8 @@ processes with torchrun's environment), tiny GQA models with 2 and 4 KV heads, f
   per layer equal the TP=1 sets of the same KV heads; the reference's top-1 margin at every step is asserted to be
   far above the logit difference, so that equal tokens are not luck;
 - compiled (fullgraph, error_on_recompile, functional all-reduce inside the graph): keydiff block-wise (prefill and
-  decode steps) and rocketkv (one-shot, the selector's decode step): docs/testing.md says why these two;
+  decode steps), rocketkv (one-shot, the selector's decode step) and tova:heads=all (an all-gather in the decode
+  step): docs/testing.md says why these three;
 - int8 / int4 weights: sharded with their scales (tokens, logits, kept sets on the fp32 dequantize kernels; each
   sharded Linear on the fused bfloat16 kernels against the whole one);
 - the command line under torchrun: only rank 0 prints, the summary's per-rank KV bytes, the tokens of one process;
@@ -113,8 +114,9 @@ def test_compiled(tmp_path):
     cores; seconds from build/inductor-cache)."""
     for rank_results in suite("compiled", tmp_path, timeout=900):
         for key, r in rank_results.items():
-            if key.endswith("explain"):  # one graph, no break, 2 all-reduces per layer (2 layers) inside it
-                assert r == dict(graphs=1, breaks=0, all_reduces=4), (key, r)
+            if key.endswith("explain"):  # one graph, no break, 2 all-reduces per layer (2 layers) inside it,
+                gathers = 2 if "heads=all" in key else 0  # and tova:heads=all's all-gather per layer
+                assert r == dict(graphs=1, breaks=0, all_reduces=4, all_gathers=gathers), (key, r)
                 continue
             check_case(r)
             assert r["again"] == r["tp"], key

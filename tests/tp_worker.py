@@ -115,7 +115,7 @@ def eager_suite(mesh):
     return results
 
 
-COMPILED = [("keydiff", "block"), ("rocketkv", "one-shot")]  # docs/testing.md says why these two
+COMPILED = [("keydiff", "block"), ("rocketkv", "one-shot"), ("tova:heads=all", "one-shot")]  # docs/testing.md: why
 
 
 def compiled_suite(mesh):
@@ -133,7 +133,8 @@ def compiled_suite(mesh):
         with torch.inference_mode():
             exp = torch._dynamo.explain(engine.model_step)(shard, tok, pos)
         results[f"kv2|{spec}|explain"] = dict(graphs=exp.graph_count, breaks=exp.graph_break_count,
-                                              all_reduces=sum(str(g.code).count("all_reduce") for g in exp.graphs))
+                                              all_reduces=sum(str(g.code).count("all_reduce(") for g in exp.graphs),
+                                              all_gathers=sum(str(g.code).count("all_gather") for g in exp.graphs))
         torch._dynamo.reset()
         steps = engine.compile_steps("cpu", prefill=prefill == "block")
         t = time.perf_counter()
