@@ -17,14 +17,16 @@ from policies import Run
 INDUCTOR_CACHE = Path(__file__).resolve().parent / "build" / "inductor-cache"  # compiled steps, kept across runs
 
 
-def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | None = None, shard=None) -> Transformer:
+def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | None = None, shard=None,
+               read=None) -> Transformer:
     """Build the model from config.json and load weights without a second copy (meta init + assign).
 
     `config`: the checkpoint's config.json when the caller has read it already (read here otherwise); the model
     carries it as `model.config`, so that nobody reads it twice. A checkpoint written by scripts/quantize.py (a
     "budgetkv_quantization" entry in config.json) gets its Linears swapped for quantized ones before loading, and
     repacked for the device's kernel after. shard(model): applied once the weights are in, before that repacking
-    (tp.apply_tp: each rank keeps its slice of every Linear)."""
+    (tp.apply_tp: each rank keeps its slice of every Linear); with read(path), which reads an engine file's
+    tensors already sliced (tp.read_slices), shard is applied to the empty model before the loading instead."""
     if config is None:
         config = read_config(ckpt_dir)
     args = ModelArgs.from_config(config)
@@ -34,7 +36,7 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
         from safetensors import SafetensorError
         from safetensors.torch import load_file
         try:
-            tensors = load_file(str(engine_file))
+            tensors = load_file(str(engine_file)) if read is None else read(engine_file)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read {engine_file} (truncated or corrupt?): {e}") from None
     else:
@@ -50,6 +52,9 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
         if quant is not None:
             import quantize
             quantize.swap_linears(model, quant)
+    sliced = read is not None and engine_file.is_file()
+    if shard is not None and sliced:
+        shard(model)
     try:
         missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     except RuntimeError as e:
@@ -62,7 +67,7 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
         raise CheckpointError(f"weights in {ckpt_dir} do not match its config.json: "
                               f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     model.inv_freq = rope_inv_freq(args).to(device)
-    if shard is not None:
+    if shard is not None and not sliced:
         shard(model)
     if quant is not None:
         quantize.prepare(model)  # pick each Linear's kernel for this device; says once if it falls back

@@ -277,17 +277,81 @@ def random_model(config: dict, dtype, device: str, seed: int, mesh: Mesh, *, lab
 
 
 def load_model(ckpt_dir, dtype, device: str, mesh: Mesh, config: dict | None = None):
-    """engine.load_model for this rank: the checkpoint read on the host, sharded there, only this rank's slices
-    moved to `device`, then quantized Linears packed for its kernel. (Each rank still reads the whole checkpoint
-    into host memory once: reading only its slices is not implemented.)"""
+    """engine.load_model for this rank, then quantized Linears packed for its device's kernel. An engine file (a
+    converted or quantized checkpoint) is read slice by slice: a rank reads only its slices of the sharded Linears
+    (read_slices). A Hugging Face folder is read whole on the host, sharded there, and only the slices move to
+    `device`."""
     import engine
+    from convert import ENGINE_FILE, read_config
+    from model import ModelArgs
     if mesh.world == 1:
         return engine.load_model(ckpt_dir, dtype, device, config)
+    if (ckpt_dir / ENGINE_FILE).is_file():
+        config = config if config is not None else read_config(ckpt_dir)
+        args = ModelArgs.from_config(config)
+        return engine.load_model(ckpt_dir, dtype, device, config, shard=lambda m: apply_tp(m, mesh),
+                                 read=lambda path: read_slices(path, args, mesh))
 
     def shard(model):
         apply_tp(model, mesh)
         model.to(device)
     return engine.load_model(ckpt_dir, dtype, "cpu", config, shard=shard)
+
+
+def slice_rule(name: str, args):
+    """How a checkpoint tensor is cut for a rank, the tensor-level form of shard_module: ("parts", dim, sizes) for
+    wqkv / w13 (their q, k, v or gate, up parts along `dim`; int4 scales_and_zeros [K/g, N, 2] along dim 1),
+    ("split", dim) for wo / w2 (their in-features: dim 1, int4 scales_and_zeros dim 0), ("rank0",) for wo's bias,
+    None for a tensor every rank keeps whole (int8 scales of wo / w2 are per output row; everything outside them)."""
+    module, _, suffix = name.rpartition(".")
+    hq, hkv, d, inter = args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size
+    if not name.startswith("layers."):
+        return None
+    if module.endswith(("attention.wqkv", "feed_forward.w13")):
+        parts = [hq * d, hkv * d, hkv * d] if module.endswith("wqkv") else [inter, inter]
+        return ("parts", 1 if suffix == "scales_and_zeros" else 0, parts)
+    if module.endswith(("attention.wo", "feed_forward.w2")):
+        if suffix == "bias":
+            return ("rank0",)
+        if suffix == "scales":
+            return None
+        return ("split", 0 if suffix == "scales_and_zeros" else 1)
+    return None
+
+
+def read_slices(path, args, mesh: Mesh) -> dict:
+    """The engine file's tensors as this rank keeps them (slice_rule), each sharded Linear's slices read on their
+    own (safetensors' get_slice: only those bytes), so that a rank never holds the whole checkpoint."""
+    from safetensors import safe_open
+    rank, world = mesh.rank, mesh.world
+    out = {}
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():
+            rule = slice_rule(name, args)
+            if rule is None:
+                out[name] = f.get_tensor(name)
+                continue
+            if rule[0] == "rank0":
+                t = f.get_tensor(name)
+                out[name] = t if rank == 0 else torch.zeros_like(t)
+                continue
+            sl = f.get_slice(name)
+            shape = sl.get_shape()
+            dim = rule[1]
+            bounds = []
+            if rule[0] == "split":
+                k = shape[dim] // world
+                bounds.append((rank * k, (rank + 1) * k))
+            else:
+                start = 0
+                for n in rule[2]:
+                    k = n // world
+                    bounds.append((start + rank * k, start + (rank + 1) * k))
+                    start += n
+            pieces = [sl[tuple(slice(a, b) if i == dim else slice(None) for i in range(len(shape)))]
+                      for a, b in bounds]
+            out[name] = torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ memory plan

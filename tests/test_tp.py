@@ -202,6 +202,36 @@ def test_cli_loads_checkpoints(hf_tiny, tmp_path):
         assert r1.stdout == r1.stderr == ""
 
 
+@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
+def test_reading_slices_equals_sharding_the_whole(hf_tiny, tmp_path, mode):
+    """A rank that reads only its slices of an engine file (tp.read_slices) gets exactly the tensors it keeps when
+    it loads the whole checkpoint and shards it (the Hugging Face folder path), quantized scales included; no
+    process group is needed to check that (a stand-in group)."""
+    import types
+
+    import engine
+    import tp
+    from convert import ENGINE_FILE, read_hf_dir
+    from quantize import quantize_dir
+    from safetensors.torch import save_file
+    _, src = hf_tiny("llama")
+    ckpt = tmp_path / mode
+    if mode == "float":
+        ckpt.mkdir()
+        (ckpt / "config.json").write_text((src / "config.json").read_text())
+        save_file({k: v.contiguous() for k, v in read_hf_dir(src).items()}, str(ckpt / ENGINE_FILE))
+    else:
+        quantize_dir(src, mode, 32 if mode == "int4" else None, out=ckpt)
+    for rank in (0, 1):
+        mesh = tp.Mesh(rank, 2, rank, types.SimpleNamespace(group_name="stand-in"))
+        sliced = tp.load_model(ckpt, torch.float32, "cpu", mesh).state_dict()
+        whole = engine.load_model(ckpt, torch.float32, "cpu", shard=lambda m: tp.apply_tp(m, mesh)).state_dict()
+        assert sliced.keys() == whole.keys()
+        for k in whole:
+            assert torch.equal(sliced[k], whole[k]), k
+        assert sliced["layers.0.attention.wqkv.weight"].shape[0] == (4 + 2 * 2) * 16 // 2
+
+
 def two_ranks(args: list, timeout: int = 60, **extra) -> list[subprocess.CompletedProcess]:
     """generate.py as 2 ranks with torchrun's environment, each its own process (so that each rank's exit code and
     output can be read)."""
