@@ -202,6 +202,19 @@ def test_cli_loads_checkpoints(hf_tiny, tmp_path):
         assert r1.stdout == r1.stderr == ""
 
 
+def test_bench_tp(tmp_path):
+    """scripts/bench_tp.py under torchrun: one JSON line from rank 0 with each rank's step times and all-reduce
+    share (between 0 and 1: the step without the collectives is the faster one)."""
+    p = torchrun(["scripts/bench_tp.py", "--checkpoint", str(tiny_config(tmp_path)), "--policy", "keydiff",
+                  "--budget", "32", "--prompt-tokens", "40", "--block-size", "16", "--steps", "4", "--threads", "1",
+                  "--json"], 120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (line,) = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    out = json.loads(line)
+    assert out["world"] == 2 and len(out["step_ms_per_rank"]) == 2
+    assert all(0 < s < 1 for s in out["allreduce_share_per_rank"]), out
+
+
 @pytest.mark.parametrize("mode", ["float", "int8", "int4"])
 def test_reading_slices_equals_sharding_the_whole(hf_tiny, tmp_path, mode):
     """A rank that reads only its slices of an engine file (tp.read_slices) gets exactly the tensors it keeps when
