@@ -148,6 +148,7 @@ def refusal(policy) -> str | None:
 
 
 def check_policy(policy, world: int) -> None:
+    """UserError (one line) for a policy that cannot run over `world` ranks."""
     if world > 1 and (why := refusal(policy)):
         raise UserError(why)
 
