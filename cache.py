@@ -151,6 +151,8 @@ class View:
         self.q, self.input_pos, self.query_pos, self.slot = q, input_pos, query_pos, slot
         self.shared = {} if shared is None else shared
         self.layer, self.n_heads, self.n_kv_heads = cache.layer, cache.n_heads, cache.k.shape[1]
+        # tensor parallel: the model's index of the first KV head here (not 0 on rank > 0), the group of all ranks
+        self.head0, self.tp_group = cache.head0, cache.tp_group
         self.head_dim, self.dtype = cache.k.shape[3], cache.dtype
         self.budget = budget or cache.keep_budget
         self.keep = keep or self.budget
@@ -239,8 +241,11 @@ class KVCache(nn.Module):
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, budget: int, block_size: int,
                  dtype: torch.dtype, device, policy=None, window: int | None = None, n_heads: int | None = None,
                  scratch: bool = False, kv_dtype: torch.dtype | None = None, keep_budget: int | None = None,
-                 layer: int = 0, keep: int | None = None):
+                 layer: int = 0, keep: int | None = None, head0: int = 0, tp_group: str | None = None):
         super().__init__()
+        # Tensor parallel (tp.py): this buffer holds KV heads [head0, head0 + n_kv_heads) of the model's, and the
+        # few policies that read every head of a layer gather them over tp_group (None: one device)
+        self.head0, self.tp_group = head0, tp_group
         # kv_dtype int8: K and V stored as int8 with one scale per token and head (the buffer shrinks ~2x vs
         # bf16, ~4x vs fp32); `keys`/`values` dequantize to `dtype` for attention and for every policy's scores.
         self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
@@ -481,7 +486,8 @@ def make_cache(model, batch: int, budget: int, block_size: int, policy=None, scr
                keep: int | None = None) -> KVCache:
     args, p = model.args, model.tok_embeddings.weight
     return KVCache(batch, args.n_kv_heads, args.head_dim, budget, block_size, p.dtype, p.device, policy,
-                   args.sliding_window, args.n_heads, scratch, kv_dtype, keep_budget, layer, keep)
+                   args.sliding_window, args.n_heads, scratch, kv_dtype, keep_budget, layer, keep,
+                   getattr(model, "kv_head0", 0), getattr(model, "tp_group", None))
 
 
 def setup_caches(model, batch: int, budget: int, block_size: int, policy=None, evict_before_attend=False,

@@ -17,13 +17,16 @@ from policies import Run
 INDUCTOR_CACHE = Path(__file__).resolve().parent / "build" / "inductor-cache"  # compiled steps, kept across runs
 
 
-def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | None = None) -> Transformer:
+def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | None = None, shard=None,
+               read=None) -> Transformer:
     """Build the model from config.json and load weights without a second copy (meta init + assign).
 
     `config`: the checkpoint's config.json when the caller has read it already (read here otherwise); the model
     carries it as `model.config`, so that nobody reads it twice. A checkpoint written by scripts/quantize.py (a
     "budgetkv_quantization" entry in config.json) gets its Linears swapped for quantized ones before loading, and
-    repacked for the device's kernel after."""
+    repacked for the device's kernel after. shard(model): applied once the weights are in, before that repacking
+    (tp.apply_tp: each rank keeps its slice of every Linear); with read(path), which reads an engine file's
+    tensors already sliced (tp.read_slices), shard is applied to the empty model before the loading instead."""
     if config is None:
         config = read_config(ckpt_dir)
     args = ModelArgs.from_config(config)
@@ -33,7 +36,7 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
         from safetensors import SafetensorError
         from safetensors.torch import load_file
         try:
-            tensors = load_file(str(engine_file))
+            tensors = load_file(str(engine_file)) if read is None else read(engine_file)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read {engine_file} (truncated or corrupt?): {e}") from None
     else:
@@ -49,6 +52,9 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
         if quant is not None:
             import quantize
             quantize.swap_linears(model, quant)
+    sliced = read is not None and engine_file.is_file()
+    if shard is not None and sliced:
+        shard(model)
     try:
         missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     except RuntimeError as e:
@@ -61,6 +67,8 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
         raise CheckpointError(f"weights in {ckpt_dir} do not match its config.json: "
                               f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     model.inv_freq = rope_inv_freq(args).to(device)
+    if shard is not None and not sliced:
+        shard(model)
     if quant is not None:
         quantize.prepare(model)  # pick each Linear's kernel for this device; says once if it falls back
     model.config = config
@@ -112,19 +120,23 @@ def check_fits(label: str, n_params: int, dtype: torch.dtype, device: str, kv_by
 
 
 def random_model(config: dict, dtype: torch.dtype, device: str, seed: int = 0, std: float = 0.02, *,
-                 label: str = "the model", kv_bytes: int = 0) -> Transformer:
+                 label: str = "the model", kv_bytes: int = 0, shard=None, n_params: int | None = None) -> Transformer:
     """The model of a config.json with seeded random weights instead of a checkpoint's (speed and memory do not
     depend on the values): every Linear and the embedding normal(0, std), norms 1, biases 0. Built on the meta
     device, then each tensor allocated once, in `dtype`, on `device` and filled there (no float32 copy on the host
     for a bfloat16 run; a tied head shares the embedding). Refused (UserError) before any allocation when the weights
-    plus kv_bytes (the KV cache the caller will allocate) exceed the device's free memory."""
+    plus kv_bytes (the KV cache the caller will allocate) exceed the device's free memory. shard(name, module):
+    called on each module once its own tensors are made, to keep a slice of them (tp.random_model: a rank holds
+    its shard plus at most one whole tensor at a time, with the values of the whole model's); n_params: the
+    parameters that then remain (what check_fits counts)."""
     model = meta_model(config)
     args = model.args
-    check_fits(f"{label}'s shapes", parameter_count(model), dtype, device, kv_bytes)
+    check_fits(f"{label}'s shapes", n_params or parameter_count(model), dtype, device, kv_bytes)
     gen = torch.Generator(device=device).manual_seed(seed)
     made, keep = {}, []  # keep: the meta tensors stay alive, so that no id is reused during the walk
     with torch.no_grad():
-        for module in model.modules():
+        for module_name, module in model.named_modules():
+            meta = {name: p for name, p in module._parameters.items() if p is not None}
             for name, p in list(module._parameters.items()):
                 if p is None:
                     continue
@@ -139,6 +151,10 @@ def random_model(config: dict, dtype: torch.dtype, device: str, seed: int = 0, s
                     made[id(p)] = torch.nn.Parameter(t)
                     keep.append(p)
                 module._parameters[name] = made[id(p)]
+            if shard is not None:
+                shard(module_name, module)
+                for name, p in meta.items():  # only the slice stays referenced: the whole tensor is freed
+                    made[id(p)] = module._parameters[name]
     if args.tie_embeddings:
         assert model.output.weight is model.tok_embeddings.weight
     model.inv_freq = rope_inv_freq(args).to(device)

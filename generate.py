@@ -42,6 +42,7 @@ from engine import (MIN_TEMPERATURE, compile_steps, decode_bytes_per_step, defau
                     prefill_step, random_model, set_threads, setup, setup_batch, sync, warm_up)
 from model import ModelArgs  # noqa: E402
 import progress  # noqa: E402
+import tp  # noqa: E402
 from progress import Progress, Ticker  # noqa: E402
 
 MAX_PROMPT_BYTES = 64 << 20  # far more text than any supported model's context holds
@@ -142,6 +143,9 @@ def parse_args(argv=None):
                     help="CPU threads torch uses (intra-op and inter-op; default: one per core). Threads wait "
                          "passively (OMP_WAIT_POLICY=PASSIVE unless set), so a busy machine slows a run down instead "
                          "of collapsing it; idle, OMP_WAIT_POLICY=ACTIVE decodes faster (docs/performance.md)")
+    ap.add_argument("--tp", type=int, metavar="N",
+                    help="tensor parallel over N ranks: run under torchrun --nproc-per-node N (which sets the ranks; "
+                         "this flag only checks that the world size is N). docs/tensor_parallel.md")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cpu, cuda or cuda:N (default: cuda when available)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -388,6 +392,10 @@ def run(a) -> int:
     check_args(a)
     progress.quiet = a.quiet  # for every line of this run: a conversion's too
     policy = policies.make(a.policy)  # unknown names and parameters fail before any loading
+    mesh = tp.start(a.tp, a.device, policy)  # under torchrun: every rank validates, then joins; only rank 0 prints
+    a.device = tp.rank_device(a.device, mesh)
+    if mesh.world > 1 and a.interactive:
+        raise UserError("--interactive reads its turns on one process; it does not run under tensor parallel")
     a.prefill = prefill_protocol(policy, a.prefill)
     if a.prefill == "one-shot" and a.compile_prefill is not None:
         raise UserError("--compile-prefill / --no-compile-prefill apply to --prefill block: a one-shot prefill never "
@@ -402,13 +410,14 @@ def run(a) -> int:
         config, shapes = shape_config(a.checkpoint)
         ckpt, tokenizer, model = a.checkpoint, None, None
         args = ModelArgs.from_config(config)
+        tp.check_shapes(args, mesh.world)
         prompts = batch_of(a, prompt_ids(a, args.vocab_size))
     else:
         ckpt = resolve_checkpoint(a.checkpoint)
         config = read_config(ckpt)  # read once: the architecture check, the model and the quantization marker
-        ModelArgs.from_config(config)  # an unsupported architecture is reported before anything else
+        tp.check_shapes(ModelArgs.from_config(config), mesh.world)  # an unsupported architecture: before anything
         tokenizer = load_tokenizer(ckpt)
-        model = load_model(ckpt, dtype, a.device, config)
+        model = tp.load_model(ckpt, dtype, a.device, mesh, config)
         args = model.args
         if a.interactive:
             import chat
@@ -432,7 +441,7 @@ def run(a) -> int:
         kv_need = len(prompts) * kv_cache_estimate(args, token_budget + a.block_size, kv_dtype or dtype)  # every layer's
         if a.prefill == "one-shot":  # and one layer's scratch of the whole (padded) prompt
             kv_need += kv_cache_estimate(args, -(-L // a.block_size) * a.block_size, kv_dtype or dtype) // args.n_layers
-        model = random_model(config, dtype, a.device, a.seed or 0, label=shapes, kv_bytes=kv_need)
+        model = tp.random_model(config, dtype, a.device, a.seed or 0, mesh, label=shapes, kv_bytes=kv_need)
     plan = dict(prefill=a.prefill, evict_before_attend=a.evict_before_attend, kv_dtype=kv_dtype)
     if batched:
         budget = setup_batch(model, policy, token_budget, lens, a.max_new_tokens, a.block_size, **plan)
@@ -528,6 +537,7 @@ def run(a) -> int:
                  bandwidth_gb_s=(weight_b + kv_read_b) * decode_steps_per_s(stats) / 1e9,
                  max_new_tokens=a.max_new_tokens,
                  clamped_to_context={flag[2:]: {"default": d, "used": v} for flag, (d, v) in clamped.items()})
+    tp_line = tp.report(mesh, model, stats) if mesh.world > 1 else None  # every rank's KV bytes and peaks
     sys.stdout.flush()
     if batched:
         seqs = [{"text": None if a.random_weights else decoded(o), "token_ids": o, "prompt_tokens": n,
@@ -567,6 +577,8 @@ def run(a) -> int:
               f"(each phase's own) | KV cache {stats['kv_cache_bytes'] / mib:.2f} MiB"
               f"{' (int8)' if a.kv_dtype == 'int8' else ''}",
               file=sys.stderr)
+        if tp_line:
+            print(tp_line, file=sys.stderr)
         if clamped:
             print("defaults clamped to the model's context (" + str(args.max_seq_len) + "): " +
                   ", ".join(f"{flag} {d} -> {v}" for flag, (d, v) in clamped.items()), file=sys.stderr)
@@ -657,7 +669,11 @@ def weights_format(config: dict, dtype: str) -> str:
 
 
 def main(argv=None) -> int:
-    return run_cli(run, parse_args(argv))
+    tp.quiet_other_ranks()  # under torchrun only rank 0 prints, from the first line on
+    try:
+        return run_cli(run, parse_args(argv))
+    finally:
+        tp.finish()  # tensor parallel: leave the group (nothing on one device)
 
 
 if __name__ == "__main__":

@@ -251,10 +251,21 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def tp_sum(x: Tensor, group: str | None) -> Tensor:
+    """x summed over the ranks of a tensor-parallel group (tp.py: each rank holds a slice of the heads or of the
+    MLP, and its row-parallel Linear a partial sum; group: its name); x itself when group is None (one device: the
+    code path and its graphs unchanged). A functional collective, so that a compiled step keeps it in its graph."""
+    if group is None:
+        return x
+    from torch.distributed._functional_collectives import all_reduce
+    return all_reduce(x, "sum", group)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.tp_group = None  # tensor parallel (tp.apply_tp): this rank's heads' output is summed over the group
         qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.wqkv = nn.Linear(args.dim, qkv_out, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
@@ -283,7 +294,7 @@ class Attention(nn.Module):
         # Attend, then let the policy evict (the block-wise protocol; a no-op without a scorer).
         cache.evict(q, input_pos, query_pos)
         out = out.view(B, hq, T, d).transpose(1, 2).reshape(B, T, hq * d)
-        return self.wo(out)
+        return tp_sum(self.wo(out), self.tp_group)
 
 
 class FeedForward(nn.Module):
@@ -291,10 +302,11 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.tp_group = None  # tensor parallel (tp.apply_tp): this rank's slice of the MLP is summed over the group
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return tp_sum(self.w2(F.silu(gate) * up), self.tp_group)
 
 
 class TransformerBlock(nn.Module):

@@ -80,6 +80,12 @@ class Policy:
         """Check the parameters against one run and size its per-run state. Returns the slots the cache needs
         when a layout of the policy's own holds fewer than run.budget (None: run.budget)."""
 
+    def tp_refusal(self) -> str | None:
+        """Why this policy cannot run tensor parallel (tp.py: each rank holds some of a layer's KV heads), one line,
+        or None. A rule that reads other heads than the one it scores gathers them instead (all_heads,
+        max_over_ranks); none of the registered policies refuses."""
+        return None
+
     batch_hint: ClassVar[str] = ""  # what to do when a batch's prompts get different decode plans
 
     def decode_plan(self):
@@ -138,6 +144,24 @@ def check_positive(policy, *names: str, least: int = 1) -> None:
         v = getattr(policy, name)
         if v is not None and v < least:
             raise PolicyError(f"{policy.name}: {name} must be >= {least}, got {v}")
+
+
+def all_heads(x: Tensor, view) -> Tensor:
+    """x [B, H_kv, ...] of this cache's KV heads -> [B, H_kv of the whole layer, ...]: under tensor parallel
+    (tp.py) every rank's heads in order, gathered with a functional collective (traceable: it stays inside a
+    compiled step); x itself on one device. For the few rules that read every head of a layer."""
+    if view.tp_group is None:
+        return x
+    from torch.distributed._functional_collectives import all_gather_tensor
+    return all_gather_tensor(x.contiguous(), 1, view.tp_group)
+
+
+def max_over_ranks(x: Tensor, view) -> Tensor:
+    """The element-wise max of x over the tensor-parallel ranks (x itself on one device)."""
+    if view.tp_group is None:
+        return x
+    from torch.distributed._functional_collectives import all_reduce
+    return all_reduce(x, "max", view.tp_group)
 
 
 # ------------------------------------------------------------------------------------------- block-wise scorers
@@ -226,7 +250,7 @@ class TOVA(Scorer):
         q_last, p_last = view.last_query()
         w = view.attention(q_last, p_last)[:, :, 0]  # [B, H_kv, S], mean over each group
         if self.heads == "all":  # groups are equal-sized: the mean of group means is the mean
-            w = w.mean(1, keepdim=True).expand_as(w).contiguous()
+            w = all_heads(w, view).mean(1, keepdim=True).expand_as(w).contiguous()  # every rank's heads under TP
         return protect_recent(w, view.pos, view.query_pos, int(self.keep_last))
 
 @dataclass
@@ -323,14 +347,16 @@ def pool_votes(votes: Tensor, pos: Tensor, newest: Tensor, window: int, kernel: 
 @dataclass
 class RandomScores(Scorer):
     """A seeded hash of (position, head): the floor every real policy must beat, and a neutral scorer for testing
-    the cache mechanics. Static and deterministic (no RNG state), so compiled == eager."""
+    the cache mechanics. Static and deterministic (no RNG state), so compiled == eager; the head is the model's
+    KV head index (view.head0 + local index), so a tensor-parallel rank scores its heads as one device does."""
     name = "random"
     summary = "seeded random eviction (the floor)"
     seed: int = param(0, "seed of the hash (independent of --seed, which seeds sampling)")
 
     def score(self, view):
         pos = view.pos.double()
-        head = torch.arange(pos.shape[1], device=pos.device, dtype=torch.float64)[None, :, None]
+        head = torch.arange(view.head0, view.head0 + pos.shape[1], device=pos.device,
+                            dtype=torch.float64)[None, :, None]
         x = torch.sin(pos * 12.9898 + head * 78.233 + self.seed * 37.719) * 43758.5453
         return (x - x.floor()).float()
 
@@ -825,12 +851,13 @@ class SageKV(Scorer):
 # cross-layer coverage bonus (4.2) computed layer by layer in the prefill pass. The equations are pure functions.
 
 
-def window_means(A: Tensor, q_pos: Tensor, O: int, O2: int) -> tuple[Tensor, Tensor, Tensor]:
+def window_means(A: Tensor, q_pos: Tensor, O: int, O2: int, head_max=None) -> tuple[Tensor, Tensor, Tensor]:
     """Eqs. 8, 11, 13 from per-query-head attention rows A [B, H_kv, G, R, S] of queries at positions q_pos [R] or
     [B, R] (-1 = unused row; rows in any order). P, P2 [B, H_kv, S]: mean attention each slot receives from the last
     O and last O2 queries, averaged over each KV group's query heads. I [B, S]: max over ALL query heads, then the
     mean over the last O queries (Eq. 13; not max_h P). Means, not SnapKV's sums, over the queries that
-    exist (a prompt shorter than the window has fewer)."""
+    exist (a prompt shorter than the window has fewer). head_max: completes the max over the heads of other ranks
+    (tensor parallel: max_over_ranks)."""
     qp = per_row(q_pos)
     latest = qp.amax(-1, keepdim=True)
 
@@ -839,7 +866,8 @@ def window_means(A: Tensor, q_pos: Tensor, O: int, O2: int) -> tuple[Tensor, Ten
         rows = rows.view(rows.shape[0], *[1] * (x.dim() - 3), rows.shape[1], 1)
         return (x * rows).sum(-2) / rows.sum(-2).clamp_min(1)
     A_kv = A.mean(2)
-    return last(A_kv, O), last(A_kv, O2), last(A.amax(dim=(1, 2)), O)
+    A_max = A.amax(dim=(1, 2))
+    return last(A_kv, O), last(A_kv, O2), last(A_max if head_max is None else head_max(A_max), O)
 
 
 def head_spread(P: Tensor, cand: Tensor) -> Tensor:
@@ -850,14 +878,17 @@ def head_spread(P: Tensor, cand: Tensor) -> Tensor:
     return ((x - mean).masked_fill(~cand, 0.0) ** 2).sum(-1).div(n).sqrt()
 
 
-def cross_head(P: Tensor, P2: Tensor, cand: Tensor, delta: int) -> Tensor:
+def cross_head(P: Tensor, P2: Tensor, cand: Tensor, delta: int, gather=None, head0: int = 0) -> Tensor:
     """Eqs. 9-11 (Alg. 1 lines 2-7): the delta heads of LOWEST sigma (least focused, against Alg. 1's
-    comment; ties to the lower head index), measured on P, take their long-window score P2."""
+    comment; ties to the lower head index), measured on P, take their long-window score P2. Under tensor parallel
+    P holds one rank's heads: gather(sigma) gives every head's of the layer, head0 is P's first among them."""
     if delta <= 0:
         return P
-    low = head_spread(P, cand).argsort(dim=-1, stable=True)[..., :delta]
-    chosen = torch.zeros(P.shape[:2], dtype=torch.bool, device=P.device).scatter(-1, low, True)
-    return torch.where(chosen[..., None], P2, P)
+    sigma = head_spread(P, cand)
+    sigma = sigma if gather is None else gather(sigma)
+    low = sigma.argsort(dim=-1, stable=True)[..., :delta]
+    chosen = torch.zeros(sigma.shape, dtype=torch.bool, device=P.device).scatter(-1, low, True)
+    return torch.where(chosen[:, head0:head0 + P.shape[1], None], P2, P)
 
 
 def focus(I: Tensor, n: Tensor, layer: int) -> Tensor:
@@ -943,10 +974,11 @@ class KVec(SnapKVPlusPlus):
         pos, newest, W = view.pos, view.newest, self.window
         ring_q, ring_pos = view.layer_state["ring_q"], view.layer_state["ring_pos"]
         A = view.attention(ring_q, ring_pos, group_mean=False)  # [B, H_kv, G, R, S], fp32
-        P, P2, I = window_means(A, ring_pos, self.obs_window, self.long_window)
+        # tensor parallel: a rank holds some of the layer's heads; the cross-head and coverage terms read them all
+        P, P2, I = window_means(A, ring_pos, self.obs_window, self.long_window, lambda x: max_over_ranks(x, view))
         P, P2 = (pool_votes(x, pos, newest, W, self.kernel, "max") for x in (P, P2))  # window slots +inf
         cand = (pos >= 0) & (pos <= newest - W)
-        P = cross_head(P, P2, cand, self.delta)
+        P = cross_head(P, P2, cand, self.delta, lambda x: all_heads(x, view), view.head0)
         n_cov = view.shared.get("n_cov")
         if view.layer == 0 or n_cov is None:  # a new prompt: no layer has kept anything yet
             n_pos = view.S + view.cache.slot_base  # past every position in the scratch (chat.py's re-compression)
@@ -956,7 +988,7 @@ class KVec(SnapKVPlusPlus):
         K = min(int(self.beta * view.keep), view.keep - W)
         scores = biased_scores(P, focus(I[:, None], n, view.layer), cand, pos, self.lam, K, self.pin_value)
         kept = best_slots(scores.masked_fill(pos < 0, -INF), pos, min(view.S, view.keep))  # as cache.drop_to keeps
-        n_cov += kept_any(torch.where(kept, pos, -1), n_cov.shape[1])
+        n_cov += max_over_ranks(kept_any(torch.where(kept, pos, -1), n_cov.shape[1]), view)  # kept by any head
         return scores
 
 

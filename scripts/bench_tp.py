@@ -1,0 +1,114 @@
+"""Tensor parallel decode: each rank's decode step time and the share of it spent in the all-reduces, on a model's
+shapes with seeded random weights (speed does not depend on the values).
+
+    torchrun --nproc-per-node 2 scripts/bench_tp.py --checkpoint llama3.2-1b --policy keydiff --budget 512
+    python scripts/bench_tp.py ...            # the same on one process (TP=1), for the ratio
+
+After a block-wise prefill of --prompt-tokens random ids, --steps decode steps alternate between the real step and
+the same step with the all-reduces switched off (every Attention / FeedForward's tp_group set to None: the same
+per-rank compute, no communication; its output is wrong and thrown away; both kinds write the same cache, which
+changes which slots are kept, never a step's shapes). Each rank times its own steps (device sync before and after);
+rank 0 prints every rank's median step time, the median without all-reduces, and the all-reduce share 1 - without /
+with (it includes waiting for the slowest rank: what a rank really loses to the collectives). --compile compiles
+both kinds (two graphs; CUDA graphs on a GPU). On CPU with gloo this is a correctness run: two processes on one
+machine's cores are slower than one (docs/tensor_parallel.md).
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+import engine  # noqa: E402
+import policies  # noqa: E402
+import tp  # noqa: E402
+from checkpoint import shape_config  # noqa: E402
+from cli import Parser, run_cli  # noqa: E402
+
+
+def parser() -> Parser:
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default="llama3.2-1b", help="a short name or a folder with a config.json")
+    ap.add_argument("--policy", default="keydiff")
+    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--prompt-tokens", type=int, default=1024)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=40, help="decode steps of each kind (default 40)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--threads", type=int, help="CPU threads per rank")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    return ap
+
+
+def set_reduce(model, group) -> None:
+    for layer in model.layers:
+        layer.attention.tp_group = layer.feed_forward.tp_group = group
+
+
+@torch.inference_mode()
+def run(a) -> int:
+    policy = policies.make(a.policy)
+    mesh = tp.start(None, a.device, policy)
+    device = tp.rank_device(a.device, mesh)
+    engine.set_threads(a.threads)
+    dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16}[a.dtype]
+    config, label = shape_config(a.checkpoint)
+    model = tp.random_model(config, dtype, device, 0, mesh, label=label)
+    group = model.layers[0].attention.tp_group
+    L = a.prompt_tokens
+    engine.setup(model, policy, a.budget if policy is not None else L + 2 * a.steps + 2, L, 2 * a.steps + 2,
+                 a.block_size)
+    ids = torch.randint(0, model.args.vocab_size, (L,), generator=torch.Generator().manual_seed(0)).to(device)
+    prefill, decode = engine.compile_steps(device.split(":")[0]) if a.compile else (engine.prefill_step,
+                                                                                      engine.model_step)
+    engine.prefill(model, ids, a.block_size, prefill)
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    times = {True: [], False: []}
+    for i in range(2 * a.steps + 2):
+        on = i % 2 == 0
+        set_reduce(model, group if on else None)
+        engine.sync(device)
+        t = time.perf_counter()
+        decode(model, token, torch.tensor([L + i], device=device))
+        engine.sync(device)
+        if i >= 2:  # the first of each kind compiles / warms up
+            times[on].append(time.perf_counter() - t)
+    set_reduce(model, group)
+    with_ar, without = statistics.median(times[True]), statistics.median(times[False])
+    rows = tp.gather_ints([round(with_ar * 1e6), round(without * 1e6)], mesh)
+    out = {"world": mesh.world, "device": device.split(":")[0], "checkpoint": label, "policy": a.policy,
+           "budget": a.budget, "prompt_tokens": L, "compiled": a.compile, "threads": torch.get_num_threads(),
+           "step_ms_per_rank": [r[0] / 1e3 for r in rows], "step_ms_without_allreduce_per_rank":
+           [r[1] / 1e3 for r in rows],
+           "allreduce_share_per_rank": [round(1 - r[1] / r[0], 3) if r[0] else None for r in rows]}
+    if mesh.rank == 0:
+        if a.json:
+            print(json.dumps(out))
+        elif mesh.world == 1:  # nothing to switch off: both kinds of step are the same
+            print(f"one process: decode step {statistics.median(times[True] + times[False]) * 1e3:.2f} ms")
+        else:
+            for r, (w, wo) in enumerate(rows):
+                print(f"rank {r}: decode step {w / 1e3:.2f} ms, without all-reduce {wo / 1e3:.2f} ms, "
+                      f"all-reduce share {1 - wo / w:.0%}")
+    return 0
+
+
+def main(argv=None) -> int:
+    tp.quiet_other_ranks()  # under torchrun only rank 0 prints, from the first line on
+    try:
+        return run_cli(run, parser().parse_args(argv))
+    finally:
+        tp.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

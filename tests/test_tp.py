@@ -1,0 +1,327 @@
+"""Tensor parallel (tp.py) on CPU with gloo: 2 ranks started from here (tests/tp_worker.py under torchrun, or two
+processes with torchrun's environment), tiny GQA models with 2 and 4 KV heads, fp32.
+
+- every registered policy, under each protocol it allows, eager: TP=2 greedy tokens equal TP=1's token for token,
+  every step's logits within fp32 rounding (wo's and w2's sums split over 2 ranks), each rank's kept positions
+  per layer equal the TP=1 sets of the same KV heads; the reference's top-1 margin at every step is asserted to be
+  far above the logit difference, so that equal tokens are not luck;
+- compiled (fullgraph, error_on_recompile, functional all-reduce inside the graph): keydiff block-wise (prefill and
+  decode steps), rocketkv (one-shot, the selector's decode step) and tova:heads=all (an all-gather in the decode
+  step): docs/testing.md says why these three;
+- int8 / int4 weights: sharded with their scales (tokens, logits, kept sets on the fp32 dequantize kernels; each
+  sharded Linear on the fused bfloat16 kernels against the whole one);
+- the command line under torchrun: only rank 0 prints, the summary's per-rank KV bytes, the tokens of one process;
+  bad input (world-size mismatch, --device cuda without CUDA, 2 ranks for 1 KV head, an int4 group size, too few
+  GPUs): one line on rank 0, exit 2 on every rank, no hang; a lost rank does not hang the other (the group's
+  timeout); a policy's refusal (none of the registered ones refuses: K-VEC and tova:heads=all gather the heads they
+  read) is one line.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO
+
+from tp_worker import MODELS, cases
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
+
+
+def torchrun(args: list, timeout: int, **extra) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), *args]
+    return subprocess.run(cmd, cwd=REPO, env=env(**extra), capture_output=True, text=True, timeout=timeout)
+
+
+def suite(name: str, out, timeout: int = 300) -> list[dict]:
+    """Run tests/tp_worker.py's suite on 2 ranks; each rank's results."""
+    p = torchrun(["tests/tp_worker.py", str(out), name], timeout)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory):
+    t = time.perf_counter()
+    res = suite("eager", tmp_path_factory.mktemp("tp_eager"))
+    print(f"eager suite: {time.perf_counter() - t:.1f} s")
+    return res
+
+
+def check_case(r: dict) -> None:
+    assert r["tp"] == r["ref"], r
+    assert r["kept_equal"], r
+    assert r["logit_diff"] < 1e-5, r
+    # equal tokens are meaningful only where the reference's top two logits are far apart
+    assert r["min_margin"] > 20 * r["logit_diff"], r
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("spec,prefill", cases())
+def test_tp2_equals_tp1(eager, model, spec, prefill):
+    for rank in (0, 1):
+        check_case(eager[rank][f"{model}|{spec}|{prefill}"])
+
+
+def test_every_policy_is_covered():
+    """A new policy in the registry is in the TP cases (or the test must say why not)."""
+    import policies
+    covered = {spec for spec, _ in cases()}
+    assert set(policies.REGISTRY) | {"full"} <= covered
+
+
+def test_no_registered_policy_is_refused(eager):
+    """The rules that read every KV head of a layer (K-VEC, tova:heads=all) gather them: nothing is refused."""
+    for rank in (0, 1):
+        for model in MODELS:
+            refused = eager[rank][f"{model}|refused"]
+            assert not any(refused.values()), refused
+
+
+def test_a_policy_can_refuse_tp():
+    """A policy that cannot run per rank says why (tp_refusal), and tp.check_policy turns it into one line."""
+    import policies
+    import tp
+    from errors import UserError
+
+    class Whole(policies.KeyNorm):
+        def tp_refusal(self):
+            return "whole: reads every head, refused under tensor parallel"
+    tp.check_policy(Whole(), 1)
+    with pytest.raises(UserError, match="^whole: reads every head, refused under tensor parallel$"):
+        tp.check_policy(Whole(), 2)
+
+
+def test_compiled(tmp_path):
+    """The compiled steps under TP=2: fullgraph, the all-reduces inside the graph, no recompile over two
+    generations, the eager TP=1 tokens and kept sets. Compiles 3 graphs on each rank (about 1-3 minutes cold on 2
+    cores; seconds from build/inductor-cache)."""
+    for rank_results in suite("compiled", tmp_path, timeout=900):
+        for key, r in rank_results.items():
+            if key.endswith("explain"):  # one graph, no break, 2 all-reduces per layer (2 layers) inside it,
+                gathers = 2 if "heads=all" in key else 0  # and tova:heads=all's all-gather per layer
+                assert r == dict(graphs=1, breaks=0, all_reduces=4, all_gathers=gathers), (key, r)
+                continue
+            check_case(r)
+            assert r["again"] == r["tp"], key
+
+
+def test_quantized_weights_shard(tmp_path):
+    for rank_results in suite("quant", tmp_path):
+        for key, r in rank_results.items():
+            check_case(r)
+            mode = key.split("|")[-1]
+            assert r["wqkv_type"] == ("Int8Linear" if mode == "int8" else "Int4Linear")
+            assert r["wqkv_out"] == (4 + 2 * 2) * 16 // 2  # (q heads + k + v heads) x head_dim / 2 ranks
+            assert r["kernels"][1] == r["kernels"][0]  # the shards run the whole model's fused kernels
+            errs = r["fused_rel_err"]
+            assert errs["wqkv"] == 0.0 and errs["w13"] == 0.0, errs  # column slices: exactly the same outputs
+            assert errs["wo"] < 1e-2 and errs["w2"] < 1e-2, errs  # partial sums each rounded to bfloat16
+
+
+# ----------------------------------------------------------------------------------------------- command line
+
+def tiny_config(tmp_path, **over):
+    from conftest import FAMILIES
+    d = tmp_path / "tiny"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(dict(FAMILIES["llama"], tie_word_embeddings=True, **over)))
+    return d
+
+
+def gen_args(ckpt, *extra) -> list:
+    return ["--checkpoint", str(ckpt), "--random-weights", "--prompt-tokens", "60", "--budget", "32",
+            "--block-size", "16", "--max-new-tokens", "6", "--threads", "1", *extra]
+
+
+def test_cli_under_torchrun(tmp_path):
+    """torchrun --nproc-per-node 2 generate.py: one JSON object (rank 0 only), the tokens of one process, per-rank
+    and total KV bytes (each rank half the KV heads), weights (its shard) and peaks."""
+    ckpt = tiny_config(tmp_path)
+    args = gen_args(ckpt, "--policy", "snapkv:window=8", "--json")
+    one = subprocess.run([sys.executable, "generate.py", *args], cwd=REPO, env=env(), capture_output=True, text=True,
+                         timeout=120)
+    assert one.returncode == 0, one.stderr
+    p = torchrun(["generate.py", *args, "--tp", "2"], 180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1, p.stdout
+    got, want = json.loads(lines[0]), json.loads(one.stdout)
+    assert got["token_ids"] == want["token_ids"]
+    assert got["tp_world"] == 2
+    assert got["kv_cache_bytes_per_rank"] == [want["kv_cache_bytes"] // 2] * 2
+    assert got["kv_cache_bytes_total"] == want["kv_cache_bytes"]
+    assert len(got["peak_bytes_per_rank"]) == 2 and min(got["peak_bytes_per_rank"]) > 0
+    import tp  # each rank built only its shard of the random weights (tp.random_model), with one process's values
+    config = json.loads((ckpt / "config.json").read_text())
+    assert got["weight_bytes_per_rank"] == [tp.weight_bytes_per_rank(config, 2, torch.float32)] * 2
+
+
+def test_cli_loads_checkpoints(hf_tiny, tmp_path):
+    """A float checkpoint under torchrun gives one process's tokens; an int4 one (quantized Linears sharded before
+    they are packed for the CPU kernel) runs; an int4 group size that does not divide a rank's in-features of wo
+    (64 > 32) is one line, exit 2."""
+    from conftest import with_tiny_tokenizer
+    from quantize import quantize_dir
+    _, src = hf_tiny("llama")
+    tiny = with_tiny_tokenizer(src, tmp_path / "tok", "the quick brown fox jumps over the lazy dog")
+    args = ["--prompt", "the quick brown fox", "--max-new-tokens", "5", "--json", "--threads", "1"]
+    one = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(tiny), *args], cwd=REPO, env=env(),
+                         capture_output=True, text=True, timeout=120)
+    p = torchrun(["generate.py", "--checkpoint", str(tiny), *args], 180)
+    assert p.returncode == 0 and one.returncode == 0, p.stderr[-3000:] + one.stderr
+    assert json.loads(p.stdout)["token_ids"] == json.loads(one.stdout)["token_ids"]
+    for groupsize, code in ((32, 0), (64, 2)):
+        q = tmp_path / f"int4-g{groupsize}"
+        quantize_dir(tiny, "int4", groupsize, out=q)
+        r0, r1 = two_ranks(["--checkpoint", str(q), *args], timeout=120)
+        assert (r0.returncode, r1.returncode) == (code, code), r0.stderr + r1.stderr
+        if code == 0:
+            got = json.loads(r0.stdout)
+            assert got["generated_tokens"] == 5 and got["tp_world"] == 2
+        else:
+            assert r0.stderr.strip().splitlines() == [
+                "error: int4 group size 64 does not divide a rank's 32 in-features of a row-parallel Linear: use a "
+                "smaller --groupsize or fewer ranks"]
+        assert r1.stdout == r1.stderr == ""
+
+
+def test_bench_tp(tmp_path):
+    """scripts/bench_tp.py under torchrun: one JSON line from rank 0 with each rank's step times and all-reduce
+    share (between 0 and 1: the step without the collectives is the faster one)."""
+    p = torchrun(["scripts/bench_tp.py", "--checkpoint", str(tiny_config(tmp_path)), "--policy", "keydiff",
+                  "--budget", "32", "--prompt-tokens", "40", "--block-size", "16", "--steps", "4", "--threads", "1",
+                  "--json"], 120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (line,) = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    out = json.loads(line)
+    assert out["world"] == 2 and len(out["step_ms_per_rank"]) == 2
+    assert all(0 < s < 1 for s in out["allreduce_share_per_rank"]), out
+
+
+@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
+def test_reading_slices_equals_sharding_the_whole(hf_tiny, tmp_path, mode):
+    """A rank that reads only its slices of an engine file (tp.read_slices) gets exactly the tensors it keeps when
+    it loads the whole checkpoint and shards it (the Hugging Face folder path), quantized scales included; no
+    process group is needed to check that (a stand-in group)."""
+    import types
+
+    import engine
+    import tp
+    from convert import ENGINE_FILE, read_hf_dir
+    from quantize import quantize_dir
+    from safetensors.torch import save_file
+    _, src = hf_tiny("llama")
+    ckpt = tmp_path / mode
+    if mode == "float":
+        ckpt.mkdir()
+        (ckpt / "config.json").write_text((src / "config.json").read_text())
+        save_file({k: v.contiguous() for k, v in read_hf_dir(src).items()}, str(ckpt / ENGINE_FILE))
+    else:
+        quantize_dir(src, mode, 32 if mode == "int4" else None, out=ckpt)
+    for rank in (0, 1):
+        mesh = tp.Mesh(rank, 2, rank, types.SimpleNamespace(group_name="stand-in"))
+        sliced = tp.load_model(ckpt, torch.float32, "cpu", mesh).state_dict()
+        whole = engine.load_model(ckpt, torch.float32, "cpu", shard=lambda m: tp.apply_tp(m, mesh)).state_dict()
+        assert sliced.keys() == whole.keys()
+        for k in whole:
+            assert torch.equal(sliced[k], whole[k]), k
+        assert sliced["layers.0.attention.wqkv.weight"].shape[0] == (4 + 2 * 2) * 16 // 2
+
+
+def two_ranks(args: list, timeout: int = 60, **extra) -> list[subprocess.CompletedProcess]:
+    """generate.py as 2 ranks with torchrun's environment, each its own process (so that each rank's exit code and
+    output can be read)."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "generate.py", *args], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)) for r in (0, 1)]
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a rank hung")
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+@pytest.mark.parametrize("case", ["world", "cuda", "kv_heads"])
+def test_bad_input_exits_2_on_every_rank(tmp_path, case):
+    extra, over = {"world": (["--tp", "4"], {}), "cuda": (["--device", "cuda"], {}),
+                   "kv_heads": ([], {"num_key_value_heads": 1})}[case]
+    if case == "cuda" and torch.cuda.is_available():
+        pytest.skip("checks a machine without CUDA")
+    ckpt = tiny_config(tmp_path, **over)
+    r0, r1 = two_ranks(gen_args(ckpt, *extra))
+    assert (r0.returncode, r1.returncode) == (2, 2), (r0.stderr, r1.stderr)
+    lines = r0.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r0.stderr
+    want = {"world": "does not match torchrun's world size 2", "cuda": "CUDA is not available",
+            "kv_heads": "to divide the model's KV heads (1)"}[case]
+    assert want in lines[0]
+    assert r1.stdout == r1.stderr == "", "only rank 0 prints"
+
+
+def test_too_few_gpus(monkeypatch):
+    import tp
+    from errors import UserError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(UserError, match="needs one CUDA device per rank; this machine has 1"):
+        tp.check_world(2, None, "cuda")
+    tp.check_world(2, None, "cpu")
+
+
+LOST_RANK = """
+import os, sys, time, torch
+sys.path.insert(0, {repo!r})
+import tp
+mesh = tp.init("cpu", timeout_s=10)
+if mesh.rank == 1:
+    os._exit(3)  # a rank lost after the group formed
+t = time.perf_counter()
+try:
+    torch.distributed.all_reduce(torch.ones(4))
+except Exception as e:
+    print(f"failed after {{time.perf_counter() - t:.1f}} s: {{type(e).__name__}}")
+    os._exit(1)
+os._exit(0)
+"""
+
+
+def test_a_lost_rank_does_not_hang(tmp_path):
+    """Rank 1 dies after the group formed: rank 0's next collective fails (gloo sees the closed connection, or the
+    group's timeout fires) instead of waiting forever."""
+    script = tmp_path / "lost.py"
+    script.write_text(LOST_RANK.format(repo=str(REPO)))
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in (0, 1)]
+    try:
+        out0, _ = procs[0].communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 1 and "failed after" in out0, out0
