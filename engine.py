@@ -184,11 +184,17 @@ def compile_steps(device: str, mode: str | None = None, prefill: bool = True, fr
     # until another compile_steps. In the options too, so that a frozen and an unfrozen step never share a graph.
     torch._inductor.config.freezing = freeze
 
-    def compiled(fn, mode):  # a mode is a set of inductor options
-        options = {**torch._inductor.list_mode_options(mode or "default"), "freezing": freeze}
-        return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
     prefill_mode, decode_mode = step_modes(device, mode)
-    return (compiled(prefill_step, prefill_mode) if prefill else prefill_step), compiled(model_step, decode_mode)
+    return ((compile_step(prefill_step, prefill_mode, freeze) if prefill else prefill_step),
+            compile_step(model_step, decode_mode, freeze))
+
+
+def compile_step(fn, mode: str | None, freeze: bool = False):
+    """fn compiled once with fullgraph=True and static shapes under `mode`, a set of inductor options (frozen or
+    not, so that a frozen and an unfrozen step never share a graph). Each step is its own Python function: dynamo
+    caches compiled graphs per code object, so one function compiled for two models would recompile."""
+    options = {**torch._inductor.list_mode_options(mode or "default"), "freezing": freeze}
+    return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
 
 
 @torch.inference_mode()
@@ -241,16 +247,29 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -
     row overflows into inf - inf = NaN."""
     if temperature < MIN_TEMPERATURE:
         return logits.argmax(-1)
+    return race(probabilities(logits, temperature, top_k, top_p))
+
+
+def probabilities(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """What sample() draws from (temperature >= MIN_TEMPERATURE): softmax(logits / temperature) over [..., V],
+    top-k and then top-p applied (the tokens outside them 0). Not renormalised after top-p: divide by the sum
+    for a distribution."""
     logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keep the smallest prefix whose mass reaches p
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+    return probs
+
+
+def race(weights: torch.Tensor) -> torch.Tensor:
+    """One index per row of non-negative weights [..., V], drawn with probability proportional to its weight (the
+    exponential race: argmax w / Exp(1), no normalisation and no host sync)."""
+    return (weights / torch.empty_like(weights).exponential_(1)).argmax(-1)
 
 
 def block_inputs(prompt: torch.Tensor, start: int, block_size: int):
