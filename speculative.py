@@ -281,11 +281,12 @@ def decode(target, draft, out: list[int], p: int, max_new_tokens: int, *, k: int
         *ids, n, nxt = torch.cat([drafts, n.view(1), nxt.view(1)]).tolist()  # the round's one host sync
         engine.check_finite(nxt, len(out))
         draft_steps += k
-        if n == k:  # the draft has not seen dK yet
+        if n == k:  # nothing to roll back, but the draft has not seen dK yet
             steps.draft(draft, drafts[-1:].view(1, 1), torch.tensor([p + k], device=device))
             draft_steps += 1
-        rollback(target, p + n)
-        rollback(draft, p + n)
+        else:
+            rollback(target, p + n)
+            rollback(draft, p + n)
         kept.append(n)
         for t in ids[:n] + [nxt]:
             if len(out) >= max_new_tokens or tok in eos_ids:
