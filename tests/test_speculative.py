@@ -67,6 +67,18 @@ def test_greedy_is_plain_greedy_for_every_draft_policy(tiny, spec):
     assert stats["rounds"] >= math.ceil((n - 1) / (k + 1)) and 0 <= stats["acceptance_rate"] <= 1
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "llama31"])
+@pytest.mark.parametrize("spec", ["sink", "snapkv:window=8"])
+def test_greedy_is_plain_greedy_in_every_family(hf_tiny, family, spec):
+    """Mistral's sliding window (48 < the prompt), Qwen2's biases and tied head, Llama 3.1's RoPE scaling."""
+    _, ckpt = hf_tiny(family)
+    model = load_model(ckpt, torch.float32, "cpu")
+    prompt, n, k, block = ids_of(100, seed=2), 20, 3, 16
+    want = plain(model, prompt, n, block, 100 + n)
+    (out, _), _ = speculate(model, speculative.draft_model(model), prompt, n, block, k, spec, 32)
+    assert out == want
+
+
 def test_draft_shares_the_weights_not_the_cache(tiny):
     draft = speculative.draft_model(tiny)
     assert all(a is b for a, b in zip(draft.parameters(), tiny.parameters(), strict=True))
