@@ -17,7 +17,8 @@ prompt (slot == position: the slots past it emptied), the draft restored from it
   steps, so a near-tie may flip there), decode tok/s and the speedup over plain, and the bandwidth model's
   prediction from bytes per round at the measured acceptance (speculative.predicted_speedup: K draft steps, one
   more when all K are kept, plus one verification that reads what a target step reads; engine.decode_bytes_per_step
-  of both caches).
+  of both caches), and beside it the step-time model: the same round costed with this machine's measured draft
+  step and verification block (on a CPU a K+1 block costs more than a step: BLAS leaves its GEMV path).
 Timings are medians over --repeats. With --compile the decode step, the draft step and the K+1 verification block
 are compiled (fullgraph; CUDA graphs on a GPU), dynamo reset between draft configurations, and each configuration
 runs once untimed first (compiling, or loading from build/inductor-cache). Prefill stays eager.
@@ -168,6 +169,20 @@ def spec_decode(target, draft, state, steps, first: int, L: int, n: int, k: int)
     return out, kept
 
 
+@torch.inference_mode()
+def step_times(target, draft, state, steps, first: int, L: int, k: int, device: str, n: int = 3) -> tuple:
+    """Median seconds of one draft step and one K+1 verification block at this context (both caches restored
+    after): what a round costs on this machine, beside the bandwidth model's bytes."""
+    tok = torch.tensor([[first]], device=device)
+    block = torch.full((1, k + 1), first, device=device)
+    draft_s = [timed(lambda: steps.draft(draft, tok, torch.tensor([L], device=device)), device)[1] for _ in range(n)]
+    verify_s = [timed(lambda: steps.verify(target, block, torch.arange(L, L + k + 1, device=device)), device)[1]
+                for _ in range(n)]
+    speculative.rollback(target, L - 1)
+    restore(draft, state)
+    return statistics.median(draft_s), statistics.median(verify_s)
+
+
 def median_time(fn, repeats: int, device: str) -> tuple:
     """fn's result and its median wall time over `repeats` calls."""
     times = []
@@ -219,7 +234,13 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
                         spec_decode(model, draft, state, steps, first, L, 2 * (k + 1) + 1, k)  # compile, untimed
                     (out, kept), s = median_time(lambda: spec_decode(model, draft, state, steps, first, L, n, k),
                                                  a.repeats, a.device)
+                    draft_s, verify_s = step_times(model, draft, state, steps, first, L, k, a.device)
+                    full_rounds = sum(x == k for x in kept) / len(kept)
+                    round_s = (k + full_rounds) * draft_s + verify_s
                     rows.append(dict(row, k=k, accepted_per_round=sum(kept) / len(kept),
+                                     plain_step_ms=plain_s / (n - 1) * 1e3, draft_step_ms=draft_s * 1e3,
+                                     verify_ms=verify_s * 1e3,
+                                     step_time_speedup=(sum(kept) / len(kept) + 1) * plain_s / (n - 1) / round_s,
                                      acceptance_rate=sum(kept) / (k * len(kept)), rounds=len(kept),
                                      spec_tok_s=(n - 1) / s, speedup=plain_s / s, same_tokens=out == want,
                                      predicted_speedup=speculative.predicted_speedup(model, draft, k, kept),
@@ -227,7 +248,9 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
                     x = rows[-1]
                     print(f"    {spec:10s} budget {budget:5d} K={k}: {x['accepted_per_round']:.2f} kept/round, "
                           f"{x['spec_tok_s']:.2f} tok/s, speedup {x['speedup']:.2f}x (predicted "
-                          f"{x['predicted_speedup']:.2f}x){'' if x['same_tokens'] else ', TOKENS DIFFER'}",
+                          f"{x['predicted_speedup']:.2f}x; from step times {x['step_time_speedup']:.2f}x: draft "
+                          f"{x['draft_step_ms']:.1f} ms, verify {x['verify_ms']:.1f} ms, plain "
+                          f"{x['plain_step_ms']:.1f} ms){'' if x['same_tokens'] else ', TOKENS DIFFER'}",
                           file=sys.stderr)
                     if a.json:
                         save(a, rows)
@@ -243,13 +266,14 @@ def save(a, rows: list) -> None:
 
 def table(rows: list) -> str:
     lines = ["| weights | context | draft | budget | K | kept / round | acceptance | plain tok/s | spec tok/s | "
-             "speedup | predicted | best case | same tokens |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"
-             "---:|---:|---|"]
+             "speedup | predicted | best case | step-time model | verify / plain step | same tokens |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for x in rows:
         lines.append(f"| {x['weights']} | {x['context']} | {x['policy']} | {x['budget']} | {x['k']} | "
                      f"{x['accepted_per_round']:.2f} | {x['acceptance_rate']:.0%} | {x['plain_tok_s']:.2f} | "
                      f"{x['spec_tok_s']:.2f} | {x['speedup']:.2f}x | {x['predicted_speedup']:.2f}x | "
-                     f"{x['best_case_speedup']:.2f}x | {'yes' if x['same_tokens'] else 'no'} |")
+                     f"{x['best_case_speedup']:.2f}x | {x['step_time_speedup']:.2f}x | "
+                     f"{x['verify_ms'] / x['plain_step_ms']:.2f} | {'yes' if x['same_tokens'] else 'no'} |")
     return "\n".join(lines)
 
 
