@@ -292,14 +292,15 @@ def batch_block_inputs(prompts: list[torch.Tensor], start: int, block_size: int)
 
 
 def prefill_one_shot(model, prompt: torch.Tensor, block_size: int, shared: dict | None = None, *,
-                     on_prefill=None, row: int | None = None) -> torch.Tensor:
+                     on_prefill=None, row: int | None = None, on_layer=None) -> torch.Tensor:
     """Dense prefill of the whole prompt, then one compression per layer (the SnapKV / RocketKV / kvpress protocol):
     model.prefill_layer_major with one scratch cache at a time (one layer's K/V for the whole prompt, slot =
     position), each compressed into its layer's cache (cache.compress_into) before the next layer runs. `shared`:
     the cross-layer state of this forward (K-VEC's coverage counter), a fresh dict unless given. on_prefill(done, L)
     after each layer: the share of the prompt's work done, L * layers done // layers (every token goes through a
     layer at once). row: compress into sequence `row` of a batch cache (cache.row_cache), the others untouched.
-    Returns the last position's logits [1, vocab]."""
+    on_layer(i, scratch): layer i's whole-prompt scratch (slot = position) before its compression (speculative.py
+    copies it into its target's full cache). Returns the last position's logits [1, vocab]."""
     L = prompt.numel()
     n_layers = len(model.layers)
     n_blocks = -(-L // block_size)
@@ -317,6 +318,8 @@ def prefill_one_shot(model, prompt: torch.Tensor, block_size: int, shared: dict 
 
     def done(i, scratch):
         c = layer_cache(i)
+        if on_layer is not None:
+            on_layer(i, scratch)
         if c.scorer is None:  # full, Exact-TopK: the scratch already is the whole prompt
             for dst, src in zip([c.pos, *c.slot_buffers()], [scratch.pos, *scratch.slot_buffers()], strict=True):
                 dst[:, :, :L] = src[:, :, :L]

@@ -236,8 +236,7 @@ def generate(target, draft, prompt_ids: list[int], max_new_tokens: int, *, k: in
     mem.reset()
     engine.sync(device)
     t0 = time.perf_counter()
-    logits = engine.prefill(target, prompt, block_size, steps.prefill, on_prefill=on_prefill)
-    engine.prefill(draft, prompt, block_size, steps.draft_prefill, draft_one_shot)
+    logits = prefill(target, draft, prompt, block_size, steps, draft_one_shot, on_prefill)
     tok = int(engine.sample_finite(logits, temperature, top_k, top_p).item())
     engine.check_finite(tok, 0)
     t1 = time.perf_counter()
@@ -262,6 +261,24 @@ def generate(target, draft, prompt_ids: list[int], max_new_tokens: int, *, k: in
                  all_accepted_rounds=sum(n == k for n in kept),
                  predicted_speedup=predicted_speedup(target, draft, k, kept))
     return out, stats
+
+
+def prefill(target, draft, prompt: torch.Tensor, block_size: int, steps: Steps, draft_one_shot: bool,
+            on_prefill=None) -> torch.Tensor:
+    """The prompt into both caches; returns the target's last-position logits. A one-shot draft over the target's
+    own weights shares one dense prefill with it: each layer's whole-prompt scratch (slot = position) is what the
+    target's full cache holds, copied there before the draft's compression. Otherwise the target is prefilled
+    block-wise, then the draft with its protocol."""
+    if draft_one_shot and draft.tok_embeddings is target.tok_embeddings:
+        def to_target(i, scratch):
+            c = target.layers[i].attention.kv_cache
+            dst = [c.pos, *c.slot_buffers()]
+            for d, src in zip(dst, [scratch.pos, *scratch.slot_buffers()][:len(dst)]):  # K, V (+ scales)
+                d[:, :, :prompt.numel()] = src[:, :, :prompt.numel()]
+        return engine.prefill_one_shot(draft, prompt, block_size, on_prefill=on_prefill, on_layer=to_target)
+    logits = engine.prefill(target, prompt, block_size, steps.prefill, on_prefill=on_prefill)
+    engine.prefill(draft, prompt, block_size, steps.draft_prefill, draft_one_shot)
+    return logits
 
 
 @torch.inference_mode()

@@ -115,6 +115,27 @@ def test_target_rollback_is_exact(tiny):
         torch.testing.assert_close(v_[valid], c.v[valid], atol=1e-5, rtol=1e-5)
 
 
+def test_one_shot_draft_shares_the_dense_prefill(tiny):
+    """A one-shot draft prefills once for both caches: the target's full cache gets each layer's whole-prompt
+    scratch, equal (positions, and K / V up to rounding) to a block-wise prefill of the full cache."""
+    prompt, n, k, block = ids_of(70, seed=9), 8, 2, 16
+    draft = speculative.draft_model(tiny)
+    speculative.setup(tiny, draft, policies.make("snapkv++:window=8"), 40, len(prompt), n, block, k)
+    with torch.inference_mode():
+        logits = speculative.prefill(tiny, draft, torch.tensor(prompt), block, speculative.EAGER, True)
+        shared = [(c.pos.clone(), c.k.clone(), c.v.clone()) for c in (l.attention.kv_cache for l in tiny.layers)]
+        engine.setup(tiny, None, len(prompt) + n + k, len(prompt), n + k, block)
+        want = engine.prefill(tiny, torch.tensor(prompt), block)
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    for (pos, k_, v_), layer in zip(shared, tiny.layers, strict=True):
+        c = layer.attention.kv_cache
+        assert torch.equal(pos, c.pos)
+        valid = pos >= 0
+        torch.testing.assert_close(k_[valid], c.k[valid], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v_[valid], c.v[valid], atol=1e-5, rtol=1e-5)
+    assert int(draft.layers[0].attention.kv_cache.n_valid().max()) <= 40 - n - k  # the draft compressed
+
+
 # ----------------------------------------------------------------------------------------------- sampling
 
 def chi_square(counts: dict, probs: dict, n: int) -> tuple[float, float]:
