@@ -6,15 +6,17 @@ target with its full cache, measured in the same process.
                             [--new-tokens 64] [--repeats 1] [--compile] [--json out.json] [--plot speedup.png]
 
 For each weight format (one model per format, in memory: int8 by quantize.quantize_model, as bench.py --quant
-does with random weights) and each context (a synthetic document of that many tokens, or random ids with
+does with random weights) and each context (a prompt of that many tokens: --text prose, a window of the
+evaluation's fidelity text to continue, or needle, bench.py's document and question; random ids with
 --random-weights), the target's full cache is prefilled ONCE; each draft (policy, budget) cache is prefilled once
 (its policy's protocol) and snapshotted. Every measurement starts from that state: the target rolled back to the
 prompt (slot == position: the slots past it emptied), the draft restored from its snapshot. Then:
 - plain: --new-tokens greedy tokens by the target's own decode step (full cache), timed; its tokens are the
   reference;
 - for each draft (policy, budget) and K: speculative.decode of the same tokens, timed; acceptance (mean drafts kept
-  per round), whether its tokens are plain's (greedy identity; bf16 rounds a K+1 block differently from single
-  steps, so a near-tie may flip there), decode tok/s and the speedup over plain, and the bandwidth model's
+  per round), whether its tokens are plain's and else the first that differs (greedy identity: a K+1 block's
+  logits equal single steps' up to rounding, ~1e-5 in fp32; with bf16 activations, which CPU's int8 kernel uses
+  too, ~0.1, so a near-tie may flip there), decode tok/s and the speedup over plain, and the bandwidth model's
   prediction from bytes per round at the measured acceptance (speculative.predicted_speedup: K draft steps, one
   more when all K are kept, plus one verification that reads what a target step reads; engine.decode_bytes_per_step
   of both caches), and beside it the step-time model: the same round costed with this machine's measured draft
@@ -60,6 +62,10 @@ def parser() -> Parser:
     ap.add_argument("--ks", default="2,4,6", help="drafts per round")
     ap.add_argument("--contexts", default="2048,4096,8000", help="prompt lengths (SmolLM2's context is 8192)")
     ap.add_argument("--weights", default="float32,bfloat16,int8", help="weight formats: float32, bfloat16, int8")
+    ap.add_argument("--text", choices=["prose", "needle"], default="prose",
+                    help="the prompt: prose (a window of Python's pydoc topics, continued: the evaluation's fidelity "
+                         "text) or needle (bench.py's document whose question asks for its first sentence: a sink "
+                         "draft cannot know the answer)")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per measurement")
     ap.add_argument("--repeats", type=int, default=1, help="timed repeats of each measurement (median)")
     ap.add_argument("--block-size", type=int, default=128)
@@ -122,10 +128,14 @@ def make_model(a, ckpt, config, weights: str):
     return model
 
 
-def prompt_ids(tokenizer, config: dict, n: int) -> list[int]:
+def prompt_ids(tokenizer, config: dict, n: int, text: str) -> list[int]:
+    """n prompt ids: random ones (random weights), a window of the fidelity prose, or the needle document."""
     if tokenizer is None:
         vocab = ModelArgs.from_config(config).vocab_size
         return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    if text == "prose":
+        from scripts.eval import fidelity_texts
+        return fidelity_texts(tokenizer, 1, n, seed=0)[0]
     from scripts.bench import make_document
     return make_document(tokenizer, n)[1]
 
@@ -197,7 +207,7 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
     n, block, max_k = a.new_tokens, a.block_size, max(lists["ks"])
     draft = speculative.draft_model(model)  # after quantize_model: the draft shares the swapped modules
     for L in lists["contexts"]:
-        ids = prompt_ids(tokenizer, config, L)
+        ids = prompt_ids(tokenizer, config, L, a.text)
         L = len(ids)
         engine.setup(model, None, L + n + max_k, L, n + max_k, block)
         with torch.inference_mode():
@@ -243,6 +253,8 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
                                      step_time_speedup=(sum(kept) / len(kept) + 1) * plain_s / (n - 1) / round_s,
                                      acceptance_rate=sum(kept) / (k * len(kept)), rounds=len(kept),
                                      spec_tok_s=(n - 1) / s, speedup=plain_s / s, same_tokens=out == want,
+                                     first_difference=next((i for i, (x, y) in enumerate(zip(out, want)) if x != y),
+                                                           None),
                                      predicted_speedup=speculative.predicted_speedup(model, draft, k, kept),
                                      best_case_speedup=speculative.predicted_speedup(model, draft, k)))
                     x = rows[-1]
@@ -250,7 +262,8 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
                           f"{x['spec_tok_s']:.2f} tok/s, speedup {x['speedup']:.2f}x (predicted "
                           f"{x['predicted_speedup']:.2f}x; from step times {x['step_time_speedup']:.2f}x: draft "
                           f"{x['draft_step_ms']:.1f} ms, verify {x['verify_ms']:.1f} ms, plain "
-                          f"{x['plain_step_ms']:.1f} ms){'' if x['same_tokens'] else ', TOKENS DIFFER'}",
+                          f"{x['plain_step_ms']:.1f} ms)"
+                          f"{'' if x['same_tokens'] else ', tokens differ from token ' + str(x['first_difference'])}",
                           file=sys.stderr)
                     if a.json:
                         save(a, rows)
@@ -273,7 +286,8 @@ def table(rows: list) -> str:
                      f"{x['accepted_per_round']:.2f} | {x['acceptance_rate']:.0%} | {x['plain_tok_s']:.2f} | "
                      f"{x['spec_tok_s']:.2f} | {x['speedup']:.2f}x | {x['predicted_speedup']:.2f}x | "
                      f"{x['best_case_speedup']:.2f}x | {x['step_time_speedup']:.2f}x | "
-                     f"{x['verify_ms'] / x['plain_step_ms']:.2f} | {'yes' if x['same_tokens'] else 'no'} |")
+                     f"{x['verify_ms'] / x['plain_step_ms']:.2f} | "
+                     f"{'yes' if x['same_tokens'] else 'from token ' + str(x['first_difference'])} |")
     return "\n".join(lines)
 
 
