@@ -41,7 +41,8 @@ import engine
 from cache import is_scorer
 from errors import UserError
 
-MAX_K = 16  # drafts per round: past ~8 a round almost never keeps them all, and each costs a draft step
+MAX_K = 16  # drafts per round: each costs a draft step, and the chance that a round keeps them all falls
+# geometrically with K
 
 Steps = namedtuple("Steps", "prefill draft_prefill draft verify")
 
@@ -73,7 +74,8 @@ def compile_steps(device: str, mode: str | None = None, prefill: bool = False) -
 
 def draft_model(model) -> nn.Module:
     """A shallow copy of `model` sharing every parameter and buffer, whose attention modules hold their own
-    `kv_cache` (None until engine.setup attaches one): the same weights over a second cache."""
+    `kv_cache` (None until engine.setup attaches one): the same weights over a second cache. Make it after any
+    in-place swap of the model's modules (quantize.quantize_model): the copy keeps the modules it saw."""
     def shallow(m):
         c = copy.copy(m)
         c._modules = dict(m._modules)
