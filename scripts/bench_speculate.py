@@ -11,8 +11,9 @@ evaluation's fidelity text to continue, or needle, bench.py's document and quest
 --random-weights), the target's full cache is prefilled ONCE; each draft (policy, budget) cache is prefilled once
 (its policy's protocol) and snapshotted. Every measurement starts from that state: the target rolled back to the
 prompt (slot == position: the slots past it emptied), the draft restored from its snapshot. Then:
-- plain: --new-tokens greedy tokens by the target's own decode step (full cache), timed; its tokens are the
-  reference;
+- plain: --new-tokens greedy tokens by the target's own decode step (full cache); its tokens are the reference,
+  and it is timed again right before each speculative measurement (plain and speculative alternate --repeats times:
+  each row's speedup pairs two timings taken under the same conditions);
 - for each draft (policy, budget) and K: speculative.decode of the same tokens, timed; acceptance (mean drafts kept
   per round), whether its tokens are plain's and else the first that differs (greedy identity: a K+1 block's
   logits equal single steps' up to rounding, ~1e-5 in fp32; with bf16 activations, which CPU's int8 kernel uses
@@ -193,13 +194,15 @@ def step_times(target, draft, state, steps, first: int, L: int, k: int, device: 
     return statistics.median(draft_s), statistics.median(verify_s)
 
 
-def median_time(fn, repeats: int, device: str) -> tuple:
-    """fn's result and its median wall time over `repeats` calls."""
-    times = []
+def paired(plain, spec, repeats: int, device: str) -> tuple:
+    """spec's result and the median seconds of spec and of plain, timed alternately (plain, spec, plain, ...):
+    both under the same conditions on a machine whose speed drifts."""
+    plain_s, spec_s = [], []
     for _ in range(repeats):
-        out, s = timed(fn, device)
-        times.append(s)
-    return out, statistics.median(times)
+        plain_s.append(timed(plain, device)[1])
+        out, s = timed(spec, device)
+        spec_s.append(s)
+    return out, statistics.median(spec_s), statistics.median(plain_s)
 
 
 def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) -> None:
@@ -218,13 +221,12 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
         step = engine.compile_steps(a.device, prefill=False)[1] if a.compile else engine.model_step
         if a.compile:
             plain_decode(model, step, first, L, 3, a.device)
-        want, plain_s = median_time(lambda: plain_decode(model, step, first, L, n, a.device), a.repeats, a.device)
-        plain_tok_s = (n - 1) / plain_s
-        print(f"  {weights} context {L}: prefill {prefill_s:.1f} s, plain decode {plain_tok_s:.2f} tok/s",
+        want, plain_s = timed(lambda: plain_decode(model, step, first, L, n, a.device), a.device)
+        print(f"  {weights} context {L}: prefill {prefill_s:.1f} s, plain decode {(n - 1) / plain_s:.2f} tok/s",
               file=sys.stderr)
         for spec in lists["policies"]:
             for budget in lists["budgets"]:
-                row = dict(weights=weights, context=L, policy=spec, budget=budget, plain_tok_s=plain_tok_s)
+                row = dict(weights=weights, context=L, policy=spec, budget=budget)
                 policy = policies.make(spec)
                 try:
                     speculative.check_draft(policy, budget, L + n + max_k, True)
@@ -242,12 +244,14 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
                 for k in lists["ks"]:
                     if a.compile:
                         spec_decode(model, draft, state, steps, first, L, 2 * (k + 1) + 1, k)  # compile, untimed
-                    (out, kept), s = median_time(lambda: spec_decode(model, draft, state, steps, first, L, n, k),
-                                                 a.repeats, a.device)
+                    (out, kept), s, plain_s = paired(lambda: plain_decode(model, step, first, L, n, a.device),
+                                                     lambda: spec_decode(model, draft, state, steps, first, L, n,
+                                                                         k), a.repeats, a.device)
                     draft_s, verify_s = step_times(model, draft, state, steps, first, L, k, a.device)
                     full_rounds = sum(x == k for x in kept) / len(kept)
                     round_s = (k + full_rounds) * draft_s + verify_s
                     rows.append(dict(row, k=k, accepted_per_round=sum(kept) / len(kept),
+                                     plain_tok_s=(n - 1) / plain_s,
                                      plain_step_ms=plain_s / (n - 1) * 1e3, draft_step_ms=draft_s * 1e3,
                                      verify_ms=verify_s * 1e3,
                                      step_time_speedup=(sum(kept) / len(kept) + 1) * plain_s / (n - 1) / round_s,
