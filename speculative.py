@@ -62,14 +62,15 @@ def draft_prefill_step(model, idx, input_pos):
 EAGER = Steps(engine.prefill_step, draft_prefill_step, draft_step, verify_step)
 
 
-def compile_steps(device: str, mode: str | None = None, prefill: bool = False) -> Steps:
+def compile_steps(device: str, mode: str | None = None, prefill: bool = False, freeze: bool = False) -> Steps:
     """Steps with the draft decode step and the K+1 verification block each compiled once (fullgraph, static
-    shapes; on CUDA both under CUDA graphs, the decode mode); the prefill steps too when `prefill`."""
-    target_prefill, _ = engine.compile_steps(device, mode, prefill=prefill)  # sets up inductor's cache directory
+    shapes; on CUDA both under CUDA graphs, the decode mode); the prefill steps too when `prefill`. freeze: the
+    weights folded into each graph (engine.compile_steps; a packed copy per graph)."""
+    target_prefill, _ = engine.compile_steps(device, mode, prefill=prefill, freeze=freeze)  # + inductor's cache dir
     prefill_mode, decode_mode = engine.step_modes(device, mode)
-    draft_prefill = engine.compile_step(draft_prefill_step, prefill_mode) if prefill else draft_prefill_step
-    return Steps(target_prefill, draft_prefill, engine.compile_step(draft_step, decode_mode),
-                 engine.compile_step(verify_step, decode_mode))
+    draft_prefill = engine.compile_step(draft_prefill_step, prefill_mode, freeze) if prefill else draft_prefill_step
+    return Steps(target_prefill, draft_prefill, engine.compile_step(draft_step, decode_mode, freeze),
+                 engine.compile_step(verify_step, decode_mode, freeze))
 
 
 def draft_model(model) -> nn.Module:

@@ -71,6 +71,9 @@ def parser() -> Parser:
     ap.add_argument("--repeats", type=int, default=1, help="timed repeats of each measurement (median)")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--compile", action="store_true", help="compile the decode, draft and verification steps")
+    ap.add_argument("--freeze", action="store_true",
+                    help="with --compile: fold the weights into each graph (generate.py --freeze; on CPU in fp32 "
+                         "max-autotune's packed GEMM templates; minutes of compiling per graph, a copy per graph)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", type=Path, help="write the settings and every row here")
@@ -100,6 +103,8 @@ def check_args(a) -> dict:
         raise UserError("--weights is empty")
     if a.new_tokens < 2 or a.repeats < 1 or a.block_size < 1:
         raise UserError("need --new-tokens >= 2, --repeats >= 1 and --block-size >= 1")
+    if a.freeze and not a.compile:
+        raise UserError("--freeze needs --compile")
     if a.threads is not None and a.threads < 1:
         raise UserError(f"--threads must be >= 1, got {a.threads}")
     for path, flag in ((a.json, "--json"), (a.plot, "--plot")):
@@ -218,7 +223,8 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
                                       a.device)
         first = int(logits.argmax(-1))
         torch._dynamo.reset()
-        step = engine.compile_steps(a.device, prefill=False)[1] if a.compile else engine.model_step
+        mode = engine.default_compile_mode(a.device, WEIGHTS[weights], weights == "int8", a.freeze)
+        step = engine.compile_steps(a.device, mode, False, a.freeze)[1] if a.compile else engine.model_step
         if a.compile:
             plain_decode(model, step, first, L, 3, a.device)
         want, plain_s = timed(lambda: plain_decode(model, step, first, L, n, a.device), a.device)
@@ -240,7 +246,8 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
                                    one_shot=protocol == "one-shot")
                 state = snapshot(draft)
                 torch._dynamo.reset()
-                steps = speculative.compile_steps(a.device) if a.compile else speculative.EAGER
+                steps = (speculative.compile_steps(a.device, mode, freeze=a.freeze) if a.compile else
+                         speculative.EAGER)
                 for k in lists["ks"]:
                     if a.compile:
                         spec_decode(model, draft, state, steps, first, L, 2 * (k + 1) + 1, k)  # compile, untimed
@@ -273,6 +280,7 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
                         save(a, rows)
         engine.setup(model, None, 1, 1, 0, 1)  # free the full cache before the next context's
     torch._dynamo.reset()
+    torch._inductor.config.freezing = False
 
 
 def save(a, rows: list) -> None:
@@ -335,7 +343,8 @@ def run(a) -> int:
                         f"{max(lists['ks'])} exceed the model's context ({ctx})")
     print(f"{a.checkpoint}: --speculate, drafts {lists['policies']} x budgets {lists['budgets']} x K {lists['ks']}, "
           f"contexts {lists['contexts']}, weights {lists['weights']}, {a.new_tokens} tokens x {a.repeats} repeats, "
-          f"{'compiled' if a.compile else 'eager'}, {a.device}, torch threads {torch.get_num_threads()}",
+          f"{('compiled, frozen' if a.freeze else 'compiled') if a.compile else 'eager'}, {a.device}, "
+          f"torch threads {torch.get_num_threads()}",
           file=sys.stderr)
     rows = []
     for weights in lists["weights"]:
