@@ -23,8 +23,8 @@ prompt (slot == position: the slots past it emptied), the draft restored from it
   of both caches), and beside it the step-time model: the same round costed with this machine's measured draft
   step and verification block (on a CPU a K+1 block costs more than a step: BLAS leaves its GEMV path).
 Timings are medians over --repeats. With --compile the decode step, the draft step and the K+1 verification block
-are compiled (fullgraph; CUDA graphs on a GPU), dynamo reset between draft configurations, and each configuration
-runs once untimed first (compiling, or loading from build/inductor-cache). Prefill stays eager.
+are compiled (fullgraph; CUDA graphs on a GPU), dynamo reset between draft configurations (the plain step compiled
+again after each reset), and each step runs once untimed first (compiling, or loading from build/inductor-cache). Prefill stays eager.
 `--plot`: speedup against context, one line per draft policy (its best budget and K at each context; dashed: the
 bandwidth model's prediction for that configuration), one panel per weight format.
 """
@@ -222,11 +222,16 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
             logits, prefill_s = timed(lambda: engine.prefill(model, torch.tensor(ids, device=a.device), block),
                                       a.device)
         first = int(logits.argmax(-1))
-        torch._dynamo.reset()
         mode = engine.default_compile_mode(a.device, WEIGHTS[weights], weights == "int8", a.freeze)
-        step = engine.compile_steps(a.device, mode, False, a.freeze)[1] if a.compile else engine.model_step
-        if a.compile:
-            plain_decode(model, step, first, L, 3, a.device)
+
+        def plain_step():  # (re)compiled after each dynamo reset, and run once untimed
+            torch._dynamo.reset()
+            if not a.compile:
+                return engine.model_step
+            fn = engine.compile_steps(a.device, mode, False, a.freeze)[1]
+            plain_decode(model, fn, first, L, 3, a.device)
+            return fn
+        step = plain_step()
         want, plain_s = timed(lambda: plain_decode(model, step, first, L, n, a.device), a.device)
         print(f"  {weights} context {L}: prefill {prefill_s:.1f} s, plain decode {(n - 1) / plain_s:.2f} tok/s",
               file=sys.stderr)
@@ -245,7 +250,7 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
                     engine.prefill(draft, torch.tensor(ids, device=a.device), block,
                                    one_shot=protocol == "one-shot")
                 state = snapshot(draft)
-                torch._dynamo.reset()
+                step = plain_step()  # a fresh dynamo: this draft's graphs, not the last one's
                 steps = (speculative.compile_steps(a.device, mode, freeze=a.freeze) if a.compile else
                          speculative.EAGER)
                 for k in lists["ks"]:
