@@ -322,6 +322,28 @@ def test_cli_speculates_with_plain_greedy_tokens(tiny_config_dir, capsys):
     assert stats["draft_budget"] == 24 and stats["budget"] == 120 + 12 + 3
 
 
+def test_cli_one_shot_draft_and_sampling(tiny_config_dir, capsys):
+    """--prefill one-shot applies to the draft (one dense prefill shared with the target): plain greedy's tokens;
+    sampling with --seed is reproducible."""
+    base = ["--checkpoint", str(tiny_config_dir), "--random-weights", "--prompt-tokens", "90", "--max-new-tokens",
+            "10", "--block-size", "16", "--json", "--threads", "1"]
+    code, out, err = run_main(base, capsys)
+    want = json.loads(out)["token_ids"]
+    code, out, err = run_main(base + ["--speculate", "2", "--draft-policy", "tova", "--draft-budget", "20",
+                                      "--prefill", "one-shot"], capsys)
+    assert code == 0, err
+    stats = json.loads(out)
+    assert stats["token_ids"] == want and stats["draft_prefill"] == "one-shot"
+    sampled = base + ["--speculate", "3", "--draft-budget", "20", "--temperature", "0.9", "--top-k", "50",
+                      "--top-p", "0.95", "--seed", "5"]
+    runs = []
+    for _ in range(2):
+        code, out, err = run_main(sampled, capsys)
+        assert code == 0, err
+        runs.append(json.loads(out)["token_ids"])
+    assert runs[0] == runs[1] and len(runs[0]) == 10
+
+
 def test_cli_says_when_speculation_is_predicted_to_lose(tiny_config_dir, capsys):
     code, _, err = run_main(["--checkpoint", str(tiny_config_dir), "--random-weights", "--prompt-tokens", "20",
                              "--max-new-tokens", "4", "--speculate", "4", "--draft-budget", "12", "--threads", "1"],
