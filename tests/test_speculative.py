@@ -79,6 +79,20 @@ def test_greedy_is_plain_greedy_in_every_family(hf_tiny, family, spec):
     assert out == want
 
 
+@pytest.mark.parametrize("spec", ["sink", "snapkv++:window=8"])
+def test_greedy_is_plain_greedy_with_int8_kv(tiny, spec):
+    """--kv-dtype int8 in both caches (the shared one-shot prefill copies the scales too)."""
+    prompt, n, k, block = ids_of(100, seed=1), 20, 3, 16
+    engine.setup(tiny, None, 100 + n, 100, n, block, kv_dtype=torch.int8)
+    want = engine.generate(tiny, prompt, n, block_size=block, steps=PLAIN)[0]
+    draft = speculative.draft_model(tiny)
+    policy = policies.make(spec)
+    speculative.setup(tiny, draft, policy, draft_budget_for(spec, n, k), 100, n, block, k, kv_dtype=torch.int8)
+    one_shot = engine.prefill_protocol(policy, None) == "one-shot"
+    out, _ = speculative.generate(tiny, draft, prompt, n, k=k, block_size=block, draft_one_shot=one_shot)
+    assert out == want
+
+
 def test_draft_shares_the_weights_not_the_cache(tiny):
     draft = speculative.draft_model(tiny)
     assert all(a is b for a, b in zip(draft.parameters(), tiny.parameters(), strict=True))
