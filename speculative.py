@@ -4,8 +4,9 @@ same distribution) while most steps read the small cache.
 
 Two caches persist across rounds: the target's (`full`: slot == position) and the draft's, managed by any policy at
 its budget, attached to `draft_model(model)` (a shallow copy whose attention modules share every parameter but hold
-their own `kv_cache`) or to a separate draft checkpoint of the same vocabulary. A round, with the last sampled token
-t at position p (written to neither cache yet, as in engine.generate):
+their own `kv_cache`) or to a separate draft checkpoint of the same vocabulary. The prompt goes into both first
+(prefill: a one-shot draft over the target's weights shares one dense prefill with it). A round, with the last
+sampled token t at position p (written to neither cache yet, as in engine.generate):
 
 1. K draft decode steps on the draft cache: t at p, d1 at p+1, ..., d_{K-1} at p+K-1 give d1..dK (sampling: each
    from its distribution q_i, top-k / top-p applied).
