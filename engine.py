@@ -200,11 +200,17 @@ def compile_steps(device: str, mode: str | None = None, prefill: bool = True, fr
     # until another compile_steps. In the options too, so that a frozen and an unfrozen step never share a graph.
     torch._inductor.config.freezing = freeze
 
-    def compiled(fn, mode):  # a mode is a set of inductor options
-        options = {**torch._inductor.list_mode_options(mode or "default"), "freezing": freeze}
-        return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
     prefill_mode, decode_mode = step_modes(device, mode)
-    return (compiled(prefill_step, prefill_mode) if prefill else prefill_step), compiled(model_step, decode_mode)
+    return ((compile_step(prefill_step, prefill_mode, freeze) if prefill else prefill_step),
+            compile_step(model_step, decode_mode, freeze))
+
+
+def compile_step(fn, mode: str | None, freeze: bool = False):
+    """fn compiled once with fullgraph=True and static shapes under `mode`, a set of inductor options (frozen or
+    not, so that a frozen and an unfrozen step never share a graph). Each step is its own Python function: dynamo
+    caches compiled graphs per code object, so one function compiled for two models would recompile."""
+    options = {**torch._inductor.list_mode_options(mode or "default"), "freezing": freeze}
+    return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
 
 
 @torch.inference_mode()
@@ -257,16 +263,29 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -
     row overflows into inf - inf = NaN."""
     if temperature < MIN_TEMPERATURE:
         return logits.argmax(-1)
+    return race(probabilities(logits, temperature, top_k, top_p))
+
+
+def probabilities(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """What sample() draws from (temperature >= MIN_TEMPERATURE): softmax(logits / temperature) over [..., V],
+    top-k and then top-p applied (the tokens outside them 0). Not renormalised after top-p: divide by the sum
+    for a distribution."""
     logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keep the smallest prefix whose mass reaches p
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+    return probs
+
+
+def race(weights: torch.Tensor) -> torch.Tensor:
+    """One index per row of non-negative weights [..., V], drawn with probability proportional to its weight (the
+    exponential race: argmax w / Exp(1), no normalisation and no host sync)."""
+    return (weights / torch.empty_like(weights).exponential_(1)).argmax(-1)
 
 
 def block_inputs(prompt: torch.Tensor, start: int, block_size: int):
@@ -289,14 +308,15 @@ def batch_block_inputs(prompts: list[torch.Tensor], start: int, block_size: int)
 
 
 def prefill_one_shot(model, prompt: torch.Tensor, block_size: int, shared: dict | None = None, *,
-                     on_prefill=None, row: int | None = None) -> torch.Tensor:
+                     on_prefill=None, row: int | None = None, on_layer=None) -> torch.Tensor:
     """Dense prefill of the whole prompt, then one compression per layer (the SnapKV / RocketKV / kvpress protocol):
     model.prefill_layer_major with one scratch cache at a time (one layer's K/V for the whole prompt, slot =
     position), each compressed into its layer's cache (cache.compress_into) before the next layer runs. `shared`:
     the cross-layer state of this forward (K-VEC's coverage counter), a fresh dict unless given. on_prefill(done, L)
     after each layer: the share of the prompt's work done, L * layers done // layers (every token goes through a
     layer at once). row: compress into sequence `row` of a batch cache (cache.row_cache), the others untouched.
-    Returns the last position's logits [1, vocab]."""
+    on_layer(i, scratch): layer i's whole-prompt scratch (slot = position) before its compression (speculative.py
+    copies it into its target's full cache). Returns the last position's logits [1, vocab]."""
     L = prompt.numel()
     n_layers = len(model.layers)
     n_blocks = -(-L // block_size)
@@ -314,6 +334,8 @@ def prefill_one_shot(model, prompt: torch.Tensor, block_size: int, shared: dict 
 
     def done(i, scratch):
         c = layer_cache(i)
+        if on_layer is not None:
+            on_layer(i, scratch)
         if c.scorer is None:  # full, Exact-TopK: the scratch already is the whole prompt
             for dst, src in zip([c.pos, *c.slot_buffers()], [scratch.pos, *scratch.slot_buffers()], strict=True):
                 dst[:, :, :L] = src[:, :, :L]

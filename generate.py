@@ -47,6 +47,7 @@ from progress import Progress, Ticker  # noqa: E402
 
 MAX_PROMPT_BYTES = 64 << 20  # far more text than any supported model's context holds
 DEFAULT_NEW_TOKENS, DEFAULT_BLOCK, DEFAULT_BUDGET = 200, 128, 2048  # each clamped to the model's context
+DEFAULT_DRAFT_BUDGET = 256  # --speculate's draft cache (MagicDec's StreamingLLM drafts hold a few hundred tokens)
 
 
 def policy_help(argv) -> None:
@@ -164,6 +165,23 @@ def parse_args(argv=None):
                          "--prompt or --prompt-ids, a .jsonl --prompt-file) are one batch of any lengths; with one "
                          "prompt, --batch-size N generates it N times at once (a throughput measurement)")
     ap.add_argument("--profile", type=Path, help="write a torch.profiler chrome trace here")
+    ap.add_argument("--speculate", type=int, metavar="K",
+                    help="self-speculative decoding: each round the model drafts K tokens (1 to 16) reading a second, "
+                         "small KV cache (--draft-policy at --draft-budget), then verifies them in one block over its "
+                         "full cache (--policy full): greedy output identical to plain decoding, sampling the same "
+                         "distribution; faster when the full cache's KV dominates a step (long contexts). The "
+                         "summary gives the drafts kept per round and the bandwidth model's predicted speedup "
+                         "(docs/speculative.md)")
+    ap.add_argument("--draft-policy", metavar="NAME[:key=value,...]",
+                    help="--speculate: the draft cache's policy, with --policy's syntax (default sink; full with "
+                         "--draft-checkpoint). --prefill applies to the draft")
+    ap.add_argument("--draft-budget", type=int, metavar="B",
+                    help=f"--speculate: the draft cache's slots per layer and KV head, below the target's (default "
+                         f"{DEFAULT_DRAFT_BUDGET}, at most half the target's; a draft policy that keeps every token: "
+                         "the target's)")
+    ap.add_argument("--draft-checkpoint",
+                    help="--speculate: draft with this model (same vocabulary; --checkpoint's forms) instead of the "
+                         "target's own weights; its cache is --draft-policy at --draft-budget")
     ap.add_argument("--json", action="store_true", help="print one JSON object (text and summary) instead")
     ap.add_argument("--quiet", action="store_true",
                     help="no progress lines (the prefill's tokens done and tok/s, a conversion's tensors done); "
@@ -250,6 +268,7 @@ def check_args(a) -> None:
         raise UserError(f"--seed must be in [0, 2**63), got {a.seed}")
     check_interactive_flags(a)
     check_prompt_flags(a)
+    check_speculate_flags(a)
     seed = () if a.random_weights else (("--seed", a.seed),)  # random weights: --seed seeds them (and the prompt)
     given = [flag for flag, v in (("--top-k", a.top_k), ("--top-p", a.top_p), *seed) if v is not None]
     if given and a.temperature < MIN_TEMPERATURE:
@@ -273,6 +292,27 @@ def check_args(a) -> None:
     if a.compile_mode == "reduce-overhead" and a.device == "cpu":
         raise UserError("--compile-mode reduce-overhead is CUDA graphs, which CPU has not (use default or "
                         "max-autotune-no-cudagraphs)")
+
+
+def check_speculate_flags(a) -> None:
+    """--speculate K in range; the draft flags need it; one sequence, generated as run() does without it."""
+    given = [f for f, v in (("--draft-policy", a.draft_policy), ("--draft-budget", a.draft_budget),
+                            ("--draft-checkpoint", a.draft_checkpoint)) if v is not None]
+    if a.speculate is None:
+        if given:
+            raise UserError(f"{given[0]} applies to --speculate K (self-speculative decoding)")
+        return
+    import speculative
+    speculative.check_k(a.speculate)
+    if a.draft_budget is not None and a.draft_budget < 1:
+        raise UserError("--draft-budget must be >= 1")
+    batch = (a.batch_size or 1) > 1 or len(a.prompt or []) > 1 or len(a.prompt_ids or []) > 1 or \
+        (a.prompt_file is not None and a.prompt_file.suffix == ".jsonl")
+    for flag, on in (("a batch", batch), ("--interactive", a.interactive), ("--freeze", a.freeze),
+                     ("--evict-before-attend", a.evict_before_attend), ("--profile", a.profile is not None)):
+        if on:
+            raise UserError(f"--speculate generates one sequence, uncompiled or compiled without freezing, and does "
+                            f"not support {flag}: drop one of them")
 
 
 def check_interactive_flags(a) -> None:
@@ -396,6 +436,14 @@ def run(a) -> int:
     a.device = tp.rank_device(a.device, mesh)
     if mesh.world > 1 and a.interactive:
         raise UserError("--interactive reads its turns on one process; it does not run under tensor parallel")
+    if mesh.world > 1 and a.speculate:
+        raise UserError("--speculate runs on one device; it does not run under tensor parallel yet")
+    if a.speculate:  # the target is full; --prefill is the draft's
+        import speculative
+        speculative.check_target(policy)
+        a.draft_policy = a.draft_policy or ("full" if a.draft_checkpoint else "sink")
+        draft_policy = policies.make(a.draft_policy)
+        a.draft_prefill = prefill_protocol(draft_policy, a.prefill)
     a.prefill = prefill_protocol(policy, a.prefill)
     if a.prefill == "one-shot" and a.compile_prefill is not None:
         raise UserError("--compile-prefill / --no-compile-prefill apply to --prefill block: a one-shot prefill never "
@@ -442,6 +490,10 @@ def run(a) -> int:
         if a.prefill == "one-shot":  # and one layer's scratch of the whole (padded) prompt
             kv_need += kv_cache_estimate(args, -(-L // a.block_size) * a.block_size, kv_dtype or dtype) // args.n_layers
         model = tp.random_model(config, dtype, a.device, a.seed or 0, mesh, label=shapes, kv_bytes=kv_need)
+    if a.speculate:
+        weights = (f"random {str(dtype).replace('torch.', '')} weights ({shapes} shapes, seed {a.seed or 0})"
+                   if a.random_weights else weights_format(model.config, str(dtype).replace("torch.", "")))
+        return run_speculative(a, model, tokenizer, ids, draft_policy, dtype, kv_dtype, weights, clamped)
     plan = dict(prefill=a.prefill, evict_before_attend=a.evict_before_attend, kv_dtype=kv_dtype)
     if batched:
         budget = setup_batch(model, policy, token_budget, lens, a.max_new_tokens, a.block_size, **plan)
@@ -582,6 +634,91 @@ def run(a) -> int:
         if clamped:
             print("defaults clamped to the model's context (" + str(args.max_seq_len) + "): " +
                   ", ".join(f"{flag} {d} -> {v}" for flag, (d, v) in clamped.items()), file=sys.stderr)
+    return 0
+
+
+def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, kv_dtype, weights: str, clamped: dict) -> int:
+    """--speculate K: the draft (the model's own weights over a --draft-budget cache, or --draft-checkpoint), both
+    caches, compiled steps, speculative.generate, and a summary with the acceptance and the bandwidth model's
+    predicted speedup; says so in one line when even a round that keeps every draft would read more per token
+    than plain decoding."""
+    import speculative
+    if a.draft_checkpoint is None:
+        draft = speculative.draft_model(model)
+    elif a.random_weights:
+        config, shapes = shape_config(a.draft_checkpoint)
+        draft = random_model(config, dtype, a.device, a.seed or 0, label=f"the draft ({shapes})")
+    else:
+        draft = load_model(resolve_checkpoint(a.draft_checkpoint), dtype, a.device)
+    L, N, K = len(ids), a.max_new_tokens, a.speculate
+    capacity = a.budget or L + N + K
+    draft_budget = a.draft_budget or (min(DEFAULT_DRAFT_BUDGET, capacity // 2) if is_scorer(draft_policy) else
+                                      capacity)
+    one_shot = a.draft_prefill == "one-shot"
+    slots, draft_slots = speculative.setup(model, draft, draft_policy, draft_budget, L, N, a.block_size, K,
+                                           target_budget=capacity, draft_prefill=a.draft_prefill, kv_dtype=kv_dtype)
+    best = speculative.predicted_speedup(model, draft, K)
+    if best < 1:
+        (rb, _), tb = speculative.round_bytes(model, draft, K, K, 1), sum(decode_bytes_per_step(model))
+        print(f"note: speculation is predicted to lose here: even keeping every draft, a round reads {rb / 1e6:.0f} "
+              f"MB for {K + 1} tokens against {tb / 1e6:.0f} MB per token without it (bandwidth model: {best:.2f}x); "
+              "it pays when the full cache's KV dominates a step (a long context) and the draft budget is small",
+              file=sys.stderr)
+    steps, compile_s = speculative.EAGER, 0.0
+    if a.compile:
+        if a.compile_mode in (None, "auto"):
+            a.compile_mode = None
+        a.compile_prefill = a.device != "cpu" if a.compile_prefill is None else a.compile_prefill
+        steps = speculative.compile_steps(a.device, a.compile_mode, prefill=a.compile_prefill)
+        t = time.perf_counter()
+        with stderr_to_log(COMPILE_LOG, is_verbose(a)) as terminal, compile_ticker(a, terminal):
+            speculative.warm_up(model, draft, steps, ids[0], a.block_size, K, a.device, one_shot)
+        compile_s = time.perf_counter() - t
+    printed = [""]
+
+    def decoded(out_ids):
+        return tokenizer.decode(out_ids) if tokenizer else " ".join(map(str, out_ids))
+
+    def stream(out_ids):
+        bar.close()
+        s = decoded(out_ids)
+        if not s.endswith("\ufffd"):
+            sys.stdout.write(s[len(printed[0]):] if s.startswith(printed[0]) else "\n" + s)
+            sys.stdout.flush()
+            printed[0] = s
+
+    bar, on_prefill = prefill_progress(a, L, model.args.n_layers, per_layer=False)
+    with bar:
+        out, stats = speculative.generate(
+            model, draft, ids, N, k=K, block_size=a.block_size, steps=steps,
+            eos_ids=set(tokenizer.eos_ids) if tokenizer else set(), temperature=a.temperature, top_k=a.top_k or 0,
+            top_p=1.0 if a.top_p is None else a.top_p, on_token=None if a.json else stream, device=a.device,
+            draft_one_shot=one_shot, on_prefill=on_prefill)
+    read = draft.layers[0].attention.kv_cache.read_tokens()
+    stats.update(policy="full", budget=slots, draft_policy=a.draft_policy, draft_budget=draft_slots,
+                 draft_checkpoint=a.draft_checkpoint, draft_prefill=a.draft_prefill,
+                 draft_tokens_read_per_step=read, block_size=a.block_size, weights=weights, device=a.device,
+                 threads=torch.get_num_threads(), compiled=a.compile, compile_s=round(compile_s, 2),
+                 kv_cache_bytes=kv_bytes(model) + (kv_bytes(draft)), max_new_tokens=N,
+                 best_case_speedup=best,
+                 clamped_to_context={flag[2:]: {"default": d, "used": v} for flag, (d, v) in clamped.items()})
+    if a.json:
+        print(json.dumps({"text": None if a.random_weights else decoded(out), "token_ids": out, **stats}))
+        return 0
+    print(flush=True)
+    mib = 2 ** 20
+    print(f"--- {stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated | speculate "
+          f"K={K}: draft {a.draft_policy} ({a.draft_prefill} prefill) {draft_slots} slots, {read:.1f} tokens read "
+          f"per draft step{', ' + a.draft_checkpoint if a.draft_checkpoint else ''}; target full, {slots} slots | "
+          f"block {a.block_size}, {weights} on {a.device}"
+          f"{f', compiled in {compile_s:.1f} s' if a.compile else ''}\n"
+          f"{stats['rounds']} rounds: {stats['accepted_per_round']:.2f} of {K} drafts kept per round (acceptance "
+          f"{stats['acceptance_rate']:.0%}) | bandwidth model: {stats['predicted_speedup']:.2f}x decode speedup "
+          f"predicted at this acceptance ({best:.2f}x with every draft kept)\n"
+          f"TTFT {stats['ttft_s']:.3f} s (both caches) | prefill {stats['prefill_tok_s']:.1f} tok/s | decode "
+          f"{stats['decode_tok_s']:.2f} tok/s | KV caches {stats['kv_cache_bytes'] / mib:.2f} MiB | peak memory "
+          f"({stats['memory_measure']}): prefill {stats['prefill_peak_bytes'] / mib:.1f} MiB, decode "
+          f"{stats['decode_peak_bytes'] / mib:.1f} MiB", file=sys.stderr)
     return 0
 
 

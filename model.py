@@ -352,16 +352,20 @@ class Transformer(nn.Module):
         last = last_real(input_pos).view(-1, 1, 1).expand(B, 1, dim)
         return self.output(self.norm(x.gather(1, last)))[:, 0].float()
 
-    def forward(self, idx: Tensor, input_pos: Tensor) -> Tensor:
+    def forward(self, idx: Tensor, input_pos: Tensor, every_position: bool = False) -> Tensor:
         """idx [B, T] token ids; input_pos [T] absolute positions shared by the batch, or [B, T] each sequence's
         own; -1 for padding (at the end of a short block, or a whole block once a sequence's prompt has ended).
 
         Returns logits [B, vocab] of each sequence's last real position only: nothing here grows with the prompt.
+        every_position: logits [B, T, vocab] (fp32) of every position instead (speculative decoding's verification
+        block, a few tokens).
         """
         query_pos, cos, sin = self.rope(input_pos)
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x, cos, sin, input_pos, query_pos)
+        if every_position:
+            return self.output(self.norm(x)).float()
         return self.last_logits(x, input_pos)
 
     def prefill_layer_major(self, idx: Tensor, input_pos: Tensor, block_size: int, scratch, done) -> Tensor:

@@ -51,6 +51,13 @@ peak memory at batch 1, 2, 4, ... until the next batch's estimate (weights + B r
 decided before allocating) exceeds --memory-cap MiB; the largest batch under the cap; beside it the bandwidth model
 (weights read once per step, K/V once per sequence). Each row a copy of one prefilled sequence: one batch-1 prefill
 per policy (its own process), its cache state copied into every row of each batch's process.
+
+    python scripts/bench.py --speculate [--policies sink,snapkv] [--budgets 256,512] [--ks 2,4,6]
+                            [--contexts 2048,4096,8000] [--weights float32,bfloat16,int8] [--plot p.png] [--compile]
+
+`--speculate`: self-speculative decoding against plain full-cache decode in the same process: acceptance, decode
+tok/s, speedup and the bandwidth model's prediction per draft policy, budget, K, context and weight format
+(scripts/bench_speculate.py, whose --help lists its flags).
 """
 import argparse
 import dataclasses
@@ -978,6 +985,9 @@ def parser() -> Parser:
 
 
 def main():
+    if "--speculate" in sys.argv[1:]:  # its own flags and runs: scripts/bench_speculate.py
+        from scripts import bench_speculate
+        return bench_speculate.main([x for x in sys.argv[1:] if x != "--speculate"])
     return run_cli(run, parser().parse_args())
 
 
