@@ -261,14 +261,27 @@ def tp_sum(x: Tensor, group: str | None) -> Tensor:
     return all_reduce(x, "sum", group)
 
 
+class Linear(nn.Linear):
+    """nn.Linear, except on CPU for a block of 2 to 16 rows (a speculative verification block, a small batch's
+    decode step): there the weight is the GEMM's left operand, y = (W @ x^T)^T. MKL packs a GEMM's right operand,
+    and for a few rows packing the whole weight costs several times the product itself (docs/speculative.md)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.numel() // x.shape[-1]
+        if x.device.type != "cpu" or not 1 < rows <= 16:
+            return F.linear(x, self.weight, self.bias)
+        y = (self.weight @ x.reshape(rows, x.shape[-1]).T).T.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.tp_group = None  # tensor parallel (tp.apply_tp): this rank's heads' output is summed over the group
         qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = nn.Linear(args.dim, qkv_out, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        self.wqkv = Linear(args.dim, qkv_out, bias=args.qkv_bias)
+        self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
         self.kv_cache = None  # a cache.KVCache, attached by cache.setup_caches
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, query_pos: Tensor,
@@ -300,8 +313,8 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.w13 = Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
+        self.w2 = Linear(args.intermediate_size, args.dim, bias=False)
         self.tp_group = None  # tensor parallel (tp.apply_tp): this rank's slice of the MLP is summed over the group
 
     def forward(self, x: Tensor) -> Tensor:
@@ -329,7 +342,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)

@@ -259,7 +259,7 @@ def test_head_defaults_int8_quantized_int4_float(hf_tiny, tmp_path):
         assert quantize_cli(src, out, mode, groupsize, *extra) == 0
         assert json.loads((out / "config.json").read_text())[quantize.MARKER]["head"] is quantized
         model = load_model(out, torch.float32, "cpu")
-        assert (type(model.output) is not nn.Linear) is quantized
+        assert (not isinstance(model.output, nn.Linear)) is quantized
 
 
 def test_float_head_stays_tied(hf_tiny, tmp_path):
@@ -267,7 +267,7 @@ def test_float_head_stays_tied(hf_tiny, tmp_path):
     assert quantize_cli(src, tmp_path / "q", "int8", None, "--head", "float") == 0
     assert json.loads((tmp_path / "q" / "config.json").read_text())[quantize.MARKER]["head"] is False
     model = load_model(tmp_path / "q", torch.float32, "cpu")
-    assert type(model.output) is nn.Linear and model.output.weight is model.tok_embeddings.weight
+    assert isinstance(model.output, nn.Linear) and model.output.weight is model.tok_embeddings.weight
     assert isinstance(model.layers[0].attention.wqkv, quantize.Int8Linear)
 
 
@@ -329,7 +329,7 @@ def test_api_bad_input(hf_tiny):
         quantize.quantize_model(model, "int2")
     with pytest.raises(UserError, match=r"--groupsize 128 does not divide the in-features of \S+ \(64\); use "):
         quantize.quantize_model(model, "int4", 128)
-    assert type(model.layers[0].attention.wqkv) is nn.Linear  # nothing was swapped before the check
+    assert isinstance(model.layers[0].attention.wqkv, nn.Linear)  # nothing was swapped before the check
 
 
 def test_load_rejects_an_unknown_quantization_entry(hf_tiny, tmp_path):
