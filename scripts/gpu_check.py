@@ -8,7 +8,9 @@ Sections, each a group of rows of one table (written to OUT.md and OUT.json, pri
 - graphs: for each policy (and `full`), a generation whose decode step is compiled with mode="reduce-overhead" on
   --graph-model (the embedded SmolLM2 truncated to --graph-layers layers: a small graph compiles fast, and its real
   embedding and head keep greedy tokens away from ties): the decode step must replay as a CUDA graph (inductor
-  counted no cudagraph skip), compile once (error_on_recompile) and give eager's greedy tokens.
+  counted no cudagraph skip), compile once (error_on_recompile) and give eager's greedy tokens. One more row,
+  `speculate`: self-speculative decoding (a sink draft, K = 4) with the draft step and the K+1 verification block
+  both under CUDA graphs: two graphs, no skip, no recompile, plain eager greedy's tokens.
 - figure: RocketKV's Figure 5 (`bench.py --figure rocketkv`) at --shapes with random --dtype weights, at --contexts
   and --budgets: decode speedup over `full` beside the bandwidth-model ideal, decode peak memory saving, and
   `full`'s decode step as a fraction of the bandwidth bound (bytes read per step at the read bandwidth measured
@@ -116,12 +118,46 @@ def graph_check(model, spec: str, prompt: list[int], new_tokens: int, block_size
     return result
 
 
-def graph_row(r: dict) -> dict:
-    """Pass when the decode step compiled once, inductor skipped no CUDA graph and the tokens are eager's."""
+def speculate_check(model, draft_spec: str, prompt: list[int], new_tokens: int, block_size: int, device: str,
+                    mode: str | None = "reduce-overhead", k: int = 4) -> dict:
+    """Self-speculative decoding with `draft_spec` at graph_budget's budget: plain eager greedy tokens (the full
+    cache), then a speculative generation whose draft step and verification block are compiled in `mode`, under
+    error_on_recompile; the same fields as graph_check, graphs expected: 2."""
+    import speculative
+    from torch._dynamo.utils import counters
+    draft_policy = policies.make(draft_spec)
+    setup(model, None, len(prompt) + new_tokens, len(prompt), new_tokens, block_size)
+    plain, plain_stats = generate(model, prompt, new_tokens, steps=(prefill_step, model_step), block_size=block_size,
+                                  device=device)
+    draft = speculative.draft_model(model)
+    speculative.setup(model, draft, draft_policy, graph_budget(draft_policy, len(prompt), new_tokens), len(prompt),
+                      new_tokens, block_size, k)
+    torch._dynamo.reset()
+    counters.clear()
+    steps = speculative.compile_steps(device, mode)
+    result = {"policy": f"speculate {draft_spec} K={k}", "eager": plain, "recompiled": None}
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            speculative.warm_up(model, draft, steps, prompt[0], block_size, k, device)
+            compiled, stats = speculative.generate(model, draft, prompt, new_tokens, k=k, block_size=block_size,
+                                                   steps=steps, device=device)
+        sync(device)
+        result.update(compiled=compiled, step_ms=1e3 / stats["decode_tok_s"])
+    except torch._dynamo.exc.RecompileError as e:
+        result.update(compiled=None, recompiled=last_line(str(e)), step_ms=None)
+    finally:
+        torch._dynamo.reset()
+    result.update(eager_step_ms=1e3 / plain_stats["decode_tok_s"], graphs=counters["stats"]["unique_graphs"],
+                  cudagraph_skips=counters["inductor"]["cudagraph_skips"])
+    return result
+
+
+def graph_row(r: dict, graphs: int = 1) -> dict:
+    """Pass when the decode step compiled once (`graphs` graphs: 2 for speculation's draft and verification), inductor skipped no CUDA graph and the tokens are eager's."""
     problems = []
     if r["recompiled"]:
         problems.append(f"recompiled: {r['recompiled']}")
-    if r["graphs"] != 1 and not r["recompiled"]:
+    if r["graphs"] != graphs and not r["recompiled"]:
         problems.append(f"{r['graphs']} graphs compiled")
     if r["cudagraph_skips"]:
         problems.append(f"{r['cudagraph_skips']} cudagraph skip(s)")
@@ -130,7 +166,8 @@ def graph_row(r: dict) -> dict:
         problems.append(f"tokens differ from eager at {i}")
     value = "recompiled" if r["step_ms"] is None else \
         f"{r['step_ms']:.2f} ms/step (eager {r['eager_step_ms']:.2f}), {len(r['eager'])} tokens"
-    return row("graphs", r["policy"], not problems, value, "1 graph, 0 skips, eager's tokens", "; ".join(problems))
+    return row("graphs", r["policy"], not problems, value, f"{graphs} graph{'s' * (graphs > 1)}, 0 skips, eager's "
+               "tokens", "; ".join(problems))
 
 
 def run_graphs(args) -> list[dict]:
@@ -150,6 +187,11 @@ def run_graphs(args) -> list[dict]:
                                               mode)))
         except Exception as e:  # one policy's failure is its row; the others still run
             rows.append(row("graphs", spec, False, "error", detail=f"{type(e).__name__}: {last_line(str(e))}"))
+    try:
+        rows.append(graph_row(speculate_check(model, "sink", prompt, args.graph_tokens, args.graph_block,
+                                              args.device, mode), graphs=2))
+    except Exception as e:
+        rows.append(row("graphs", "speculate", False, "error", detail=f"{type(e).__name__}: {last_line(str(e))}"))
     return rows
 
 

@@ -48,6 +48,19 @@ def test_graph_check_on_cpu_compiles_once_and_matches_eager(hf_tiny):
         assert model.layers[0].attention.kv_cache.budget == 48  # graph_budget: it evicts (150-token prompt)
 
 
+def test_speculate_check_on_cpu_compiles_two_graphs_and_matches_plain(hf_tiny):
+    """The GPU check's speculative row on CPU (mode None): the draft step and the verification block compile once
+    each, and the tokens are plain eager greedy's; one graph counted less fails the row."""
+    from engine import load_model
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    prompt = torch.randint(0, 512, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    r = gc.speculate_check(model, "sink", prompt, 12, 32, "cpu", mode=None)
+    assert gc.graph_row(r, graphs=2)["ok"], gc.graph_row(r, graphs=2)
+    assert r["graphs"] == 2 and r["compiled"] == r["eager"] and len(r["eager"]) == 12
+    assert not gc.graph_row(r, graphs=1)["ok"]
+
+
 def test_warm_up_calls_prefill_once_then_decode_twice_with_fresh_tensors(hf_tiny):
     """CUDA graph trees warm up on a graph's first call and record on its second: warm_up makes both before any
     timed step, each decode input a fresh contiguous [1, 1] tensor (a view would have other strides: a recompile)."""
