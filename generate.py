@@ -664,6 +664,11 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, kv_dtype, wei
               f"MB for {K + 1} tokens against {tb / 1e6:.0f} MB per token without it (bandwidth model: {best:.2f}x); "
               "it pays when the full cache's KV dominates a step (a long context) and the draft budget is small",
               file=sys.stderr)
+    elif a.device == "cpu":  # the bandwidth model counts bytes; on a CPU the K+1 block's compute decides
+        print(f"note: the bandwidth model predicts up to {best:.2f}x, but on a CPU a K+1 verification block costs "
+              "1-2.4 decode steps (its matmuls are compute-bound): speculation measured slower than plain decoding "
+              "in every configuration of docs/speculative.md; time yours with scripts/bench.py --speculate",
+              file=sys.stderr)
     steps, compile_s = speculative.EAGER, 0.0
     if a.compile:
         if a.compile_mode in (None, "auto"):

@@ -92,30 +92,18 @@ def graph_check(model, spec: str, prompt: list[int], new_tokens: int, block_size
     """One policy: greedy tokens of an eager generation, then of one whose decode step is compiled in `mode`
     (prefill eager), under error_on_recompile; inductor's cudagraph-skip counter, the graphs dynamo compiled, and
     the median decode step of each."""
-    from torch._dynamo.utils import counters
     policy = None if spec == "full" else policies.make(spec)
     protocol = prefill_protocol(policy, None)
     setup(model, policy, graph_budget(policy, len(prompt), new_tokens), len(prompt), new_tokens, block_size,
           prefill=protocol)
     run = dict(block_size=block_size, device=device, one_shot=protocol == "one-shot")
-    eager, eager_stats = generate(model, prompt, new_tokens, steps=(prefill_step, model_step), **run)
-    torch._dynamo.reset()
-    counters.clear()
-    steps = compile_steps(device, mode, prefill=False)
-    result = {"policy": spec, "eager": eager, "recompiled": None}
-    try:
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            warm_up(model, steps, prompt[0], block_size, device)
-            compiled, stats = generate(model, prompt, new_tokens, steps=steps, **run)
-        sync(device)
-        result.update(compiled=compiled, step_ms=1e3 / stats["decode_tok_s"])
-    except torch._dynamo.exc.RecompileError as e:
-        result.update(compiled=None, recompiled=last_line(str(e)), step_ms=None)
-    finally:
-        torch._dynamo.reset()
-    result.update(eager_step_ms=1e3 / eager_stats["decode_tok_s"], graphs=counters["stats"]["unique_graphs"],
-                  cudagraph_skips=counters["inductor"]["cudagraph_skips"])
-    return result
+    eager = generate(model, prompt, new_tokens, steps=(prefill_step, model_step), **run)
+
+    def compiled():
+        steps = compile_steps(device, mode, prefill=False)
+        warm_up(model, steps, prompt[0], block_size, device)
+        return generate(model, prompt, new_tokens, steps=steps, **run)
+    return compare_compiled(spec, eager, compiled, device)
 
 
 def speculate_check(model, draft_spec: str, prompt: list[int], new_tokens: int, block_size: int, device: str,
@@ -124,36 +112,46 @@ def speculate_check(model, draft_spec: str, prompt: list[int], new_tokens: int, 
     cache), then a speculative generation whose draft step and verification block are compiled in `mode`, under
     error_on_recompile; the same fields as graph_check, graphs expected: 2."""
     import speculative
-    from torch._dynamo.utils import counters
     draft_policy = policies.make(draft_spec)
     setup(model, None, len(prompt) + new_tokens, len(prompt), new_tokens, block_size)
-    plain, plain_stats = generate(model, prompt, new_tokens, steps=(prefill_step, model_step), block_size=block_size,
-                                  device=device)
+    plain = generate(model, prompt, new_tokens, steps=(prefill_step, model_step), block_size=block_size,
+                     device=device)
     draft = speculative.draft_model(model)
     speculative.setup(model, draft, draft_policy, graph_budget(draft_policy, len(prompt), new_tokens), len(prompt),
                       new_tokens, block_size, k)
+
+    def compiled():
+        steps = speculative.compile_steps(device, mode)
+        speculative.warm_up(model, draft, steps, prompt[0], block_size, k, device)
+        return speculative.generate(model, draft, prompt, new_tokens, k=k, block_size=block_size, steps=steps,
+                                    device=device)
+    return compare_compiled(f"speculate {draft_spec} K={k}", plain, compiled, device)
+
+
+def compare_compiled(label: str, eager: tuple, compiled, device: str) -> dict:
+    """eager: (tokens, stats) of the eager run; compiled(): compile, warm up and generate, run here under
+    error_on_recompile with dynamo's and inductor's counters cleared. The fields graph_row judges."""
+    from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
-    steps = speculative.compile_steps(device, mode)
-    result = {"policy": f"speculate {draft_spec} K={k}", "eager": plain, "recompiled": None}
+    result = {"policy": label, "eager": eager[0], "recompiled": None}
     try:
         with torch._dynamo.config.patch(error_on_recompile=True):
-            speculative.warm_up(model, draft, steps, prompt[0], block_size, k, device)
-            compiled, stats = speculative.generate(model, draft, prompt, new_tokens, k=k, block_size=block_size,
-                                                   steps=steps, device=device)
+            tokens, stats = compiled()
         sync(device)
-        result.update(compiled=compiled, step_ms=1e3 / stats["decode_tok_s"])
+        result.update(compiled=tokens, step_ms=1e3 / stats["decode_tok_s"])
     except torch._dynamo.exc.RecompileError as e:
         result.update(compiled=None, recompiled=last_line(str(e)), step_ms=None)
     finally:
         torch._dynamo.reset()
-    result.update(eager_step_ms=1e3 / plain_stats["decode_tok_s"], graphs=counters["stats"]["unique_graphs"],
+    result.update(eager_step_ms=1e3 / eager[1]["decode_tok_s"], graphs=counters["stats"]["unique_graphs"],
                   cudagraph_skips=counters["inductor"]["cudagraph_skips"])
     return result
 
 
 def graph_row(r: dict, graphs: int = 1) -> dict:
-    """Pass when the decode step compiled once (`graphs` graphs: 2 for speculation's draft and verification), inductor skipped no CUDA graph and the tokens are eager's."""
+    """Pass when the decode step compiled once (`graphs` graphs: 2 for speculation's draft and verification),
+    inductor skipped no CUDA graph and the tokens are eager's."""
     problems = []
     if r["recompiled"]:
         problems.append(f"recompiled: {r['recompiled']}")

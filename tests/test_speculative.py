@@ -366,6 +366,18 @@ def test_cli_says_when_speculation_is_predicted_to_lose(tiny_config_dir, capsys)
     assert sum("predicted to lose" in line for line in err.splitlines()) == 1
 
 
+def test_cli_says_on_cpu_that_speculation_measured_slower_where_the_model_predicts_a_win(tiny_config_dir, capsys):
+    """A 1,900-token prompt of the tiny model: its KV (512 B a token) outweighs its 420 KB of weights, so the
+    bandwidth model predicts a win (~2x with every draft kept); on a CPU the CLI still says what was measured."""
+    code, _, err = run_main(["--checkpoint", str(tiny_config_dir), "--random-weights", "--prompt-tokens", "1900",
+                             "--max-new-tokens", "4", "--speculate", "4", "--draft-budget", "12", "--threads", "1"],
+                            capsys)
+    assert code == 0
+    lines = err.splitlines()
+    assert not any("predicted to lose" in line for line in lines)
+    assert sum("on a CPU a K+1 verification block costs" in line for line in lines) == 1
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--speculate", "0"], "--speculate K must be between 1 and 16"),
     (["--speculate", "17"], "--speculate K must be between 1 and 16"),
