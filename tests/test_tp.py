@@ -265,10 +265,11 @@ def two_ranks(args: list, timeout: int = 60, **extra) -> list[subprocess.Complet
     return out
 
 
-@pytest.mark.parametrize("case", ["world", "cuda", "kv_heads"])
+@pytest.mark.parametrize("case", ["world", "cuda", "kv_heads", "speculate"])
 def test_bad_input_exits_2_on_every_rank(tmp_path, case):
     extra, over = {"world": (["--tp", "4"], {}), "cuda": (["--device", "cuda"], {}),
-                   "kv_heads": ([], {"num_key_value_heads": 1})}[case]
+                   "kv_heads": ([], {"num_key_value_heads": 1}),
+                   "speculate": (["--speculate", "2", "--draft-budget", "8"], {})}[case]
     if case == "cuda" and torch.cuda.is_available():
         pytest.skip("checks a machine without CUDA")
     ckpt = tiny_config(tmp_path, **over)
@@ -277,7 +278,8 @@ def test_bad_input_exits_2_on_every_rank(tmp_path, case):
     lines = r0.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), r0.stderr
     want = {"world": "does not match torchrun's world size 2", "cuda": "CUDA is not available",
-            "kv_heads": "to divide the model's KV heads (1)"}[case]
+            "kv_heads": "to divide the model's KV heads (1)",
+            "speculate": "--speculate runs on one device"}[case]
     assert want in lines[0]
     assert r1.stdout == r1.stderr == "", "only rank 0 prints"
 
