@@ -52,9 +52,10 @@ def embedded_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
-def resolve_checkpoint(name: str) -> Path:
+def resolve_checkpoint(name: str, flag: str = "--checkpoint") -> Path:
     """A short name, an HF directory, a budgetkv directory or a .gguf file -> a directory the loader reads, whose
-    converted or quantized weights are those of their source as it is now (converted again when it changed)."""
+    converted or quantized weights are those of their source as it is now (converted again when it changed).
+    flag: the option that named it, for the error line."""
     path = Path(name)
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -66,7 +67,7 @@ def resolve_checkpoint(name: str) -> Path:
         return fresh_dir(path)
     if name not in MODELS and (os.sep in name or name.startswith((".", "~")) or path.exists()):
         what = "no such file or directory" if not path.exists() else "not a model directory or a .gguf file"
-        raise UserError(f"--checkpoint {name}: {what}")
+        raise UserError(f"{flag} {name}: {what}")
     if name not in MODELS:
         raise UserError(f"unknown checkpoint {name!r}: not a directory, a .gguf file or a known name "
                         f"({', '.join(MODELS)})")

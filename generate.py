@@ -649,7 +649,7 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, kv_dtype, wei
         config, shapes = shape_config(a.draft_checkpoint)
         draft = random_model(config, dtype, a.device, a.seed or 0, label=f"the draft ({shapes})")
     else:
-        draft = load_model(resolve_checkpoint(a.draft_checkpoint), dtype, a.device)
+        draft = load_model(resolve_checkpoint(a.draft_checkpoint, "--draft-checkpoint"), dtype, a.device)
     L, N, K = len(ids), a.max_new_tokens, a.speculate
     capacity = a.budget or L + N + K
     draft_budget = a.draft_budget or (min(DEFAULT_DRAFT_BUDGET, capacity // 2) if is_scorer(draft_policy) else

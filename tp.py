@@ -54,6 +54,8 @@ def env_world() -> int:
 def check_world(world: int, requested: int | None, device: str) -> None:
     """The checks every rank makes before any collective (each rank reaches the same answer from the same flags):
     an explicit --tp that is not torchrun's world size, a CUDA run with fewer GPUs than ranks."""
+    if requested is not None and requested < 1:
+        raise UserError(f"--tp must be >= 1 (ranks), got {requested}")
     if requested is not None and requested != world:
         raise UserError(f"--tp {requested} does not match torchrun's world size {world} "
                         f"(run torchrun --nproc-per-node {requested} generate.py ...)")

@@ -380,6 +380,7 @@ def test_cli_says_on_cpu_that_speculation_measured_slower_where_the_model_predic
 
 @pytest.mark.parametrize("extra,message", [
     (["--speculate", "0"], "--speculate K must be between 1 and 16"),
+    (["--speculate", "2", "--draft-checkpoint", "/nonexistent/draft"], "no config for '/nonexistent/draft'"),
     (["--speculate", "17"], "--speculate K must be between 1 and 16"),
     (["--draft-policy", "sink"], "--draft-policy applies to --speculate K"),
     (["--speculate", "2", "--policy", "keydiff", "--budget", "64"], "would evict once per block"),

@@ -293,6 +293,8 @@ def test_too_few_gpus(monkeypatch):
     with pytest.raises(UserError, match="needs one CUDA device per rank; this machine has 1"):
         tp.check_world(2, None, "cuda")
     tp.check_world(2, None, "cpu")
+    with pytest.raises(UserError, match=r"--tp must be >= 1 \(ranks\), got 0"):
+        tp.check_world(1, 0, "cpu")
 
 
 LOST_RANK = """
