@@ -518,29 +518,14 @@ def run(a) -> int:
         compile_s = time.perf_counter() - t
         compile_cache = cache_state(counters["inductor"])
 
-    printed = [""]
-
-    def stream(out_ids):  # print only the new, complete characters
-        bar.close()  # the progress line is erased before the first token (a no-op after it)
-        if tokenizer is None:  # random weights: token ids
-            sys.stdout.write(("" if len(out_ids) == 1 else " ") + str(out_ids[-1]))
-            sys.stdout.flush()
-            printed[0] = " ".join(map(str, out_ids))
-            return
-        s = tokenizer.decode(out_ids)
-        if s.endswith("\ufffd"):
-            return
-        sys.stdout.write(s[len(printed[0]):])
-        sys.stdout.flush()
-        printed[0] = s
+    stream = TextStream(tokenizer)
 
     prof = None
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda") else [])
         prof = profile(activities=acts, record_shapes=True)
-    def decoded(out_ids):
-        return tokenizer.decode(out_ids) if tokenizer else " ".join(map(str, out_ids))
+    decoded = stream.decoded
 
     def print_sequence(b, out_ids):  # a batch prints each sequence once it is complete
         bar.close()
@@ -549,6 +534,7 @@ def run(a) -> int:
 
     with prof or nullcontext():
         bar, on_prefill = prefill_progress(a, sum(lens), args.n_layers, per_layer=not batched)
+        stream.bar = bar
         with bar:
             if batched:
                 outs, stats = generate_batch(
@@ -606,8 +592,8 @@ def run(a) -> int:
             print(json.dumps({"text": None if a.random_weights else text_out, "token_ids": out, **stats}))
     else:
         if not batched:
-            if not printed[0] == text_out:
-                sys.stdout.write(text_out[len(printed[0]):])
+            if not stream.printed == text_out:
+                sys.stdout.write(text_out[len(stream.printed):])
             print(flush=True)
         mib = 2 ** 20
         scope = "" if stats["compiled_prefill"] else ", decode only"
@@ -679,20 +665,10 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, kv_dtype, wei
         with stderr_to_log(COMPILE_LOG, is_verbose(a)) as terminal, compile_ticker(a, terminal):
             speculative.warm_up(model, draft, steps, ids[0], a.block_size, K, a.device, one_shot)
         compile_s = time.perf_counter() - t
-    printed = [""]
-
-    def decoded(out_ids):
-        return tokenizer.decode(out_ids) if tokenizer else " ".join(map(str, out_ids))
-
-    def stream(out_ids):
-        bar.close()
-        s = decoded(out_ids)
-        if not s.endswith("\ufffd"):
-            sys.stdout.write(s[len(printed[0]):] if s.startswith(printed[0]) else "\n" + s)
-            sys.stdout.flush()
-            printed[0] = s
-
+    stream = TextStream(tokenizer)
+    decoded = stream.decoded
     bar, on_prefill = prefill_progress(a, L, model.args.n_layers, per_layer=False)
+    stream.bar = bar
     with bar:
         out, stats = speculative.generate(
             model, draft, ids, N, k=K, block_size=a.block_size, steps=steps,
@@ -725,6 +701,28 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, kv_dtype, wei
           f"({stats['memory_measure']}): prefill {stats['prefill_peak_bytes'] / mib:.1f} MiB, decode "
           f"{stats['decode_peak_bytes'] / mib:.1f} MiB", file=sys.stderr)
     return 0
+
+
+class TextStream:
+    """on_token for a generation: prints what is new of the decoded text since the last call (complete characters
+    only; token ids, space-separated, without a tokenizer), after erasing the progress line `bar` (set before the
+    first token). `printed` is what it has written."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.printed, self.bar = tokenizer, "", None
+
+    def decoded(self, out_ids: list[int]) -> str:
+        return self.tokenizer.decode(out_ids) if self.tokenizer else " ".join(map(str, out_ids))
+
+    def __call__(self, out_ids: list[int]) -> None:
+        if self.bar is not None:
+            self.bar.close()  # a no-op after the first token
+        s = self.decoded(out_ids)
+        if s.endswith("\ufffd"):  # an incomplete character: wait for the next token
+            return
+        sys.stdout.write(s[len(self.printed):] if s.startswith(self.printed) else "\n" + s)
+        sys.stdout.flush()
+        self.printed = s
 
 
 def decode_steps_per_s(stats: dict) -> float:
