@@ -373,6 +373,11 @@ class KVCache(nn.Module):
         for t in self.state.values():  # a new token starts with zero state
             write_slots(t, dst, 0)
         S = self.slots(T)
+        if T > 1 and not (self.evicts or self.appends or torch.compiler.is_compiling()):
+            # Eager prefill block, slot == position - slot_base: no slot past the block's newest position is valid,
+            # so attend only the filled prefix (a causal triangle's cost instead of the whole buffer's). Compiled
+            # graphs keep the static budget + T.
+            S = min(S, int(input_pos.max()) + 1 - self.slot_base)
         if self.evict_before_attend:
             self._evict(q, input_pos, query_pos)
         if T == 1 and self.selector is not None:  # decode: the selector picks the slots

@@ -127,3 +127,24 @@ def test_attention_weights_equal_the_masked_softmax_bitwise(window):
     per_head = attention_weights(cache, q, q_pos, C, group_mean=False)
     assert torch.equal(per_head, ref) and torch.equal(attention_weights(cache, q, q_pos, C), ref.mean(2))
     assert (per_head[0, :, :, 0] == 0).all() and (per_head[1, :, :, 1] == 0).all()
+
+
+@pytest.mark.parametrize("slot_base", [0, 3])
+def test_eager_prefill_block_attends_only_the_filled_prefix(slot_base):
+    """Without eviction (slot == position - slot_base) an eager block of T > 1 reads slots up to its newest
+    position only: the same attention as over the whole buffer, whose other slots are empty."""
+    torch.manual_seed(0)
+    H, D, budget, T = 2, 8, 40, 4
+    cache = KVCache(1, H, D, budget, T, torch.float32, "cpu")
+    cache.slot_base = slot_base
+    for start in (slot_base, slot_base + T, slot_base + 2 * T):
+        pos = torch.arange(start, start + T)
+        q, k, v = (torch.randn(1, H, T, D) for _ in range(3))
+        keys, values, mask = cache.update(q, k, v, pos, pos)
+        assert keys.shape[2] == start + T - slot_base  # the filled prefix, not budget + T
+        whole = attention_mask(cache.pos, pos, None)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=whole)
+        out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        torch.testing.assert_close(out, ref)
+    decode_keys, _, _ = cache.update(q[:, :, :1], k[:, :, :1], v[:, :, :1], pos[-1:] + 1, pos[-1:] + 1)
+    assert decode_keys.shape[2] == budget + 1  # decode keeps the static budget + 1 (what a compiled step reads)
