@@ -262,16 +262,28 @@ def tp_sum(x: Tensor, group: str | None) -> Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear, except on CPU for a block of 2 to 16 rows (a speculative verification block, a small batch's
-    decode step): there the weight is the GEMM's left operand, y = (W @ x^T)^T. MKL packs a GEMM's right operand,
-    and for a few rows packing the whole weight costs several times the product itself (docs/speculative.md)."""
+    """nn.Linear, except on CPU for a few rows, where MKL's GEMM and GEMV read the weight far below the memory's
+    bandwidth (docs/performance.md):
+    - one row in a compiled step (batch-1 decode): y = sum(x * W, -1), which inductor turns into one vectorised
+      reduction that streams the weight once (eager runs it as two ops, so eager keeps F.linear);
+    - 2 to 16 rows (a speculative verification block, a small batch's decode step): y = (W @ x^T)^T, the weight as
+      the GEMM's left operand: MKL packs a GEMM's right operand, and for a few rows packing the whole weight costs
+      several times the product itself."""
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.numel() // x.shape[-1]
-        if x.device.type != "cpu" or not 1 < rows <= 16:
-            return F.linear(x, self.weight, self.bias)
-        y = (self.weight @ x.reshape(rows, x.shape[-1]).T).T.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return cpu_linear(x, self.weight, self.bias)
+
+
+def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear(x, weight, bias), with the few-row forms of `Linear` on CPU."""
+    rows = x.numel() // x.shape[-1]
+    if x.device.type != "cpu" or rows > 16 or (rows == 1 and not torch.compiler.is_compiling()):
+        return F.linear(x, weight, bias)
+    if rows == 1:
+        y = (x.unsqueeze(-2) * weight).sum(-1)
+    else:
+        y = (weight @ x.reshape(rows, x.shape[-1]).T).T.reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
 
 
 class Attention(nn.Module):
