@@ -271,24 +271,43 @@ def test_float_head_stays_tied(hf_tiny, tmp_path):
     assert isinstance(model.layers[0].attention.wqkv, quantize.Int8Linear)
 
 
+def forced_decode_logits(model, prompt: list[int], tokens: list[int], step) -> torch.Tensor:
+    """The decode step's logits [len(tokens), vocab] with `tokens` fed in (teacher-forced), after an eager prefill."""
+    for layer in model.layers:
+        layer.attention.kv_cache.reset()
+    engine.prefill(model, torch.tensor(prompt), 16)
+    rows = [step(model, torch.tensor([[t]]), torch.tensor([len(prompt) + i])) for i, t in enumerate(tokens)]
+    return torch.cat(rows)
+
+
 @pytest.mark.parametrize("mode,groupsize", [("int8", None), ("int4", 32)])
 def test_compiled_decode_fullgraph_without_recompiles(hf_tiny, mode, groupsize):
-    """Eager and compiled (fullgraph, inductor, as generate.py --compile) decode give the same tokens,
-    and error_on_recompile holds over 2 x 69 decode steps."""
+    """Compiled decode (fullgraph, inductor, as generate.py --compile) computes eager's logits, and error_on_recompile
+    holds over 2 x 69 decode steps. Compiled int8 steps use model.rowwise_linear where eager calls the fused kernel
+    (both in bfloat16 activations, summed in another order): the logits agree to bfloat16 rounding, and the greedy
+    token agrees wherever eager's top-2 margin is wider than that (a tiny random model's logits have near-ties)."""
     _, src = hf_tiny("qwen2")
     model = quantize.quantize_model(load_model(src, torch.float32, "cpu"), mode, groupsize)
     prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (20, 37)]
     setup_caches(model, 1, 40 + 70, 16)
-    eager = [engine.generate(model, p, 70, block_size=16, steps=(prefill_step, model_step))[0] for p in prompts]
+    with torch.inference_mode():
+        eager_ids = [engine.generate(model, p, 70, block_size=16, steps=(prefill_step, model_step))[0] for p in prompts]
+        eager = [forced_decode_logits(model, p, ids[:-1], model_step) for p, ids in zip(prompts, eager_ids)]
     torch._dynamo.reset()
     try:
-        steps = (prefill_step, compile_steps("cpu")[1])
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            compiled = [engine.generate(model, p, 70, block_size=16, steps=steps)[0] for p in prompts]
+        step = compile_steps("cpu")[1]
+        with torch._dynamo.config.patch(error_on_recompile=True), torch.inference_mode():
+            compiled = [forced_decode_logits(model, p, ids[:-1], step) for p, ids in zip(prompts, eager_ids)]
     finally:
         torch._inductor.config.freezing = False
         torch._dynamo.reset()
-    assert compiled == eager
+    for e, c in zip(eager, compiled):
+        diff = (e - c).abs().amax(-1)
+        assert float(diff.max()) < 0.02 * float(e.abs().max())
+        top2 = e.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
+        assert clear.sum() > len(clear) // 2  # the check below is not vacuous
+        assert torch.equal(e.argmax(-1)[clear], c.argmax(-1)[clear])
 
 
 # --------------------------------------------------------------------------------------------------- bad input
