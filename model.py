@@ -262,15 +262,17 @@ def tp_sum(x: Tensor, group: str | None) -> Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear, except on CPU for 1 to 16 rows (batch-1 and small-batch decode, a speculative verification
-    block), where MKL's GEMV and GEMM read the weight far below the memory's bandwidth (docs/performance.md):
-    - in a compiled step, `rowwise_linear`: one reduction that inductor vectorises and that streams the weight;
-    - eager, 2 to 16 rows: y = (W @ x^T)^T, the weight as the GEMM's left operand: MKL packs a GEMM's right
-      operand, and for a few rows packing the whole weight costs several times the product itself."""
+    """nn.Linear, except on CPU for 1 to 16 rows, where MKL's GEMV and GEMM read the weight far below the memory's
+    bandwidth (docs/performance.md):
+    - one row (batch-1 decode) in a compiled step: `rowwise_linear`, one reduction that inductor vectorises and
+      that streams the weight (for more rows inductor's loop order made it far slower: measured);
+    - 2 to 16 rows (a small batch's decode, a speculative verification block): y = (W @ x^T)^T, the weight as the
+      GEMM's left operand: MKL packs a GEMM's right operand, and for a few rows packing the whole weight costs
+      several times the product itself."""
 
     def forward(self, x: Tensor) -> Tensor:
         rows = cpu_rows(x)
-        if rows and torch.compiler.is_compiling():
+        if rows == 1 and torch.compiler.is_compiling():
             return rowwise_linear(x, self.weight, self.bias)
         if rows > 1:
             y = (self.weight @ x.reshape(rows, x.shape[-1]).T).T.reshape(*x.shape[:-1], self.out_features)
@@ -284,15 +286,10 @@ def cpu_rows(x: Tensor) -> int:
     return rows if x.device.type == "cpu" and rows <= 16 else 0
 
 
-def rowwise_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Tensor | None = None) -> Tensor:
-    """y = x @ (weight * scales[:, None]).T + bias written as sum(W[:, None, :] * x, -1): compiled, inductor makes
-    it one loop over the weight's rows that reads each row once for all of x's rows (an int8 weight converted in
-    registers). Eager it would materialise the product: for compiled steps only."""
-    rows = x.numel() // x.shape[-1]
-    y = (weight[:, None, :].to(x.dtype) * x.reshape(1, rows, x.shape[-1])).sum(-1)  # [out, rows]
-    if scales is not None:
-        y = y * scales[:, None]
-    y = y.T.reshape(*x.shape[:-1], weight.shape[0])
+def rowwise_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """y = x @ weight.T + bias written as sum(W * x, -1): compiled, inductor makes it one vectorised loop that
+    streams the weight. Eager it would materialise the product: for compiled steps of one row only."""
+    y = (x.unsqueeze(-2) * weight).sum(-1)
     return y if bias is None else y + bias
 
 

@@ -283,9 +283,9 @@ def forced_decode_logits(model, prompt: list[int], tokens: list[int], step) -> t
 @pytest.mark.parametrize("mode,groupsize", [("int8", None), ("int4", 32)])
 def test_compiled_decode_fullgraph_without_recompiles(hf_tiny, mode, groupsize):
     """Compiled decode (fullgraph, inductor, as generate.py --compile) computes eager's logits, and error_on_recompile
-    holds over 2 x 69 decode steps. Compiled int8 steps use model.rowwise_linear where eager calls the fused kernel
-    (both in bfloat16 activations, summed in another order): the logits agree to bfloat16 rounding, and the greedy
-    token agrees wherever eager's top-2 margin is wider than that (a tiny random model's logits have near-ties)."""
+    holds over 2 x 69 decode steps. The compiled step sums in another order (inductor's kernels; a float head through
+    model.rowwise_linear): the logits agree to rounding, and the greedy token agrees wherever eager's top-2
+    margin is wider than that (a tiny random model's logits have near-ties)."""
     _, src = hf_tiny("qwen2")
     model = quantize.quantize_model(load_model(src, torch.float32, "cpu"), mode, groupsize)
     prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (20, 37)]
