@@ -187,9 +187,8 @@ def compile_steps(device: str, mode: str | None = None, prefill: bool = True, fr
 
     Unfrozen (the default), a compiled graph reads the module's own weights and inductor caches it on disk: a later
     process of the same model, policy, budget, block size, dtype and device loads it in seconds. freeze=True folds
-    the weights into the graph as constants (inductor's freezing; on CPU its packed GEMM kernels): a faster decode
-    step on a small model, but a second, packed copy of the weights per graph, and a graph that inductor's cache
-    cannot store (oneDNN tensors), so every process compiles it again (docs/performance.md). prefill=False leaves
+    the weights into the graph as constants (inductor's freezing): a second copy of the weights, for a CPU decode
+    step measured ~2% faster since model.rowwise_linear (docs/performance.md). prefill=False leaves
     the prefill step eager (gpt-fast's default; generate.py's on CPU). The cache is the repository's
     build/inductor-cache unless TORCHINDUCTOR_CACHE_DIR says otherwise (torch's default is under /tmp, which a
     reboot empties)."""

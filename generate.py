@@ -130,10 +130,9 @@ def parse_args(argv=None):
                          "it doubles a cold compile for ~1.1x the prefill tok/s (SmolLM2-135M, docs/performance.md). "
                          "Block-wise prefill only: a one-shot prefill never runs the block step")
     ap.add_argument("--freeze", action="store_true",
-                    help="with --compile: fold the weights into the compiled graphs (inductor's freezing). On CPU its "
-                         "packed GEMM kernels decode a small model faster (SmolLM2-135M: see docs/performance.md), "
-                         "but each frozen graph holds a second, packed copy of the weights and cannot be cached: "
-                         "every run compiles for minutes. Pays for long generations and benchmarks")
+                    help="with --compile: fold the weights into the compiled graphs (inductor's freezing). The process "
+                         "then holds a second copy of the weights; on CPU the frozen decode step measured only ~2%% "
+                         "faster than the default's (SmolLM2-135M, docs/performance.md), so leave it off there")
     ap.add_argument("--compile-mode", choices=["auto", "default", "reduce-overhead", "max-autotune",
                                                                "max-autotune-no-cudagraphs"],
                     help="torch.compile mode; auto = max-autotune-no-cudagraphs with --freeze on CPU in fp32 (the "
@@ -652,7 +651,7 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, kv_dtype, wei
               file=sys.stderr)
     elif a.device == "cpu":  # the bandwidth model counts bytes; on a CPU the K+1 block's compute decides
         print(f"note: the bandwidth model predicts up to {best:.2f}x, but on a CPU a K+1 verification block costs "
-              "1-2.4 decode steps (its matmuls are compute-bound): speculation measured slower than plain decoding "
+              "1-2.4 decode steps (1.8-2.2 compiled: its matmuls are compute-bound): speculation measured slower than plain decoding "
               "in every configuration of docs/speculative.md; time yours with scripts/bench.py --speculate",
               file=sys.stderr)
     steps, compile_s = speculative.EAGER, 0.0
@@ -776,7 +775,7 @@ def compile_ticker(a, stream=None) -> Ticker:
     "compiling the decode step (max-autotune-no-cudagraphs) ... 12 s". Call it once a.compile_mode and
     a.compile_prefill are settled."""
     what = ("the prefill and decode steps" if a.compile_prefill else "the decode step") + \
-        (" (frozen: this takes minutes every run)" if a.freeze else "")
+        (" (frozen)" if a.freeze else "")
     mode = a.compile_mode or ("reduce-overhead" if a.device.startswith("cuda") else "default")
     return Ticker(f"compiling {what} ({mode})", stream=stream)
 
