@@ -275,7 +275,9 @@ class Linear(nn.Linear):
         if rows == 1 and torch.compiler.is_compiling():
             return rowwise_linear(x, self.weight, self.bias)
         if rows > 1:
-            y = (self.weight @ x.reshape(rows, x.shape[-1]).T).T.reshape(*x.shape[:-1], self.out_features)
+            # contiguous: a transposed result would reach SDPA as a query whose last dim has stride `rows`, which
+            # sends it to the slow math path
+            y = (self.weight @ x.reshape(rows, x.shape[-1]).T).T.contiguous().reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 

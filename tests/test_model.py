@@ -91,6 +91,7 @@ def test_linear_few_rows_compiled_equals_f_linear(rows):
     x = torch.randn(1, rows, 48)
     ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
     torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
+    assert lin(x).is_contiguous()  # else its q reaches SDPA with a strided last dim: the slow math kernel
     compiled = torch.compile(lin, fullgraph=True, dynamic=False)
     torch.testing.assert_close(compiled(x), ref, rtol=1e-5, atol=1e-5)
 
