@@ -376,7 +376,7 @@ class KVCache(nn.Module):
         if T > 1 and not (self.evicts or self.appends or torch.compiler.is_compiling()):
             # Eager prefill block, slot == position - slot_base: no slot past the block's newest position is valid,
             # so attend only the filled prefix (a causal triangle's cost instead of the whole buffer's). Compiled
-            # graphs keep the static budget + T.
+            # graphs keep the static budget + T. (One host read of the newest position per layer and block.)
             S = min(S, int(input_pos.max()) + 1 - self.slot_base)
         if self.evict_before_attend:
             self._evict(q, input_pos, query_pos)

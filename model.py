@@ -271,21 +271,15 @@ class Linear(nn.Linear):
       several times the product itself."""
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = cpu_rows(x)
+        rows = x.numel() // x.shape[-1] if x.device.type == "cpu" else 0
         if rows == 1 and torch.compiler.is_compiling():
             return rowwise_linear(x, self.weight, self.bias)
-        if rows > 1:
+        if 1 < rows <= 16:
             # contiguous: a transposed result would reach SDPA as a query whose last dim has stride `rows`, which
             # sends it to the slow math path
             y = (self.weight @ x.reshape(rows, x.shape[-1]).T).T.contiguous().reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
-
-
-def cpu_rows(x: Tensor) -> int:
-    """The rows of x on CPU when they are few (1 to 16), else 0."""
-    rows = x.numel() // x.shape[-1]
-    return rows if x.device.type == "cpu" and rows <= 16 else 0
 
 
 def rowwise_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
