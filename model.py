@@ -264,15 +264,15 @@ def tp_sum(x: Tensor, group: str | None) -> Tensor:
 class Linear(nn.Linear):
     """nn.Linear, except on CPU for 1 to 16 rows, where MKL's GEMV and GEMM read the weight far below the memory's
     bandwidth (docs/performance.md):
-    - one row (batch-1 decode) in a compiled step: `rowwise_linear`, one reduction that inductor vectorises and
-      that streams the weight (for more rows inductor's loop order made it far slower: measured);
-    - 2 to 16 rows (a small batch's decode, a speculative verification block): y = (W @ x^T)^T, the weight as the
-      GEMM's left operand: MKL packs a GEMM's right operand, and for a few rows packing the whole weight costs
-      several times the product itself."""
+    - 1 to 8 rows (batch-1 decode, a small batch, a speculative verification block) in a compiled step:
+      `rowwise_linear`, one reduction per row that inductor fuses into one vectorised loop streaming the weight;
+    - 2 to 16 rows otherwise (eager, or 9-16 rows compiled): y = (W @ x^T)^T, the weight as the GEMM's left
+      operand: MKL packs a GEMM's right operand, and for a few rows packing the whole weight costs several times
+      the product itself."""
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1] if x.device.type == "cpu" else 0
-        if rows == 1 and torch.compiler.is_compiling():
+        if 1 <= rows <= 8 and torch.compiler.is_compiling():
             return rowwise_linear(x, self.weight, self.bias)
         if 1 < rows <= 16:
             # contiguous: a transposed result would reach SDPA as a query whose last dim has stride `rows`, which
@@ -283,9 +283,15 @@ class Linear(nn.Linear):
 
 
 def rowwise_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """y = x @ weight.T + bias written as sum(W * x, -1): compiled, inductor makes it one vectorised loop that
-    streams the weight. Eager it would materialise the product: for compiled steps of one row only."""
-    y = (x.unsqueeze(-2) * weight).sum(-1)
+    """y = x @ weight.T + bias written as one reduction sum(W * row, -1) per row of x: compiled, inductor fuses the
+    rows' reductions into one vectorised loop that reads each weight row once. Eager it would materialise the
+    products: for compiled steps of a few rows only (past ~8 rows the loop becomes compute-bound).
+
+    The rows are first written to a buffer of their own (a no-op as_strided, which inductor cannot inline): else
+    inductor inlines x's producer (a norm, SiLU * up) into the loop and recomputes it for every weight row."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    rows = rows.as_strided(rows.shape, rows.stride())
+    y = torch.stack([(row * weight).sum(-1) for row in rows.unbind(0)]).reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 
 

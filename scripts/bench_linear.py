@@ -8,8 +8,8 @@ Forms, each timed over --repeats passes after one untimed pass (compiling, for t
 - `F.linear`, eager: what nn.Linear does (MKL's GEMV for one row, GEMM for more);
 - `model.Linear`, eager: F.linear for one row, (W @ x^T)^T for 2-16;
 - `F.linear`, compiled: inductor's lowering of the same product;
-- `model.Linear`, compiled: model.rowwise_linear for one row, (W @ x^T)^T for 2-16;
-- `rowwise_linear`, compiled: sum(W[:, None, :] * x, -1) at every row count (what model.Linear does for one row);
+- `model.Linear`, compiled: model.rowwise_linear for 1-8 rows, (W @ x^T)^T for 9-16;
+- `rowwise_linear`, compiled: one reduction sum(W * row, -1) per row, at every row count (model.Linear's 1-8 rows);
 - int8 weights (quantize.quantize_model in memory): the fused kernel (aten._weight_int8pack_mm, bfloat16
   activations) eager and compiled, and rowwise_linear on the int8 weight converted to fp32 in the graph, compiled.
 Prints ms per pass and the weights' bytes over that time (GB/s), beside the machine's measured read bandwidth.

@@ -82,9 +82,10 @@ def test_qwen2_sliding_window_follows_max_window_layers(max_window_layers, want)
             ModelArgs.from_config(dict(cfg, layer_types=types))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 17])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17])
 def test_linear_few_rows_compiled_equals_f_linear(rows):
-    """model.Linear's CPU forms (the compiled reduction for 1-16 rows, eager W @ x^T for 2-16) compute F.linear."""
+    """model.Linear's CPU forms (the compiled per-row reductions for 1-8 rows, W @ x^T for 2-16) compute F.linear,
+    contiguous, in the input's shape (a batch of 2 x rows/2 as well)."""
     from model import Linear
     torch.manual_seed(0)
     lin = Linear(48, 40, bias=True)
@@ -94,4 +95,8 @@ def test_linear_few_rows_compiled_equals_f_linear(rows):
     assert lin(x).is_contiguous()  # else its q reaches SDPA with a strided last dim: the slow math kernel
     compiled = torch.compile(lin, fullgraph=True, dynamic=False)
     torch.testing.assert_close(compiled(x), ref, rtol=1e-5, atol=1e-5)
+    assert compiled(x).is_contiguous()
+    if rows % 2 == 0:
+        xb = x.view(2, rows // 2, 48)
+        torch.testing.assert_close(compiled(xb), ref.view(2, rows // 2, 40), rtol=1e-5, atol=1e-5)
 

@@ -141,6 +141,20 @@ def test_linear_fused_and_plain_match_reference(mode, groupsize):
     assert (got_fused.double() - ref).abs().max() > 1e-6 * scale  # it did run in bfloat16 (FUSED_DTYPE)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int8_compiled_few_rows_take_the_rowwise_form(rows):
+    """A compiled step's 1-8 rows with CPU's int8 kernel picked go through model.rowwise_linear over the widened
+    weight: the dequantized product with fp32 activations (unlike the fused kernel's bfloat16 ones)."""
+    lin, mod = quantized_linear("int8", None)
+    quantize.pack_for_kernel(mod, "int8pack")  # the scales become bfloat16: the reference takes them from there
+    ref_w = mod.weight.double() * mod.scales.double()[:, None]
+    x = torch.randn(1, rows, 256)
+    ref = x.double() @ ref_w.t() + lin.bias.double()
+    with torch.no_grad():
+        got = torch.compile(mod, fullgraph=True, dynamic=False)(x)
+    assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 def test_packed_int4_is_not_dequantized_as_nibbles():
     _, mod = quantized_linear("int4", 32)
     quantize.pack_for_kernel(mod, "int4pack_cpu")
