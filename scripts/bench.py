@@ -220,8 +220,15 @@ def bench_model(args, ckpt, config: dict, kv_slots: int = 0, dtype: torch.dtype 
     return random_model(config, dtype, args.device, 0, label=shape_config(args.checkpoint)[1], kv_bytes=kv_need)
 
 
-def weights_label(args) -> str:
-    return f"random {args.dtype} weights (seed 0)" if args.random_weights else args.dtype
+def weights_label(args, config: dict | None = None) -> str:
+    """The weights' format: the run's dtype, or a quantize.py checkpoint's mode (activations in the dtype)."""
+    if args.random_weights:
+        return f"random {args.dtype} weights (seed 0)"
+    quant = (config or {}).get("budgetkv_quantization")
+    if isinstance(quant, dict):
+        g = f"-g{quant['groupsize']}" if quant.get("groupsize") else ""
+        return f"{quant.get('mode')}{g} weights, {args.dtype} activations"
+    return args.dtype
 
 
 def random_prompt(config: dict, n: int) -> list[int]:
@@ -1182,7 +1189,7 @@ def run(args) -> None:
     old_llama = previous(args.json, settings, args, "llamacpp", dict, LLAMACPP_FIELDS, missing_ok=True)
     print(f"{args.checkpoint}: prompt {len(ids)} tokens, budget {args.budget}, block {args.block_size}, "
           f"{args.decode_steps} decode steps x {args.repeats} repeats, "
-          f"{weights_label(args)} on {args.device}, "
+          f"{weights_label(args, config)} on {args.device}, "
           f"{steps_label(args)}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
     bw = read_bandwidth_gb_s(args.device)
@@ -1248,7 +1255,7 @@ def run(args) -> None:
                   f"{r['decode_tok_s'] / k['decode_tok_s']:.2f}x | {r['decode_peak_mib']:.0f} | "
                   f"{k['decode_peak_mib']:.0f} | {r['decode_peak_mib'] / k['decode_peak_mib']:.2f} |")
     if llama:
-        print_peer_table(results, llama, args)
+        print_peer_table(results, llama, args, config)
 
 
 # --------------------------------------------------------------------------------- llama.cpp as the CPU peer
@@ -1262,9 +1269,12 @@ LLAMACPP_FIELDS = {"model": str, "kv_type": str, "ttft_s": float, "prefill_tok_s
 
 def llamacpp_source(ckpt: Path, args) -> Path:
     """The GGUF the checkpoint was converted from (what llama.cpp runs): smollm2-135m's embedded one, or a .gguf
-    --checkpoint. A checkpoint from elsewhere (an HF folder) has no GGUF for llama.cpp to run."""
+    --checkpoint, or the GGUF behind the checkpoint quantize.py made of one (int4 / int8 against llama.cpp's own
+    4-bit file). A checkpoint from elsewhere (an HF folder) has no GGUF for llama.cpp to run."""
     from convert import ENGINE_FILE, read_identity
     ident = read_identity(ckpt / ENGINE_FILE)
+    if ident is not None and ident.get("kind") == "quantized":  # its source: the conversion it quantized
+        ident = read_identity(Path(ident["source"]) / ENGINE_FILE)
     if ident is None or ident.get("kind") != "gguf" or not Path(ident["source"]).is_file():
         raise UserError(f"--llamacpp runs llama.cpp on the GGUF the checkpoint was converted from: --checkpoint "
                         f"{args.checkpoint} is not a GGUF's conversion (use smollm2-135m, the embedded GGUF, or a "
@@ -1308,7 +1318,7 @@ def spread(r) -> str:
     return f"{r['decode_tok_s']:.1f} ({min(per):.1f}-{max(per):.1f})" if per else f"{r['decode_tok_s']:.1f}"
 
 
-def print_peer_table(results: dict, llama: dict, args) -> None:
+def print_peer_table(results: dict, llama: dict, args, config: dict) -> None:
     """budgetkv's configurations and llama.cpp's variants on the same prompt ids, threads and steps."""
     full = results["full"].get("tokens")
     print(f"\nllama.cpp as the CPU peer: the same {args.decode_steps} greedy decode steps x {args.repeats} repeats, "
@@ -1319,7 +1329,10 @@ def print_peer_table(results: dict, llama: dict, args) -> None:
     print("| variant | TTFT s | prefill tok/s | decode tok/s (median, min-max) | peak RSS MiB prefill / decode | "
           "same greedy tokens as budgetkv full |")
     print("|---|---|---|---|---|---|")
-    rows = [(f"budgetkv {label} (fp32)", r) for label, r in results.items() if label != "no-evict"]  # no generator
+    quant = config.get("budgetkv_quantization")
+    weights = weights_label(args, config).partition(" weights")[0] if quant else {"float32": "fp32"}.get(args.dtype,
+                                                                                                        args.dtype)
+    rows = [(f"budgetkv {label} ({weights})", r) for label, r in results.items() if label != "no-evict"]  # no generator
     rows += [(llama_label(variant, x), x) for variant, x in llama.items()]
     for name, r in rows:
         same = "(reference)" if r is results["full"] else same_tokens(r.get("tokens"), full)

@@ -85,6 +85,31 @@ def test_llamacpp_source_needs_a_gguf_conversion(tmp_path):
         bench.llamacpp_source(tmp_path, args)
 
 
+def test_llamacpp_source_follows_a_quantized_checkpoint(tmp_path):
+    """quantize.py's checkpoint of a GGUF conversion runs against that GGUF (int4 beside llama.cpp's Q4_1); one of
+    an HF folder's conversion still has none."""
+    from convert import ENGINE_FILE, identity, save_engine
+    from errors import UserError
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    conv, quant, hf, hf_quant = (tmp_path / n for n in ("conv", "quant", "hf", "hf-quant"))
+    for d in (conv, quant, hf, hf_quant):
+        d.mkdir()
+    one = {"x": torch.zeros(1)}
+    save_engine(one, conv / ENGINE_FILE, identity("gguf", gguf, {}, {}))
+    save_engine(one, quant / ENGINE_FILE, identity("quantized", conv, {}, {}))
+    save_engine(one, hf / ENGINE_FILE, identity("hf", hf, {}, {}))
+    save_engine(one, hf_quant / ENGINE_FILE, identity("quantized", hf, {}, {}))
+    args = bench.parser().parse_args(["--llamacpp"])
+    assert bench.llamacpp_source(quant, args) == gguf.resolve()
+    assert bench.llamacpp_source(conv, args) == gguf.resolve()
+    with pytest.raises(UserError, match="is not a GGUF's conversion"):
+        bench.llamacpp_source(hf_quant, args)
+    quantized = {"budgetkv_quantization": {"mode": "int4", "groupsize": 32}}
+    assert bench.weights_label(args, quantized) == "int4-g32 weights, float32 activations"  # the tables' label
+    assert bench.weights_label(args, {}) == "float32"
+
+
 def run_script(py, *argv):
     return subprocess.run([str(py), str(SCRIPT), *map(str, argv)], capture_output=True, text=True, timeout=600)
 
