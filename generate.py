@@ -651,7 +651,7 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, kv_dtype, wei
               file=sys.stderr)
     elif a.device == "cpu":  # the bandwidth model counts bytes; on a CPU the K+1 block's compute decides
         print(f"note: the bandwidth model predicts up to {best:.2f}x, but on a CPU a K+1 verification block costs "
-              "1.6-2.4 decode steps (its attention grows with the queries): in docs/speculative.md speculation lost "
+              "1.0-2.4 decode steps eager, 1.6-2.2 compiled (its attention grows with the queries): in docs/speculative.md speculation lost "
               "eager and paid at most 1.05x compiled (int8, 8K); time yours with scripts/bench.py --speculate",
               file=sys.stderr)
     steps, compile_s = speculative.EAGER, 0.0

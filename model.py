@@ -272,7 +272,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1] if x.device.type == "cpu" else 0
-        if 1 <= rows <= 8 and torch.compiler.is_compiling():
+        if rowwise_rows(rows):
             return rowwise_linear(x, self.weight, self.bias)
         if 1 < rows <= 16:
             # contiguous: a transposed result would reach SDPA as a query whose last dim has stride `rows`, which
@@ -282,10 +282,18 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+ROWWISE_MAX_ROWS = 8  # past ~8 rows the row-wise loop becomes compute-bound and MKL's GEMM catches up
+
+
+def rowwise_rows(rows: int) -> bool:
+    """Whether a CPU product of `rows` rows takes rowwise_linear: in a compiled step, 1 to ROWWISE_MAX_ROWS rows."""
+    return 1 <= rows <= ROWWISE_MAX_ROWS and torch.compiler.is_compiling()
+
+
 def rowwise_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """y = x @ weight.T + bias written as one reduction sum(W * row, -1) per row of x: compiled, inductor fuses the
     rows' reductions into one vectorised loop that reads each weight row once. Eager it would materialise the
-    products: for compiled steps of a few rows only (past ~8 rows the loop becomes compute-bound).
+    products: for compiled steps of a few rows only (rowwise_rows).
 
     The rows are first written to a buffer of their own (a no-op as_strided, which inductor cannot inline): else
     inductor inlines x's producer (a norm, SiLU * up) into the loop and recomputes it for every weight row."""

@@ -221,14 +221,19 @@ def bench_model(args, ckpt, config: dict, kv_slots: int = 0, dtype: torch.dtype 
 
 
 def weights_label(args, config: dict | None = None) -> str:
-    """The weights' format: the run's dtype, or a quantize.py checkpoint's mode (activations in the dtype)."""
+    """The weights' format: the run's dtype, or a quantize.py checkpoint's mode, run in that dtype."""
     if args.random_weights:
         return f"random {args.dtype} weights (seed 0)"
+    quant = short_weights(args, config)
+    return f"{quant} weights, run in {args.dtype}" if quant != args.dtype else args.dtype
+
+
+def short_weights(args, config: dict | None) -> str:
+    """int8, int4-g32 (a quantize.py checkpoint), else the run's dtype."""
     quant = (config or {}).get("budgetkv_quantization")
-    if isinstance(quant, dict):
-        g = f"-g{quant['groupsize']}" if quant.get("groupsize") else ""
-        return f"{quant.get('mode')}{g} weights, {args.dtype} activations"
-    return args.dtype
+    if not isinstance(quant, dict):
+        return args.dtype
+    return quant.get("mode", "?") + (f"-g{quant['groupsize']}" if quant.get("groupsize") else "")
 
 
 def random_prompt(config: dict, n: int) -> list[int]:
@@ -252,7 +257,7 @@ def run_figure(args) -> None:
                                                      FIGURE_FIELDS)}
     print(f"{args.checkpoint}: --figure rocketkv, contexts {contexts}, budgets {budgets}, N = {args.decode_steps}, "
           f"1 warm-up + {args.repeats} samples, "
-          f"{weights_label(args)} on {args.device}, {'compiled' if args.compile else 'eager'}, "
+          f"{weights_label(args, config)} on {args.device}, {'compiled' if args.compile else 'eager'}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
     rows = []
     for T in contexts:
@@ -546,7 +551,7 @@ def run_paired(args) -> None:
     mode = (args.compile_mode or "generate.py's mode") + (" + cpp_wrapper" if args.cpp_wrapper else "") \
         if args.compile else "eager"
     print(f"\n{args.checkpoint}, prompt {len(ids)} tokens, budget {args.budget}, {args.decode_steps} alternating decode "
-          f"steps, {weights_label(args)} on {args.device}, {mode}, torch threads {torch.get_num_threads()}, read bandwidth "
+          f"steps, {weights_label(args, config)} on {args.device}, {mode}, torch threads {torch.get_num_threads()}, read bandwidth "
           f"(probe next to each round) median {statistics.median(bw):.1f} GB/s, quartiles {bw_q[0]:.1f} .. "
           f"{bw_q[2]:.1f}\n")
     print("| policy | decode ms/step (median) | overhead vs no-evict (median of per-step ratios) | "
@@ -749,7 +754,7 @@ def run_batch(args) -> None:
     settings = bench_settings(args, ckpt, "batch")
     print(f"{args.checkpoint}: --batch, prompt {args.prompt_tokens} tokens, budget {args.budget}, block "
           f"{args.block_size}, memory cap {args.memory_cap:g} MiB (weights + whole cache, decided before allocating), "
-          f"{args.decode_steps} decode steps (the first a warm-up), {weights_label(args)} on {args.device}, "
+          f"{args.decode_steps} decode steps (the first a warm-up), {weights_label(args, config)} on {args.device}, "
           f"{'compiled' if args.compile else 'eager'}, torch threads {torch.get_num_threads()}; each row a copy of "
           f"one prefilled sequence", file=sys.stderr)
     load = [os.getloadavg()[0]]  # the machine's 1-minute load at the start and the end (shared: say how busy)
@@ -1325,13 +1330,12 @@ def print_peer_table(results: dict, llama: dict, args, config: dict) -> None:
           f"{torch.get_num_threads()} threads (llama.cpp {next(iter(llama.values())).get('llama_cpp', '?')}, "
           f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}); decode tok/s = 1 / median step (min-max "
           "over the repeats' medians); "
-          "greedy tokens: the first + one per decode step, against budgetkv full's (meaningful for F32)\n")
+          "greedy tokens: the first + one per decode step, against budgetkv full's (meaningful for F32"
+          f"{'; budgetkv runs quantized weights here' if 'budgetkv_quantization' in config else ''})\n")
     print("| variant | TTFT s | prefill tok/s | decode tok/s (median, min-max) | peak RSS MiB prefill / decode | "
           "same greedy tokens as budgetkv full |")
     print("|---|---|---|---|---|---|")
-    quant = config.get("budgetkv_quantization")
-    weights = weights_label(args, config).partition(" weights")[0] if quant else {"float32": "fp32"}.get(args.dtype,
-                                                                                                        args.dtype)
+    weights = {"float32": "fp32"}.get(short_weights(args, config), short_weights(args, config))
     rows = [(f"budgetkv {label} ({weights})", r) for label, r in results.items() if label != "no-evict"]  # no generator
     rows += [(llama_label(variant, x), x) for variant, x in llama.items()]
     for name, r in rows:

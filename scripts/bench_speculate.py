@@ -17,11 +17,11 @@ prompt (slot == position: the slots past it emptied), the draft restored from it
 - for each draft (policy, budget) and K: speculative.decode of the same tokens, timed; acceptance (mean drafts kept
   per round), whether its tokens are plain's and else the first that differs (greedy identity: a K+1 block's
   logits equal single steps' up to rounding, ~1e-5 in fp32; with bf16 activations, which CPU's int8 kernel uses
-  too, ~0.1, so a near-tie may flip there), decode tok/s and the speedup over plain, and the bandwidth model's
+  eager, ~0.1, so a near-tie may flip there), decode tok/s and the speedup over plain, and the bandwidth model's
   prediction from bytes per round at the measured acceptance (speculative.predicted_speedup: K draft steps, one
   more when all K are kept, plus one verification that reads what a target step reads; engine.decode_bytes_per_step
   of both caches), and beside it the step-time model: the same round costed with this machine's measured draft
-  step and verification block (on a CPU a K+1 block costs more than a step: BLAS leaves its GEMV path).
+  step and verification block (on a CPU a K+1 block costs more than a step: its attention grows with the queries).
 Timings are medians over --repeats. With --compile the decode step, the draft step and the K+1 verification block
 are compiled (fullgraph; CUDA graphs on a GPU), dynamo reset between draft configurations (the plain step compiled
 again after each reset), and each step runs once untimed first (compiling, or loading from build/inductor-cache). Prefill stays eager.

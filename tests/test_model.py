@@ -83,18 +83,27 @@ def test_qwen2_sliding_window_follows_max_window_layers(max_window_layers, want)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 17])
-def test_linear_few_rows_compiled_equals_f_linear(rows):
+def test_linear_few_rows_compiled_equals_f_linear(rows, monkeypatch):
     """model.Linear's CPU forms (the compiled per-row reductions for 1-8 rows, W @ x^T for 2-16) compute F.linear,
     contiguous, in the input's shape (a batch of 2 x rows/2 as well)."""
-    from model import Linear
+    import model
+    from model import Linear, rowwise_linear
     torch.manual_seed(0)
     lin = Linear(48, 40, bias=True)
     x = torch.randn(1, rows, 48)
     ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
     torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
     assert lin(x).is_contiguous()  # else its q reaches SDPA with a strided last dim: the slow math kernel
+    calls = []
+
+    def counted(*args):
+        calls.append(1)  # at trace time: which form the compiled graph holds
+        return rowwise_linear(*args)
+    torch._dynamo.reset()
+    monkeypatch.setattr(model, "rowwise_linear", counted)
     compiled = torch.compile(lin, fullgraph=True, dynamic=False)
     torch.testing.assert_close(compiled(x), ref, rtol=1e-5, atol=1e-5)
+    assert bool(calls) == (rows <= model.ROWWISE_MAX_ROWS)
     assert compiled(x).is_contiguous()
     if rows % 2 == 0:
         xb = x.view(2, rows // 2, 48)

@@ -150,9 +150,12 @@ def test_int8_compiled_few_rows_take_the_rowwise_form(rows):
     ref_w = mod.weight.double() * mod.scales.double()[:, None]
     x = torch.randn(1, rows, 256)
     ref = x.double() @ ref_w.t() + lin.bias.double()
+    compiled = torch.compile(mod, fullgraph=True, dynamic=False)
     with torch.no_grad():
-        got = torch.compile(mod, fullgraph=True, dynamic=False)(x)
+        got = compiled(x)
+        got_batch = compiled(x.view(rows, 1, 256))  # a batch's decode step: B rows of one token
     assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert (got_batch.double() - ref.view(rows, 1, -1)).abs().max() <= 1e-5 * ref.abs().max()
 
 
 def test_packed_int4_is_not_dequantized_as_nibbles():
