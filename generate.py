@@ -655,10 +655,6 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, kv_dtype, wei
               "eager and paid at most 1.05x compiled (int8, 8K); time yours with scripts/bench.py --speculate",
               file=sys.stderr)
     steps, compile_s = speculative.EAGER, 0.0
-    if a.compile and dtype != torch.float32 and a.device == "cpu":
-        print(f"note: compiled speculation in {str(dtype).removeprefix('torch.')} on CPU measured tokens that differ "
-              "from plain decoding (an open bug, docs/speculative.md); float32 weights, or int8 checkpoints, gave "
-              "plain decoding's tokens", file=sys.stderr)
     if a.compile:
         if a.compile_mode in (None, "auto"):
             a.compile_mode = None
