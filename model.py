@@ -290,17 +290,41 @@ def rowwise_rows(rows: int) -> bool:
     return 1 <= rows <= ROWWISE_MAX_ROWS and torch.compiler.is_compiling()
 
 
-def rowwise_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """y = x @ weight.T + bias written as one reduction sum(W * row, -1) per row of x: compiled, inductor fuses the
-    rows' reductions into one vectorised loop that reads each weight row once. Eager it would materialise the
-    products: for compiled steps of a few rows only (rowwise_rows).
+def rowwise_product(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight^T for x (..., R, d) and weight (..., N, d) (batch dims broadcast), written as one reduction
+    sum(weight * row, -1) per row of x: compiled, inductor fuses the R reductions into one vectorised loop that reads
+    each weight row once. Eager it would materialise the products: for compiled steps of a few rows only.
 
     The rows are first written to a buffer of their own (a no-op as_strided, which inductor cannot inline): else
-    inductor inlines x's producer (a norm, SiLU * up) into the loop and recomputes it for every weight row."""
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    rows = rows.as_strided(rows.shape, rows.stride())
-    y = torch.stack([(row * weight).sum(-1) for row in rows.unbind(0)]).reshape(*x.shape[:-1], weight.shape[0])
+    inductor inlines x's producer (a norm, SiLU * up, RoPE) into the loop and recomputes it for every weight row."""
+    x = x.contiguous()
+    x = x.as_strided(x.shape, x.stride())
+    return torch.stack([(weight * x[..., r, None, :]).sum(-1) for r in range(x.shape[-2])], -2)
+
+
+def rowwise_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """y = x @ weight.T + bias as rowwise_product over x's rows (all leading dims flattened): for rowwise_rows."""
+    y = rowwise_product(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
+
+
+ROWWISE_MAX_QUERY_ROWS = 16  # past ~20 query rows SDPA's kernel catches up (docs/performance.md)
+
+
+def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, rowwise: bool = True) -> Tensor:
+    """softmax(q keys^T / sqrt(d), where mask is False: -inf) values, for q (B, h, R, d), keys and values
+    (B, h, S, d), mask (B, h, R, S) bool.
+
+    SDPA, except (rowwise) in a compiled CPU step of 1 to ROWWISE_MAX_QUERY_ROWS query rows (a decode step, a
+    verification block): there SDPA's kernel runs a small GEMM per block of keys and reads the cache far below the memory's
+    bandwidth. The scores are then rowwise_product (one loop streaming the keys) and the softmax, both in fp32, and
+    the weighted sum of values one batched GEMM in the values' dtype (SDPA's CPU kernel rounds the weights so too)."""
+    if (not rowwise or q.device.type != "cpu" or not torch.compiler.is_compiling()
+            or q.shape[-2] > ROWWISE_MAX_QUERY_ROWS):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    scores = rowwise_product(q.float() * q.shape[-1] ** -0.5, keys.float())  # keys widened in the loop
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return weights.to(values.dtype) @ values
 
 
 class Attention(nn.Module):
@@ -332,7 +356,9 @@ class Attention(nn.Module):
         S = keys.shape[2]
         q_rows = q.reshape(B, h, g * T, d)
         mask_rows = mask[:, :, None].expand(B, h, g, T, S).reshape(B, h, g * T, S)
-        out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask_rows)
+        # A cache that evicts scores its keys in this step too; inductor fuses that scoring's per-head reductions
+        # with the row-wise loop into one kernel parallel over the KV heads only, which is slower: SDPA there.
+        out = attention(q_rows, keys, values, mask_rows, rowwise=not (cache.evicts and cache.evict_enabled))
         # Attend, then let the policy evict (the block-wise protocol; a no-op without a scorer).
         cache.evict(q, input_pos, query_pos)
         out = out.view(B, hq, T, d).transpose(1, 2).reshape(B, T, hq * d)

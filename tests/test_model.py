@@ -82,6 +82,37 @@ def test_qwen2_sliding_window_follows_max_window_layers(max_window_layers, want)
             ModelArgs.from_config(dict(cfg, layer_types=types))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17])
+def test_attention_few_query_rows_compiled_equals_sdpa(rows, dtype, monkeypatch):
+    """model.attention compiled on CPU: 1-16 query rows take the row-wise scores (rowwise_product over the keys),
+    17 take SDPA; both equal eager SDPA (fp32: to rounding; bf16: within bf16's rounding of a reference in fp32),
+    batch of 2, masks with holes and a fully visible row."""
+    import model
+    torch.manual_seed(0)
+    B, h, S, d = 2, 3, 200, 16
+    q, keys, values = (torch.randn(B, h, n, d) for n in (rows, S, S))
+    mask = torch.rand(B, h, rows, S) > 0.3
+    mask[..., 0] = True  # every row sees at least one slot
+    mask[0, 0, 0] = True
+    ref = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    calls, rowwise_product = [], model.rowwise_product
+
+    def counted(*args):
+        calls.append(1)  # at trace time: which form the compiled graph holds
+        return rowwise_product(*args)
+    torch._dynamo.reset()
+    monkeypatch.setattr(model, "rowwise_product", counted)
+    compiled = torch.compile(model.attention, fullgraph=True, dynamic=False)
+    out = compiled(*(t.to(dtype) for t in (q, keys, values)), mask)
+    assert bool(calls) == (rows <= model.ROWWISE_MAX_QUERY_ROWS)
+    assert out.dtype == dtype and out.shape == ref.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    assert not torch.allclose(out.float(), torch.nn.functional.scaled_dot_product_attention(q, keys, values),
+                              atol=1e-3)  # the mask mattered
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 17])
 def test_linear_few_rows_compiled_equals_f_linear(rows, monkeypatch):
     """model.Linear's CPU forms (the compiled per-row reductions for 1-8 rows, W @ x^T for 2-16) compute F.linear,

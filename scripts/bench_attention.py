@@ -1,0 +1,101 @@
+"""How fast a decode step's attention runs on this machine, by how it is written: every layer of a model's shapes
+(random keys and values: speed does not depend on the values) attending a cache of --slots slots with a few query
+tokens (a decode step: 1; a speculative verification block of K drafts: K + 1), grouped-query heads folded as
+model.Attention folds them (the g query heads of a KV head become g x tokens query rows).
+
+    python scripts/bench_attention.py --checkpoint smollm2-135m --slots 8320 --tokens 1,2,3,5 --threads 2
+
+Forms, timed alternately (--repeats rounds, each form once per round, after one untimed call that compiles):
+- SDPA, eager and compiled (inductor calls the same CPU kernel);
+- `model.attention`, compiled: the row-wise scores (one reduction per query row over the keys), the softmax in
+  fp32, and one batched GEMM with the values: what a compiled CPU step takes for 1-16 query rows (SDPA past that).
+Prints ms per pass over all layers and the keys' and values' bytes over that time (GB/s), beside the machine's
+measured read bandwidth.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import engine  # noqa: E402
+import model as model_py  # noqa: E402
+from checkpoint import shape_config  # noqa: E402
+from cli import Parser, run_cli  # noqa: E402
+from errors import UserError  # noqa: E402
+
+
+def parser() -> Parser:
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default="smollm2-135m", help="a short name or a folder with a config.json")
+    ap.add_argument("--slots", type=int, default=8320, help="cache slots every query attends")
+    ap.add_argument("--tokens", default="1,2,3,5", help="query tokens per pass (1: a decode step; K+1: a block)")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=None)
+    return ap
+
+
+def sdpa(q, keys, values, mask):
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+def run(a) -> int:
+    try:
+        tokens_list = [int(t) for t in a.tokens.split(",")]
+    except ValueError:
+        raise UserError(f"--tokens takes comma-separated token counts (e.g. 1,3,5), not {a.tokens!r}") from None
+    if not all(1 <= t <= 64 for t in tokens_list) or a.repeats < 1 or not 1 <= a.slots <= 1 << 20:
+        raise UserError("--tokens takes 1-64 query tokens, --repeats at least 1, --slots 1 to 1048576")
+    engine.set_threads(a.threads)
+    torch._dynamo.config.recompile_limit = 64
+    config, label = shape_config(a.checkpoint)
+    args = model_py.ModelArgs.from_config(config)
+    hkv, d, g = args.n_kv_heads, args.head_dim, args.n_heads // args.n_kv_heads
+    gen = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(1, hkv, a.slots, d, generator=gen), torch.randn(1, hkv, a.slots, d, generator=gen))
+              for _ in range(args.n_layers)]
+    nbytes = sum(k.nbytes + v.nbytes for k, v in caches)
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench import read_bandwidth_gb_s
+    print(f"{label}: {args.n_layers} layers x {hkv} KV heads ({g} query heads each) x {a.slots} slots x head dim {d}: "
+          f"{nbytes / 2**20:.0f} MiB of fp32 keys and values, torch threads {torch.get_num_threads()}, "
+          f"read bandwidth {read_bandwidth_gb_s('cpu'):.1f} GB/s")
+    print("| query tokens | query rows per KV head | form | ms per pass | GB/s |\n|---:|---:|---|---:|---:|")
+    for tokens in tokens_list:
+        rows = g * tokens
+        q = torch.randn(1, hkv, rows, d, generator=gen)
+        mask = torch.ones(1, hkv, rows, a.slots, dtype=torch.bool)
+        mask[..., a.slots - tokens + 1:] = torch.ones(tokens, tokens, dtype=torch.bool).tril()[:, 1:].repeat(g, 1)
+        forms = {}
+        for name, op, compiled in (("SDPA, eager", sdpa, False), ("SDPA, compiled", sdpa, True),
+                                   ("model.attention, compiled", model_py.attention, True)):
+            def apply(q, mask, op=op):
+                return [op(q, k, v, mask) for k, v in caches]
+            forms[name] = torch.compile(apply, fullgraph=True, dynamic=False) if compiled else apply
+            torch._dynamo.reset()
+        times = {name: [] for name in forms}
+        with torch.inference_mode():
+            ref = forms["SDPA, eager"](q, mask)
+            for name, fn in forms.items():  # compile, and check the form computes SDPA's result
+                err = max((x - y).abs().max().item() for x, y in zip(fn(q, mask), ref))
+                if err > 1e-4:
+                    raise RuntimeError(f"{name} differs from SDPA by {err:.2e}")
+            for _ in range(a.repeats):
+                for name, fn in forms.items():
+                    t = time.perf_counter()
+                    fn(q, mask)
+                    times[name].append(time.perf_counter() - t)
+        for name, ts in times.items():
+            ms = statistics.median(ts) * 1e3
+            print(f"| {tokens} | {rows} | {name} | {ms:.2f} | {nbytes / ms / 1e6:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(run, parser().parse_args()))
