@@ -316,9 +316,10 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, rowwise: bo
     (B, h, S, d), mask (B, h, R, S) bool.
 
     SDPA, except (rowwise) in a compiled CPU step of 1 to ROWWISE_MAX_QUERY_ROWS query rows (a decode step, a
-    verification block): there SDPA's kernel runs a small GEMM per block of keys and reads the cache far below the memory's
-    bandwidth. The scores are then rowwise_product (one loop streaming the keys) and the softmax, both in fp32, and
-    the weighted sum of values one batched GEMM in the values' dtype (SDPA's CPU kernel rounds the weights so too)."""
+    verification block): there SDPA's kernel runs a small GEMM per block of keys and reads the cache far below the
+    memory's bandwidth. The scores are then rowwise_product (one loop streaming the keys) and the softmax, both in
+    fp32, and the weighted sum of values one batched GEMM in the values' dtype (SDPA's CPU kernel rounds the weights
+    so too)."""
     if (not rowwise or q.device.type != "cpu" or not torch.compiler.is_compiling()
             or q.shape[-2] > ROWWISE_MAX_QUERY_ROWS):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
