@@ -49,7 +49,8 @@ are costed at the bandwidth of its own round. `--profile [ROWS]` then prints eac
 `--batch`: throughput at a memory cap. For `full` and each policy, decode tok/s (B / median step) and the decode
 peak memory at batch 1, 2, 4, ... until the next batch's estimate (weights + B rows of every layer's whole cache,
 decided before allocating) exceeds --memory-cap MiB; the largest batch under the cap; beside it the bandwidth model
-(weights read once per step, K/V once per sequence). Each row a copy of one prefilled sequence: one batch-1 prefill
+(weights read once per step, K/V once per sequence) and a roofline (those reads, or the step's FLOPs at the
+machine's measured matrix-product rate, whichever takes longer). Each row a copy of one prefilled sequence: one batch-1 prefill
 per policy (its own process), its cache state copied into every row of each batch's process.
 
     python scripts/bench.py --speculate [--policies sink,snapkv] [--budgets 256,512] [--ks 2,4,6]
@@ -611,6 +612,20 @@ def read_bandwidth_gb_s(device: str) -> float:
     return x.nbytes / statistics.median(timed_read(x, device) for _ in range(5)) / 1e9
 
 
+def gemm_gflop_s(device: str, dtype: torch.dtype) -> float:
+    """Measured dense matrix-product rate: median of 5 products of two 2048 x 2048 matrices in `dtype`."""
+    a = torch.randn(2048, 2048, device=device).to(dtype)
+    a @ a
+
+    def once() -> float:
+        sync(device)
+        t = time.perf_counter()
+        a @ a
+        sync(device)
+        return time.perf_counter() - t
+    return 2 * 2048**3 / statistics.median(once() for _ in range(5)) / 1e9
+
+
 # ------------------------------------------------------------------------- --batch: throughput at a memory cap
 
 BATCH_POLICIES = "keydiff,snapkv"  # --batch's default --policies (full is always measured beside them)
@@ -691,6 +706,36 @@ def batch_prefill_one(label: str, path: Path, args) -> dict:
             "weights_bytes": decode_bytes_per_step(model)[0]}
 
 
+def linears(model) -> list[torch.nn.Module]:
+    """The model's weight products (every Linear, the output head included)."""
+    return [m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
+
+
+def step_flops(model, B: int) -> float:
+    """FLOPs of one decode step of B sequences: 2 per weight per sequence (the products) plus attention's q.k and
+    p.v, 4 x head_dim per query head per slot attended."""
+    products = sum(m.in_features * m.out_features for m in linears(model))
+    a = model.args
+    attention = sum(4 * a.n_heads * a.head_dim * layer.attention.kv_cache.read_tokens() for layer in model.layers)
+    return B * (2 * products + attention)
+
+
+def products_ms(model, B: int, device: str) -> float:
+    """Milliseconds of one step's weight products alone at B rows, eager (each Linear on random rows; median of 3
+    passes): the matrix-product part of a step, the attention and the policy left out."""
+    xs = [(m, torch.randn(B, 1, m.in_features, device=device, dtype=m.weight.dtype)) for m in linears(model)]
+
+    def once() -> float:
+        sync(device)
+        t = time.perf_counter()
+        for m, x in xs:
+            m(x)
+        sync(device)
+        return time.perf_counter() - t
+    once()
+    return 1e3 * statistics.median(once() for _ in range(3))
+
+
 def batch_one(label: str, B: int, path: Path, args) -> dict:
     """--batch, one process per (policy, batch size): B rows each a copy of the prefilled sequence at `path`, then
     --decode-steps greedy decode steps (the first a warm-up, with --compile the compile), timed per step; the
@@ -711,11 +756,13 @@ def batch_one(label: str, B: int, path: Path, args) -> dict:
         mem.reset()
         times, toks = decode_rows(model, first, L, B, args.decode_steps, decode_fn, args.device)
         peak = mem.peak()
+        products = products_ms(model, B, args.device)
     weights_b, kv_b = decode_bytes_per_step(model)  # kv_b: the whole batch's K and V read per step
     step = statistics.median(times[1:])
     return {"label": label, "batch": B, "slots": slots, "decode_step_ms": 1e3 * step, "decode_tok_s": B / step,
             "warmup_s": times[0], "decode_peak_mib": peak / 2**20, "memory_measure": mem.measure,
-            "weights_bytes": weights_b, "kv_bytes_per_seq": kv_b / B,
+            "weights_bytes": weights_b, "kv_bytes_per_seq": kv_b / B, "flops": step_flops(model, B),
+            "products_ms": products,
             "rows_identical": all(row == toks[0] for row in toks), "tokens": toks[0]}
 
 
@@ -759,6 +806,7 @@ def run_batch(args) -> None:
           f"one prefilled sequence", file=sys.stderr)
     load = [os.getloadavg()[0]]  # the machine's 1-minute load at the start and the end (shared: say how busy)
     bw = read_bandwidth_gb_s(args.device)
+    peak_gflop_s = gemm_gflop_s(args.device, dtype)
     rows, prefills = [], {}
     work = Path(tempfile.mkdtemp(prefix="budgetkv-bench-batch-"))
     try:
@@ -793,9 +841,10 @@ def run_batch(args) -> None:
                         break
                 x = run_one(["--one-batch", f"{label}@{B}@{path}"], f"{label} at batch {B}")
                 x.pop("label")
-                ideal = B / ((x["weights_bytes"] + B * x["kv_bytes_per_seq"]) / (bw * 1e9))
-                row |= x | {"fits": True, "measured": True, "ideal_tok_s": ideal,
-                            "of_ideal": x["decode_tok_s"] / ideal,
+                read_s = (x["weights_bytes"] + B * x["kv_bytes_per_seq"]) / (bw * 1e9)
+                ideal, roofline = B / read_s, B / max(read_s, x["flops"] / (peak_gflop_s * 1e9))
+                row |= x | {"fits": True, "measured": True, "ideal_tok_s": ideal, "roofline_tok_s": roofline,
+                            "of_ideal": x["decode_tok_s"] / ideal, "of_roofline": x["decode_tok_s"] / roofline,
                             "peak_over_cap": x["decode_peak_mib"] > args.memory_cap}
                 rows.append(row)
                 print(f"  {label:10s} B={B:5d} decode {x['decode_tok_s']:8.1f} tok/s ({x['decode_step_ms']:.1f} "
@@ -805,7 +854,7 @@ def run_batch(args) -> None:
                 if not x["rows_identical"]:
                     raise EnvironmentFailure(f"{label} at batch {B}: the copied rows decoded different tokens")
                 if args.json:
-                    save(args.json, args, settings, read_gb_s=bw, memory_cap_mib=args.memory_cap, rows=rows,
+                    save(args.json, args, settings, read_gb_s=bw, gemm_gflop_s=peak_gflop_s, memory_cap_mib=args.memory_cap, rows=rows,
                          summary=batch_summary(rows, labels))
             path.unlink(missing_ok=True)
     finally:
@@ -815,53 +864,64 @@ def run_batch(args) -> None:
     summary = batch_summary(rows, labels)
     load.append(os.getloadavg()[0])
     if args.json:
-        save(args.json, args, settings, read_gb_s=bw, memory_cap_mib=args.memory_cap, rows=rows, summary=summary,
+        save(args.json, args, settings, read_gb_s=bw, gemm_gflop_s=peak_gflop_s, memory_cap_mib=args.memory_cap, rows=rows, summary=summary,
              load_average=load)
     print(f"\nload average (1 min) {load[0]:.2f} at the start, {load[1]:.2f} at the end; "
-          f"measured read bandwidth {bw:.1f} GB/s; memory cap {args.memory_cap:g} MiB; each row a copy of one "
-          f"prefilled sequence ({args.prompt_tokens} tokens); ideal tok/s = B / ((weights + B x KV per sequence) / "
-          f"bandwidth); peak: {next((x['memory_measure'] for x in rows if x.get('measured')), '?')} during decode\n")
+          f"measured read bandwidth {bw:.1f} GB/s, matrix products {peak_gflop_s:.0f} GFLOP/s (2048 x 2048); "
+          f"memory cap {args.memory_cap:g} MiB; each row a copy of one prefilled sequence ({args.prompt_tokens} "
+          f"tokens); ideal tok/s (the bandwidth model) = B / ((weights + B x KV per sequence) / bandwidth); roofline "
+          f"tok/s = B / max(those reads, the step's FLOPs / the product rate); products: the step's weight products "
+          f"alone, eager; peak: {next((x['memory_measure'] for x in rows if x.get('measured')), '?')} during "
+          f"decode\n")
     print("| policy | batch | cache slots / seq | estimate MiB (weights + cache) | fits cap | decode tok/s | "
-          "ms / step | ideal tok/s | of ideal | decode peak MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "ms / step | products ms | ideal tok/s | of ideal | roofline tok/s | of roofline | decode peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for x in rows:
         if x.get("measured"):
             print(f"| {x['label']} | {x['batch']} | {x['slots']} | {x['estimate_mib']:.0f} | yes | "
-                  f"{x['decode_tok_s']:.1f} | {x['decode_step_ms']:.1f} | {x['ideal_tok_s']:.1f} | "
-                  f"{x['of_ideal']:.0%} | {x['decode_peak_mib']:.0f}{' (over cap)' if x['peak_over_cap'] else ''} |")
+                  f"{x['decode_tok_s']:.1f} | {x['decode_step_ms']:.1f} | {x['products_ms']:.1f} | "
+                  f"{x['ideal_tok_s']:.1f} | {x['of_ideal']:.0%} | {x['roofline_tok_s']:.1f} | "
+                  f"{x['of_roofline']:.0%} | {x['decode_peak_mib']:.0f}"
+                  f"{' (over cap)' if x['peak_over_cap'] else ''} |")
         else:
-            print(f"| {x['label']} | {x['batch']} | | {x['estimate_mib']:.0f} | no (not run) | | | | | |")
+            print(f"| {x['label']} | {x['batch']} | | {x['estimate_mib']:.0f} | no (not run) | | | | | | | | |")
     print("\n| policy | largest batch under the cap | decode tok/s there | vs full | bandwidth-model ratio | "
-          "of the model's ratio |")
-    print("|---|---|---|---|---|---|")
+          "of the model's ratio | roofline ratio | of the roofline's ratio | ms/step for 85% of the model's ratio | "
+          "products alone ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, s in summary.items():
         if s["batch"] is None:
-            print(f"| {label} | none | | | | |")
+            print(f"| {label} | none | | | | | | | | |")
             continue
         print(f"| {label} | {s['batch']} | {s['decode_tok_s']:.1f} | "
-              + (f"{s['vs_full']:.2f}x | {s['ideal_vs_full']:.2f}x | {s['of_ideal_ratio']:.0%} |"
-                 if s.get("vs_full") is not None else "| | |"))
+              + (f"{s['vs_full']:.2f}x | {s['ideal_vs_full']:.2f}x | {s['of_ideal_ratio']:.0%} | "
+                 f"{s['roofline_vs_full']:.2f}x | {s['of_roofline_ratio']:.0%} | {s['ms_for_85']:.1f} | "
+                 f"{s['products_ms']:.1f} |" if s.get("vs_full") is not None else "| | | | | | | |"))
     if args.plot:
         plot_batch(rows, summary, args.plot, args, load)
         print(f"\nwrote {args.plot}", file=sys.stderr)
 
 
 def batch_summary(rows: list[dict], labels: list[str]) -> dict:
-    """Per policy: its largest batch under the cap, tok/s there, and against full's at full's largest: measured and
-    the bandwidth model's ratio (ideal tok/s at each one's largest batch)."""
+    """Per policy: its largest batch under the cap, tok/s there, and against full's at full's largest: measured, the
+    bandwidth model's and the roofline's ratio (ideal tok/s at each one's largest batch), and the step time the
+    policy would need for 85% of the bandwidth model's ratio beside its weight products' own time."""
     out = {}
     for label in labels:
         fit = [x for x in rows if x["label"] == label and x.get("measured")]
         best = max(fit, key=lambda x: x["batch"]) if fit else None
-        out[label] = {"batch": best["batch"] if best else None,
-                      "decode_tok_s": best["decode_tok_s"] if best else None,
-                      "ideal_tok_s": best["ideal_tok_s"] if best else None}
+        keys = ("batch", "decode_tok_s", "ideal_tok_s", "roofline_tok_s", "products_ms")
+        out[label] = {k: best[k] if best else None for k in keys}
     f = out.get("full")
     for label, s in out.items():
         if f and f["batch"] is not None and s["batch"] is not None:
             s["vs_full"] = s["decode_tok_s"] / f["decode_tok_s"]
             s["ideal_vs_full"] = s["ideal_tok_s"] / f["ideal_tok_s"]
             s["of_ideal_ratio"] = s["vs_full"] / s["ideal_vs_full"]
+            s["roofline_vs_full"] = s["roofline_tok_s"] / f["roofline_tok_s"]
+            s["of_roofline_ratio"] = s["vs_full"] / s["roofline_vs_full"]
+            # the step time at which this policy's ratio to full (as measured) would be 85% of the model's
+            s["ms_for_85"] = 1e3 * s["batch"] / (0.85 * s["ideal_vs_full"] * f["decode_tok_s"])
     return out
 
 
@@ -878,6 +938,7 @@ def plot_batch(rows: list[dict], summary: dict, path: Path, args, load: list[flo
         bs = [x["batch"] for x in xs]
         line, = ax.plot(bs, [x["decode_tok_s"] for x in xs], "o-", label=label)
         ax.plot(bs, [x["ideal_tok_s"] for x in xs], "--", color=line.get_color(), alpha=0.5)
+        ax.plot(bs, [x["roofline_tok_s"] for x in xs], ":", color=line.get_color(), alpha=0.8)
         ax.plot([s["batch"]], [s["decode_tok_s"]], "*", ms=16, color=line.get_color())
         ax.annotate(f"B={s['batch']}", (s["batch"], s["decode_tok_s"]), textcoords="offset points", xytext=(6, -12))
     ax.set_xscale("log", base=2)
@@ -887,7 +948,8 @@ def plot_batch(rows: list[dict], summary: dict, path: Path, args, load: list[flo
                  f"cap {args.memory_cap:g} MiB, load average {load[0]:.1f} -> {load[1]:.1f}")
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(title="star: largest batch under the cap\ndashed: bandwidth model", title_fontsize=7, fontsize=8,
+    ax.legend(title="star: largest batch under the cap\ndashed: bandwidth model\ndotted: roofline (+ FLOPs)",
+              title_fontsize=7, fontsize=8,
               loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     save_png(fig, path, dpi=120)

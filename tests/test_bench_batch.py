@@ -83,10 +83,34 @@ def test_batch_run_stops_at_the_cap(tiny_config_dir, tmp_path):
         assert not over["fits"] and not over["measured"] and over["estimate_mib"] > cap  # decided, not run
         assert "decode_tok_s" not in over
         assert all(x["rows_identical"] and x["decode_tok_s"] > 0 and x["ideal_tok_s"] > 0 for x in fit)
+        # the roofline adds the FLOPs' time to the reads': never above the bandwidth model
+        assert all(0 < x["roofline_tok_s"] <= x["ideal_tok_s"] and x["products_ms"] > 0 for x in fit)
+        assert [x["flops"] / x["batch"] for x in fit] == [fit[0]["flops"]] * len(fit)  # per sequence: the same
         assert [x["estimate_mib"] for x in mine] == sorted(x["estimate_mib"] for x in mine)
         assert summary[label]["batch"] == fit[-1]["batch"]
         assert len({tuple(x["tokens"]) for x in fit}) == 1  # every batch size decodes the same sequence
     # keydiff's 48-slot rows are smaller than full's 256 + decode: more of them fit under the same cap
     assert summary["keydiff"]["batch"] > summary["full"]["batch"]
     assert summary["keydiff"]["ideal_vs_full"] > 1
+    k, f = summary["keydiff"], summary["full"]
+    assert k["of_roofline_ratio"] == pytest.approx(k["vs_full"] / (k["roofline_tok_s"] / f["roofline_tok_s"]))
+    # at ms_for_85 ms per step, keydiff's ratio to full's measured tok/s is 85% of the bandwidth model's ratio
+    assert k["batch"] / (k["ms_for_85"] / 1e3) / f["decode_tok_s"] == pytest.approx(0.85 * k["ideal_vs_full"])
+    assert saved["gemm_gflop_s"] > 0 and "roofline" in r.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_step_flops_by_hand(hf_tiny):
+    """2 FLOPs per weight per sequence for every product (the tied head included) plus 4 x head_dim per query head
+    per attended slot, counted from the config by hand."""
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    a = model.args
+    setup_batch(model, policies.make("keydiff"), 16, [20, 20, 20], 4, BLOCK)
+    d, hq, hkv = a.head_dim, a.n_heads, a.n_kv_heads
+    per_layer = a.dim * (hq + 2 * hkv) * d + hq * d * a.dim + a.dim * 2 * a.intermediate_size \
+        + a.intermediate_size * a.dim
+    products = a.n_layers * per_layer + a.dim * a.vocab_size
+    slots = model.layers[0].attention.kv_cache.read_tokens()
+    assert bench.step_flops(model, 3) == 3 * (2 * products + a.n_layers * 4 * hq * d * slots)
+    assert bench.products_ms(model, 3, "cpu") > 0
