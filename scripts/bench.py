@@ -723,7 +723,8 @@ def step_flops(model, B: int) -> float:
 def products_ms(model, B: int, device: str) -> float:
     """Milliseconds of one step's weight products alone at B rows, eager (each Linear on random rows; median of 3
     passes): the matrix-product part of a step, the attention and the policy left out."""
-    xs = [(m, torch.randn(B, 1, m.in_features, device=device, dtype=m.weight.dtype)) for m in linears(model)]
+    act = model.tok_embeddings.weight.dtype  # the activations' dtype (a quantized Linear's weight is int8)
+    xs = [(m, torch.randn(B, 1, m.in_features, device=device, dtype=act)) for m in linears(model)]
 
     def once() -> float:
         sync(device)
