@@ -309,17 +309,31 @@ def rowwise_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
 
 
 ROWWISE_MAX_QUERY_ROWS = 16  # past ~20 query rows SDPA's kernel catches up (docs/performance.md)
+MATMUL_MAX_QUERY_ROWS = 64  # CUDA: up to a verification block of a few tokens times the GQA group
+
+
+def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """softmax(q keys^T / sqrt(d), where mask is False: -inf) values as two batched products and a softmax in fp32:
+    the products parallelise over the cache's slots, where a fused attention kernel parallelises over query rows
+    and heads only (a decode step has a few rows per KV head)."""
+    scores = (q @ keys.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return weights.to(values.dtype) @ values
 
 
 def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, rowwise: bool = True) -> Tensor:
     """softmax(q keys^T / sqrt(d), where mask is False: -inf) values, for q (B, h, R, d), keys and values
     (B, h, S, d), mask (B, h, R, S) bool.
 
-    SDPA, except (rowwise) in a compiled CPU step of 1 to ROWWISE_MAX_QUERY_ROWS query rows (a decode step, a
-    verification block): there SDPA's kernel runs a small GEMM per block of keys and reads the cache far below the
-    memory's bandwidth. The scores are then rowwise_product (one loop streaming the keys) and the softmax, both in
-    fp32, and the weighted sum of values one batched GEMM in the values' dtype (SDPA's CPU kernel rounds the weights
-    so too)."""
+    SDPA, except for steps of a few query rows (a decode step, a verification block):
+    - on CUDA, up to MATMUL_MAX_QUERY_ROWS rows: matmul_attention. SDPA's masked kernel runs one block per head
+      and block of query rows there, a handful of blocks for a whole GPU;
+    - on CPU (rowwise), in a compiled step of 1 to ROWWISE_MAX_QUERY_ROWS rows: SDPA's kernel runs a small GEMM
+      per block of keys and reads the cache far below the memory's bandwidth. The scores are then rowwise_product
+      (one loop streaming the keys) and the softmax, both in fp32, and the weighted sum of values one batched GEMM
+      in the values' dtype (SDPA's CPU kernel rounds the weights so too)."""
+    if q.device.type == "cuda" and q.shape[-2] <= MATMUL_MAX_QUERY_ROWS:
+        return matmul_attention(q, keys, values, mask)
     if (not rowwise or q.device.type != "cpu" or not torch.compiler.is_compiling()
             or q.shape[-2] > ROWWISE_MAX_QUERY_ROWS):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
@@ -362,7 +376,7 @@ class Attention(nn.Module):
         out = attention(q_rows, keys, values, mask_rows, rowwise=not (cache.evicts and cache.evict_enabled))
         # Attend, then let the policy evict (the block-wise protocol; a no-op without a scorer).
         cache.evict(q, input_pos, query_pos)
-        out = out.view(B, hq, T, d).transpose(1, 2).reshape(B, T, hq * d)
+        out = out.reshape(B, hq, T, d).transpose(1, 2).reshape(B, T, hq * d)  # CUDA's SDPA: not contiguous
         return tp_sum(self.wo(out), self.tp_group)
 
 

@@ -82,9 +82,16 @@ def test_rows(xml: Path) -> list[dict]:
 # ------------------------------------------------------------------------------------------------------- graphs
 
 def graph_budget(policy, prompt_len: int, new_tokens: int) -> int:
-    """A budget that makes an evicting policy evict (a quarter of the prompt, at least 48 slots for the protected
-    sinks and windows of the defaults); a policy that keeps every token gets them all."""
-    return max(48, prompt_len // 4) if is_scorer(policy) else prompt_len + new_tokens
+    """A budget that makes an evicting policy evict (a quarter of the prompt, and at least 48 slots of prompt for the
+    protected sinks and observation windows of the defaults after the new tokens' slots); a policy that keeps every
+    token gets them all."""
+    if not is_scorer(policy):
+        return prompt_len + new_tokens
+    budget = max(48 + new_tokens, prompt_len // 4)
+    if budget >= prompt_len:
+        raise UserError(f"a {prompt_len}-token prompt is too short for {policy.name} to evict at budget {budget}: "
+                        "raise --graph-prompt")
+    return budget
 
 
 def graph_check(model, spec: str, prompt: list[int], new_tokens: int, block_size: int, device: str,
@@ -177,6 +184,7 @@ def run_graphs(args) -> list[dict]:
     model.layers = model.layers[:args.graph_layers]  # a small graph: the check is the capture, not the model
     torch.backends.cuda.matmul.allow_tf32 = False  # eager and compiled in the same precision
     _, prompt = make_document(load_tokenizer(ckpt), args.graph_prompt)
+    prompt = (prompt * -(-args.graph_prompt // len(prompt)))[:args.graph_prompt]  # a small tokenizer's few tokens
     mode = "reduce-overhead" if args.device.startswith("cuda") else None  # CPU (tests): no graphs to capture
     rows = []
     for spec in policies.spec_list(args.policies):

@@ -16,7 +16,7 @@ def test_cuda_logits_match_cpu(hf_tiny):
     torch.backends.cuda.matmul.allow_tf32 = False
     for device in ("cpu", "cuda"):
         model = load_model(ckpt, torch.float32, device)
-        setup(model, None, 64, 64, 1, 64)
+        setup(model, None, 65, 64, 1, 64)
         with torch.inference_mode():
             logits[device] = model(idx.to(device), pos.to(device)).cpu()
     torch.testing.assert_close(logits["cuda"], logits["cpu"], rtol=1e-4, atol=1e-4)
@@ -56,3 +56,20 @@ def test_keydiff_decode_replays_as_a_cuda_graph(hf_tiny):
     prompt = torch.randint(0, 512, (150,), generator=torch.Generator().manual_seed(3)).tolist()
     r = gc.graph_check(model, "keydiff", prompt, 16, 32, "cuda")
     assert gc.graph_row(r)["ok"], gc.graph_row(r)
+
+
+@pytest.mark.parametrize("rows", [4, 64, 65])
+def test_attention_on_cuda_takes_the_products_for_few_rows(rows, monkeypatch):
+    """model.attention on CUDA: up to MATMUL_MAX_QUERY_ROWS query rows go to matmul_attention, more to SDPA; both
+    equal SDPA on the CPU in fp32."""
+    import model
+    torch.manual_seed(0)
+    q, keys, values = (torch.randn(1, 8, n, 64) for n in (rows, 5000, 5000))
+    mask = torch.rand(1, 8, rows, 5000) > 0.2
+    calls, matmul_attention = [], model.matmul_attention
+    monkeypatch.setattr(model, "matmul_attention", lambda *a: calls.append(1) or matmul_attention(*a))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out = model.attention(*(t.cuda() for t in (q, keys, values, mask)))
+    assert bool(calls) == (rows <= model.MATMUL_MAX_QUERY_ROWS)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)

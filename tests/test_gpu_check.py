@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from conftest import FAMILIES, REPO
+import policies
 from engine import step_modes, warm_up
+from errors import UserError
 from scripts import gpu_check as gc
 
 
@@ -45,7 +47,7 @@ def test_graph_check_on_cpu_compiles_once_and_matches_eager(hf_tiny):
         row = gc.graph_row(r)
         assert row["ok"], row
         assert r["graphs"] == 1 and r["compiled"] == r["eager"] and len(r["eager"]) == 12
-        assert model.layers[0].attention.kv_cache.budget == 48  # graph_budget: it evicts (150-token prompt)
+        assert model.layers[0].attention.kv_cache.budget == 60  # graph_budget: 48 + 12 new, it evicts (150 prompt)
 
 
 def test_speculate_check_on_cpu_compiles_two_graphs_and_matches_plain(hf_tiny):
@@ -59,6 +61,16 @@ def test_speculate_check_on_cpu_compiles_two_graphs_and_matches_plain(hf_tiny):
     assert gc.graph_row(r, graphs=2)["ok"], gc.graph_row(r, graphs=2)
     assert r["graphs"] == 2 and r["compiled"] == r["eager"] and len(r["eager"]) == 12
     assert not gc.graph_row(r, graphs=1)["ok"]
+
+
+def test_graph_budget_evicts_or_refuses():
+    """An evicting policy gets a quarter of the prompt, at least 48 prompt slots beside the new tokens', and a prompt
+    too short to evict at that budget is refused (a check that never evicts would pass for nothing)."""
+    keydiff = policies.make("keydiff")
+    assert gc.graph_budget(keydiff, 256, 24) == 72 and gc.graph_budget(keydiff, 1000, 24) == 250
+    assert gc.graph_budget(None, 29, 24) == 53  # full keeps every token
+    with pytest.raises(UserError, match="too short for keydiff to evict"):
+        gc.graph_budget(keydiff, 60, 24)
 
 
 def test_warm_up_calls_prefill_once_then_decode_twice_with_fresh_tensors(hf_tiny):

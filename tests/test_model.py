@@ -113,6 +113,26 @@ def test_attention_few_query_rows_compiled_equals_sdpa(rows, dtype, monkeypatch)
                               atol=1e-3)  # the mask mattered
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4, 20])
+def test_matmul_attention_equals_sdpa(rows, dtype):
+    """model.matmul_attention (CUDA's form for steps of a few query rows: two products and an fp32 softmax) equals
+    SDPA computed in fp32: batch of 2, masks with holes, the last row seeing one slot only."""
+    import model
+    torch.manual_seed(1)
+    B, h, S, d = 2, 4, 300, 32
+    q, keys, values = (torch.randn(B, h, n, d) for n in (rows, S, S))
+    mask = torch.rand(B, h, rows, S) > 0.4
+    mask[..., 0] = True
+    mask[..., -1, 1:] = False
+    ref = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    out = model.matmul_attention(*(t.to(dtype) for t in (q, keys, values)), mask)
+    assert out.dtype == dtype and out.shape == ref.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(out[..., -1, :].float(), values[..., 0, :].to(dtype).float())  # one slot: its value
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 17])
 def test_linear_few_rows_compiled_equals_f_linear(rows, monkeypatch):
     """model.Linear's CPU forms (the compiled per-row reductions for 1-8 rows, W @ x^T for 2-16) compute F.linear,
