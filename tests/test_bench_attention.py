@@ -16,12 +16,22 @@ def test_table_of_forms(tiny_config_dir, capsys):
                      "--threads", "1"], capsys)
     assert code == 0, out.err
     rows = [line.split("|")[1:-1] for line in out.out.splitlines() if line.startswith("| 3 |")]
-    assert [r[2].strip() for r in rows] == ["SDPA, eager", "SDPA, compiled", "model.attention, compiled"]
+    assert [r[2].strip() for r in rows] == ["SDPA, eager", "SDPA, compiled", "model.attention, compiled",
+                                            "matmul_attention, eager", "matmul_attention, compiled"]
     assert all(r[1].strip() == "6" for r in rows)  # 2 query heads per KV head x 3 tokens
     assert all(float(r[3]) > 0 for r in rows)
 
 
-@pytest.mark.parametrize("argv", [["--tokens", "x"], ["--tokens", "0"], ["--slots", "0"], ["--repeats", "0"]])
+def test_bf16_forms_agree_with_sdpa(tiny_config_dir, capsys):
+    code, out = run(["--checkpoint", str(tiny_config_dir), "--slots", "64", "--tokens", "1", "--repeats", "1",
+                     "--threads", "1", "--dtype", "bfloat16"], capsys)
+    assert code == 0, out.err
+    assert "bfloat16 keys and values on cpu" in out.out
+    assert sum(line.startswith("| 1 |") for line in out.out.splitlines()) == 5
+
+
+@pytest.mark.parametrize("argv", [["--tokens", "x"], ["--tokens", "0"], ["--slots", "0"], ["--repeats", "0"],
+                                  ["--device", "cuda:7"]])
 def test_bad_input_is_one_line(argv, capsys):
     code, out = run(argv, capsys)
     assert code == 2
