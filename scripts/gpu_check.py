@@ -23,6 +23,7 @@ less peak memory (the paper, Llama-3.1-8B); full's decode >= 80% of the bandwidt
 overhead <= 10%. Exit 0 when every check passed, 1 when one failed or a section could not run, 2 for bad input.
 """
 import argparse
+import inspect
 import json
 import subprocess
 import sys
@@ -175,11 +176,21 @@ def graph_row(r: dict, graphs: int = 1) -> dict:
                "tokens", "; ".join(problems))
 
 
+def tiny_checkpoint(out: Path) -> Path:
+    """The tests' random tiny llama (tests/conftest.py) with a small BPE tokenizer, in a folder beside OUT."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from conftest import make_hf_checkpoint, with_tiny_tokenizer
+    from scripts.bench import make_document
+    src = out.with_name(out.name + "_tiny_src")
+    make_hf_checkpoint("llama", src)
+    return with_tiny_tokenizer(src, out.with_name(out.name + "_tiny"), inspect.getsource(make_document))
+
+
 def run_graphs(args) -> list[dict]:
     from checkpoint import resolve_checkpoint
     from scripts.bench import make_document
     from tokenizer import load_tokenizer
-    ckpt = resolve_checkpoint(args.graph_model)
+    ckpt = tiny_checkpoint(args.out) if args.graph_model == "tiny" else resolve_checkpoint(args.graph_model)
     model = load_model(ckpt, torch.float32, args.device)
     model.layers = model.layers[:args.graph_layers]  # a small graph: the check is the capture, not the model
     torch.backends.cuda.matmul.allow_tf32 = False  # eager and compiled in the same precision
@@ -287,13 +298,15 @@ def parser() -> Parser:
     ap.add_argument("--out", type=Path, default=REPO / "build" / "gpu_check", help="writes OUT.json and OUT.md")
     ap.add_argument("--shapes", default="llama3.1-8b", help="figure and bench: the shipped config (random weights)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--contexts", default="16384,32768", help="figure: prompt lengths")
-    ap.add_argument("--budgets", default="256,1024,4096", help="figure: RocketKV token budgets")
+    ap.add_argument("--contexts", default="16384", help="figure: prompt lengths (the paper's figure: also 32768)")
+    ap.add_argument("--budgets", default="256", help="figure: RocketKV token budgets (the paper's: 256,1024,4096)")
     ap.add_argument("--bench-context", type=int, default=16384, help="bench: prompt tokens")
     ap.add_argument("--bench-budget", type=int, default=2048, help="bench: KeyDiff's budget")
     ap.add_argument("--policies", default=",".join(["full", *policies.REGISTRY]),
                     help="graphs: the policies, with their defaults (default: full and every registered one)")
-    ap.add_argument("--graph-model", default="smollm2-135m", help="graphs: the checkpoint (real weights)")
+    ap.add_argument("--graph-model", default="smollm2-135m",
+                    help="graphs: the checkpoint (real weights), or `tiny`: the tests' random 2-layer llama with a "
+                         "small tokenizer, built here (needs transformers) where the embedded model is not installed")
     ap.add_argument("--graph-layers", type=int, default=2, help="graphs: its first N layers")
     ap.add_argument("--graph-prompt", type=int, default=256, help="graphs: prompt tokens")
     ap.add_argument("--graph-tokens", type=int, default=24, help="graphs: greedy tokens per generation")

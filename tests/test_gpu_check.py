@@ -150,6 +150,20 @@ def test_figure_and_bench_sections_run_end_to_end_on_tiny_shapes(tmp_path):
     assert out.with_suffix(".md").read_text().count("\n| ") == len(rows) + 1
 
 
+def test_graphs_section_on_the_tiny_model_evicts_and_matches_eager(tmp_path):
+    """--graph-model tiny on CPU (compiled in the default mode): the tests' llama built beside OUT, its short document
+    repeated up to --graph-prompt tokens, so KeyDiff's row and speculation's (a sink draft) pass at a budget that
+    evicts (graph_budget refuses one that would not)."""
+    out = tmp_path / "check"
+    r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--only", "graphs", "--graph-model",
+                        "tiny", "--policies", "keydiff", "--graph-prompt", "200", "--graph-tokens", "8",
+                        "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(x["check"], x["ok"]) for x in rows] == [("keydiff", True), ("speculate sink K=4", True)]
+    assert (tmp_path / "check_tiny" / "tokenizer.json").is_file()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_without_cuda_one_line_and_exit_1():
     r = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, capture_output=True, text=True, timeout=120)
