@@ -1050,6 +1050,8 @@ def parser() -> Parser:
     ap.add_argument("--plot", type=Path, help="--batch: write the tok/s-vs-batch plot (PNG) here")
     ap.add_argument("--one-batch-prefill", help=argparse.SUPPRESS)  # internal: "label@state-file"
     ap.add_argument("--one-batch", help=argparse.SUPPRESS)  # internal: "label@B@state-file"
+    ap.add_argument("--kv-dtype", choices=["int8"], help="the policy table: budgetkv's KV cache stored as int8 "
+                    "(generate.py's --kv-dtype; the peers keep theirs)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is steadier on a shared machine)")
     ap.add_argument("--resume", action="store_true",
                     help="skip the configurations already measured in the output (--json; --figure: --out-dir's "
@@ -1098,7 +1100,7 @@ def check_sizes(config: dict, args) -> dict:
 # the flags that apply to some kinds of run only (the others refuse them)
 ONLY = {"contexts": ["figure"], "budgets": ["figure"], "out_dir": ["figure"], "ppl_texts": ["quant"],
         "ppl_prefix": ["quant"], "ppl_tokens": ["quant"], "kvpress": ["table"], "hf_model": ["table"],
-        "llamacpp": ["table"], "freezing_twins": ["paired"],
+        "llamacpp": ["table"], "kv_dtype": ["table"], "freezing_twins": ["paired"],
         "profile": ["paired"], "policies": ["table", "paired", "batch"], "budget": ["table", "paired", "batch"],
         "prompt_tokens": ["table", "paired", "quant", "batch"], "json": ["table", "quant", "paired", "batch"],
         "resume": ["table", "quant", "figure"], "dtype": ["table", "paired", "figure", "batch"],
@@ -1243,7 +1245,7 @@ def run(args) -> None:
         protocol = prefill_protocol(policy, None)
         model = bench_model(args, ckpt, config, budget + args.block_size)
         setup(model, policy, budget, len(ids), args.decode_steps, args.block_size, prefill=protocol,
-              evict=label != "no-evict")
+              evict=label != "no-evict", kv_dtype=torch.int8 if args.kv_dtype == "int8" else None)
         t = time.perf_counter()
         steps = bench_steps(args)
         r = time_policy(model, ids, steps, args, args.device, one_shot=protocol == "one-shot")
@@ -1258,7 +1260,7 @@ def run(args) -> None:
     print(f"{args.checkpoint}: prompt {len(ids)} tokens, budget {args.budget}, block {args.block_size}, "
           f"{args.decode_steps} decode steps x {args.repeats} repeats, "
           f"{weights_label(args, config)} on {args.device}, "
-          f"{steps_label(args)}, "
+          f"{'int8 KV cache, ' if args.kv_dtype == 'int8' else ''}{steps_label(args)}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
     bw = read_bandwidth_gb_s(args.device)
     results = {}
@@ -1418,7 +1420,8 @@ NOT_SETTINGS = {"policies", "quant", "contexts", "budgets", "checkpoint", "json"
 def bench_settings(args, ckpt, mode: str) -> dict:
     """What every configuration's measurement depends on besides the configuration itself (recorded beside the
     results; --resume refuses an output with other settings)."""
-    off = {"llamacpp"} if not getattr(args, "llamacpp", False) else set()  # outputs written before it stay resumable
+    # outputs written before these flags stay resumable
+    off = {k for k in ("llamacpp", "kv_dtype") if not getattr(args, k, None)}
     return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
             if k not in NOT_SETTINGS | off} | dict(
         mode=mode, checkpoint=shapes_identity(ckpt) if getattr(args, "random_weights", False) else

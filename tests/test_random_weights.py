@@ -202,6 +202,20 @@ def test_bench_with_random_weights(tiny_config_dir, tmp_path):
     saved = json.loads(out.read_text())
     assert set(saved["results"]) == {"no-evict", "full", "keydiff"}
     assert saved["settings"]["checkpoint"]["shapes"] == "tiny" and saved["settings"]["random_weights"] is True
+    assert "kv_dtype" not in saved["settings"]  # outputs written before the flag stay resumable
+    r = subprocess.run(bench + ["--policies", "keydiff", "--prompt-tokens", "64", "--budget", "32", "--block-size",
+                                "16", "--kv-dtype", "int8", "--json", str(tmp_path / "int8.json")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "int8 KV cache" in r.stderr
+    int8 = json.loads((tmp_path / "int8.json").read_text())
+    assert int8["settings"]["kv_dtype"] == "int8"
+    for label in ("full", "keydiff"):  # head dim 16: (16 + 4) / (4 * 16) of the fp32 buffer
+        ratio = int8["results"][label]["kv_cache_mib"] / saved["results"][label]["kv_cache_mib"]
+        assert ratio == pytest.approx(20 / 64, rel=0.02)
+    r = subprocess.run(bench + ["--kv-dtype", "int8", "--figure", "rocketkv"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "--kv-dtype" in err_line(r.stderr)
     r = subprocess.run(bench + ["--figure", "rocketkv", "--contexts", "256", "--budgets", "16", "--out-dir",
                                 str(tmp_path / "fig")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
