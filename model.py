@@ -313,9 +313,10 @@ MATMUL_MAX_QUERY_ROWS = 64  # CUDA: up to a verification block of a few tokens t
 
 
 def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """softmax(q keys^T / sqrt(d), where mask is False: -inf) values as two batched products and a softmax in fp32:
-    the products parallelise over the cache's slots, where a fused attention kernel parallelises over query rows
-    and heads only (a decode step has a few rows per KV head)."""
+    """softmax(q keys^T / sqrt(d), where mask is False: -inf) values as two batched products in the inputs' dtype
+    and a softmax in fp32 (the precision of HF transformers' eager attention): the products parallelise over the
+    cache's slots, where a fused attention kernel parallelises over query rows and heads only (a decode step has a
+    few rows per KV head)."""
     scores = (q @ keys.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
     weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return weights.to(values.dtype) @ values
