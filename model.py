@@ -310,14 +310,15 @@ def rowwise_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
 
 ROWWISE_MAX_QUERY_ROWS = 16  # past ~20 query rows SDPA's kernel catches up (docs/performance.md)
 MATMUL_MAX_QUERY_ROWS = 64  # CUDA: up to a verification block of a few tokens times the GQA group
+MATMUL_EAGER_MIN_SLOTS = 8192  # CUDA eager: SDPA's one kernel wins at 2K slots, the products at 16K (performance.md)
 
 
 def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
     """softmax(q keys^T / sqrt(d), where mask is False: -inf) values as two batched products in the inputs' dtype
     and a softmax in fp32 (the precision of HF transformers' eager attention): the products parallelise over the
     cache's slots, where a fused attention kernel parallelises over query rows and heads only (a decode step has a
-    few rows per KV head)."""
-    scores = (q @ keys.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    few rows per KV head). A row that sees no slot gives NaN where SDPA gives zeros; the engine never makes one."""
+    scores = ((q * q.shape[-1] ** -0.5) @ keys.transpose(-1, -2)).float()  # scaled first: fp16's range
     weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return weights.to(values.dtype) @ values
 
@@ -327,13 +328,15 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, rowwise: bo
     (B, h, S, d), mask (B, h, R, S) bool.
 
     SDPA, except for steps of a few query rows (a decode step, a verification block):
-    - on CUDA, up to MATMUL_MAX_QUERY_ROWS rows: matmul_attention. SDPA's masked kernel runs one block per head
-      and block of query rows there, a handful of blocks for a whole GPU;
+    - on CUDA, up to MATMUL_MAX_QUERY_ROWS rows, compiled or (eager) over MATMUL_EAGER_MIN_SLOTS slots or more:
+      matmul_attention. SDPA's masked kernel runs one block per head and block of query rows there, a handful of
+      blocks for a whole GPU;
     - on CPU (rowwise), in a compiled step of 1 to ROWWISE_MAX_QUERY_ROWS rows: SDPA's kernel runs a small GEMM
       per block of keys and reads the cache far below the memory's bandwidth. The scores are then rowwise_product
       (one loop streaming the keys) and the softmax, both in fp32, and the weighted sum of values one batched GEMM
       in the values' dtype (SDPA's CPU kernel rounds the weights so too)."""
-    if q.device.type == "cuda" and q.shape[-2] <= MATMUL_MAX_QUERY_ROWS:
+    if q.device.type == "cuda" and q.shape[-2] <= MATMUL_MAX_QUERY_ROWS and (
+            torch.compiler.is_compiling() or keys.shape[-2] >= MATMUL_EAGER_MIN_SLOTS):
         return matmul_attention(q, keys, values, mask)
     if (not rowwise or q.device.type != "cpu" or not torch.compiler.is_compiling()
             or q.shape[-2] > ROWWISE_MAX_QUERY_ROWS):

@@ -217,7 +217,8 @@ def bench_model(args, ckpt, config: dict, kv_slots: int = 0, dtype: torch.dtype 
     dtype = dtype or getattr(torch, args.dtype)
     if not args.random_weights:
         return load_model(ckpt, dtype, args.device, config)
-    kv_need = kv_cache_estimate(ModelArgs.from_config(config), kv_slots, dtype)
+    kv_need = kv_cache_estimate(ModelArgs.from_config(config), kv_slots,
+                                torch.int8 if getattr(args, "kv_dtype", None) == "int8" else dtype)
     return random_model(config, dtype, args.device, 0, label=shape_config(args.checkpoint)[1], kv_bytes=kv_need)
 
 
@@ -1121,6 +1122,9 @@ def check_args(args) -> None:
             flag, where = f"--{k.replace('_', '-')}", [RUNS[r] for r in ONLY[k]]
             raise UserError(f"{flag} needs {' or '.join(where)}" if "table" not in ONLY[k] else
                             f"{flag} does not apply to {RUNS[kind]} (only to {', '.join(where)})")
+    if args.kv_dtype and (args.llamacpp or args.kvpress):
+        raise UserError("--kv-dtype int8 with a peer (--llamacpp, --kvpress): the peer tables label budgetkv's cache "
+                        "as float; run them apart")
     if args.random_weights and args.llamacpp:
         raise UserError("--llamacpp runs the checkpoint's own GGUF, which --random-weights has not: drop one of them")
     if args.random_weights and args.hf_model != defaults["hf_model"]:

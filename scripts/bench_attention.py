@@ -57,8 +57,14 @@ def run(a) -> int:
         raise UserError(f"--tokens takes comma-separated token counts (e.g. 1,3,5), not {a.tokens!r}") from None
     if not all(1 <= t <= 64 for t in tokens_list) or a.repeats < 1 or not 1 <= a.slots <= 1 << 20:
         raise UserError("--tokens takes 1-64 query tokens, --repeats at least 1, --slots 1 to 1048576")
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {a.device}: this torch sees no CUDA GPU")
+    try:
+        device = torch.device(a.device)
+    except RuntimeError:
+        raise UserError(f"--device {a.device!r}: not a device (cpu, cuda, cuda:N)") from None
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"--device {a.device}: this torch sees {torch.cuda.device_count()} CUDA GPU(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"--device {a.device}: cpu or cuda")
     engine.set_threads(a.threads)
     dtype = getattr(torch, a.dtype)
     torch._dynamo.config.recompile_limit = 64

@@ -178,6 +178,10 @@ def graph_row(r: dict, graphs: int = 1) -> dict:
 
 def tiny_checkpoint(out: Path) -> Path:
     """The tests' random tiny llama (tests/conftest.py) with a small BPE tokenizer, in a folder beside OUT."""
+    import importlib.util
+    missing = [m for m in ("pytest", "transformers", "tokenizers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise EnvironmentFailure(f"--graph-model tiny needs {', '.join(missing)}: bash scripts/setup.sh test")
     sys.path.insert(0, str(REPO / "tests"))
     from conftest import make_hf_checkpoint, with_tiny_tokenizer
     from scripts.bench import make_document

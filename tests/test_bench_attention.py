@@ -31,7 +31,7 @@ def test_bf16_forms_agree_with_sdpa(tiny_config_dir, capsys):
 
 
 @pytest.mark.parametrize("argv", [["--tokens", "x"], ["--tokens", "0"], ["--slots", "0"], ["--repeats", "0"],
-                                  ["--device", "cuda:7"]])
+                                  ["--device", "cuda:7"], ["--device", "gpu"], ["--device", "meta"]])
 def test_bad_input_is_one_line(argv, capsys):
     code, out = run(argv, capsys)
     assert code == 2

@@ -164,6 +164,15 @@ def test_graphs_section_on_the_tiny_model_evicts_and_matches_eager(tmp_path):
     assert (tmp_path / "check_tiny" / "tokenizer.json").is_file()
 
 
+def test_tiny_graph_model_without_transformers_is_one_environment_failure(tmp_path, monkeypatch):
+    import importlib.util
+    from errors import EnvironmentFailure
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "transformers" else find_spec(m, *a))
+    with pytest.raises(EnvironmentFailure, match="--graph-model tiny needs transformers"):
+        gc.tiny_checkpoint(tmp_path / "check")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_without_cuda_one_line_and_exit_1():
     r = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -213,9 +213,9 @@ def test_bench_with_random_weights(tiny_config_dir, tmp_path):
     for label in ("full", "keydiff"):  # head dim 16: (16 + 4) / (4 * 16) of the fp32 buffer
         ratio = int8["results"][label]["kv_cache_mib"] / saved["results"][label]["kv_cache_mib"]
         assert ratio == pytest.approx(20 / 64, rel=0.02)
-    r = subprocess.run(bench + ["--kv-dtype", "int8", "--figure", "rocketkv"], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 2 and "--kv-dtype" in err_line(r.stderr)
+    for extra in (["--figure", "rocketkv"], ["--kvpress"]):
+        r = subprocess.run(bench + ["--kv-dtype", "int8", *extra], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "--kv-dtype" in err_line(r.stderr)
     r = subprocess.run(bench + ["--figure", "rocketkv", "--contexts", "256", "--budgets", "16", "--out-dir",
                                 str(tmp_path / "fig")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
