@@ -319,6 +319,12 @@ def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> T
     cache's slots, where a fused attention kernel parallelises over query rows and heads only (a decode step has a
     few rows per KV head). A row that sees no slot gives NaN where SDPA gives zeros; the engine never makes one."""
     scores = ((q * q.shape[-1] ** -0.5) @ keys.transpose(-1, -2)).float()  # scaled first: fp16's range
+    return weighted_values(scores, mask, values)
+
+
+def weighted_values(scores: Tensor, mask: Tensor, values: Tensor) -> Tensor:
+    """softmax(scores, where mask is False: -inf) over the slots in fp32, then the weighted sum of values as one
+    batched product in the values' dtype."""
     weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return weights.to(values.dtype) @ values
 
@@ -342,8 +348,7 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, rowwise: bo
             or q.shape[-2] > ROWWISE_MAX_QUERY_ROWS):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     scores = rowwise_product(q.float() * q.shape[-1] ** -0.5, keys.float())  # keys widened in the loop
-    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return weights.to(values.dtype) @ values
+    return weighted_values(scores, mask, values)
 
 
 class Attention(nn.Module):

@@ -217,9 +217,13 @@ def bench_model(args, ckpt, config: dict, kv_slots: int = 0, dtype: torch.dtype 
     dtype = dtype or getattr(torch, args.dtype)
     if not args.random_weights:
         return load_model(ckpt, dtype, args.device, config)
-    kv_need = kv_cache_estimate(ModelArgs.from_config(config), kv_slots,
-                                torch.int8 if getattr(args, "kv_dtype", None) == "int8" else dtype)
+    kv_need = kv_cache_estimate(ModelArgs.from_config(config), kv_slots, kv_dtype(args) or dtype)
     return random_model(config, dtype, args.device, 0, label=shape_config(args.checkpoint)[1], kv_bytes=kv_need)
+
+
+def kv_dtype(args) -> torch.dtype | None:
+    """--kv-dtype int8: the cache's storage dtype; None: the compute dtype (the runs without the flag)."""
+    return torch.int8 if getattr(args, "kv_dtype", None) == "int8" else None
 
 
 def weights_label(args, config: dict | None = None) -> str:
@@ -1249,7 +1253,7 @@ def run(args) -> None:
         protocol = prefill_protocol(policy, None)
         model = bench_model(args, ckpt, config, budget + args.block_size)
         setup(model, policy, budget, len(ids), args.decode_steps, args.block_size, prefill=protocol,
-              evict=label != "no-evict", kv_dtype=torch.int8 if args.kv_dtype == "int8" else None)
+              evict=label != "no-evict", kv_dtype=kv_dtype(args))
         t = time.perf_counter()
         steps = bench_steps(args)
         r = time_policy(model, ids, steps, args, args.device, one_shot=protocol == "one-shot")
@@ -1264,7 +1268,7 @@ def run(args) -> None:
     print(f"{args.checkpoint}: prompt {len(ids)} tokens, budget {args.budget}, block {args.block_size}, "
           f"{args.decode_steps} decode steps x {args.repeats} repeats, "
           f"{weights_label(args, config)} on {args.device}, "
-          f"{'int8 KV cache, ' if args.kv_dtype == 'int8' else ''}{steps_label(args)}, "
+          f"{'int8 KV cache, ' if kv_dtype(args) else ''}{steps_label(args)}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
     bw = read_bandwidth_gb_s(args.device)
     results = {}
