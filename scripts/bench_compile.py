@@ -2,8 +2,11 @@
 `generate.py --json` run in its own process, as a user runs them.
 
     python scripts/bench_compile.py --policy keydiff --budget 512 --prompt-tokens 4096 --new-tokens 128
+    python scripts/bench_compile.py --checkpoint llama3.1-8b --random-weights --device cuda --prompt-tokens 16384 \
+        --budget 2048
 
-The same raw prompt (a document of --prompt-tokens tokens, as scripts/bench.py makes it) in every run. "cold": an
+The same raw prompt (a document of --prompt-tokens tokens, as scripts/bench.py makes it; with --random-weights,
+that many random token ids) in every run. "cold": an
 empty inductor cache (a fresh folder under build/, removed afterwards); "warm": a second process on the cache the
 cold run filled, what every later run of the same model, policy, budget, block size, dtype and device gets. Eager
 and warm runs alternate, --repeats of each, so that a machine whose speed drifts slows both alike. Reported per run:
@@ -50,20 +53,27 @@ def parser() -> Parser:
     ap.add_argument("--freeze", action="store_true",
                     help="compile with generate.py --freeze (never cached: every compiled run is cold)")
     ap.add_argument("--device", default=None, help="generate.py's --device (default: its own)")
+    ap.add_argument("--dtype", default=None, help="generate.py's --dtype (default: its own)")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="generate.py --random-weights: --checkpoint's shapes with random weights (a llama3.1-8b on "
+                         "a GPU without its files), a prompt of --prompt-tokens random ids")
     ap.add_argument("--json", type=Path, help="also write the runs and the break-even here")
     return ap
 
 
-def generate_run(args, prompt_file: Path, cache: Path, compiled: bool) -> dict:
+def generate_run(args, prompt_file: Path | None, cache: Path, compiled: bool) -> dict:
+    prompt = (["--random-weights", "--prompt-tokens", str(args.prompt_tokens)] if prompt_file is None
+              else ["--prompt-file", str(prompt_file), "--no-chat"])
     cmd = [sys.executable, str(REPO / "generate.py"), "--checkpoint", args.checkpoint, "--policy", args.policy,
-           "--prompt-file", str(prompt_file), "--no-chat", "--max-new-tokens", str(args.new_tokens), "--json",
-           "--quiet"]
+           *prompt, "--max-new-tokens", str(args.new_tokens), "--json", "--quiet"]
     if args.policy != "full":
         cmd += ["--budget", str(args.budget)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     if args.device:
         cmd += ["--device", args.device]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
     if compiled:
         cmd += ["--compile", "--compile-mode", args.compile_mode] + (["--freeze"] if args.freeze else [])
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
@@ -94,15 +104,16 @@ def run(args) -> int:
         raise UserError("need --prompt-tokens >= 64, --new-tokens >= 2, --repeats >= 1 and --budget >= 1")
     if args.json is not None:
         check_writable(args.json, "--json")
-    ckpt = resolve_checkpoint(args.checkpoint)
-    text, ids = make_document(load_tokenizer(ckpt), args.prompt_tokens)
+    text = None if args.random_weights else make_document(load_tokenizer(resolve_checkpoint(args.checkpoint)),
+                                                          args.prompt_tokens)[0]
     build = REPO / "build"
     build.mkdir(exist_ok=True)
     cache = Path(tempfile.mkdtemp(prefix="bench-compile-cache-", dir=build))
     runs = []
     try:
-        prompt_file = cache / "prompt.txt"
-        prompt_file.write_text(text)
+        prompt_file = None if text is None else cache / "prompt.txt"
+        if prompt_file is not None:
+            prompt_file.write_text(text)
         for kind in ["cold"] + ["eager", "warm"] * args.repeats:
             r = generate_run(args, prompt_file, cache, compiled=kind != "eager")
             runs.append({"run": kind, **r})

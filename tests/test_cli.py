@@ -488,13 +488,20 @@ def test_the_summary_names_the_weight_format_and_source():
         "int8 weights, float32 activations"
 
 
-def test_bench_compile_measures_eager_cold_and_warm(tiny_ckpt, tmp_path):
+@pytest.mark.parametrize("random_weights", [False, True])
+def test_bench_compile_measures_eager_cold_and_warm(tiny_ckpt, tmp_path, random_weights):
     """scripts/bench_compile.py: generate.py runs as a user runs them; the warm run finds the cold run's graphs in
-    the cache, the JSON holds every run and the break-even, and bad sizes are one line."""
+    the cache, the JSON holds every run and the break-even, and bad sizes are one line. --random-weights: the
+    checkpoint's shapes, a prompt of --prompt-tokens random ids (a GPU's llama3.1-8b without its files)."""
     out = tmp_path / "compile.json"
-    argv = [sys.executable, str(REPO / "scripts" / "bench_compile.py"), "--checkpoint", str(tiny_ckpt),
+    ckpt = tiny_ckpt
+    if random_weights:  # the shapes only: a folder with the config alone
+        ckpt = tmp_path / "shapes"
+        ckpt.mkdir()
+        shutil.copy(tiny_ckpt / "config.json", ckpt / "config.json")
+    argv = [sys.executable, str(REPO / "scripts" / "bench_compile.py"), "--checkpoint", str(ckpt),
             "--policy", "keydiff", "--budget", "8", "--prompt-tokens", "100", "--new-tokens", "4", "--repeats", "1",
-            "--threads", "1"]
+            "--threads", "1"] + (["--random-weights"] if random_weights else [])
     caches_before = set((REPO / "build").glob("bench-compile-cache-*"))
     r = subprocess.run(argv + ["--json", str(out)], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "TMPDIR": str(tmp_path)})
@@ -503,6 +510,8 @@ def test_bench_compile_measures_eager_cold_and_warm(tiny_ckpt, tmp_path):
     assert [x["run"] for x in runs] == ["cold", "eager", "warm"]
     assert [x["compile_cache"] for x in runs] == ["miss", None, "hit"]
     assert all(x["generated_tokens"] == runs[0]["generated_tokens"] for x in runs)
+    assert len({x["prompt_tokens"] for x in runs}) == 1 and 60 < runs[0]["prompt_tokens"] <= 100
+    assert all(x["weights"].startswith("random") == random_weights for x in runs)
     assert "| warm |" in r.stdout and "--compile pays off from" in r.stdout
     assert set((REPO / "build").glob("bench-compile-cache-*")) == caches_before  # the cold run's cache is removed
     r = subprocess.run(argv + ["--prompt-tokens", "10"], capture_output=True, text=True, timeout=120)
