@@ -150,13 +150,19 @@ class View:
         self.cache, self.S = cache, S
         self.q, self.input_pos, self.query_pos, self.slot = q, input_pos, query_pos, slot
         self.shared = {} if shared is None else shared
-        self.layer, self.n_heads, self.n_kv_heads = cache.layer, cache.n_heads, cache.k.shape[1]
+        self.n_heads, self.n_kv_heads = cache.n_heads, cache.k.shape[1]
         # tensor parallel: the model's index of the first KV head here (not 0 on rank > 0), the group of all ranks
         self.head0, self.tp_group = cache.head0, cache.tp_group
         self.head_dim, self.dtype = cache.k.shape[3], cache.dtype
         self.budget = budget or cache.keep_budget
         self.keep = keep or self.budget
         self.layer_state, self.window = cache.layer_state, cache.window
+
+    @property
+    def layer(self) -> int:
+        """This layer's index in the model (read only where a rule depends on it: a compiled step whose layers
+        differ in nothing they read traces one layer and reuses it)."""
+        return self.cache.layer
 
     @property
     def group(self) -> int:

@@ -11,7 +11,7 @@ import torch
 from cache import is_scorer, make_cache, row_cache, setup_caches
 from convert import ENGINE_FILE, CheckpointError, read_config, read_hf_dir
 from errors import UserError
-from model import ModelArgs, RMSNorm, Transformer, rope_inv_freq
+from model import ModelArgs, RMSNorm, Transformer, rope_inv_freq, set_layer_regions
 from policies import Run
 
 INDUCTOR_CACHE = Path(__file__).resolve().parent / "build" / "inductor-cache"  # compiled steps, kept across runs
@@ -198,6 +198,7 @@ def compile_steps(device: str, mode: str | None = None, prefill: bool = True, fr
     # Dynamo reads the global flag when it traces (frozen, the weights are constants, not graph inputs): it holds
     # until another compile_steps. In the options too, so that a frozen and an unfrozen step never share a graph.
     torch._inductor.config.freezing = freeze
+    set_layer_regions(not freeze)  # a region cannot hold frozen weights
 
     prefill_mode, decode_mode = step_modes(device, mode)
     return ((compile_step(prefill_step, prefill_mode, freeze) if prefill else prefill_step),

@@ -122,7 +122,7 @@ def parse_args(argv=None):
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the decode step (fullgraph; CUDA graphs on GPU) and, by default on CUDA, the "
                          "prefill-block step (see --compile-prefill). The first run of a model, policy, budget, block "
-                         "size, dtype and device compiles (a minute or two on a small CPU) and caches the graphs in "
+                         "size, dtype and device compiles (SmolLM2 on 2 CPU cores: ~20 s) and caches the graphs in "
                          "build/inductor-cache (TORCHINDUCTOR_CACHE_DIR); later runs start from the cache in seconds. "
                          "What the compiler prints goes to " + str(COMPILE_LOG) + " (-v: to the terminal)")
     ap.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,

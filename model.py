@@ -410,8 +410,29 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, x, cos, sin, input_pos, query_pos, cache=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, input_pos, query_pos, cache)
-        return x + self.feed_forward(self.ffn_norm(x))
+        return (block_region if layer_regions else block_forward)(self, x, cos, sin, input_pos, query_pos, cache)
+
+
+def block_forward(block: TransformerBlock, x, cos, sin, input_pos, query_pos, cache=None) -> Tensor:
+    x = x + block.attention(block.attention_norm(x), cos, sin, input_pos, query_pos, cache)
+    return x + block.feed_forward(block.ffn_norm(x))
+
+
+# A compiled step traces one layer and stamps its graph out for every later layer whose inputs and whatever it
+# reads of its modules match (torch.compiler.nested_compile_region; a layer that differs, say a policy reading the
+# layer's index, is traced again): tracing, not compiling, is most of a warm start, and a cold one compiles one
+# layer's kernels. Eager, it is the plain function. Inductor's freezing (weights as graph constants) cannot take a
+# region: engine.compile_steps turns the regions off for a frozen step (dynamo reads the flag when it traces).
+layer_regions = True
+try:
+    block_region = torch.compiler.nested_compile_region(block_forward, max_reuse_entries=1024)
+except TypeError:  # a torch older than requirements.txt's whose regions take no reuse limit: every layer traced
+    block_region = block_forward
+
+
+def set_layer_regions(on: bool) -> None:
+    global layer_regions
+    layer_regions = on
 
 
 class Transformer(nn.Module):

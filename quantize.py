@@ -29,7 +29,8 @@ Kernels, chosen once per Linear at load time (so the forward has no data-depende
           model.rowwise_linear over the weight widened in the loop, in the run's dtype.
     int8, CUDA: F.linear(x, weight.to(x.dtype)) * scales, gpt-fast's formulation: inductor fuses the cast into the
           matmul, so this is the intended path there, not a fallback.
-    int4, CPU: aten._weight_int4pack_mm_for_cpu (out-features a multiple of 16).
+    int4, CPU: aten._weight_int4pack_mm_for_cpu's kernel, quantized.int4mm_packed_weight_cpu (out-features a
+          multiple of 16).
     int4, CUDA: aten._weight_int4pack_mm (tinygemm, sm80+; out-features a multiple of 8).
     The fused kernels compute in bfloat16 whatever the run's dtype (see FUSED_DTYPE for why).
     Anything else (another device, a shape the kernel rejects, a kernel this torch build or GPU lacks): dequantize
@@ -184,8 +185,11 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel == "int4pack_cpu":
-            return fused_matmul(torch.ops.aten._weight_int4pack_mm_for_cpu, x, self.bias, self.weight,
-                                self.groupsize, self.scales_and_zeros)
+            # aten._weight_int4pack_mm_for_cpu's kernel, called as inductor's lowering calls it: the group size a
+            # tensor of the module's, since the constant that lowering makes of it reaches the kernel wrong inside
+            # a compiled layer region (model.block_region, torch 2.13)
+            return fused_matmul(torch.ops.quantized.int4mm_packed_weight_cpu, x, self.bias, self.weight,
+                                self.group_size, self.scales_and_zeros)
         if self.kernel == "int4pack_cuda":
             return fused_matmul(torch.ops.aten._weight_int4pack_mm, x, self.bias, self.weight, self.groupsize,
                                 self.scales_and_zeros)
@@ -227,7 +231,7 @@ def linears(model: nn.Module, head: bool):
 # error than rounding the weights to int8 (up to scale / 2 = max|w_row| / 254 per weight).
 FUSED_DTYPE = torch.bfloat16
 FUSED = {"int8": {"cpu": "int8pack"}, "int4": {"cpu": "int4pack_cpu", "cuda": "int4pack_cuda"}}
-OP_NAMES = {"int8pack": "_weight_int8pack_mm", "int4pack_cpu": "_weight_int4pack_mm_for_cpu",
+OP_NAMES = {"int8pack": "_weight_int8pack_mm", "int4pack_cpu": "int4mm_packed_weight_cpu",
             "int4pack_cuda": "_weight_int4pack_mm"}
 N_TILE = {"int4pack_cpu": 16, "int4pack_cuda": 8}  # the out-features multiple each int4 packing needs
 
@@ -251,6 +255,8 @@ def pack_for_kernel(mod: nn.Module, kernel: str) -> None:
     if isinstance(mod, Int8Linear):
         mod.weight = nn.Parameter(aligned(mod.weight.data), requires_grad=False)
         return
+    if kernel == "int4pack_cpu":
+        mod.register_buffer("group_size", torch.tensor(mod.groupsize, device=mod.weight.device), persistent=False)
     if mod.layout == kernel:
         return
     nibbles = mod.weight.data
@@ -286,7 +292,7 @@ def fused_kernel_runs(mode: str, device: str, groupsize: int | None) -> bool:
         pack_for_kernel(fused, kernel)
         with torch.no_grad():
             got, want = fused(x).float(), plain(x).float()
-    except (RuntimeError, NotImplementedError):
+    except (RuntimeError, NotImplementedError, AttributeError):  # AttributeError: a build without the op
         return False
     return bool(got.shape == want.shape and (got - want).abs().max() <= 0.02 * want.abs().max())
 

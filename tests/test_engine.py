@@ -8,7 +8,8 @@ import torch
 from conftest import REPO
 
 from cache import setup_caches
-from engine import compile_steps, generate, load_model, model_step, prefill_step
+from engine import compile_steps, generate, load_model, model_step, prefill_step, setup
+from model import set_layer_regions
 import policies
 from policies import RandomScores
 
@@ -68,6 +69,50 @@ def test_compiled_decode_never_copies_a_whole_kv_buffer(hf_tiny, policy):
     src = "\n".join(code)
     assert "argmin" in src  # the decode eviction (drop_lowest) is in the captured kernels
     assert f"<static_cast<int64_t>({numel}L)" not in src, "a kernel loops over a whole K/V buffer"
+
+
+@pytest.mark.parametrize("policy", [None, "keydiff", "snapkv", "rocketkv"])
+def test_compiled_step_traces_one_layer_for_every_layer(hf_tiny, policy):
+    """A compiled step traces the first layer and stamps its graph out for the others (model.block_region): one
+    trace, the step's graph calls one subgraph once per layer. A per-layer read in the traced code (the cache view
+    copying the layer's index did: dynamo guarded on it and traced every layer again, into an identical graph)
+    fails the trace count. Regions off (as for a frozen step): every layer inline, no subgraph."""
+    from torch._dynamo.utils import compilation_time_metrics  # dynamo_timed's record of each trace and stamp-out
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    assert len(model.layers) >= 2
+    prompt, one_shot = ids_of(60), policy == "rocketkv"  # RocketKV: a one-shot compression, then its selection
+    setup(model, policy and policies.make(policy), 40 if policy else 70, len(prompt), 8, 8,
+          prefill="one-shot" if one_shot else "block")
+    generate(model, prompt, 2, block_size=8, steps=EAGER, one_shot=one_shot)  # past the budget: the step evicts
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def subgraph_calls():
+        return [n for n in graphs[-1].graph.nodes if n.op == "call_function"
+                and n.target is torch.ops.higher_order.invoke_subgraph]
+    try:
+        for regions in (True, False):
+            set_layer_regions(regions)
+            torch._dynamo.reset()
+            compilation_time_metrics.clear()
+            step = torch.compile(model_step, fullgraph=True, dynamic=False, backend=capture)
+            with torch.inference_mode():
+                step(model, torch.zeros(1, 1, dtype=torch.long), torch.tensor([61]))
+            calls = subgraph_calls()
+            if regions:
+                assert len(compilation_time_metrics.get("invoke_subgraph_trace", [])) == 1, "a layer traced again"
+                assert len(compilation_time_metrics["invoke_subgraph_reuse_stamp_out"]) == len(model.layers) - 1
+                assert len(calls) == len(model.layers)
+                assert len({n.args[0].target for n in calls}) == 1, "a layer was traced again"
+            else:
+                assert calls == []
+    finally:
+        set_layer_regions(True)
+        torch._dynamo.reset()
 
 
 def test_recompile_check_can_fail(hf_tiny):

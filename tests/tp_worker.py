@@ -118,6 +118,16 @@ def eager_suite(mesh):
 COMPILED = [("keydiff", "block"), ("rocketkv", "one-shot"), ("tova:heads=all", "one-shot")]  # docs/testing.md: why
 
 
+def calls_in(gm, name: str) -> int:
+    """Occurrences of `name` in a traced graph's code, each layer region (model.block_region: one subgraph called
+    once per layer) counted once per call."""
+    n = str(gm.code).count(name)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph:
+            n += calls_in(getattr(gm, node.args[0].target), name)
+    return n
+
+
 def compiled_suite(mesh):
     """TP=2 with both steps compiled (fullgraph, error_on_recompile; the one-shot prefill is eager by design) against
     the eager TP=1 reference."""
@@ -133,8 +143,8 @@ def compiled_suite(mesh):
         with torch.inference_mode():
             exp = torch._dynamo.explain(engine.model_step)(shard, tok, pos)
         results[f"kv2|{spec}|explain"] = dict(graphs=exp.graph_count, breaks=exp.graph_break_count,
-                                              all_reduces=sum(str(g.code).count("all_reduce(") for g in exp.graphs),
-                                              all_gathers=sum(str(g.code).count("all_gather") for g in exp.graphs))
+                                              all_reduces=sum(calls_in(g, "all_reduce(") for g in exp.graphs),
+                                              all_gathers=sum(calls_in(g, "all_gather") for g in exp.graphs))
         torch._dynamo.reset()
         steps = engine.compile_steps("cpu", prefill=prefill == "block")
         t = time.perf_counter()
