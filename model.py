@@ -410,7 +410,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, x, cos, sin, input_pos, query_pos, cache=None):
-        return (block_region if layer_regions else block_forward)(self, x, cos, sin, input_pos, query_pos, cache)
+        return (block_region if regions_on() else block_forward)(self, x, cos, sin, input_pos, query_pos, cache)
 
 
 def block_forward(block: TransformerBlock, x, cos, sin, input_pos, query_pos, cache=None) -> Tensor:
@@ -422,17 +422,25 @@ def block_forward(block: TransformerBlock, x, cos, sin, input_pos, query_pos, ca
 # reads of its modules match (torch.compiler.nested_compile_region; a layer that differs, say a policy reading the
 # layer's index, is traced again): tracing, not compiling, is most of a warm start, and a cold one compiles one
 # layer's kernels. Eager, it is the plain function. Inductor's freezing (weights as graph constants) cannot take a
-# region: engine.compile_steps turns the regions off for a frozen step (dynamo reads the flag when it traces).
-layer_regions = True
-try:
+# region: engine.compile_steps turns the regions off for a frozen step (and, until a GPU run has checked them, on
+# CUDA).
+try:  # one reuse entry per distinct layer trace (each model, block shape and differing layer in the process)
     block_region = torch.compiler.nested_compile_region(block_forward, max_reuse_entries=1024)
-except TypeError:  # a torch older than requirements.txt's whose regions take no reuse limit: every layer traced
+except (TypeError, AttributeError):  # a torch older than setup.sh's pin without (this form of) regions
     block_region = block_forward
+layer_regions = True
 
 
 def set_layer_regions(on: bool) -> None:
     global layer_regions
     layer_regions = on
+
+
+@torch.compiler.assume_constant_result
+def regions_on() -> bool:
+    """layer_regions, read when dynamo traces a step and not guarded (as inductor's freezing flag is): a frozen
+    and an unfrozen step traced one after the other in one process both keep running without a recompile."""
+    return layer_regions
 
 
 class Transformer(nn.Module):

@@ -46,7 +46,7 @@ from cache import is_scorer  # noqa: E402
 import speculative  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402
 from errors import UserError  # noqa: E402
-from model import ModelArgs  # noqa: E402
+from model import ModelArgs, set_layer_regions  # noqa: E402
 from scripts.outputs import save_png, write_atomic  # noqa: E402
 
 WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}
@@ -286,6 +286,7 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
         engine.setup(model, None, 1, 1, 0, 1)  # free the full cache before the next context's
     torch._dynamo.reset()
     torch._inductor.config.freezing = False
+    set_layer_regions(True)
 
 
 def save(a, rows: list) -> None:

@@ -10,6 +10,7 @@ import pytest
 from conftest import REPO
 
 import generate
+from model import set_layer_regions
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +140,7 @@ def test_compiled_run_never_recompiles(tiny_ckpt, capsys, flag, prefill, compile
             code, out, err = run_main(argv + ["--compile"] + flag, capsys)
     finally:
         torch._inductor.config.freezing = False
+        set_layer_regions(True)
         torch._dynamo.reset()
     assert code == 0, err
     assert counters["stats"]["unique_graphs"] == (2 if compile_prefill else 1)  # the compiled steps, nothing else

@@ -1,5 +1,6 @@
 """The generation loop: block-size invariance, compiled == eager with eviction, no recompiles, bounded memory."""
 import json
+import re
 import subprocess
 import sys
 
@@ -68,6 +69,9 @@ def test_compiled_decode_never_copies_a_whole_kv_buffer(hf_tiny, policy):
         torch._dynamo.reset()
     src = "\n".join(code)
     assert "argmin" in src  # the decode eviction (drop_lowest) is in the captured kernels
+    assert "subgraph_0" in src  # the layers' region, compiled once
+    # a constant that inductor's lowering makes inside a region reached the CPU int4 kernel wrong (torch 2.13)
+    assert not re.search(r"subgraph_\d+_constant", src), "a constant made inside a layer region"
     assert f"<static_cast<int64_t>({numel}L)" not in src, "a kernel loops over a whole K/V buffer"
 
 
@@ -110,6 +114,82 @@ def test_compiled_step_traces_one_layer_for_every_layer(hf_tiny, policy):
                 assert len({n.args[0].target for n in calls}) == 1, "a layer was traced again"
             else:
                 assert calls == []
+    finally:
+        set_layer_regions(True)
+        torch._dynamo.reset()
+
+
+def test_a_layer_that_reads_its_index_is_traced_again(hf_tiny):
+    """Negative control of the layer regions: a policy whose rule reads the layer's index (keys of smallest norm in
+    layer 0, of largest in the others) gets each layer traced on its own, and the compiled step keeps what eager
+    keeps in every layer. A region reused across layers would score layer 1 as layer 0 does."""
+    from dataclasses import dataclass
+    from torch._dynamo.utils import compilation_time_metrics
+
+    @dataclass
+    class LayerFlip(policies.KeyNorm):
+        window_frac: float = 0.0
+
+        def score(self, view):
+            s = super().score(view)
+            return s if view.layer == 0 else -s
+
+    _, ckpt = hf_tiny("llama")
+    models = [load_model(ckpt, torch.float32, "cpu") for _ in range(2)]
+    for model in models:
+        setup(model, LayerFlip(), 40, 60, 8, 8)
+        generate(model, ids_of(60), 2, block_size=8, steps=EAGER)  # past the budget: each step evicts
+    try:
+        torch._dynamo.reset()
+        compilation_time_metrics.clear()
+        step = torch.compile(model_step, fullgraph=True, dynamic=False)
+        with torch.inference_mode():
+            for i in range(3):
+                tok, pos = torch.tensor([[5 + i]]), torch.tensor([61 + i])
+                want = model_step(models[0], tok, pos)
+                got = step(models[1], tok, pos)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert len(compilation_time_metrics["invoke_subgraph_trace"]) == len(models[0].layers)
+        for a, b in zip(models[0].layers, models[1].layers):
+            pa, pb = a.attention.kv_cache.pos, b.attention.kv_cache.pos
+            assert torch.equal(pa.sort(-1).values, pb.sort(-1).values)  # the same positions kept, in any slots
+    finally:
+        torch._dynamo.reset()
+
+
+def test_steps_traced_with_and_without_regions_alternate_without_recompiling(hf_tiny):
+    """The regions switch is read when dynamo traces and not guarded (model.regions_on), like inductor's freezing
+    flag: a step traced with regions and one traced without (a frozen twin, bench.py --freezing-twins) keep
+    alternating in one process under error_on_recompile, each its own graph."""
+    _, ckpt = hf_tiny("llama")
+    models = [load_model(ckpt, torch.float32, "cpu") for _ in range(2)]
+    for model in models:
+        setup(model, policies.make("keydiff"), 40, 60, 8, 8)
+        generate(model, ids_of(60), 2, block_size=8, steps=EAGER)
+    graphs = []
+
+    def compiled():  # each configuration its own compiled step, as compile_steps gives (a backend of its own)
+        def capture(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+        return torch.compile(model_step, fullgraph=True, dynamic=False, backend=capture)
+
+    def step_inputs(i):
+        return torch.zeros(1, 1, dtype=torch.long), torch.tensor([61 + i])
+    try:
+        torch._dynamo.reset()
+        steps = [compiled(), compiled()]
+        with torch.inference_mode():
+            for step, model, regions in zip(steps, models, (True, False)):
+                set_layer_regions(regions)
+                step(model, *step_inputs(0))
+            assert [any(n.target is torch.ops.higher_order.invoke_subgraph for n in g.graph.nodes)
+                    for g in graphs] == [True, False]
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                for i in range(1, 3):
+                    for step, model in zip(steps, models):
+                        step(model, *step_inputs(i))
+        assert len(graphs) == 2
     finally:
         set_layer_regions(True)
         torch._dynamo.reset()
