@@ -198,13 +198,18 @@ def compile_steps(device: str, mode: str | None = None, prefill: bool = True, fr
     # Dynamo reads the global flag when it traces (frozen, the weights are constants, not graph inputs): it holds
     # until another compile_steps. In the options too, so that a frozen and an unfrozen step never share a graph.
     torch._inductor.config.freezing = freeze
-    # One layer traced for all (model.block_region): not for frozen weights (a region cannot hold constants), and
-    # on CPU only until a GPU run has checked its steps under CUDA graphs (scripts/gpu_check.py, graphs section)
-    set_layer_regions(not freeze and device == "cpu")
+    use_layer_regions(device, freeze)
 
     prefill_mode, decode_mode = step_modes(device, mode)
     return ((compile_step(prefill_step, prefill_mode, freeze) if prefill else prefill_step),
             compile_step(model_step, decode_mode, freeze))
+
+
+def use_layer_regions(device: str, freeze: bool) -> None:
+    """Whether the next traced step takes one layer for all (model.block_region; read when dynamo traces): not for
+    frozen weights (a region cannot hold constants), and on CPU only until a GPU run has checked its steps under
+    CUDA graphs (scripts/gpu_check.py, graphs section)."""
+    set_layer_regions(not freeze and device == "cpu")
 
 
 def compile_step(fn, mode: str | None, freeze: bool = False):

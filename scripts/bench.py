@@ -84,10 +84,11 @@ from cli import Parser, check_writable, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
 from engine import (PeakMemory, block_inputs, compile_steps, decode_bytes_per_step,  # noqa: E402
                     default_compile_mode, kv_cache_estimate, load_model, model_step, prefill_one_shot,
-                    prefill_protocol, prefill_step, random_model, setup, setup_batch, sync)
+                    prefill_protocol, prefill_step, random_model, setup, setup_batch, sync,
+                    use_layer_regions)
 from engine import prefill as engine_prefill  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
-from model import ModelArgs, set_layer_regions  # noqa: E402
+from model import ModelArgs  # noqa: E402
 from scripts.eval import check_device  # noqa: E402
 from scripts.outputs import check_settings, checkpoint_identity, read_json, save_png, write_atomic  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -535,7 +536,7 @@ def run_paired(args) -> None:
         for label, model in models.items():
             logits = engine_prefill(model, prompt, args.block_size)
             t = time.perf_counter()  # the first decode step (with --compile: compiles this model's graph)
-            set_layer_regions(not frozen[label])  # both read when dynamo traces
+            use_layer_regions(args.device, frozen[label])  # both read when dynamo traces
             with torch._inductor.config.patch(freezing=frozen[label]):
                 toks[label] = decode_fns[label](model, logits.argmax(-1).view(1, 1),
                                                 torch.tensor([len(ids)], device=args.device))

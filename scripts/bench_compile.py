@@ -53,7 +53,8 @@ def parser() -> Parser:
     ap.add_argument("--freeze", action="store_true",
                     help="compile with generate.py --freeze (never cached: every compiled run is cold)")
     ap.add_argument("--device", default=None, help="generate.py's --device (default: its own)")
-    ap.add_argument("--dtype", default=None, help="generate.py's --dtype (default: its own)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="generate.py's --dtype (default: its own)")
     ap.add_argument("--random-weights", action="store_true",
                     help="generate.py --random-weights: --checkpoint's shapes with random weights (a llama3.1-8b on "
                          "a GPU without its files), a prompt of --prompt-tokens random ids")
