@@ -1,6 +1,7 @@
 """The engine: build a model from a checkpoint directory and run it with a fixed-budget KV cache (block-wise or
 one-shot prefill, then decode), plus what the command lines share to time and measure it. generate.py is its
 command line."""
+import ctypes
 import dataclasses
 import os
 import time
@@ -11,7 +12,7 @@ import torch
 from cache import is_scorer, make_cache, row_cache, setup_caches
 from convert import ENGINE_FILE, CheckpointError, read_config, read_hf_dir
 from errors import UserError
-from model import ModelArgs, RMSNorm, Transformer, rope_inv_freq, set_layer_regions
+from model import ModelArgs, RMSNorm, Transformer, on_meta, rope_inv_freq, set_layer_regions
 from policies import Run
 
 INDUCTOR_CACHE = Path(__file__).resolve().parent / "build" / "inductor-cache"  # compiled steps, kept across runs
@@ -47,7 +48,7 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
                               f"says {args.n_layers}")
     # Float tensors take the run's dtype (quantization scales included); packed integer weights keep theirs.
     tensors = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in tensors.items()}
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(args)
         if quant is not None:
             import quantize
@@ -78,7 +79,7 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
 def meta_model(config: dict) -> Transformer:
     """The model of a config.json on the meta device: its shapes and parameter count, nothing allocated."""
     args = ModelArgs.from_config(config)  # off the meta device: it checks RoPE's frequencies by value
-    with torch.device("meta"):
+    with on_meta():
         return Transformer(args)
 
 
@@ -238,6 +239,17 @@ def warm_up(model, steps, first_id: int, block_size: int, device: str, batch: in
             steps[1](model, torch.full((batch,), first_id, device=device).view(-1, 1),
                      torch.ones(batch, dtype=torch.long, device=device).view(-1, 1))
     sync(device)
+    release_free_memory()
+
+
+def release_free_memory() -> None:
+    """Give the C allocator's free pages back to the system (glibc's malloc_trim): the temporaries of a long
+    prefill or of a compile, once freed, otherwise stay in the process's RSS for the whole decode. Nothing
+    where the C library has no malloc_trim."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def default_compile_mode(device: str, dtype: torch.dtype, quantized: bool, freeze: bool = False) -> str | None:
@@ -448,6 +460,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: i
     out = [tok]
     if on_token:
         on_token(out)
+    release_free_memory()
     mem.reset()
     t2 = time.perf_counter()
     p = L
@@ -553,6 +566,7 @@ def generate_batch(model, prompts_ids: list[list[int]], max_new_tokens: int, *, 
     for b, out in enumerate(outs):
         if not live[b] and on_done:
             on_done(b, out)
+    release_free_memory()
     mem.reset()
     t2 = time.perf_counter()
     positions, n_steps = list(lens), 0

@@ -54,7 +54,7 @@ from convert import (ENGINE_FILE, TOKENIZER_FILES, CheckpointError, checkpoint_f
                      load_stats, read_config, read_hf_dir, save_engine, save_stats)
 from errors import UserError
 from files import remove_stale_tmp, write_atomic, write_text
-from model import ModelArgs, rowwise_linear, rowwise_rows
+from model import ModelArgs, on_meta, rowwise_linear, rowwise_rows
 from progress import Progress
 
 MODES = ("int8", "int4")
@@ -331,7 +331,7 @@ def prepare(model: nn.Module) -> dict[str, int]:
 
 def quantized_from_linear(linear: nn.Linear, mode: str, groupsize: int | None) -> nn.Module:
     """A quantized copy of one float Linear (fp32 scales on the Linear's device; not yet prepared)."""
-    with torch.device("meta"):
+    with on_meta():
         mod = empty_module(linear, mode, groupsize, torch.float32)
     for suffix, t in quantize_weight(linear.weight.detach(), mode, groupsize).items():
         setattr(mod, suffix, nn.Parameter(t, requires_grad=False))
