@@ -84,8 +84,8 @@ from cli import Parser, check_writable, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
 from engine import (PeakMemory, block_inputs, compile_steps, decode_bytes_per_step,  # noqa: E402
                     default_compile_mode, kv_cache_estimate, load_model, model_step, prefill_one_shot,
-                    prefill_protocol, prefill_step, random_model, setup, setup_batch, sync,
-                    use_layer_regions)
+                    prefill_protocol, prefill_step, random_model, release_free_memory, setup, setup_batch,
+                    sync, use_layer_regions)
 from engine import prefill as engine_prefill  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
 from model import ModelArgs  # noqa: E402
@@ -464,7 +464,9 @@ def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
         decode_fn(model, logits.argmax(-1).view(1, 1), torch.tensor([next_pos], device=device))
         sync(device)
         warmup_s = time.perf_counter() - t
-        torch._dynamo.config.error_on_recompile = True  # a recompile inside the timed loop would be a bug
+        release_free_memory()  # as engine.warm_up and engine.generate do
+        if args.compile:  # a recompile inside the timed loop would be a bug (eager: dynamo is never imported)
+            torch._dynamo.config.error_on_recompile = True
         for _ in range(args.repeats):
             for layer in model.layers:
                 layer.attention.kv_cache.reset()
@@ -476,6 +478,7 @@ def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
             sync(device)
             prefill_s.append(time.perf_counter() - t0)
             prefill_peak.append(mem.peak())
+            release_free_memory()
             mem.reset()
             toks, mine = [tok], []
             for i in range(args.decode_steps):
@@ -488,7 +491,8 @@ def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
             decode_peak.append(mem.peak())
             step_s += mine
             per_repeat.append(1 / statistics.median(mine))
-        torch._dynamo.config.error_on_recompile = False
+        if args.compile:
+            torch._dynamo.config.error_on_recompile = False
     weights_b, kv_read_b = decode_bytes_per_step(model)
     return {"warmup_s": warmup_s, "prefill_s": statistics.median(prefill_s), "ttft_s": statistics.median(prefill_s),
             "prefill_tok_s": len(ids) / statistics.median(prefill_s),
