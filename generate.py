@@ -508,7 +508,7 @@ def run(a) -> int:
             a.compile_prefill = a.device != "cpu"
         a.compile_prefill = a.compile_prefill and a.prefill == "block"  # one-shot prefill never runs the block step
         steps = compile_steps(a.device, a.compile_mode, prefill=a.compile_prefill, freeze=a.freeze)
-        from torch._dynamo.utils import counters  # here: an eager run never imports the compiler (~75 MiB, ~1 s)
+        from torch._dynamo.utils import counters  # here: an eager run never imports the compiler (~70 MiB, ~1.3 s)
         counters["inductor"].clear()
         t = time.perf_counter()
         # inductor's autotune tables and compiler warnings go to a log (-v shows them); the terminal gets one line
