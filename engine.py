@@ -445,6 +445,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: i
     # the peak so far: loading and compiling (before the first reset; on CPU the process's peak RSS since it began)
     stats = {"prompt_tokens": L, "memory_measure": mem.measure, "startup_peak_bytes": mem.peak()}
 
+    release_free_memory()  # what loading (a first run's conversion) freed is not the prefill's
     mem.reset()
     sync(device)
     t0 = time.perf_counter()
@@ -551,6 +552,7 @@ def generate_batch(model, prompts_ids: list[list[int]], max_new_tokens: int, *, 
     stats = {"batch_size": len(prompts), "prompt_tokens": lens, "memory_measure": mem.measure,
              "startup_peak_bytes": mem.peak()}
 
+    release_free_memory()
     mem.reset()
     sync(device)
     t0 = time.perf_counter()
