@@ -35,19 +35,19 @@ CASES = [  # (policy spec, --prefill, budget)
 ]
 
 
-def batch_one(model, spec, prefill, budget, prompts, new=NEW, eos_ids=()):
+def batch_one(model, spec, prefill, budget, prompts, new=NEW, eos_ids=(), device="cpu"):
     outs = []
     for p in prompts:
         setup(model, policies.make(spec), budget, len(p), new, BLOCK, prefill=prefill)
         outs.append(generate(model, p, new, block_size=BLOCK, steps=EAGER, one_shot=prefill == "one-shot",
-                             eos_ids=eos_ids)[0])
+                             eos_ids=eos_ids, device=device)[0])
     return outs
 
 
-def batched(model, spec, prefill, budget, prompts, new=NEW, eos_ids=(), steps=EAGER):
+def batched(model, spec, prefill, budget, prompts, new=NEW, eos_ids=(), steps=EAGER, device="cpu"):
     setup_batch(model, policies.make(spec), budget, [len(p) for p in prompts], new, BLOCK, prefill=prefill)
     return generate_batch(model, prompts, new, block_size=BLOCK, steps=steps, one_shot=prefill == "one-shot",
-                          eos_ids=eos_ids)
+                          eos_ids=eos_ids, device=device)
 
 
 @pytest.mark.parametrize("spec,prefill,budget", CASES, ids=[f"{s}-{p}" for s, p, _ in CASES])
@@ -169,3 +169,28 @@ def test_empty_prompt_in_a_batch_is_refused_before_any_step(hf_tiny):
     with pytest.raises(UserError, match="no prompt may be empty"):
         generate_batch(model, [[1, 2, 3], []], NEW, block_size=BLOCK, steps=(step, step))
     assert calls == []
+
+
+@pytest.mark.cuda
+def test_compiled_batch_replays_as_cuda_graphs(hf_tiny):
+    """On a GPU: a batch's decode step under CUDA graphs (compile_steps' default there), prefill compiled, under
+    error_on_recompile: no cudagraph skip, and each sequence's tokens are its eager batch-1 tokens."""
+    from torch._dynamo.utils import counters
+
+    from engine import compile_steps
+    _, ckpt = hf_tiny("llama")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = load_model(ckpt, torch.float32, "cuda")
+    with torch.inference_mode():
+        want = batch_one(model, "keydiff", "block", 16, PROMPTS, device="cuda")
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        steps = compile_steps("cuda")
+        with torch._dynamo.config.patch(error_on_recompile=True), torch.inference_mode():
+            got, _ = batched(model, "keydiff", "block", 16, PROMPTS, steps=steps, device="cuda")
+            again, _ = generate_batch(model, PROMPTS, NEW, block_size=BLOCK, steps=steps, device="cuda")
+    finally:
+        torch._dynamo.reset()
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert got == want and again == want

@@ -319,3 +319,29 @@ def test_interactive_compile_compiles_before_the_first_turn(chat_ckpt, tmp_path)
     assert compiled.stderr == ""
     answers = [[json.loads(line)["token_ids"] for line in r.stdout.splitlines()] for r in (compiled, eager)]
     assert len(answers[0]) == 3 and answers[0] == answers[1]
+
+
+@pytest.mark.cuda
+def test_a_chat_on_cuda_graphs_answers_as_eager(chat_ckpt):
+    """On a GPU: a conversation whose steps replay as CUDA graphs (the cache persisting across turns outside the
+    graphs' memory pool) answers every turn as an eager conversation does, without a recompile or a cudagraph skip."""
+    from torch._dynamo.utils import counters
+
+    from engine import compile_steps
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, tok = load_model(chat_ckpt, torch.float32, "cuda"), load_tokenizer(chat_ckpt)
+    eager = Chat(model, tok, "keydiff", budget=24, max_new_tokens=4, block_size=8)
+    no_eos(eager)
+    want = converse(eager, TURNS[:4])
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        chat = Chat(model, tok, "keydiff", budget=24, max_new_tokens=4, block_size=8, steps=compile_steps("cuda"))
+        no_eos(chat)
+        got = converse(chat, TURNS[:1])  # compiles
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got += converse(chat, TURNS[1:4])
+    finally:
+        torch._dynamo.reset()
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert got == want
