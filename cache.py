@@ -379,7 +379,8 @@ class KVCache(nn.Module):
         for t in self.state.values():  # a new token starts with zero state
             write_slots(t, dst, 0)
         S = self.slots(T)
-        if T > 1 and not (self.evicts or self.appends or torch.compiler.is_compiling()):
+        filled_prefix = T > 1 and not (self.evicts or self.appends or torch.compiler.is_compiling())
+        if filled_prefix:
             # Eager prefill block, slot == position - slot_base: no slot past the block's newest position is valid,
             # so attend only the filled prefix (a causal triangle's cost instead of the whole buffer's). Compiled
             # graphs keep the static budget + T. (One host read of the newest position per layer and block.)
@@ -392,7 +393,10 @@ class KVCache(nn.Module):
             idx = self.selector.select(view)
             if idx is not None:
                 return self.gather(idx, query_pos)
-        return self.keys(S), self.values(S), attention_mask(self.pos[:, :, :S], query_pos, self.window)
+        pos = self.pos[:, :, :S]
+        if filled_prefix and bool((pos == pos[:, :1]).all()):
+            pos = pos[:, :1]  # every head holds the same positions: one mask [B, 1, T, S] for all (model.py: GQA)
+        return self.keys(S), self.values(S), attention_mask(pos, query_pos, self.window)
 
     def gather(self, idx: Tensor, query_pos: Tensor):
         """Keys, values [B, Hs, k, D] and mask [B, Hs, 1, k] of slots idx [B, Hs, k]; Hs = the KV heads (one

@@ -397,11 +397,16 @@ class Attention(nn.Module):
         h = keys.shape[1]
         g = hq // h
         S = keys.shape[2]
-        q_rows = q.reshape(B, h, g * T, d)
-        mask_rows = mask[:, :, None].expand(B, h, g, T, S).reshape(B, h, g * T, S)
-        # A cache that evicts scores its keys in this step too; inductor fuses that scoring's per-head reductions
-        # with the row-wise loop into one kernel parallel over the KV heads only, which is slower: SDPA there.
-        out = attention(q_rows, keys, values, mask_rows, rowwise=not (cache.evicts and cache.evict_enabled))
+        if mask.shape[1] == 1 < h:
+            # One mask for every head (an eager prefill block of a cache without eviction): SDPA groups the heads
+            # itself and broadcasts the mask, where folded rows would copy it g * h times (and SDPA widen each copy).
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=g > 1)
+        else:
+            q_rows = q.reshape(B, h, g * T, d)
+            mask_rows = mask[:, :, None].expand(B, h, g, T, S).reshape(B, h, g * T, S)
+            # A cache that evicts scores its keys in this step too; inductor fuses that scoring's per-head
+            # reductions with the row-wise loop into one kernel parallel over the KV heads only, slower: SDPA there.
+            out = attention(q_rows, keys, values, mask_rows, rowwise=not (cache.evicts and cache.evict_enabled))
         # Attend, then let the policy evict (the block-wise protocol; a no-op without a scorer).
         cache.evict(q, input_pos, query_pos)
         out = out.reshape(B, hq, T, d).transpose(1, 2).reshape(B, T, hq * d)  # CUDA's SDPA: not contiguous
@@ -445,7 +450,9 @@ def block_forward(block: TransformerBlock, x, cos, sin, input_pos, query_pos, ca
 # CUDA).
 try:  # one reuse entry per distinct layer trace (each model, block shape and differing layer in the process)
     block_region = torch.compiler.nested_compile_region(block_forward, max_reuse_entries=1024)
-except (TypeError, AttributeError):  # a torch older than setup.sh's pin without (this form of) regions
+except TypeError:  # torch 2.11 (the GPU runs' so far): regions without a reuse limit to set
+    block_region = torch.compiler.nested_compile_region(block_forward)
+except AttributeError:  # a torch without regions
     block_region = block_forward
 layer_regions = True
 

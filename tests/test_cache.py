@@ -142,9 +142,14 @@ def test_eager_prefill_block_attends_only_the_filled_prefix(slot_base):
         q, k, v = (torch.randn(1, H, T, D) for _ in range(3))
         keys, values, mask = cache.update(q, k, v, pos, pos)
         assert keys.shape[2] == start + T - slot_base  # the filled prefix, not budget + T
+        assert mask.shape[1] == 1  # every head holds the same positions: one mask for all
         whole = attention_mask(cache.pos, pos, None)
         ref = torch.nn.functional.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=whole)
         out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         torch.testing.assert_close(out, ref)
     decode_keys, _, _ = cache.update(q[:, :, :1], k[:, :, :1], v[:, :, :1], pos[-1:] + 1, pos[-1:] + 1)
     assert decode_keys.shape[2] == budget + 1  # decode keeps the static budget + 1 (what a compiled step reads)
+    cache.pos[:, 1, slot_base] = -1  # heads that hold different positions: a mask per head
+    start = int(pos[-1]) + 2
+    _, _, mask = cache.update(q, k, v, torch.arange(start, start + T), torch.arange(start, start + T))
+    assert mask.shape[1] == H

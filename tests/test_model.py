@@ -39,6 +39,33 @@ def test_logits_match_hf(family, hf_tiny):
     assert diff <= 1e-4, f"{family}: max |logits - HF| = {diff}"
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_prefill_with_one_mask_for_all_heads_equals_a_mask_per_head(family, hf_tiny, monkeypatch):
+    """An eager prefill block of a cache without eviction gets one mask for every head (cache.update) and attends
+    with SDPA's own grouped heads (model.Attention); forcing a mask per KV head (the folded rows every other step
+    takes) gives the same logits."""
+    import cache as cache_py
+    _, ckpt = hf_tiny(family)
+    model = load_model(ckpt, torch.float32, "cpu")
+    ids = torch.randint(0, FAMILIES[family]["vocab_size"], (PROMPT_LEN,), generator=torch.Generator().manual_seed(2))
+    heads, attention_mask = [], cache_py.attention_mask
+
+    def logits(per_head: bool):
+        def mask(slot_pos, query_pos, window):
+            heads.append(slot_pos.shape[1])
+            if per_head:
+                slot_pos = slot_pos.expand(-1, model.args.n_kv_heads, -1)
+            return attention_mask(slot_pos, query_pos, window)
+        monkeypatch.setattr(cache_py, "attention_mask", mask)
+        setup_caches(model, 1, PROMPT_LEN + NEW, BLOCK)
+        return engine_logits(model, ids.tolist(), NEW, BLOCK)
+    shared = logits(False)
+    assert 1 in heads and model.args.n_kv_heads < model.args.n_heads  # the shared mask was taken, with GQA
+    per_head = logits(True)
+    assert shared[0] == per_head[0]
+    torch.testing.assert_close(shared[1], per_head[1], rtol=1e-5, atol=1e-5)
+
+
 def test_converted_engine_file_matches_on_the_fly(hf_tiny, tmp_path):
     import shutil
     hf, ckpt = hf_tiny("qwen2")
