@@ -368,17 +368,28 @@ def prefill_one_shot(model, prompt: torch.Tensor, block_size: int, shared: dict 
 def prefill(model, prompt: torch.Tensor, block_size: int, step=prefill_step, one_shot: bool = False,
             shared: dict | None = None, *, on_prefill=None) -> torch.Tensor:
     """The prompt [L] into the caches: block-wise (`step` on each padded block) or one-shot (prefill_one_shot,
-    eager); returns the last position's logits [1, vocab]. on_prefill(done, L), if given, after each block with the
-    prompt tokens done (one-shot: after each layer, see prefill_one_shot). It adds no host sync: on CUDA a block it
-    reports may still be running (a caller that shows a rate syncs before drawing it)."""
+    eager); returns the last position's logits [1, vocab]. The eager step over caches that hold every token at
+    slot == position (full, Exact-TopK), where no block boundary decides anything, takes unpadded chunks of at
+    least EAGER_CHUNK tokens instead (larger products, fewer calls). on_prefill(done, L), if given, after each block
+    with the prompt tokens done (one-shot: after each layer, see prefill_one_shot). It adds no host sync: on CUDA a
+    block it reports may still be running (a caller that shows a rate syncs before drawing it)."""
     if one_shot:
         return prefill_one_shot(model, prompt, block_size, shared, on_prefill=on_prefill)
     L = prompt.numel()
-    for start in range(0, L, block_size):
-        logits = step(model, *block_inputs(prompt, start, block_size))
+    dense = step is prefill_step and not any(layer.attention.kv_cache.evicts or layer.attention.kv_cache.appends
+                                             for layer in model.layers)
+    chunk = max(block_size, EAGER_CHUNK) if dense else block_size
+    for start in range(0, L, chunk):
+        end = min(start + chunk, L)
+        inputs = (prompt[None, start:end], torch.arange(start, end, device=prompt.device)) if dense else \
+            block_inputs(prompt, start, block_size)
+        logits = step(model, *inputs)
         if on_prefill is not None:
-            on_prefill(min(start + block_size, L), L)
+            on_prefill(end, L)
     return logits
+
+
+EAGER_CHUNK = 512  # llama.cpp's default micro-batch
 
 
 def sync(device: str) -> None:

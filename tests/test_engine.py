@@ -21,6 +21,11 @@ def ids_of(n, seed=3, vocab=512):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def padded_blocks(model, idx, input_pos):
+    """The eager step, but not engine.prefill_step itself: engine.prefill then pads every block to block_size."""
+    return prefill_step(model, idx, input_pos)
+
+
 def test_block_size_invariance(hf_tiny):
     """With a budget >= prompt + new tokens, any block size gives the same tokens as one block."""
     _, ckpt = hf_tiny("llama")
@@ -29,8 +34,39 @@ def test_block_size_invariance(hf_tiny):
     outs = {}
     for block in (1, 7, 64, 300):
         setup_caches(model, 1, 300 + 16, block)
-        outs[block], _ = generate(model, prompt, 16, block_size=block, steps=EAGER)
+        outs[block], _ = generate(model, prompt, 16, block_size=block, steps=(padded_blocks, model_step))
     assert len(set(map(tuple, outs.values()))) == 1, outs
+
+
+@pytest.mark.parametrize("spec", ["full", "exact-topk:k=64", "keydiff"])
+def test_eager_prefill_without_eviction_takes_unpadded_chunks(hf_tiny, spec):
+    """engine.prefill's eager step over caches that hold every token at slot == position takes the prompt in
+    unpadded chunks of EAGER_CHUNK tokens, whatever the block size, and fills the caches as 64-token padded blocks
+    do; a cache that evicts keeps its padded blocks."""
+    from engine import EAGER_CHUNK, prefill
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    prompt = torch.tensor(ids_of(1100))
+    policy = None if spec == "full" else policies.make(spec)
+    budget = 1200 if spec != "keydiff" else 96
+    shapes = []
+    model.register_forward_pre_hook(lambda m, args: shapes.append(args[0].shape[1]))
+    with torch.inference_mode():
+        setup(model, policy, budget, 1100, 8, 64)
+        chunked = prefill(model, prompt, 64)
+        kept = [(c.k.clone(), c.pos.clone()) for c in (layer.attention.kv_cache for layer in model.layers)]
+        calls, shapes[:] = list(shapes), []
+        setup(model, policy, budget, 1100, 8, 64)
+        padded = prefill(model, prompt, 64, step=padded_blocks)
+    if spec == "keydiff":
+        assert calls == [64] * 18
+        return
+    assert calls == [EAGER_CHUNK, EAGER_CHUNK, 1100 - 2 * EAGER_CHUNK] and shapes == [64] * 18
+    torch.testing.assert_close(chunked, padded, rtol=1e-5, atol=1e-5)
+    for (k, pos), layer in zip(kept, model.layers):
+        c = layer.attention.kv_cache
+        assert torch.equal(pos, c.pos)  # padding went to the tail, whose keys no query sees
+        torch.testing.assert_close(k[..., :1100, :], c.k[..., :1100, :], rtol=1e-5, atol=1e-5)
 
 
 def test_budget_bounds_every_layer(hf_tiny):
