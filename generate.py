@@ -101,8 +101,9 @@ def parse_args(argv=None):
                          f"for full and exact-topk, else {DEFAULT_BUDGET} or the model's context if smaller; a value "
                          "given here must fit the context)")
     ap.add_argument("--block-size", type=int,
-                    help=f"prefill block size: the tokens one step takes, block-wise; the chunk one layer takes at a "
-                         f"time, one-shot (default {DEFAULT_BLOCK}, or the model's context if smaller)")
+                    help=f"prefill block size: the tokens one step takes, block-wise (eager full and exact-topk, which "
+                         f"evict nothing, take 512 at a time or more); the chunk one layer takes at a time, one-shot "
+                         f"(default {DEFAULT_BLOCK}, or the model's context if smaller)")
     ap.add_argument("--prefill", choices=["block", "one-shot"], default=None,
                     help="block: evict after every block, hard budget throughout (KeyDiff protocol, default); "
                          "one-shot: whole prompt dense (layer by layer), then one compression (SnapKV/kvpress; "
