@@ -272,6 +272,7 @@ class KVCache(nn.Module):
         self.selector = policy if is_selector(policy) and not scratch else None
         self.evicts = self.scorer is not None and not scratch and getattr(policy, "decode", "evict") == "evict"
         self.appends = self.scorer is not None and not scratch and not self.evicts
+        self.dense = not (self.evicts or self.appends)  # every token at slot == position - slot_base
         self.evict_enabled = True  # False: the `no-evict` baseline (same buffer, nothing dropped)
         C = budget + block_size
         self.register_buffer("k", torch.zeros(batch, n_kv_heads, C, head_dim, dtype=self.kv_dtype, device=device))
@@ -379,7 +380,7 @@ class KVCache(nn.Module):
         for t in self.state.values():  # a new token starts with zero state
             write_slots(t, dst, 0)
         S = self.slots(T)
-        filled_prefix = T > 1 and not (self.evicts or self.appends or torch.compiler.is_compiling())
+        filled_prefix = T > 1 and self.dense and not torch.compiler.is_compiling()
         if filled_prefix:
             # Eager prefill block, slot == position - slot_base: no slot past the block's newest position is valid,
             # so attend only the filled prefix (a causal triangle's cost instead of the whole buffer's). Compiled

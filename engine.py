@@ -376,8 +376,7 @@ def prefill(model, prompt: torch.Tensor, block_size: int, step=prefill_step, one
     if one_shot:
         return prefill_one_shot(model, prompt, block_size, shared, on_prefill=on_prefill)
     L = prompt.numel()
-    dense = step is prefill_step and not any(layer.attention.kv_cache.evicts or layer.attention.kv_cache.appends
-                                             for layer in model.layers)
+    dense = step is prefill_step and all(layer.attention.kv_cache.dense for layer in model.layers)
     chunk = max(block_size, EAGER_CHUNK) if dense else block_size
     for start in range(0, L, chunk):
         end = min(start + chunk, L)
