@@ -244,6 +244,10 @@ class KVCache(nn.Module):
     the tail [budget, budget + T), then drops the lowest T (hole filling). After a one-shot compression a scorer
     with `decode = "append"` (SnapKV++, RocketKV, K-VEC) appends new tokens after the kept ones instead."""
 
+    # Attributes no compiled step reads (the policy's plan is the policy's own attributes): aoti.step_key leaves them
+    # out of a package's name, so that a prompt of another length loads the same package.
+    UNTRACED = ("run", "last_step")
+
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, budget: int, block_size: int,
                  dtype: torch.dtype, device, policy=None, window: int | None = None, n_heads: int | None = None,
                  scratch: bool = False, kv_dtype: torch.dtype | None = None, keep_budget: int | None = None,
@@ -285,23 +289,32 @@ class KVCache(nn.Module):
         self.last_step = None  # a scratch's last block (q, input_pos, query_pos): its queries score the compression
         # Per-slot policy state (e.g. H2O's accumulated attention) moves with its slot on eviction; per-layer state
         # (e.g. SnapKV's ring of recent queries) stays put. Policies declare both; they are allocated here, once.
-        self.state, self.layer_state = {}, {}
-        self._layer_state_decl = {}
+        self._state_names, self._layer_state_decl = [], {}
         if self.scorer is not None:
             for name, (extra_shape, state_dtype) in policy.slot_state().items():
                 extra_shape = [self.n_heads // n_kv_heads if d == "group" else d for d in extra_shape]
                 t = torch.zeros(batch, n_kv_heads, C, *extra_shape, dtype=state_dtype, device=device)
                 self.register_buffer(f"state_{name}", t)
-                self.state[name] = t
+                self._state_names.append(name)
         if policy is not None:
             decl = dict(policy.layer_state(self) if self.scorer is not None else {})
             if self.selector is not None and hasattr(policy, "selector_state"):
                 decl.update(policy.selector_state(self))
             for name, (shape, state_dtype, fill) in decl.items():
-                t = torch.full(shape, fill, dtype=state_dtype, device=device)
-                self.register_buffer(f"layer_{name}", t)
-                self.layer_state[name] = t
+                self.register_buffer(f"layer_{name}", torch.full(shape, fill, dtype=state_dtype, device=device))
             self._layer_state_decl = decl
+
+    # Both read the registered buffers on each access, so that a step run with the buffers swapped for others
+    # (aoti.py exports the step with every buffer an input) reads and writes the swapped ones.
+    @property
+    def state(self) -> dict[str, Tensor]:
+        """Per-slot policy state by name: [B, H, C, ...] tensors."""
+        return {name: getattr(self, f"state_{name}") for name in self._state_names}
+
+    @property
+    def layer_state(self) -> dict[str, Tensor]:
+        """Per-layer policy state by name."""
+        return {name: getattr(self, f"layer_{name}") for name in self._layer_state_decl}
 
     def slot_buffers(self) -> list[Tensor]:
         """Every [B, H, C, ...] tensor whose slots move together: keys, values (+ their int8 scales), policy state."""
@@ -484,9 +497,7 @@ def row_cache(cache: KVCache, b: int) -> KVCache:
     state, all batch-first) is a view of row b: what is written to it lands in the batch buffer. A one-shot
     prefill compresses each sequence of a batch through one (engine.prefill_one_shot)."""
     row = copy.copy(cache)
-    row._buffers = {name: t[b:b + 1] for name, t in cache._buffers.items()}
-    row.state = {name: row._buffers[f"state_{name}"] for name in cache.state}
-    row.layer_state = {name: row._buffers[f"layer_{name}"] for name in cache.layer_state}
+    row._buffers = {name: t[b:b + 1] for name, t in cache._buffers.items()}  # state, layer_state read these
     return row
 
 

@@ -183,8 +183,12 @@ def step_modes(device: str, mode: str | None) -> tuple[str | None, str | None]:
     return no_graphs.get(mode, mode), mode or "reduce-overhead"
 
 
+AOT = "aot"  # a compile mode of our own: the CPU decode step compiled ahead of time (aoti.py)
+
+
 def compile_steps(device: str, mode: str | None = None, prefill: bool = True, freeze: bool = False):
-    """(prefill_step, decode_step), each compiled once with fullgraph=True; decode under CUDA graphs on GPU.
+    """(prefill_step, decode_step), each compiled once with fullgraph=True; decode under CUDA graphs on GPU, and
+    with mode AOT (CPU) from an AOTInductor package (aoti.AotStep), the prefill step then torch.compile's.
 
     Unfrozen (the default), a compiled graph reads the module's own weights and inductor caches it on disk: a later
     process of the same model, policy, budget, block size, dtype and device loads it in seconds. freeze=True folds
@@ -195,6 +199,9 @@ def compile_steps(device: str, mode: str | None = None, prefill: bool = True, fr
     reboot empties)."""
     if os.access(INDUCTOR_CACHE.parent.parent, os.W_OK):
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE))
+    if mode == AOT:  # the decode step from a package (aoti.py): no dynamo unless the prefill step is compiled too
+        from aoti import AotStep
+        return (compile_steps(device, None, freeze=freeze)[0] if prefill else prefill_step), AotStep()
 
     # Dynamo reads the global flag when it traces (frozen, the weights are constants, not graph inputs): it holds
     # until another compile_steps. In the options too, so that a frozen and an unfrozen step never share a graph.
@@ -253,10 +260,12 @@ def release_free_memory() -> None:
 
 
 def default_compile_mode(device: str, dtype: torch.dtype, quantized: bool, freeze: bool = False) -> str | None:
-    """--compile-mode auto: frozen on CPU in fp32, max-autotune (inductor's packed micro-GEMM templates, which need
-    the weights as constants); otherwise torch's default (unfrozen graphs have nothing for max-autotune to pick
-    from on CPU, and quantized Linears have kernels of their own); on CUDA None means reduce-overhead (CUDA graphs)
-    for decode."""
+    """--compile-mode auto: on CPU, AOT (the decode step compiled ahead of time: no tracing on a warm start, no
+    compiler in the process, no guards per step), or frozen in fp32 max-autotune (inductor's packed micro-GEMM
+    templates, which need the weights as constants; otherwise torch's default: quantized Linears have kernels of
+    their own); on CUDA None means reduce-overhead (CUDA graphs) for decode."""
+    if device == "cpu" and not freeze:
+        return AOT
     packed = freeze and device == "cpu" and dtype == torch.float32 and not quantized
     return "max-autotune-no-cudagraphs" if packed else None
 

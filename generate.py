@@ -36,7 +36,7 @@ from cli import COMPILE_LOG, Parser, check_writable, is_verbose, run_cli, stderr
 from convert import read_config  # noqa: E402
 from files import jsonl_objects, tmp_path  # noqa: E402
 from cache import is_scorer  # noqa: E402
-from engine import (MIN_TEMPERATURE, compile_steps, decode_bytes_per_step, default_compile_mode,  # noqa: E402
+from engine import (AOT, MIN_TEMPERATURE, compile_steps, decode_bytes_per_step, default_compile_mode,  # noqa: E402
                     generate, generate_batch, kv_cache_estimate, load_model, model_step, prefill_protocol,
                     prefill_step, random_model, set_threads, setup, setup_batch, sync, warm_up)
 from model import ModelArgs  # noqa: E402
@@ -120,11 +120,13 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int,
                     help="seed of sampling (default 0; sampling only: the random policy has its own, random:seed=N)")
     ap.add_argument("--compile", action="store_true",
-                    help="torch.compile the decode step (fullgraph; CUDA graphs on GPU) and, by default on CUDA, the "
-                         "prefill-block step (see --compile-prefill). The first run of a model, policy, budget, block "
-                         "size, dtype and device compiles (SmolLM2 on 2 CPU cores: ~20 s) and caches the graphs in "
-                         "build/inductor-cache (TORCHINDUCTOR_CACHE_DIR); later runs start from the cache in seconds. "
-                         "What the compiler prints goes to " + str(COMPILE_LOG) + " (-v: to the terminal)")
+                    help="compile the decode step and, by default on CUDA, the prefill-block step (see "
+                         "--compile-prefill). On CPU the decode step is compiled ahead of time (AOTInductor): the "
+                         "first run of a model, policy, budget, block size, dtype and thread count compiles it "
+                         "(SmolLM2-135M on 2 cores: about a minute) into build/aot-steps, and later runs load it in "
+                         "a fraction of a second. On CUDA torch.compile (fullgraph, CUDA graphs for decode) caches "
+                         "its graphs in build/inductor-cache (TORCHINDUCTOR_CACHE_DIR). What the compiler prints "
+                         "goes to " + str(COMPILE_LOG) + " (-v: to the terminal)")
     ap.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
                     help="with --compile: also compile the prefill-block step. Default: yes on CUDA, no on CPU, where "
                          "it doubles a cold compile for ~1.1x the prefill tok/s (SmolLM2-135M, docs/performance.md). "
@@ -133,12 +135,13 @@ def parse_args(argv=None):
                     help="with --compile: fold the weights into the compiled graphs (inductor's freezing). The process "
                          "then holds a second copy of the weights; on CPU the frozen decode step measured only ~2%% "
                          "faster than the default's (SmolLM2-135M, docs/performance.md), so leave it off there")
-    ap.add_argument("--compile-mode", choices=["auto", "default", "reduce-overhead", "max-autotune",
+    ap.add_argument("--compile-mode", choices=["auto", AOT, "default", "reduce-overhead", "max-autotune",
                                                                "max-autotune-no-cudagraphs"],
-                    help="torch.compile mode; auto = max-autotune-no-cudagraphs with --freeze on CPU in fp32 (the "
-                         "packed GEMM templates), else torch's default (reduce-overhead for CUDA decode); 'default' "
-                         "forces torch's default (no CUDA graphs). The prefill step never runs under CUDA graphs; "
-                         "reduce-overhead (CUDA graphs) is refused on CPU")
+                    help="auto = on CPU aot (the decode step compiled ahead of time; a compiled prefill step is "
+                         "torch.compile's) or, with --freeze in fp32, torch.compile's max-autotune-no-cudagraphs "
+                         "(the packed GEMM templates); on CUDA torch.compile's default, reduce-overhead for decode. "
+                         "The others are torch.compile modes for every step ('default': no CUDA graphs). The prefill "
+                         "step never runs under CUDA graphs; reduce-overhead is refused on CPU, aot on CUDA")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads torch uses (intra-op and inter-op; default: one per core). Threads wait "
                          "passively (OMP_WAIT_POLICY=PASSIVE unless set), so a busy machine slows a run down instead "
@@ -288,6 +291,9 @@ def check_args(a) -> None:
         raise UserError("--device cuda was asked for but CUDA is not available (use --device cpu)")
     if ":" in a.device and int(a.device.split(":")[1]) >= torch.cuda.device_count():
         raise UserError(f"--device {a.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if a.compile_mode == AOT and (a.device != "cpu" or a.freeze):
+        raise UserError("--compile-mode aot compiles the CPU decode step, unfrozen (its package takes the weights "
+                        "as inputs): not with " + ("--freeze" if a.freeze else f"--device {a.device}"))
     if a.compile_mode == "reduce-overhead" and a.device == "cpu":
         raise UserError("--compile-mode reduce-overhead is CUDA graphs, which CPU has not (use default or "
                         "max-autotune-no-cudagraphs)")
@@ -437,6 +443,12 @@ def run(a) -> int:
         raise UserError("--interactive reads its turns on one process; it does not run under tensor parallel")
     if mesh.world > 1 and a.speculate:
         raise UserError("--speculate runs on one device; it does not run under tensor parallel yet")
+    if mesh.world > 1 and a.compile_mode == AOT:
+        raise UserError("--compile-mode aot runs on one process: under tensor parallel the steps' collectives "
+                        "need torch.compile (leave --compile-mode auto)")
+    if a.speculate and a.compile_mode == AOT:
+        raise UserError("--compile-mode aot compiles the one-token decode step; --speculate's steps are "
+                        "torch.compile's (leave --compile-mode auto)")
     if a.speculate:  # the target is full; --prefill is the draft's
         import speculative
         speculative.check_target(policy)
@@ -505,18 +517,23 @@ def run(a) -> int:
         quantized = "budgetkv_quantization" in model.config
         if a.compile_mode in (None, "auto"):
             a.compile_mode = default_compile_mode(a.device, dtype, quantized, a.freeze)
+            if a.compile_mode == AOT and mesh.world > 1:  # the collectives of a tensor-parallel step
+                a.compile_mode = None
         if a.compile_prefill is None:
             a.compile_prefill = a.device != "cpu"
         a.compile_prefill = a.compile_prefill and a.prefill == "block"  # one-shot prefill never runs the block step
         steps = compile_steps(a.device, a.compile_mode, prefill=a.compile_prefill, freeze=a.freeze)
-        from torch._dynamo.utils import counters  # here: an eager run never imports the compiler (~70 MiB, ~1.3 s)
-        counters["inductor"].clear()
+        dynamo = a.compile_mode != AOT or a.compile_prefill
+        if dynamo:  # here: an eager or AOT run never imports the compiler (~115 MiB, ~1.3 s)
+            from torch._dynamo.utils import counters
+            counters["inductor"].clear()
         t = time.perf_counter()
         # inductor's autotune tables and compiler warnings go to a log (-v shows them); the terminal gets one line
         with stderr_to_log(COMPILE_LOG, is_verbose(a)) as terminal, compile_ticker(a, terminal), torch.inference_mode():
             warm_up(model, steps, ids[0], a.block_size, a.device, batch=len(prompts))  # generate starts empty
         compile_s = time.perf_counter() - t
-        compile_cache = cache_state(counters["inductor"])
+        compile_cache = cache_state(counters["inductor"] if dynamo else None,
+                                    steps[1] if a.compile_mode == AOT else None)
 
     stream = TextStream(tokenizer)
 
@@ -762,14 +779,15 @@ CACHE_NOTES = {"hit": "from the compile cache", "miss": "now cached for the next
                "bypass": "not cacheable: compiles again next run", "off": "cache off"}
 
 
-def cache_state(inductor_counters) -> str:
-    """What inductor's FX graph cache did for the graphs just compiled: every graph found ("hit"), some compiled
-    and saved ("miss"), some not cacheable ("bypass"), or no lookup at all ("off": the cache disabled)."""
-    if inductor_counters["fxgraph_cache_bypass"]:
+def cache_state(inductor_counters, aot_step=None) -> str:
+    """What the caches did for the steps just compiled: every one found ("hit"), some compiled and saved ("miss"),
+    some not cacheable ("bypass"), or no lookup at all ("off": inductor's cache disabled). inductor_counters: its
+    FX graph cache's (None: no torch.compile'd step); aot_step: an aoti.AotStep just bound."""
+    if inductor_counters is not None and inductor_counters["fxgraph_cache_bypass"]:
         return "bypass"
-    if inductor_counters["fxgraph_cache_miss"]:
+    if aot_step is not None and aot_step.compiled or inductor_counters and inductor_counters["fxgraph_cache_miss"]:
         return "miss"
-    return "hit" if inductor_counters["fxgraph_cache_hit"] else "off"
+    return "hit" if aot_step is not None or inductor_counters["fxgraph_cache_hit"] else "off"
 
 
 def compile_ticker(a, stream=None) -> Ticker:

@@ -82,7 +82,7 @@ from cache import is_scorer, kv_bytes  # noqa: E402
 from checkpoint import resolve_checkpoint, shape_config  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
-from engine import (PeakMemory, block_inputs, compile_steps, decode_bytes_per_step,  # noqa: E402
+from engine import (AOT, PeakMemory, block_inputs, compile_steps, decode_bytes_per_step,  # noqa: E402
                     default_compile_mode, kv_cache_estimate, load_model, model_step, prefill_one_shot,
                     prefill_protocol, prefill_step, random_model, release_free_memory, setup, setup_batch,
                     sync, use_layer_regions)
@@ -429,13 +429,13 @@ def ppl_text(ppl: float | None) -> str:
     return "–" if ppl is None else f"{ppl:.4f}"
 
 
-def bench_steps(args, freeze: bool | None = None):
+def bench_steps(args, freeze: bool | None = None, mode: str | None = None):
     """(prefill, decode) steps: eager, or compiled (the prefill step too unless --no-compile-prefill; frozen with
-    --freeze, or as `freeze` says)."""
+    --freeze, or as `freeze` says; in --compile-mode, or `mode`)."""
     if not args.compile:
         return prefill_step, model_step
     freeze = args.freeze if freeze is None else freeze
-    mode = args.compile_mode or default_compile_mode(args.device, torch.float32, False, freeze)  # as generate.py's
+    mode = mode or args.compile_mode or default_compile_mode(args.device, torch.float32, False, freeze)  # generate.py's
     return compile_steps(args.device, mode, prefill=not args.no_compile_prefill, freeze=freeze)
 
 
@@ -465,7 +465,8 @@ def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
         sync(device)
         warmup_s = time.perf_counter() - t
         release_free_memory()  # as engine.warm_up and engine.generate do
-        if args.compile:  # a recompile inside the timed loop would be a bug (eager: dynamo is never imported)
+        dynamo = args.compile and "torch._dynamo" in sys.modules  # not imported: eager, or the AOT decode step alone
+        if dynamo:  # a recompile inside the timed loop would be a bug
             torch._dynamo.config.error_on_recompile = True
         for _ in range(args.repeats):
             for layer in model.layers:
@@ -491,7 +492,7 @@ def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
             decode_peak.append(mem.peak())
             step_s += mine
             per_repeat.append(1 / statistics.median(mine))
-        if args.compile:
+        if dynamo:
             torch._dynamo.config.error_on_recompile = False
     weights_b, kv_read_b = decode_bytes_per_step(model)
     return {"warmup_s": warmup_s, "prefill_s": statistics.median(prefill_s), "ttft_s": statistics.median(prefill_s),
@@ -519,18 +520,20 @@ def run_paired(args) -> None:
     ids = random_prompt(config, args.prompt_tokens) if args.random_weights else \
         make_document(load_tokenizer(ckpt), args.prompt_tokens)[1]
     prompt = torch.tensor(ids, device=args.device)
-    models, frozen = {}, {}
+    models, frozen, modes = {}, {}, {}
+    twins = ["", " (frozen)"] if args.freezing_twins else ["", " (aot)"] if args.aot_twins else [""]
     for label, policy in zip(labels, pols):
-        for twin in [False, True] if args.freezing_twins else [False]:
-            name = f"{label} (frozen)" if twin else label
+        for twin in twins:
+            name = label + twin
             model = models[name] = bench_model(args, ckpt, config, args.budget + args.block_size)
-            frozen[name] = twin
+            frozen[name] = twin == " (frozen)"
+            modes[name] = AOT if twin == " (aot)" else "default" if args.aot_twins else args.compile_mode
             setup(model, policy, args.budget, len(ids), args.decode_steps, args.block_size, evict=label != "no-evict")
     if args.profile:  # name each compiled kernel in the profile (inductor's CPU kernels are anonymous otherwise)
         torch._inductor.config.cpp.enable_kernel_profile = True
     # one compiled step per configuration: dynamo treats a module's weights as inputs, so configurations that trace
     # alike would share one graph, and a frozen twin would run its unfrozen sibling's
-    decode_fns = {label: bench_steps(args, freeze=frozen[label])[1] for label in models}
+    decode_fns = {label: bench_steps(args, freeze=frozen[label], mode=modes[label])[1] for label in models}
     # Bandwidth probe, timed once per round of steps: each step's bandwidth-bound fraction is taken against the
     # read bandwidth measured next to it, since both drift together on a shared VM. The probe also flushes the
     # caches before each round, which a model smaller than the last-level cache would otherwise sit in.
@@ -1001,11 +1004,11 @@ def parser() -> Parser:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policies", default="keydiff,sink,tova,snapkv,h2o,keynorm,random")
     ap.add_argument("--compile", action="store_true", help="compile prefill-block and decode steps per policy")
-    ap.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune",
+    ap.add_argument("--compile-mode", default=None, choices=[AOT, "default", "reduce-overhead", "max-autotune",
                                                              "max-autotune-no-cudagraphs"],
-                    help="torch.compile mode (default: generate.py's: max-autotune-no-cudagraphs for frozen CPU "
-                         "graphs, "
-                         "else torch's default; on CUDA decode under CUDA graphs)")
+                    help="default: generate.py's (on CPU aot, the decode step compiled ahead of time, or "
+                         "max-autotune-no-cudagraphs for frozen graphs; on CUDA decode under CUDA graphs); the others "
+                         "are torch.compile modes")
     ap.add_argument("--no-compile-prefill", action="store_true",
                     help="with --compile: compile the decode step only, prefill stays eager (what generate.py "
                          "--compile does on CPU; bench's --compile compiles both unless this is given; --paired and "
@@ -1019,6 +1022,9 @@ def parser() -> Parser:
     ap.add_argument("--freezing-twins", action="store_true",
                     help="with --paired --compile: each configuration twice, its graph compiled without (generate.py's "
                          "choice) and with inductor's freezing (weights folded into the graph: '<policy> (frozen)')")
+    ap.add_argument("--aot-twins", action="store_true",
+                    help="with --paired --compile on CPU: each configuration twice, its decode step compiled by "
+                         "torch.compile (default mode, unfrozen) and ahead of time ('<policy> (aot)', generate.py's)")
     ap.add_argument("--profile", type=int, nargs="?", const=15, metavar="ROWS",
                     help="with --paired: after the timed steps, profile 10 decode steps of each configuration and "
                          "print the top ROWS (15) kernels by self time (with --compile: inductor's named kernels, "
@@ -1111,7 +1117,7 @@ def check_sizes(config: dict, args) -> dict:
 # the flags that apply to some kinds of run only (the others refuse them)
 ONLY = {"contexts": ["figure"], "budgets": ["figure"], "out_dir": ["figure"], "ppl_texts": ["quant"],
         "ppl_prefix": ["quant"], "ppl_tokens": ["quant"], "kvpress": ["table"], "hf_model": ["table"],
-        "llamacpp": ["table"], "kv_dtype": ["table"], "freezing_twins": ["paired"],
+        "llamacpp": ["table"], "kv_dtype": ["table"], "freezing_twins": ["paired"], "aot_twins": ["paired"],
         "profile": ["paired"], "policies": ["table", "paired", "batch"], "budget": ["table", "paired", "batch"],
         "prompt_tokens": ["table", "paired", "quant", "batch"], "json": ["table", "quant", "paired", "batch"],
         "resume": ["table", "quant", "figure"], "dtype": ["table", "paired", "figure", "batch"],
@@ -1144,7 +1150,14 @@ def check_args(args) -> None:
     if args.llamacpp and not LLAMACPP_PY.is_file():  # strict: a skipped peer must not look like a result
         raise EnvironmentFailure(f"--llamacpp needs {LLAMACPP_PY.parent.parent.name}, which is missing: make it with "
                                  "`bash scripts/setup.sh llamacpp` (builds llama-cpp-python, several minutes)")
-    for k in ("compile_mode", "cpp_wrapper", "no_compile_prefill", "freeze", "freezing_twins"):
+    if args.compile_mode == AOT and (args.freeze or args.device != "cpu" or args.freezing_twins):
+        raise UserError("--compile-mode aot compiles the CPU decode step, unfrozen: not with --freeze, "
+                        "--freezing-twins or a CUDA device")
+    if args.aot_twins and args.device != "cpu":
+        raise UserError("--aot-twins compares the CPU decode step's two compilers: not on a CUDA device")
+    if args.freezing_twins and args.aot_twins:
+        raise UserError("--freezing-twins and --aot-twins: one pair of twins per run")
+    for k in ("compile_mode", "cpp_wrapper", "no_compile_prefill", "freeze", "freezing_twins", "aot_twins"):
         if k in given and not args.compile:
             raise UserError(f"--{k.replace('_', '-')} needs --compile")
     if args.resume and kind != "figure" and args.json is None:

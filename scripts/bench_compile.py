@@ -6,13 +6,13 @@
         --budget 2048
 
 The same raw prompt (a document of --prompt-tokens tokens, as scripts/bench.py makes it; with --random-weights,
-that many random token ids) in every run. "cold": an
-empty inductor cache (a fresh folder under build/, removed afterwards); "warm": a second process on the cache the
-cold run filled, what every later run of the same model, policy, budget, block size, dtype and device gets. Eager
-and warm runs alternate, --repeats of each, so that a machine whose speed drifts slows both alike. Reported per run:
-compile s, TTFT, prefill and decode tok/s, the process peak (loading and compiling included) and each phase's own
-peak. Then the break-even: the generated tokens from which the compiled run's wall time (compile + TTFT + decode)
-is below eager's, cold and warm.
+that many random token ids) in every run. "cold": empty compile caches (inductor's and the AOT packages', a fresh
+folder under build/, removed afterwards); "warm": a second process on the caches the cold run filled, what every
+later run of the same model, policy, budget, block size, dtype and device gets. Eager and warm runs alternate,
+--repeats of each, so that a machine whose speed drifts slows both alike. Reported per run: compile s, TTFT, prefill
+and decode tok/s, the process peak (loading and compiling included) and each phase's own peak. Then the break-even:
+the generated tokens from which the compiled run's wall time (compile + TTFT + decode) is below eager's, cold and
+warm.
 """
 import argparse
 import json
@@ -47,8 +47,8 @@ def parser() -> Parser:
                     help="at most this many generated tokens per run (default 128; generation stops at EOS)")
     ap.add_argument("--repeats", type=int, default=2, help="eager and warm runs, alternating (default 2 each)")
     ap.add_argument("--threads", type=int)
-    ap.add_argument("--compile-mode", default="auto", choices=["auto", "default", "reduce-overhead", "max-autotune",
-                                                               "max-autotune-no-cudagraphs"],
+    ap.add_argument("--compile-mode", default="auto", choices=["auto", "aot", "default", "reduce-overhead",
+                                                               "max-autotune", "max-autotune-no-cudagraphs"],
                     help="generate.py's --compile-mode (default auto)")
     ap.add_argument("--freeze", action="store_true",
                     help="compile with generate.py --freeze (never cached: every compiled run is cold)")
@@ -77,7 +77,7 @@ def generate_run(args, prompt_file: Path | None, cache: Path, compiled: bool) ->
         cmd += ["--dtype", args.dtype]
     if compiled:
         cmd += ["--compile", "--compile-mode", args.compile_mode] + (["--freeze"] if args.freeze else [])
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "BUDGETKV_AOT_DIR": str(cache / "aot-steps")}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["no output"])[-1]

@@ -223,6 +223,7 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
                                       a.device)
         first = int(logits.argmax(-1))
         mode = engine.default_compile_mode(a.device, WEIGHTS[weights], weights == "int8", a.freeze)
+        mode = None if mode == engine.AOT else mode  # plain decode compiled as speculation's steps are (torch.compile)
 
         def plain_step():  # (re)compiled after each dynamo reset, and run once untimed
             torch._dynamo.reset()
