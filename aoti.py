@@ -4,7 +4,7 @@ disk, and later loaded and run with no tracing, no guards and no Python between 
 The packaged step takes every parameter and buffer of the model as an input (torch.func.functional_call), so the
 package holds no weights (one copy in memory, the module's own) and writes the caches in place, as a compiled step
 does. A package is named by a key over everything that shapes the traced step: the source of the repository's
-modules, torch's version, the thread count, every input's name, shape, stride and dtype, and the plain attributes of
+modules that a step runs, torch's version, the thread count, every input's name, shape, stride and dtype, and the plain attributes of
 every module and of the objects they hold (the policy and its plan, the model's arguments). A change to any of them
 compiles a new package; none is ever loaded for another state."""
 import hashlib
@@ -57,10 +57,17 @@ def describe(value, seen: set, depth: int = 0) -> str:
     return f"{type(value).__qualname__}({describe(attrs, seen, depth + 1)})"
 
 
+# The repository's modules whose code never runs inside a step (command lines, files, text, the decode loop): left out
+# of the key, so that editing them does not recompile. Every other module, a new one included, is hashed.
+UNTRACED_MODULES = {"generate.py", "cli.py", "chat.py", "progress.py", "checkpoint.py", "convert.py", "tokenizer.py",
+                    "files.py", "errors.py", "engine.py", "speculative.py"}
+
+
 def step_key(model, idx: Tensor, input_pos: Tensor) -> str:
     h = hashlib.sha256()
     for path in sorted(ROOT.glob("*.py")):
-        h.update(path.name.encode() + path.read_bytes())
+        if path.name not in UNTRACED_MODULES:
+            h.update(path.name.encode() + path.read_bytes())
     h.update(f"torch {torch.__version__}, threads {torch.get_num_threads()}".encode())
     names, tensors = step_inputs(model)
     for name, t in [*zip(names, tensors), ("idx", idx), ("input_pos", input_pos)]:

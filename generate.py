@@ -309,6 +309,9 @@ def check_speculate_flags(a) -> None:
         return
     import speculative
     speculative.check_k(a.speculate)
+    if a.compile_mode == AOT:
+        raise UserError("--compile-mode aot compiles the one-token decode step; --speculate's steps are "
+                        "torch.compile's (leave --compile-mode auto)")
     if a.draft_budget is not None and a.draft_budget < 1:
         raise UserError("--draft-budget must be >= 1")
     batch = (a.batch_size or 1) > 1 or len(a.prompt or []) > 1 or len(a.prompt_ids or []) > 1 or \
@@ -446,9 +449,6 @@ def run(a) -> int:
     if mesh.world > 1 and a.compile_mode == AOT:
         raise UserError("--compile-mode aot runs on one process: under tensor parallel the steps' collectives "
                         "need torch.compile (leave --compile-mode auto)")
-    if a.speculate and a.compile_mode == AOT:
-        raise UserError("--compile-mode aot compiles the one-token decode step; --speculate's steps are "
-                        "torch.compile's (leave --compile-mode auto)")
     if a.speculate:  # the target is full; --prefill is the draft's
         import speculative
         speculative.check_target(policy)

@@ -81,7 +81,8 @@ def test_batch_step_generates_each_sequences_tokens(tiny, packages):
 
 def test_the_key_follows_the_traced_state(tiny, tmp_path, monkeypatch):
     """Every input that changes the traced step changes the package's name: a policy parameter, the budget, the
-    batch, the thread count, a source file; the same state gives the same key, whatever the prompt's length."""
+    batch, the thread count, a source file a step runs; the same state gives the same key, whatever the prompt's
+    length or a change to the command line's module."""
     def key(spec="keydiff", budget=40, batch=1, prompt_len=len(PROMPT)):
         policy = policies.make(spec)
         if batch == 1:
@@ -103,8 +104,10 @@ def test_the_key_follows_the_traced_state(tiny, tmp_path, monkeypatch):
     src.mkdir()
     for p in aoti.ROOT.glob("*.py"):
         (src / p.name).write_bytes(p.read_bytes())
-    (src / "policies.py").write_text((src / "policies.py").read_text() + "\n# a change\n")
     monkeypatch.setattr(aoti, "ROOT", src)
+    (src / "generate.py").write_text((src / "generate.py").read_text() + "\n# a change\n")
+    assert key() == base  # a module no step runs
+    (src / "policies.py").write_text((src / "policies.py").read_text() + "\n# a change\n")
     others.append(key())
     assert len({base, *others}) == len(others) + 1
 

@@ -168,6 +168,8 @@ BAD = [
     (["--prompt", "the quick brown fox " * 100], "longer than the model's context"),
     (["--policy", "nope"], "unknown policy"),
     (["--compile", "--compile-mode", "fastest"], "invalid choice"),
+    (["--compile", "--compile-mode", "aot", "--freeze"], "--compile-mode aot compiles the CPU decode step, unfrozen"),
+    (["--compile", "--compile-mode", "aot", "--speculate", "2"], "--speculate's steps are torch.compile's"),
     (["--no-compile-prefill"], "need --compile"),
     (["--compile-prefill"], "need --compile"),
     (["--compile-mode", "default"], "--compile-mode / --freeze need --compile"),
