@@ -4,9 +4,9 @@ disk, and later loaded and run with no tracing, no guards and no Python between 
 The packaged step takes every parameter and buffer of the model as an input (torch.func.functional_call), so the
 package holds no weights (one copy in memory, the module's own) and writes the caches in place, as a compiled step
 does. A package is named by a key over everything that shapes the traced step: the source of the repository's
-modules that a step runs, torch's version, the thread count, every input's name, shape, stride and dtype, and the plain attributes of
-every module and of the objects they hold (the policy and its plan, the model's arguments). A change to any of them
-compiles a new package; none is ever loaded for another state."""
+modules that a step runs, torch's version, the thread count, every input's name, shape, stride and dtype, and the
+plain attributes of every module and of the objects they hold (the policy and its plan, the model's arguments). A
+change to any of them compiles a new package; none is ever loaded for another state."""
 import hashlib
 import os
 from pathlib import Path
@@ -120,12 +120,22 @@ def compile_package(model, idx: Tensor, input_pos: Tensor, path: Path) -> Path:
     return path
 
 
+def load_package(path: Path):
+    """The package's loader, or None where the file is not a package this torch can load."""
+    try:
+        return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    except RuntimeError:
+        return None
+
+
 class AotStep:
     """The decode step on CPU, called as a compiled step is: step(model, idx, input_pos) -> logits.
 
     On its first call, and whenever the model's caches or the input shapes change (engine.setup makes new caches),
     it binds: computes the key, loads the package of that key or compiles it (about a minute for SmolLM2-135M on two
-    cores), and holds the model's tensors for the calls that follow. `compiled` and `loaded` count the binds."""
+    cores), and holds the model's tensors for the calls that follow. Between binds nothing is re-read: change a
+    policy or a cache through engine.setup, which makes new caches. A package that cannot be loaded (damaged on
+    disk) is compiled again in its place. `compiled` and `loaded` count the binds."""
 
     def __init__(self):
         self.loaders, self.bound, self.tensors, self.loader = {}, None, None, None
@@ -141,12 +151,14 @@ class AotStep:
         key = step_key(model, idx, input_pos)
         if key not in self.loaders:
             path = package_dir() / f"{key}.pt2"
-            if not path.is_file():
+            loader = load_package(path) if path.is_file() else None
+            if loader is None:
                 compile_package(model, idx, input_pos, path)
+                loader = load_package(path)
                 self.compiled += 1
             else:
                 self.loaded += 1
-            self.loaders[key] = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+            self.loaders[key] = loader
         self.loader, self.tensors = self.loaders[key], step_inputs(model)[1]
         self.bound = self.fingerprint(model, idx, input_pos)
 

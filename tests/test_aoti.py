@@ -153,3 +153,17 @@ def test_a_warm_run_imports_no_compiler(hf_tiny, tmp_path):
     assert (cold["cache"], warm["cache"], cold["mode"]) == ("miss", "hit", "aot")
     assert cold["text"] == warm["text"] == eager["text"]
     assert not warm["dynamo"] and not warm["inductor"] and cold["inductor"]
+
+
+def test_a_damaged_package_is_compiled_again(tiny, tmp_path, monkeypatch):
+    """A package file that cannot be loaded (truncated on disk, say) is replaced by a fresh compile, not trusted."""
+    monkeypatch.setenv("BUDGETKV_AOT_DIR", str(tmp_path))
+    want = run(tiny, "tova", 40, model_step)
+    policy = policies.make("tova")
+    setup(tiny, policy, 40, len(PROMPT), 12, 8)
+    key = aoti.step_key(tiny, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    (tmp_path / f"{key}.pt2").write_bytes(b"not a package")
+    step = aoti.AotStep()
+    assert run(tiny, "tova", 40, step) == want and (step.compiled, step.loaded) == (1, 0)
+    again = aoti.AotStep()
+    assert run(tiny, "tova", 40, again) == want and (again.compiled, again.loaded) == (0, 1)
