@@ -8,6 +8,7 @@ modules that a step runs, torch's version, the thread count, every input's name,
 plain attributes of every module and of the objects they hold (the policy and its plan, the model's arguments). A
 change to any of them compiles a new package; none is ever loaded for another state."""
 import hashlib
+import inspect
 import os
 from pathlib import Path
 
@@ -49,8 +50,8 @@ def describe(value, seen: set, depth: int = 0) -> str:
     if isinstance(value, dict):
         items = sorted(value.items(), key=str)
         return "{" + ", ".join(f"{k!r}: {describe(v, seen, depth + 1)}" for k, v in items) + "}"
-    if callable(value) and not hasattr(value, "__dict__"):
-        return getattr(value, "__qualname__", type(value).__qualname__)
+    if isinstance(value, type) or inspect.isroutine(value):  # a class or function by name, not by its (empty) dict
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', repr(value))}"
     attrs = getattr(value, "__dict__", None)
     if attrs is None:
         return f"{type(value).__qualname__}:{value!r}"

@@ -783,11 +783,12 @@ def cache_state(inductor_counters, aot_step=None) -> str:
     """What the caches did for the steps just compiled: every one found ("hit"), some compiled and saved ("miss"),
     some not cacheable ("bypass"), or no lookup at all ("off": inductor's cache disabled). inductor_counters: its
     FX graph cache's (None: no torch.compile'd step); aot_step: an aoti.AotStep just bound."""
-    if inductor_counters is not None and inductor_counters["fxgraph_cache_bypass"]:
+    counts = inductor_counters or {}
+    if counts.get("fxgraph_cache_bypass"):
         return "bypass"
-    if aot_step is not None and aot_step.compiled or inductor_counters and inductor_counters["fxgraph_cache_miss"]:
+    if counts.get("fxgraph_cache_miss") or (aot_step is not None and aot_step.compiled):
         return "miss"
-    return "hit" if aot_step is not None or inductor_counters["fxgraph_cache_hit"] else "off"
+    return "hit" if counts.get("fxgraph_cache_hit") or aot_step is not None else "off"
 
 
 def compile_ticker(a, stream=None) -> Ticker:
