@@ -26,6 +26,9 @@ import torch.nn as nn
 from torch import Tensor
 
 
+KV_DTYPES = {"int8": torch.int8, "bfloat16": torch.bfloat16}  # --kv-dtype's storage choices besides the compute dtype
+
+
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """Symmetric int8 per row (one key or value of one head): x [..., D] -> (int8 [..., D], scale [...]) with
     x ~= q * scale, scale = max|x| / 127; the error of an element is at most scale / 2."""
@@ -258,6 +261,8 @@ class KVCache(nn.Module):
         self.head0, self.tp_group = head0, tp_group
         # kv_dtype int8: K and V stored as int8 with one scale per token and head (the buffer shrinks ~2x vs
         # bf16, ~4x vs fp32); `keys`/`values` dequantize to `dtype` for attention and for every policy's scores.
+        # kv_dtype bfloat16 under fp32 compute: half the buffer; policies score the keys widened to `dtype`, and
+        # attention reads the stored bf16 (the keys widened in its loop, the values' product in bf16).
         self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
         self.quantized = self.kv_dtype == torch.int8
         self.budget, self.block_size, self.window, self.policy = budget, block_size, window, policy
@@ -322,22 +327,25 @@ class KVCache(nn.Module):
         return [self.k, self.v, *scales, *self.state.values()]
 
     def keys(self, S: int | None = None) -> Tensor:
-        """Keys of the first S slots (all when None) in the compute dtype (dequantized when stored as int8)."""
+        """Keys of the first S slots (all when None) in the compute dtype (dequantized when stored as int8,
+        widened when stored as bfloat16)."""
         k = self.k if S is None else self.k[:, :, :S]
-        return dequantize_rows(k, self.k_scale[:, :, :k.shape[2]], self.dtype) if self.quantized else k
+        return dequantize_rows(k, self.k_scale[:, :, :k.shape[2]], self.dtype) if self.quantized else k.to(self.dtype)
 
     def values(self, S: int | None = None) -> Tensor:
         v = self.v if S is None else self.v[:, :, :S]
-        return dequantize_rows(v, self.v_scale[:, :, :v.shape[2]], self.dtype) if self.quantized else v
+        return dequantize_rows(v, self.v_scale[:, :, :v.shape[2]], self.dtype) if self.quantized else v.to(self.dtype)
 
     def key_rows(self, slot: Tensor) -> Tensor:
         """Keys [B, H, n, D] of the slots `slot` [n] (the same in every sequence) or [B, n] (compute dtype)."""
         if slot.dim() == 1:
             k = self.k.index_select(2, slot)
-            return dequantize_rows(k, self.k_scale.index_select(2, slot), self.dtype) if self.quantized else k
-        idx = slot[:, None, :].expand(-1, self.k.shape[1], -1)
-        k = take_slots(self.k, idx)
-        return dequantize_rows(k, take_slots(self.k_scale, idx), self.dtype) if self.quantized else k
+            scale = self.k_scale.index_select(2, slot) if self.quantized else None
+        else:
+            idx = slot[:, None, :].expand(-1, self.k.shape[1], -1)
+            k = take_slots(self.k, idx)
+            scale = take_slots(self.k_scale, idx) if self.quantized else None
+        return dequantize_rows(k, scale, self.dtype) if self.quantized else k.to(self.dtype)
 
     def reset(self) -> None:
         self.pos.fill_(-1)
@@ -379,7 +387,8 @@ class KVCache(nn.Module):
 
     def update(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, query_pos: Tensor):
         """Write a block k, v [B, H, T, D] at positions input_pos [T] (shared by the batch) or [B, T] (each sequence
-        its own; -1 = padding); return what to attend. With evict_before_attend the policy evicts first and the
+        its own; -1 = padding); return what to attend: keys and values as stored (model.attention widens a
+        bfloat16 cache inside its loops), int8 dequantized. With evict_before_attend the policy evicts first and the
         block attends over the kept slots only."""
         B, H, T = k.shape[:3]
         dst = self.destinations(input_pos)
@@ -387,8 +396,8 @@ class KVCache(nn.Module):
             (k, k_scale), (v, v_scale) = quantize_rows(k), quantize_rows(v)
             write_slots(self.k_scale, dst, k_scale)
             write_slots(self.v_scale, dst, v_scale)
-        write_slots(self.k, dst, k)
-        write_slots(self.v, dst, v)
+        write_slots(self.k, dst, k.to(self.kv_dtype))
+        write_slots(self.v, dst, v.to(self.kv_dtype))
         write_slots(self.pos, dst, per_row(input_pos).to(torch.int32)[:, None, :].expand(B, H, T))
         for t in self.state.values():  # a new token starts with zero state
             write_slots(t, dst, 0)
@@ -410,11 +419,13 @@ class KVCache(nn.Module):
         pos = self.pos[:, :, :S]
         if filled_prefix and bool((pos == pos[:, :1]).all()):
             pos = pos[:, :1]  # every head holds the same positions: one mask [B, 1, T, S] for all (model.py: GQA)
-        return self.keys(S), self.values(S), attention_mask(pos, query_pos, self.window)
+        keys, values = (self.keys(S), self.values(S)) if self.quantized else (self.k[:, :, :S], self.v[:, :, :S])
+        return keys, values, attention_mask(pos, query_pos, self.window)
 
     def gather(self, idx: Tensor, query_pos: Tensor):
-        """Keys, values [B, Hs, k, D] and mask [B, Hs, 1, k] of slots idx [B, Hs, k]; Hs = the KV heads (one
-        selection per group) or the query heads (one per head; model.py then attends per query head)."""
+        """Keys, values [B, Hs, k, D] (as `update` returns them) and mask [B, Hs, 1, k] of slots idx [B, Hs, k]; Hs =
+        the KV heads (one selection per group) or the query heads (one per head; model.py then attends per query
+        head)."""
         B, H, C, D = self.k.shape
         g, n = idx.shape[1] // H, idx.shape[2]
         flat = flat_rows(idx.view(B, H, g * n), C)

@@ -46,7 +46,7 @@ from contextlib import contextmanager
 
 import torch
 
-from cache import is_scorer, make_cache
+from cache import KV_DTYPES, is_scorer, make_cache
 from engine import (PeakMemory, block_inputs, check_finite, model_step, prefill_one_shot, prefill_protocol,
                     prefill_step, sample_finite, setup, sync)
 from errors import UserError
@@ -432,7 +432,7 @@ def run_interactive(a, model, tokenizer, policy, dtype) -> int:
     chat = Chat(model, tokenizer, policy, a.budget, max_new_tokens=a.max_new_tokens or min(200, ctx - 1),
                 block_size=a.block_size or min(128, ctx), prefill=a.prefill, temperature=a.temperature,
                 top_k=a.top_k or 0, top_p=1.0 if a.top_p is None else a.top_p,
-                kv_dtype=torch.int8 if a.kv_dtype == "int8" else None, chat_template=not a.no_chat, steps=steps,
+                kv_dtype=KV_DTYPES.get(a.kv_dtype), chat_template=not a.no_chat, steps=steps,
                 evict_before_attend=a.evict_before_attend)
     if a.compile:
         with stderr_to_log(COMPILE_LOG, is_verbose(a)) as terminal, \

@@ -30,7 +30,7 @@ check_python()
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
-from cache import kv_bytes  # noqa: E402
+from cache import KV_DTYPES, kv_bytes  # noqa: E402
 from checkpoint import MODELS, resolve_checkpoint, shape_config  # noqa: E402
 from cli import COMPILE_LOG, Parser, check_writable, is_verbose, run_cli, stderr_to_log  # noqa: E402
 from convert import read_config  # noqa: E402
@@ -153,10 +153,12 @@ def parse_args(argv=None):
                     help="cpu, cuda or cuda:N (default: cuda when available)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="auto = bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"],
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", *KV_DTYPES],
                     help="KV cache storage: auto = --dtype; int8 = one scale per token and head (the buffer ~4x "
                          "smaller than fp32, ~2x than bf16; every policy scores the dequantized keys). Saves memory, "
-                         "not decode time: attention runs on a dequantized copy of the attended slots")
+                         "not decode time: attention runs on a dequantized copy of the attended slots. bfloat16 "
+                         "(with fp32 weights): half an fp32 cache, and compiled decode over a long cache reads half "
+                         "the bytes (docs/quantization.md)")
     ap.add_argument("--interactive", action="store_true",
                     help="chat: read one user turn per line from stdin ('> ' on a terminal), stream each answer; the "
                          "KV cache (--budget slots, default 2048 for every policy, full included) carries over "
@@ -495,7 +497,7 @@ def run(a) -> int:
         token_budget = a.budget or min(DEFAULT_BUDGET, ctx)
         if a.budget is None and token_budget < DEFAULT_BUDGET:
             clamped["--budget"] = (DEFAULT_BUDGET, token_budget)
-    kv_dtype = torch.int8 if a.kv_dtype == "int8" else None
+    kv_dtype = KV_DTYPES.get(a.kv_dtype)
     if model is None:
         kv_need = len(prompts) * kv_cache_estimate(args, token_budget + a.block_size, kv_dtype or dtype)  # every layer's
         if a.prefill == "one-shot":  # and one layer's scratch of the whole (padded) prompt
@@ -630,7 +632,7 @@ def run(a) -> int:
               f"(loading{' and compiling' if a.compile else ''} included) | prefill "
               f"{stats['prefill_peak_bytes'] / mib:.1f} MiB, decode {stats['decode_peak_bytes'] / mib:.1f} MiB "
               f"(each phase's own) | KV cache {stats['kv_cache_bytes'] / mib:.2f} MiB"
-              f"{' (int8)' if a.kv_dtype == 'int8' else ''}",
+              f"{f' ({a.kv_dtype})' if a.kv_dtype != 'auto' else ''}",
               file=sys.stderr)
         if tp_line:
             print(tp_line, file=sys.stderr)

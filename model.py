@@ -362,12 +362,12 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, rowwise: bo
       in the values' dtype (SDPA's CPU kernel rounds the weights so too)."""
     if q.device.type == "cuda" and q.shape[-2] <= MATMUL_MAX_QUERY_ROWS and (
             torch.compiler.is_compiling() or keys.shape[-2] >= MATMUL_EAGER_MIN_SLOTS):
-        return matmul_attention(q, keys, values, mask)
+        return matmul_attention(q, keys.to(q.dtype), values.to(q.dtype), mask)
     if (not rowwise or q.device.type != "cpu" or not torch.compiler.is_compiling()
             or q.shape[-2] > ROWWISE_MAX_QUERY_ROWS):
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
     scores = rowwise_product(q.float() * q.shape[-1] ** -0.5, keys.float())  # keys widened in the loop
-    return weighted_values(scores, mask, values)
+    return weighted_values(scores, mask, values).to(q.dtype)
 
 
 class Attention(nn.Module):
@@ -400,7 +400,8 @@ class Attention(nn.Module):
         if mask.shape[1] == 1 < h:
             # One mask for every head (an eager prefill block of a cache without eviction): SDPA groups the heads
             # itself and broadcasts the mask, where folded rows would copy it g * h times (and SDPA widen each copy).
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=g > 1)
+            out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                                 enable_gqa=g > 1)
         else:
             q_rows = q.reshape(B, h, g * T, d)
             mask_rows = mask[:, :, None].expand(B, h, g, T, S).reshape(B, h, g * T, S)

@@ -78,7 +78,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import policies  # noqa: E402
-from cache import is_scorer, kv_bytes  # noqa: E402
+from cache import KV_DTYPES, is_scorer, kv_bytes  # noqa: E402
 from checkpoint import resolve_checkpoint, shape_config  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
@@ -223,8 +223,8 @@ def bench_model(args, ckpt, config: dict, kv_slots: int = 0, dtype: torch.dtype 
 
 
 def kv_dtype(args) -> torch.dtype | None:
-    """--kv-dtype int8: the cache's storage dtype; None: the compute dtype (the runs without the flag)."""
-    return torch.int8 if getattr(args, "kv_dtype", None) == "int8" else None
+    """--kv-dtype (int8, bfloat16): the cache's storage dtype; None: the compute dtype (the runs without the flag)."""
+    return KV_DTYPES.get(getattr(args, "kv_dtype", None))
 
 
 def weights_label(args, config: dict | None = None) -> str:
@@ -1067,7 +1067,7 @@ def parser() -> Parser:
     ap.add_argument("--plot", type=Path, help="--batch: write the tok/s-vs-batch plot (PNG) here")
     ap.add_argument("--one-batch-prefill", help=argparse.SUPPRESS)  # internal: "label@state-file"
     ap.add_argument("--one-batch", help=argparse.SUPPRESS)  # internal: "label@B@state-file"
-    ap.add_argument("--kv-dtype", choices=["int8"], help="the policy table: budgetkv's KV cache stored as int8 "
+    ap.add_argument("--kv-dtype", choices=list(KV_DTYPES), help="the policy table: budgetkv's KV cache stored so "
                     "(generate.py's --kv-dtype; the peers keep theirs)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is steadier on a shared machine)")
     ap.add_argument("--resume", action="store_true",
@@ -1138,9 +1138,9 @@ def check_args(args) -> None:
             flag, where = f"--{k.replace('_', '-')}", [RUNS[r] for r in ONLY[k]]
             raise UserError(f"{flag} needs {' or '.join(where)}" if "table" not in ONLY[k] else
                             f"{flag} does not apply to {RUNS[kind]} (only to {', '.join(where)})")
-    if args.kv_dtype and (args.llamacpp or args.kvpress):
-        raise UserError("--kv-dtype int8 with a peer (--llamacpp, --kvpress): the peer tables label budgetkv's cache "
-                        "as float; run them apart")
+    if args.kv_dtype and args.kvpress:
+        raise UserError("--kv-dtype with --kvpress: the kvpress table labels budgetkv's cache as the compute dtype; "
+                        "run them apart")
     if args.random_weights and args.llamacpp:
         raise UserError("--llamacpp runs the checkpoint's own GGUF, which --random-weights has not: drop one of them")
     if args.random_weights and args.hf_model != defaults["hf_model"]:
@@ -1287,7 +1287,7 @@ def run(args) -> None:
     print(f"{args.checkpoint}: prompt {len(ids)} tokens, budget {args.budget}, block {args.block_size}, "
           f"{args.decode_steps} decode steps x {args.repeats} repeats, "
           f"{weights_label(args, config)} on {args.device}, "
-          f"{'int8 KV cache, ' if kv_dtype(args) else ''}{steps_label(args)}, "
+          f"{f'{args.kv_dtype} KV cache, ' if kv_dtype(args) else ''}{steps_label(args)}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
     bw = read_bandwidth_gb_s(args.device)
     results = {}
@@ -1428,7 +1428,8 @@ def print_peer_table(results: dict, llama: dict, args, config: dict) -> None:
           "same greedy tokens as budgetkv full |")
     print("|---|---|---|---|---|---|")
     weights = {"float32": "fp32"}.get(short_weights(args, config), short_weights(args, config))
-    rows = [(f"budgetkv {label} ({weights})", r) for label, r in results.items() if label != "no-evict"]  # no generator
+    kv = f", KV {args.kv_dtype}" if args.kv_dtype else ""
+    rows = [(f"budgetkv {label} ({weights}{kv})", r) for label, r in results.items() if label != "no-evict"]  # no generator
     rows += [(llama_label(variant, x), x) for variant, x in llama.items()]
     for name, r in rows:
         same = "(reference)" if r is results["full"] else same_tokens(r.get("tokens"), full)

@@ -36,10 +36,10 @@ def tiny(hf_tiny):
 PROMPT = torch.randint(0, 512, (90,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
-def run(model, spec: str, budget: int, step, n: int = 12) -> list[int]:
+def run(model, spec: str, budget: int, step, n: int = 12, kv_dtype=None) -> list[int]:
     policy = policies.make(spec)
     prefill = prefill_protocol(policy, None)
-    setup(model, policy, budget, len(PROMPT), n, 8, prefill=prefill)
+    setup(model, policy, budget, len(PROMPT), n, 8, prefill=prefill, kv_dtype=kv_dtype)
     with torch.inference_mode():
         return generate(model, PROMPT, n, block_size=8, steps=(prefill_step, step), one_shot=prefill == "one-shot")[0]
 
@@ -56,6 +56,14 @@ def test_packaged_step_generates_eager_tokens(tiny, packages, spec, budget):
     again = aoti.AotStep()
     assert run(tiny, spec, budget, again) == run(tiny, spec, budget, model_step)
     assert (again.compiled, again.loaded) == (0, 1)
+
+
+def test_bf16_kv_step_generates_eager_tokens(tiny, packages):
+    """A bfloat16 cache under fp32 weights (the row-wise attention widens it in its loop) has a package of its own."""
+    step = aoti.AotStep()
+    assert run(tiny, "full", 110, step, kv_dtype=torch.bfloat16) == run(tiny, "full", 110, model_step,
+                                                                         kv_dtype=torch.bfloat16)
+    assert tiny.layers[0].attention.kv_cache.k.dtype == torch.bfloat16 and step.compiled == 1
 
 
 def test_a_step_rebinds_when_setup_makes_new_caches(tiny, packages):

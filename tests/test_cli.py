@@ -111,14 +111,17 @@ def test_profile_writes_a_whole_trace_or_fails_in_one_line(tiny_ckpt, tmp_path, 
     assert os.listdir(tmp_path) == ["t.json"]
 
 
-def test_int8_kv_run_reports_the_smaller_buffer(tiny_ckpt, capsys):
-    code, out, err = run_main(["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps over the lazy dog, " * 3,
-                               "--max-new-tokens", "5", "--json", "--policy", "keydiff", "--budget", "8",
-                               "--block-size", "4", "--kv-dtype", "int8"], capsys)
+@pytest.mark.parametrize("kv_dtype,slot_bytes", [("int8", 16 + 4), ("bfloat16", 16 * 2)])
+def test_narrow_kv_run_reports_the_smaller_buffer(tiny_ckpt, capsys, kv_dtype, slot_bytes):
+    argv = ["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps over the lazy dog, " * 3,
+            "--max-new-tokens", "5", "--policy", "keydiff", "--budget", "8", "--block-size", "4", "--kv-dtype", kv_dtype]
+    code, out, err = run_main(argv + ["--json"], capsys)
     assert code == 0, err
     stats = json.loads(out)
-    # 2 layers x (K and V) x 2 KV heads x (budget + block) slots x (head_dim 16 int8 + one fp32 scale)
-    assert stats["kv_cache_bytes"] == 2 * 2 * 2 * (8 + 4) * (16 + 4) and stats["kv_dtype"] == "int8"
+    # 2 layers x (K and V) x 2 KV heads x (budget + block) slots x (head_dim 16 int8 + one fp32 scale, or 16 bf16)
+    assert stats["kv_cache_bytes"] == 2 * 2 * 2 * (8 + 4) * slot_bytes and stats["kv_dtype"] == kv_dtype
+    code, _, err = run_main(argv, capsys)
+    assert code == 0 and f"MiB ({kv_dtype})" in err, err
 
 
 @pytest.mark.parametrize("flag,prefill,compile_prefill", [(["--compile-prefill"], "block", True),

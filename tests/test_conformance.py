@@ -8,7 +8,7 @@
   are covered by their family's reference there.
 - compiled == eager (fullgraph=True, inductor) with error_on_recompile over 2 x 69 decode steps;
 - a budget that holds everything reproduces `full`, under both protocols;
-- int8 KV keeps exactly the sets of fp32 KV holding the same rounded values.
+- int8 and bf16 KV keep exactly the sets of fp32 KV holding the same rounded values.
 """
 import copy
 
@@ -197,19 +197,26 @@ def run_kv(model, name, kv_dtype):
     return out, [layer.attention.kv_cache.pos[0].sort(-1).values.clone() for layer in model.layers]
 
 
+ROUNDINGS = {torch.int8: lambda x: dequantize_rows(*quantize_rows(x), x.dtype),
+             torch.bfloat16: lambda x: x.bfloat16().to(x.dtype)}
+
+
+@pytest.mark.parametrize("kv_dtype", list(ROUNDINGS), ids=str)
 @pytest.mark.parametrize("name", NAMES)
-def test_int8_kv_keeps_the_fp32_sets(tiny, name, monkeypatch):
-    """Against fp32 KV holding exactly the values int8 KV represents (each K/V row rounded to its int8 grid before
-    it is written): every score is computed from the same numbers, so the kept sets and tokens are identical; only
-    the storage differs (int8 + scales moved through hole filling, sorting, compression and gathers)."""
-    out_q, kept_q = run_kv(tiny, name, torch.int8)
-    assert tiny.layers[0].attention.kv_cache.k.dtype == torch.int8
-    update = KVCache.update
+def test_narrow_kv_keeps_the_fp32_sets(tiny, name, kv_dtype, monkeypatch):
+    """Against fp32 KV holding exactly the values int8 (bf16) KV represents (each K/V row rounded to its int8 grid,
+    or to bf16, before it is written): every score and attention is computed from the same numbers, so the kept sets
+    and tokens are identical; only the storage differs (int8 + scales, or bf16, moved through hole filling,
+    sorting, compression and gathers)."""
+    out_q, kept_q = run_kv(tiny, name, kv_dtype)
+    assert tiny.layers[0].attention.kv_cache.k.dtype == kv_dtype
+    update, rounded = KVCache.update, ROUNDINGS[kv_dtype]
 
     def rounded_update(self, q, k, v, input_pos, query_pos):
-        return update(self, q, *(dequantize_rows(*quantize_rows(x), x.dtype) for x in (k, v)), input_pos, query_pos)
+        return update(self, q, rounded(k), rounded(v), input_pos, query_pos)
     monkeypatch.setattr(KVCache, "update", rounded_update)
     out_fp, kept_fp = run_kv(tiny, name, None)
+    assert tiny.layers[0].attention.kv_cache.k.dtype == torch.float32
     for layer, (a, b) in enumerate(zip(kept_fp, kept_q)):
-        assert torch.equal(a, b), f"{name}: layer {layer} keeps different positions with int8 KV"
+        assert torch.equal(a, b), f"{name}: layer {layer} keeps different positions with {kv_dtype} KV"
     assert out_fp == out_q

@@ -78,3 +78,40 @@ def test_int8_kv_compiles_without_recompiles(hf_tiny):
     out_c = generate_compiled(model, prompt, 70, 16)
     assert out_c == out_e
     assert all(torch.equal(a, b) for a, b in zip(kept(model), kept_e))
+
+
+def test_bf16_kv_logits_close_and_buffer_half(hf_tiny):
+    """--kv-dtype bfloat16 under fp32 weights: the buffer is half an fp32 one, and a step's logits move by the
+    rounding of K/V to bf16 only (used: not bit-equal; close)."""
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    prompt = torch.tensor(ids_of(60, seed=5))
+    from engine import block_inputs
+    logits, sizes = {}, {}
+    for kv_dtype in (None, torch.bfloat16):
+        setup_caches(model, 1, 64, 64, kv_dtype=kv_dtype)
+        assert model.layers[0].attention.kv_cache.k.dtype == (kv_dtype or torch.float32)
+        with torch.inference_mode():
+            logits[kv_dtype] = model_step(model, *block_inputs(prompt, 0, 64))
+        sizes[kv_dtype] = kv_bytes(model)
+    assert logits[torch.bfloat16].dtype == torch.float32
+    diff = (logits[None] - logits[torch.bfloat16]).abs().max().item()
+    assert 0 < diff < 0.02 * logits[None].abs().max().item(), diff
+    assert sizes[torch.bfloat16] * 2 == sizes[None]
+
+
+@pytest.mark.parametrize("name", ["full", "keydiff"])
+def test_bf16_kv_compiled_matches_eager(hf_tiny, name):
+    """Compiled (the CPU row-wise attention: keys widened in the loop, the values' product in bf16) against eager
+    (SDPA over the widened cache), under error_on_recompile."""
+    _, ckpt = hf_tiny("qwen2")
+    model = load_model(ckpt, torch.float32, "cpu")
+    prompt = ids_of(100, seed=6)
+    policy = make_policy(name, PARAMS) if name != "full" else None
+    setup_caches(model, 1, 48 if policy else 176, 16, policy, kv_dtype=torch.bfloat16)
+    out_e, _ = generate(model, prompt, 70, block_size=16, steps=EAGER)
+    kept_e = kept(model)
+    out_c = generate_compiled(model, prompt, 70, 16)
+    assert model.layers[0].attention.kv_cache.k.dtype == torch.bfloat16
+    assert out_c == out_e
+    assert all(torch.equal(a, b) for a, b in zip(kept(model), kept_e))
