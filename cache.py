@@ -139,13 +139,13 @@ def attention_weights(cache: "KVCache", q: Tensor, q_pos: Tensor, S: int, group_
 class View:
     """What a policy sees of one layer's cache in one step: the first S slots, read-only (state excepted).
 
-    keys, values [B, H_kv, S, D] in the compute dtype (dequantized when stored as int8); pos [B, H_kv, S] int32
-    (-1 = empty); state: the per-slot tensors the policy declared, [B, H_kv, S, ...] (observe may update them in
-    place); layer_state: its per-layer tensors; shared: cross-layer state the engine owns for one forward (a dict,
-    fresh for each one-shot prefill). The step: q [B, H_q, T, D] post-RoPE queries, input_pos [T] (shared by the
-    batch) or [B, T] (each sequence its own) their positions (-1 = padding), query_pos of the same shape (padding
-    rows query as their sequence's last real token), slot [T] the slots just written (or [B, T] when the sequences
-    wrote different slots: a batch with `full` or appending after a one-shot compression).
+    keys, values [B, H_kv, S, D] in the compute dtype (dequantized when stored as int8, widened from bf16); pos
+    [B, H_kv, S] int32 (-1 = empty); state: the per-slot tensors the policy declared, [B, H_kv, S, ...] (observe may
+    update them in place); layer_state: its per-layer tensors; shared: cross-layer state the engine owns for one
+    forward (a dict, fresh for each one-shot prefill). The step: q [B, H_q, T, D] post-RoPE queries, input_pos [T]
+    (shared by the batch) or [B, T] (each sequence its own) their positions (-1 = padding), query_pos of the same
+    shape (padding rows query as their sequence's last real token), slot [T] the slots just written (or [B, T] when
+    the sequences wrote different slots: a batch with `full` or appending after a one-shot compression).
     budget: the slots the layer holds (--budget); keep: how many of the prompt a one-shot compression keeps."""
 
     def __init__(self, cache: "KVCache", S: int, q=None, input_pos=None, query_pos=None, slot=None, shared=None,
@@ -261,8 +261,9 @@ class KVCache(nn.Module):
         self.head0, self.tp_group = head0, tp_group
         # kv_dtype int8: K and V stored as int8 with one scale per token and head (the buffer shrinks ~2x vs
         # bf16, ~4x vs fp32); `keys`/`values` dequantize to `dtype` for attention and for every policy's scores.
-        # kv_dtype bfloat16 under fp32 compute: half the buffer; policies score the keys widened to `dtype`, and
-        # attention reads the stored bf16 (the keys widened in its loop, the values' product in bf16).
+        # kv_dtype bfloat16 under fp32 compute: half the buffer; policies score the keys widened to `dtype`;
+        # attention gets the stored bf16 (model.attention: widened copies for SDPA and on CUDA; on CPU a compiled
+        # decode step widens the keys in its loop and takes the values' product in bf16).
         self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
         self.quantized = self.kv_dtype == torch.int8
         self.budget, self.block_size, self.window, self.policy = budget, block_size, window, policy
@@ -388,7 +389,7 @@ class KVCache(nn.Module):
     def update(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, query_pos: Tensor):
         """Write a block k, v [B, H, T, D] at positions input_pos [T] (shared by the batch) or [B, T] (each sequence
         its own; -1 = padding); return what to attend: keys and values as stored (model.attention widens a
-        bfloat16 cache inside its loops), int8 dequantized. With evict_before_attend the policy evicts first and the
+        bfloat16 cache), int8 dequantized. With evict_before_attend the policy evicts first and the
         block attends over the kept slots only."""
         B, H, T = k.shape[:3]
         dst = self.destinations(input_pos)
@@ -530,7 +531,8 @@ def make_cache(model, batch: int, budget: int, block_size: int, policy=None, scr
 
 def setup_caches(model, batch: int, budget: int, block_size: int, policy=None, evict_before_attend=False,
                  kv_dtype: torch.dtype | None = None, keep: int | None = None, evict: bool = True) -> None:
-    """Attach a fresh KVCache to every attention layer of `model` (kv_dtype torch.int8: the quantized buffer).
+    """Attach a fresh KVCache to every attention layer of `model` (kv_dtype: the buffer's storage, int8 or
+    bfloat16; None: the model's dtype).
     keep: the prompt slots a one-shot compression keeps (default budget); evict=False: the `no-evict` baseline,
     the same buffer with eviction switched off."""
     for i, layer in enumerate(model.layers):

@@ -157,8 +157,8 @@ def parse_args(argv=None):
                     help="KV cache storage: auto = --dtype; int8 = one scale per token and head (the buffer ~4x "
                          "smaller than fp32, ~2x than bf16; every policy scores the dequantized keys). Saves memory, "
                          "not decode time: attention runs on a dequantized copy of the attended slots. bfloat16 "
-                         "(with fp32 weights): half an fp32 cache, and compiled decode over a long cache reads half "
-                         "the bytes (docs/quantization.md)")
+                         "(with --dtype float32 only): half an fp32 cache; on CPU, compiled decode over a long cache "
+                         "reads half the bytes (docs/quantization.md)")
     ap.add_argument("--interactive", action="store_true",
                     help="chat: read one user turn per line from stdin ('> ' on a terminal), stream each answer; the "
                          "KV cache (--budget slots, default 2048 for every policy, full included) carries over "
@@ -273,6 +273,10 @@ def check_args(a) -> None:
     check_interactive_flags(a)
     check_prompt_flags(a)
     check_speculate_flags(a)
+    if a.kv_dtype == "bfloat16" and compute_dtype(a) != torch.float32:
+        raise UserError(f"--kv-dtype bfloat16 halves a float32 run's cache; this run computes in "
+                        f"{str(compute_dtype(a)).removeprefix('torch.')}, whose own cache is as small: drop --kv-dtype "
+                        "or add --dtype float32")
     seed = () if a.random_weights else (("--seed", a.seed),)  # random weights: --seed seeds them (and the prompt)
     given = [flag for flag, v in (("--top-k", a.top_k), ("--top-p", a.top_p), *seed) if v is not None]
     if given and a.temperature < MIN_TEMPERATURE:
@@ -323,6 +327,12 @@ def check_speculate_flags(a) -> None:
         if on:
             raise UserError(f"--speculate generates one sequence, uncompiled or compiled without freezing, and does "
                             f"not support {flag}: drop one of them")
+
+
+def compute_dtype(a) -> torch.dtype:
+    """--dtype: auto is bfloat16 on CUDA, float32 on CPU."""
+    auto = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
+    return auto if a.dtype == "auto" else getattr(torch, a.dtype)
 
 
 def check_interactive_flags(a) -> None:
@@ -462,8 +472,7 @@ def run(a) -> int:
         raise UserError("--compile-prefill / --no-compile-prefill apply to --prefill block: a one-shot prefill never "
                         "runs the block step")
     texts = None if a.random_weights or a.interactive else read_prompts(a)
-    dtype = {"auto": torch.bfloat16 if a.device.startswith("cuda") else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
+    dtype = compute_dtype(a)
     torch.manual_seed(a.seed or 0)
     set_threads(a.threads)
 

@@ -1138,6 +1138,9 @@ def check_args(args) -> None:
             flag, where = f"--{k.replace('_', '-')}", [RUNS[r] for r in ONLY[k]]
             raise UserError(f"{flag} needs {' or '.join(where)}" if "table" not in ONLY[k] else
                             f"{flag} does not apply to {RUNS[kind]} (only to {', '.join(where)})")
+    if args.kv_dtype == "bfloat16" and args.dtype != "float32":
+        raise UserError(f"--kv-dtype bfloat16 halves a float32 run's cache; --dtype {args.dtype}'s own cache is as "
+                        "small: drop one of them")
     if args.kv_dtype and args.kvpress:
         raise UserError("--kv-dtype with --kvpress: the kvpress table labels budgetkv's cache as the compute dtype; "
                         "run them apart")
@@ -1429,7 +1432,8 @@ def print_peer_table(results: dict, llama: dict, args, config: dict) -> None:
     print("|---|---|---|---|---|---|")
     weights = {"float32": "fp32"}.get(short_weights(args, config), short_weights(args, config))
     kv = f", KV {args.kv_dtype}" if args.kv_dtype else ""
-    rows = [(f"budgetkv {label} ({weights}{kv})", r) for label, r in results.items() if label != "no-evict"]  # no generator
+    rows = [(f"budgetkv {label} ({weights}{kv})", r)
+            for label, r in results.items() if label != "no-evict"]  # no-evict: no generator
     rows += [(llama_label(variant, x), x) for variant, x in llama.items()]
     for name, r in rows:
         same = "(reference)" if r is results["full"] else same_tokens(r.get("tokens"), full)

@@ -114,7 +114,8 @@ def test_profile_writes_a_whole_trace_or_fails_in_one_line(tiny_ckpt, tmp_path, 
 @pytest.mark.parametrize("kv_dtype,slot_bytes", [("int8", 16 + 4), ("bfloat16", 16 * 2)])
 def test_narrow_kv_run_reports_the_smaller_buffer(tiny_ckpt, capsys, kv_dtype, slot_bytes):
     argv = ["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps over the lazy dog, " * 3,
-            "--max-new-tokens", "5", "--policy", "keydiff", "--budget", "8", "--block-size", "4", "--kv-dtype", kv_dtype]
+            "--max-new-tokens", "5", "--policy", "keydiff", "--budget", "8", "--block-size", "4",
+            "--kv-dtype", kv_dtype]
     code, out, err = run_main(argv + ["--json"], capsys)
     assert code == 0, err
     stats = json.loads(out)
@@ -122,6 +123,12 @@ def test_narrow_kv_run_reports_the_smaller_buffer(tiny_ckpt, capsys, kv_dtype, s
     assert stats["kv_cache_bytes"] == 2 * 2 * 2 * (8 + 4) * slot_bytes and stats["kv_dtype"] == kv_dtype
     code, _, err = run_main(argv, capsys)
     assert code == 0 and f"MiB ({kv_dtype})" in err, err
+    if kv_dtype == "bfloat16":  # a run that does not compute in float32 has nothing to halve
+        for dtype in ("bfloat16", "float16"):
+            code, out, err = run_main(argv + ["--dtype", dtype], capsys)
+            assert code == 2 and not out and err.strip().splitlines() == [
+                f"error: --kv-dtype bfloat16 halves a float32 run's cache; this run computes in {dtype}, whose own "
+                "cache is as small: drop --kv-dtype or add --dtype float32"], err
 
 
 @pytest.mark.parametrize("flag,prefill,compile_prefill", [(["--compile-prefill"], "block", True),

@@ -100,18 +100,49 @@ def test_bf16_kv_logits_close_and_buffer_half(hf_tiny):
     assert sizes[torch.bfloat16] * 2 == sizes[None]
 
 
-@pytest.mark.parametrize("name", ["full", "keydiff"])
-def test_bf16_kv_compiled_matches_eager(hf_tiny, name):
-    """Compiled (the CPU row-wise attention: keys widened in the loop, the values' product in bf16) against eager
-    (SDPA over the widened cache), under error_on_recompile."""
+def test_bf16_kv_compiled_keydiff_matches_eager(hf_tiny):
+    """An evicting cache's compiled step attends through SDPA on widened copies, as eager does: eager's tokens and
+    kept sets, under error_on_recompile."""
     _, ckpt = hf_tiny("qwen2")
     model = load_model(ckpt, torch.float32, "cpu")
     prompt = ids_of(100, seed=6)
-    policy = make_policy(name, PARAMS) if name != "full" else None
-    setup_caches(model, 1, 48 if policy else 176, 16, policy, kv_dtype=torch.bfloat16)
+    setup_caches(model, 1, 48, 16, make_policy("keydiff", PARAMS), kv_dtype=torch.bfloat16)
     out_e, _ = generate(model, prompt, 70, block_size=16, steps=EAGER)
     kept_e = kept(model)
     out_c = generate_compiled(model, prompt, 70, 16)
     assert model.layers[0].attention.kv_cache.k.dtype == torch.bfloat16
     assert out_c == out_e
     assert all(torch.equal(a, b) for a, b in zip(kept(model), kept_e))
+
+
+def test_bf16_kv_compiled_rowwise_step_close_to_eager(hf_tiny):
+    """`full`'s compiled decode step reads the bf16 cache in place (keys widened in the row-wise loop, the values'
+    product in bf16, its weights rounded to bf16): its logits are eager's (fp32 SDPA over widened copies) up to that
+    rounding, step after step without a recompile. Not token for token: the rounding is the compiled step's own."""
+    _, ckpt = hf_tiny("qwen2")
+    model = load_model(ckpt, torch.float32, "cpu")
+    prompt = torch.tensor(ids_of(100, seed=6))
+    setup_caches(model, 1, 128, 16, kv_dtype=torch.bfloat16)
+    from engine import block_inputs
+    with torch.inference_mode():
+        for start in range(0, 96, 16):
+            model_step(model, *block_inputs(prompt, start, 16))
+    buffers = [t.clone() for layer in model.layers for t in layer.attention.kv_cache.slot_buffers()]
+
+    def restore():
+        for t, saved in zip((t for layer in model.layers for t in layer.attention.kv_cache.slot_buffers()), buffers):
+            t.copy_(saved)
+    torch._dynamo.reset()
+    step = torch.compile(model_step, fullgraph=True, dynamic=False)
+    try:
+        with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
+            for i in range(96, 100):
+                idx, pos = prompt[None, i:i + 1], torch.tensor([i])
+                restore()
+                eager = model_step(model, idx, pos)
+                restore()
+                compiled = step(model, idx, pos)
+                assert (compiled - eager).abs().max() < 0.01 * eager.abs().max()
+                buffers = [t.clone() for layer in model.layers for t in layer.attention.kv_cache.slot_buffers()]
+    finally:
+        torch._dynamo.reset()
