@@ -15,9 +15,10 @@ prompt (slot == position: the slots past it emptied), the draft restored from it
   and it is timed again right before each speculative measurement (plain and speculative alternate --repeats times:
   each row's speedup pairs two timings taken under the same conditions);
 - for each draft (policy, budget) and K: speculative.decode of the same tokens, timed; acceptance (mean drafts kept
-  per round), whether its tokens are plain's and else the first that differs (greedy identity: a K+1 block's
-  logits equal single steps' up to rounding, ~1e-5 in fp32; with bf16 activations, which CPU's int8 kernel uses
-  eager, ~0.1, so a near-tie may flip there), decode tok/s and the speedup over plain, and the bandwidth model's
+  per round), whether its tokens are plain's and else the first that differs, with plain's top-2 logit gap at that
+  token (greedy identity: a K+1 block's logits equal single steps' up to rounding, ~1e-5 in fp32; with bf16
+  activations, which CPU's int8 kernel uses eager, ~0.1, and bf16 logits, 0.25 apart at 32-64, so a near-tie or a
+  tie may flip there: a gap of 0 is a tie, which argmax breaks by the lower id), decode tok/s and the speedup over plain, and the bandwidth model's
   prediction from bytes per round at the measured acceptance (speculative.predicted_speedup: K draft steps, one
   more when all K are kept, plus one verification that reads what a target step reads; engine.decode_bytes_per_step
   of both caches), and beside it the step-time model: the same round costed with this machine's measured draft
@@ -165,15 +166,24 @@ def timed(fn, device: str) -> tuple:
 
 
 @torch.inference_mode()
-def plain_decode(model, step, first: int, L: int, n: int, device: str) -> list[int]:
-    """n greedy tokens from `first` at position L with the target's own decode step (engine.generate's loop)."""
+def plain_decode(model, step, first: int, L: int, n: int, device: str, margins: list | None = None) -> list[int]:
+    """n greedy tokens from `first` at position L with the target's own decode step (engine.generate's loop).
+    margins: appended with each step's top-2 logit gap (the logits that chose out[1], out[2], ...), untimed runs."""
     speculative.rollback(model, L - 1)
     out, tok = [first], first
     for i in range(n - 1):
         logits = step(model, torch.tensor([[tok]], device=device), torch.tensor([L + i], device=device))
         tok = int(logits.argmax(-1))
         out.append(tok)
+        if margins is not None:
+            margins.append(top2_gap(logits))
     return out
+
+
+def top2_gap(logits: torch.Tensor) -> float:
+    """The gap between the two largest logits, in the logits' own dtype (0 is a tie: argmax takes the lower id)."""
+    top = logits.flatten().topk(2).values
+    return float(top[0] - top[1])
 
 
 @torch.inference_mode()
@@ -221,7 +231,7 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
         with torch.inference_mode():
             logits, prefill_s = timed(lambda: engine.prefill(model, torch.tensor(ids, device=a.device), block),
                                       a.device)
-        first = int(logits.argmax(-1))
+        first, margins = int(logits.argmax(-1)), [top2_gap(logits)]
         mode = engine.default_compile_mode(a.device, WEIGHTS[weights], weights == "int8", a.freeze)
         mode = None if mode == engine.AOT else mode  # plain decode compiled as speculation's steps are (torch.compile)
 
@@ -233,7 +243,7 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
             plain_decode(model, fn, first, L, 3, a.device)
             return fn
         step = plain_step()
-        want, plain_s = timed(lambda: plain_decode(model, step, first, L, n, a.device), a.device)
+        want, plain_s = timed(lambda: plain_decode(model, step, first, L, n, a.device, margins), a.device)
         print(f"  {weights} context {L}: prefill {prefill_s:.1f} s, plain decode {(n - 1) / plain_s:.2f} tok/s",
               file=sys.stderr)
         for spec in lists["policies"]:
@@ -275,12 +285,14 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
                                      predicted_speedup=speculative.predicted_speedup(model, draft, k, kept),
                                      best_case_speedup=speculative.predicted_speedup(model, draft, k)))
                     x = rows[-1]
+                    if x["first_difference"] is not None:  # plain's own top-2 gap there: a tie or a real change
+                        x["plain_margin_at_difference"] = margins[x["first_difference"]]
                     print(f"    {spec:10s} budget {budget:5d} K={k}: {x['accepted_per_round']:.2f} kept/round, "
                           f"{x['spec_tok_s']:.2f} tok/s, speedup {x['speedup']:.2f}x (predicted "
                           f"{x['predicted_speedup']:.2f}x; from step times {x['step_time_speedup']:.2f}x: draft "
                           f"{x['draft_step_ms']:.1f} ms, verify {x['verify_ms']:.1f} ms, plain "
                           f"{x['plain_step_ms']:.1f} ms)"
-                          f"{'' if x['same_tokens'] else ', tokens differ from token ' + str(x['first_difference'])}",
+                          f"{'' if x['same_tokens'] else ', tokens differ from ' + difference(x)}",
                           file=sys.stderr)
                     if a.json:
                         save(a, rows)
@@ -296,6 +308,12 @@ def save(a, rows: list) -> None:
     write_atomic(a.json, json.dumps({"settings": settings, "rows": rows}, indent=1))
 
 
+def difference(row: dict) -> str:
+    """Where a row's tokens first differ from plain decoding's, with plain's top-2 logit gap at that token."""
+    return (f"token {row['first_difference']} (plain's top-2 gap there "
+            f"{row.get('plain_margin_at_difference', float('nan')):.3g})")
+
+
 def table(rows: list) -> str:
     lines = ["| weights | context | draft | budget | K | kept / round | acceptance | plain tok/s | spec tok/s | "
              "speedup | predicted | best case | step-time model | verify / plain step | same tokens |",
@@ -306,7 +324,7 @@ def table(rows: list) -> str:
                      f"{x['spec_tok_s']:.2f} | {x['speedup']:.2f}x | {x['predicted_speedup']:.2f}x | "
                      f"{x['best_case_speedup']:.2f}x | {x['step_time_speedup']:.2f}x | "
                      f"{x['verify_ms'] / x['plain_step_ms']:.2f} | "
-                     f"{'yes' if x['same_tokens'] else 'from token ' + str(x['first_difference'])} |")
+                     f"{'yes' if x['same_tokens'] else 'from ' + difference(x)} |")
     return "\n".join(lines)
 
 

@@ -53,3 +53,12 @@ def test_bench_dispatches_speculate(tiny_config_dir):
                         "--threads", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "| float32 | 40 | sink | 16 | 2 |" in r.stdout
+
+
+def test_a_difference_names_plains_top2_gap():
+    import torch
+    assert bench_speculate.top2_gap(torch.tensor([[1.0, 3.0, 2.5]])) == 0.5
+    tie = torch.tensor([[30.0, 37.0, 37.05]]).to(torch.bfloat16)  # both round to 37.0 in bf16: a tie
+    assert bench_speculate.top2_gap(tie) == 0.0 and int(tie.argmax(-1)) == 1  # argmax: the lower id
+    row = dict(first_difference=4, plain_margin_at_difference=0.0)
+    assert bench_speculate.difference(row) == "token 4 (plain's top-2 gap there 0)"
