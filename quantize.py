@@ -2,7 +2,7 @@
 group of in-features (asymmetric, packed two to a byte). Activations, the KV cache, embeddings and norms stay float.
 
     python scripts/quantize.py --checkpoint smollm2-135m --mode int8
-    python scripts/quantize.py --checkpoint smollm2-135m --mode int4 --groupsize 64
+    python scripts/quantize.py --checkpoint smollm2-135m --mode int4        # group 32, the default
     python generate.py --checkpoint checkpoints/smollm2-135m-int8 --prompt "Hello"
 
 What is quantized: every Linear of the transformer (attention.wqkv, attention.wo, feed_forward.w13, feed_forward.w2)
@@ -12,7 +12,7 @@ so the head is where the bytes are (21% of SmolLM2's weights). `--head auto` (de
 keeps it float (and tied) with int4: measured on SmolLM2-135M (scripts/bench.py --quant), a 4-bit head alone costs
 +6.4% perplexity where the int4 g32 body costs +0.02%, and an int8 head -0.2%. `--head quantize|float` overrides.
 
-The checkpoint is a new directory (default `<checkpoint>-int8`, `<checkpoint>-int4-g64`): config.json with a
+The checkpoint is a new directory (default `<checkpoint>-int8`, `<checkpoint>-int4-g32`): config.json with a
 "budgetkv_quantization" entry ({"mode", "groupsize", "head", "source"}), budgetkv.safetensors and the tokenizer
 files. The engine file is written last and records the identity of the checkpoint it was quantized from (as a
 conversion does, convert.py): a later run quantizes again when that checkpoint changed (docs/checkpoints.md).
