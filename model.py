@@ -447,8 +447,7 @@ def block_forward(block: TransformerBlock, x, cos, sin, input_pos, query_pos, ca
 # reads of its modules match (torch.compiler.nested_compile_region; a layer that differs, say a policy reading the
 # layer's index, is traced again): tracing, not compiling, is most of a warm start, and a cold one compiles one
 # layer's kernels. Eager, it is the plain function. Inductor's freezing (weights as graph constants) cannot take a
-# region: engine.compile_steps turns the regions off for a frozen step (and, until a GPU run has checked them, on
-# CUDA).
+# region: engine.compile_steps turns the regions off for a frozen step and on CUDA (engine.use_layer_regions says why).
 try:  # one reuse entry per distinct layer trace (each model, block shape and differing layer in the process)
     block_region = torch.compiler.nested_compile_region(block_forward, max_reuse_entries=1024)
 except TypeError:  # torch 2.11 (the GPU runs' so far): regions without a reuse limit to set
