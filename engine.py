@@ -215,8 +215,8 @@ def compile_steps(device: str, mode: str | None = None, prefill: bool = True, fr
 
 def use_layer_regions(device: str, freeze: bool) -> None:
     """Whether the next traced step takes one layer for all (model.block_region; read when dynamo traces): not for
-    frozen weights (a region cannot hold constants), and on CPU only: on CUDA a region's step ran slower under CUDA
-    graphs (no fusion across layers) and TOVA's tokens differed from eager's (docs/performance.md)."""
+    frozen weights (a region cannot hold constants), and on CPU only: on CUDA a region's step ran 11% slower under CUDA
+    graphs and TOVA's tokens differed from eager's (docs/performance.md, the fourth GPU run)."""
     set_layer_regions(not freeze and device == "cpu")
 
 
