@@ -2,6 +2,7 @@
 the warm-up order before a CUDA graph capture, the compile modes, and the one line on a machine without CUDA. Its
 GPU measurements themselves run on a GPU only (bash scripts/gpu_check.sh)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -179,6 +180,21 @@ def test_without_cuda_one_line_and_exit_1():
     assert r.returncode == 1 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "needs a CUDA GPU" in lines[0] and "TORCH_INDEX=" in lines[0]
+
+
+def test_python_override_runs_the_check_with_that_python(tmp_path):
+    """PYTHON=... (a GPU image's own Python, no .venv to set up there) is the interpreter gpu_check.sh runs."""
+    marker = tmp_path / "ran"
+    wrapper = tmp_path / "py"
+    wrapper.write_text(f"#!/bin/sh\ntouch {marker}\nexec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(wrapper)}
+    r = subprocess.run(["bash", "scripts/gpu_check.sh", "--only", "figure,nope"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert marker.exists() and r.returncode == 2 and "sections are tests, graphs, figure, bench" in r.stderr
+    r = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHON": str(tmp_path / "nope")})
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [f"error: PYTHON={tmp_path / 'nope'} is not a command"]
 
 
 @pytest.mark.parametrize("argv, message", [
