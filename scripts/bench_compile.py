@@ -26,6 +26,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from errors import check_python  # noqa: E402
+
+check_python()  # one line, not a traceback, in a Python without the requirements
 
 from checkpoint import resolve_checkpoint  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402

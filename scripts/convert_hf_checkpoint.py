@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from errors import check_python  # noqa: E402
+
+check_python()  # one line, not a traceback, in a Python without the requirements
 
 from cli import Parser, check_out_dir, check_writable, run_cli  # noqa: E402
 from convert import ENGINE_FILE, convert_gguf, convert_hf_dir  # noqa: E402

@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from errors import check_python  # noqa: E402
+
+check_python()  # one line, not a traceback, in a Python without the requirements
 
 from checkpoint import DownloadError, download  # noqa: E402,F401  (DownloadError: for callers of this module)
 from cli import Parser, check_out_dir, run_cli  # noqa: E402

@@ -41,11 +41,13 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from errors import check_python  # noqa: E402
+
+check_python()  # one line, not a traceback, in a Python without the requirements
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 import policies  # noqa: E402
 from cache import is_scorer  # noqa: E402

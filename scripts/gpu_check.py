@@ -31,10 +31,12 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from errors import check_python  # noqa: E402
+
+check_python()  # one line, not a traceback, in a Python without the requirements
+import torch  # noqa: E402
 
 import policies  # noqa: E402
 from cache import is_scorer  # noqa: E402

@@ -10,6 +10,10 @@ if [ -n "${PYTHON:-}" ]; then
     echo "error: PYTHON=$PYTHON is not a command" >&2
     exit 1
   fi
+  if [ "$("$PYTHON" -c 'import sys; print(sys.version_info[0])' 2> /dev/null)" != 3 ]; then
+    echo "error: PYTHON=$PYTHON is not a Python 3" >&2
+    exit 1
+  fi
 elif [ ! -x .venv/bin/python ]; then
   echo "error: .venv is missing: set it up with TORCH_INDEX=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh test (or name a Python that has CUDA torch: PYTHON=python3)" >&2
   exit 1

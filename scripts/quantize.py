@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # first: the library quantize.py, not this file
+from errors import check_python  # noqa: E402
 
+check_python()  # one line, not a traceback, in a Python without the requirements
 import quantize  # noqa: E402
 import progress  # noqa: E402
 from checkpoint import resolve_checkpoint  # noqa: E402

@@ -508,6 +508,16 @@ def test_a_python_without_the_requirements_gets_one_line(monkeypatch):
     assert ".venv/bin/python" in str(e.value)
 
 
+@pytest.mark.parametrize("script", ["generate.py", "scripts/bench.py", "scripts/eval.py", "scripts/quantize.py",
+                                    "scripts/convert_hf_checkpoint.py", "scripts/download.py", "scripts/gpu_check.py",
+                                    "scripts/bench_compile.py"])
+def test_every_command_line_says_in_one_line_that_this_python_lacks_the_requirements(script):
+    """python -S: no site-packages, so none of the requirements: one line and exit 1, no traceback."""
+    r = subprocess.run([sys.executable, "-S", script, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "not installed in this Python" in r.stderr and "torch" in r.stderr
+
+
 def test_generate_waits_passively_unless_told_otherwise():
     """OMP_WAIT_POLICY=PASSIVE by default (spinning threads collapse on a busy machine), a user's value kept."""
     code = "import os, runpy, sys; sys.argv = ['generate.py', '--help']; runpy.run_path('generate.py', run_name='x')" \

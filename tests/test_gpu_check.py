@@ -195,6 +195,9 @@ def test_python_override_runs_the_check_with_that_python(tmp_path):
     r = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHON": str(tmp_path / "nope")})
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [f"error: PYTHON={tmp_path / 'nope'} is not a command"]
+    r = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHON": "true"})
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == ["error: PYTHON=true is not a Python 3"]
 
 
 @pytest.mark.parametrize("argv, message", [
