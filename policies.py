@@ -28,11 +28,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cache import attention_mask, drop_lowest, newest, per_row, position_order, take_slots
+from errors import UserError
 
 INF = float("inf")
 
 
-class PolicyError(ValueError):
+class PolicyError(UserError):
     """An unknown policy or parameters that cannot work; the message is one line for the user."""
 
 

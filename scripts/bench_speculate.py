@@ -254,7 +254,7 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
                     speculative.check_draft(policy, budget, L + n + max_k, True)
                     protocol = engine.prefill_protocol(policy, None)
                     engine.setup(draft, policy, budget, L, n + max_k, block, prefill=protocol)
-                except (UserError, policies.PolicyError) as e:
+                except UserError as e:
                     print(f"    {spec} budget {budget}: skipped ({e})", file=sys.stderr)
                     continue
                 with torch.inference_mode():

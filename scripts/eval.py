@@ -153,7 +153,7 @@ def fits(task, protocol, policy, budget, bar, use_args) -> bool:
     try:
         use(*use_args)
         return True
-    except (policies.PolicyError, UserError) as e:
+    except UserError as e:
         NOT_APPLICABLE[task, label(protocol, policy), budget] = str(e)
         if bar is not None:
             bar.update()

@@ -2,10 +2,10 @@
 they run in venvs of their own, without the project's modules, so this file imports the standard library only."""
 import argparse
 import sys
+from pathlib import Path
 
-
-class BadInput(Exception):
-    """One line on stderr, exit 2."""
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from errors import EnvironmentFailure, UserError  # noqa: E402,F401  (standard library only)
 
 
 class Parser(argparse.ArgumentParser):

@@ -198,7 +198,7 @@ def test_token_is_sent_as_bearer(hub, tmp_path, monkeypatch, env_token, arg_toke
                                         (("gated", make_repo_files()), "hf_not_accepted"),  # 403 on resolve
                                         (("gated-api", make_repo_files()), None)], indirect=["hub"])
 def test_gated_repo(hub, tmp_path, token):
-    with pytest.raises(dl.DownloadError) as err:
+    with pytest.raises(dl.DownloadRefused) as err:
         dl.download(REPO, tmp_path / "ckpt", token=token)
     msg = str(err.value)
     assert f"access to {REPO} is refused" in msg and "HF_TOKEN" in msg and "\n" not in msg, msg
@@ -206,7 +206,7 @@ def test_gated_repo(hub, tmp_path, token):
 
 @pytest.mark.parametrize("hub", [("missing", {})], indirect=True)
 def test_repo_not_found(hub, tmp_path):
-    with pytest.raises(dl.DownloadError, match="not found") as err:
+    with pytest.raises(dl.DownloadRefused, match="not found") as err:
         dl.download(REPO, tmp_path / "ckpt")
     assert "\n" not in str(err.value)
 
@@ -214,7 +214,7 @@ def test_repo_not_found(hub, tmp_path):
 @pytest.mark.parametrize("hub", [("ok", {k: v for k, v in make_repo_files().items() if k != "model.safetensors"})],
                          indirect=True)
 def test_repo_without_safetensors(hub, tmp_path):
-    with pytest.raises(dl.DownloadError, match="has no safetensors weights"):
+    with pytest.raises(dl.DownloadRefused, match="has no safetensors weights"):
         dl.download(REPO, tmp_path / "ckpt")
     assert not [p for p in hub.paths() if p.endswith(".bin")]
 
@@ -245,6 +245,16 @@ def test_cli_gated_exits_2_with_one_line(hub, tmp_path):
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "HF_TOKEN" in r.stderr and r.stdout == ""
+
+
+def test_cli_unreachable_hub_exits_1(tmp_path):  # the environment failed, not the input (docs/errors.md)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = _run_cli(f"http://127.0.0.1:{port}", tmp_path, "--out-dir", str(tmp_path / "ckpt"))
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "cannot reach the Hugging Face hub" in r.stderr
 
 
 def test_cli_success_prints_path(hub, tmp_path):
