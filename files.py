@@ -1,12 +1,14 @@
 """Files that are never half-written: each write goes to a temporary name beside its target (.budgetkv-tmp-<pid>-
-<name>), is fsynced and renamed into place, and the folder fsynced, so a reader sees the old file or the whole new
-one. A killed run's temporary files are removed by the next run that writes into the same folder (their process is
-gone). A failed write is one line (EnvironmentFailure, exit 1) naming the file."""
+<name>), is given the permissions of the file it replaces (else the umask's: safetensors creates 0600), fsynced and
+renamed into place, and the folder fsynced, so a reader sees the old file or the whole new one. A killed run's
+temporary files are removed by the next run that writes into the same folder (their process is gone). A failed
+write is one line (EnvironmentFailure, exit 1) naming the file."""
 import errno
 import json
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 from errors import EnvironmentFailure
@@ -63,6 +65,16 @@ def write_error(path: Path, e: BaseException) -> EnvironmentFailure:
     return EnvironmentFailure(f"cannot write {path}: {reason}")
 
 
+def file_mode(path: Path) -> int:
+    """The permission bits a file written as `path` gets: those of the file it replaces, else 0666 less the umask."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def write_atomic(path: Path, write) -> None:
     """write(tmp) writes the content to a temporary name beside `path`; it is then fsynced and renamed into place,
     and the folder fsynced: `path` is the old file or the whole new one, never a part. Errors ->
@@ -71,6 +83,7 @@ def write_atomic(path: Path, write) -> None:
     tmp = tmp_path(path)
     try:
         write(tmp)
+        os.chmod(tmp, file_mode(path))
         fsync_path(tmp)
         os.replace(tmp, path)
         fsync_path(path.parent)

@@ -528,3 +528,29 @@ def test_unreadable_gguf_fails_before_converting(tmp_path, ckpts, capsys, conten
     line = one_line(capsys.readouterr().err)
     assert line.startswith(f"error: cannot read GGUF file {tmp_path / 'bad.gguf'}"), line
     assert not (ckpts / "bad").exists()
+
+
+# ------------------------------------------------------------------------------ permissions
+
+@pytest.fixture
+def umask_027():
+    old = os.umask(0o027)
+    yield
+    os.umask(old)
+
+
+def test_written_files_keep_the_permissions_a_user_expects(hf_src, tmp_path, ckpts, umask_027):
+    """A conversion's and a quantization's files get the umask's permissions (safetensors alone creates 0600), and a
+    file written over another keeps the permissions of the one it replaces."""
+    import quantize
+    path = write_tiny_llama(tmp_path / "m.gguf")
+    out = checkpoint.resolve_checkpoint(str(path))
+    q = tmp_path / "q"
+    quantize.quantize_dir(hf_src, "int8", out=q)
+    for folder in (out, q):
+        for name in (ENGINE_FILE, "config.json"):
+            assert oct((folder / name).stat().st_mode & 0o777) == oct(0o640), folder / name
+    (q / ENGINE_FILE).chmod(0o644)
+    (q / "config.json").chmod(0o604)
+    quantize.quantize_dir(hf_src, "int4", out=q, groupsize=32)
+    assert [oct((q / n).stat().st_mode & 0o777) for n in (ENGINE_FILE, "config.json")] == [oct(0o644), oct(0o604)]
