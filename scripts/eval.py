@@ -642,8 +642,6 @@ def check_args(a) -> None:
         if not source.is_dir() and len(a.longbench) > 1:
             raise UserError(f"--longbench-source {source} is one file, for {len(a.longbench)} tasks: give the folder "
                             "of <task>.jsonl files")
-    if importlib.util.find_spec("matplotlib") is None:
-        raise UserError("matplotlib is needed for the plots: pip install -r requirements-eval.txt")
 
 
 def check_device(device: str) -> None:
@@ -816,9 +814,13 @@ def write_outputs(a, ckpt, dtype, records, timings, wall_s, resumed=0, n_configs
     write_atomic(a.out_dir / "results.json", json.dumps(
         dict(config=config | {"checkpoint_dir": str(ckpt), "dtype": str(dtype), "torch": torch.__version__},
              wall_s=round(wall_s, 1), task_s=timings, resumed=resumed, summary=summary, records=records), indent=1))
-    pngs = plot(summary, records, a.budgets, a.out_dir)
+    plots = importlib.util.find_spec("matplotlib") is not None
+    pngs = plot(summary, records, a.budgets, a.out_dir) if plots else []
     print(md)
     print(f"wrote {a.out_dir}/results.json, results.md and {len(pngs)} PNGs in {wall_s:.0f} s", file=sys.stderr)
+    if not plots:
+        print(f"no plots: matplotlib is not installed ({sys.executable} -m pip install -r requirements-eval.txt)",
+              file=sys.stderr)
     return 0
 
 

@@ -3,6 +3,7 @@ independent computation (HF transformers), the cache snapshot leaves generation 
 outputs (and refuses bad input with one line, exit 2)."""
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -171,6 +172,18 @@ def test_quick_cli_writes_outputs(tiny_tok_ckpt, tmp_path, capsys):
     for r in res["records"]:
         if r["task"] not in ("fidelity", "freegen"):
             assert 0 <= r["score"] <= 1 and 0 <= r["partial"] <= 1 and r["logp"] <= 0
+
+
+def test_no_matplotlib_writes_tables_without_plots(tiny_tok_ckpt, tmp_path, monkeypatch, capsys):
+    real = ev.importlib.util.find_spec
+    monkeypatch.setattr(ev.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    out = tmp_path / "eval"
+    argv = ["--checkpoint", str(tiny_tok_ckpt), "--quick", "--out-dir", str(out), "--tasks", "fidelity",
+            "--policies", "full", "--fid-prefix", "64", "--fid-tokens", "4", "--block-size", "32"]
+    assert ev.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "no plots: matplotlib is not installed" in err and f"{sys.executable} -m pip install" in err, err
+    assert (out / "results.md").is_file() and not list(out.glob("*.png"))
 
 
 def test_longbench_average(tiny_tok_ckpt, tmp_path, monkeypatch, capsys):
