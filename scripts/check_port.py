@@ -6,8 +6,9 @@ VECTORS: the directory scripts/make_vectors.py wrote (tests/vectors). RESULTS: a
 port ran, CASE.safetensors with the case's outputs in the vectors' format: `kept` (required), `scores` and `selected`
 (checked when present). Cases without a result file are skipped; at least one must be there.
 
-Every step and head is compared; a mismatch is reported once per case and cause with its first step: the positions
-that differ, the engine's scores around the cut, and which part of the rule to look at. Exit 0: every checked case
+Every step and head is compared until the head's kept set first differs (later steps start from other candidates);
+a mismatch is reported once per case and cause with its first step: the positions that differ, the engine's scores
+around the cut, and which part of the rule to look at. Exit 0: every checked case
 matches; 1: a mismatch; 2: bad input (one line). Needs numpy and safetensors only.
 """
 import argparse
@@ -75,6 +76,25 @@ def around_cut(score: np.ndarray, kept: np.ndarray) -> str:
     return f"; engine's cut (position:score) dropped .. {dropped} | kept {kept_s} .."
 
 
+def score_mismatch(score: np.ndarray, got: np.ndarray, block: range) -> tuple[str, str] | None:
+    """(cause, detail) of the first score of one step and head that differs from the engine's, or None."""
+    unscored = [p for p in block if not np.isnan(score[p]) and np.isnan(got[p])]
+    if unscored:
+        return "order", (f"the step's own tokens {fmt(unscored)} were not scored: write the step's block and attend "
+                         "first, then score the kept slots plus the block and evict (attend before evict)")
+    cand = ~np.isnan(score)
+    bad = (cand & ~np.isclose(got, score, rtol=RTOL, atol=ATOL)) | (cand != ~np.isnan(got))
+    if not bad.any():
+        return None
+    p = int(np.flatnonzero(bad)[0])
+    what = f"position {p} scores {got[p]:.6g}, expected {score[p]:.6g}"
+    if cand[p] and not np.isnan(got[p]) and (score[p] == np.inf) != (got[p] == np.inf):
+        return "protected", f"{what}: check which positions the rule protects (+inf) and the window's boundary"
+    if not cand[p]:
+        return "scores", f"{what}: the candidates are the kept positions plus the step's block"
+    return "scores", f"{what}: the first score that differs"
+
+
 def diagnose(exp: np.ndarray, got: np.ndarray, score, got_score, block: range) -> tuple[str, str]:
     """(cause, one-line detail) of a kept-set mismatch of one step and head."""
     n_exp, n_got = int(exp.sum()), int(got.sum())
@@ -85,12 +105,9 @@ def diagnose(exp: np.ndarray, got: np.ndarray, score, got_score, block: range) -
     what = f"port dropped {fmt(lost)}, kept {fmt(extra)} instead"
     if score is None:
         return "kept", what + ": compare the rule's selection"
-    if got_score is not None:
-        unscored = [p for p in block if not np.isnan(score[p]) and np.isnan(got_score[p])]
-        if unscored:
-            return "order", (f"{what}; the step's own tokens {fmt(unscored)} were not scored: write the step's block "
-                             "and attend first, then score the kept slots plus the block and evict (attend before "
-                             "evict)")
+    found = score_mismatch(score, got_score, block) if got_score is not None else None
+    if found is not None and found[0] == "order":
+        return found[0], f"{what}; {found[1]}"
     inf_lost = [p for p in lost if score[p] == np.inf]
     if inf_lost:
         return "protected", (f"{what}; {fmt(inf_lost)} are protected (+inf) by the rule: check the window's "
@@ -106,12 +123,8 @@ def diagnose(exp: np.ndarray, got: np.ndarray, score, got_score, block: range) -
                 newer, older = max(a, b), min(a, b)
                 return "tie", (f"{what}; positions {a} and {b} tie at {score[a]:.6g}: ties drop the older position "
                                f"({older}) and keep the newer ({newer})")
-    if got_score is not None:
-        cand = ~np.isnan(score)
-        bad = cand & ~np.isclose(got_score, score, rtol=RTOL, atol=ATOL)
-        if bad.any():
-            p = int(np.flatnonzero(bad)[0])
-            return "scores", f"{what}; first score that differs: position {p}, expected {score[p]:.6g}, got {got_score[p]:.6g}"
+    if found is not None:
+        return found[0], f"{what}; {found[1]}"
     return "kept", what + ": the ranking differs (compare the scores around the cut)"
 
 
@@ -133,9 +146,10 @@ def check_case(case: dict, exp: dict, got: dict, new_tokens: int) -> dict[str, s
 
     kept_e, kept_g = exp["kept"], got["kept"].astype(np.int64)
     sc_e, sc_g = exp.get("scores"), got.get("scores")
+    diverged = set()  # heads whose kept set already differed: later steps start from other candidates
     for s in range(kept_e.shape[0]):
         block = range(*steps[s])
-        for h in range(kept_e.shape[1]):
+        for h in sorted(set(range(kept_e.shape[1])) - diverged):
             score = sc_e[s, h] if sc_e is not None else None
             if score is not None and np.isnan(score).all():
                 score = None
@@ -144,13 +158,11 @@ def check_case(case: dict, exp: dict, got: dict, new_tokens: int) -> dict[str, s
                 cause, detail = diagnose(kept_e[s, h], kept_g[s, h], score, gs, block)
                 cut = around_cut(score, kept_e[s, h]) if score is not None else ""
                 fail(cause, s, h, detail + cut)
+                diverged.add(h)
             elif score is not None and gs is not None:
-                both = ~np.isnan(score)
-                bad = (both & ~np.isclose(gs, score, rtol=RTOL, atol=ATOL)) | (np.isnan(score) != np.isnan(gs))
-                if bad.any():
-                    p = int(np.flatnonzero(bad)[0])
-                    fail("scores", s, h, f"same kept set, but the score of position {p} is {gs[p]:.6g}, expected "
-                                         f"{score[p]:.6g}")
+                found = score_mismatch(score, gs, block)
+                if found is not None:
+                    fail(found[0], s, h, f"same kept set, but {found[1]}")
         if "selected" in exp and "selected" in got:
             for h in range(exp["selected"].shape[1]):
                 e, g = exp["selected"][s, h], got["selected"][s, h]
@@ -158,7 +170,7 @@ def check_case(case: dict, exp: dict, got: dict, new_tokens: int) -> dict[str, s
                     fail("selection", s, h, f"attends {fmt(np.flatnonzero((g > 0) & (e == 0)))} instead of "
                                             f"{fmt(np.flatnonzero((e > 0) & (g == 0)))} (the decode-time selection)",
                          "selection head")
-    return {c: f"{line} [{counts[c]} step-heads]" if counts[c] > 1 else line for c, line in failures.items()}
+    return {c: f"{line} [{counts[c]} heads or steps]" if counts[c] > 1 else line for c, line in failures.items()}
 
 
 def main(argv: list[str]) -> int:

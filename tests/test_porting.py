@@ -48,3 +48,67 @@ def test_checker_passes_the_engine_and_refuses_bad_input(tmp_path):
     for args in [(tmp_path, out), (VECTORS, tmp_path / "none"), (VECTORS, tmp_path)]:
         r = run_checker(*args)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+EXAMPLES = REPO / "examples"
+sys.path.insert(0, str(EXAMPLES))
+import port_common  # noqa: E402
+import port_keydiff  # noqa: E402
+
+
+def documented_command(port: str) -> str:
+    """The command a port's docstring gives: run the port, then the checker."""
+    text = (EXAMPLES / port).read_text()
+    return next(line.strip() for line in text.splitlines() if line.strip().startswith(f"python examples/{port}"))
+
+
+@pytest.mark.parametrize("port", ["port_keydiff.py", "port_snapkv.py"])
+def test_worked_ports_pass_the_checker(port, tmp_path):
+    command = documented_command(port)
+    out = command.split()[3]  # python examples/port_X.py tests/vectors OUT && ...
+    command = command.replace(out, str(tmp_path / "out")).replace("python ", f"{sys.executable} ")
+    r = subprocess.run(command, shell=True, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "4 of 4 cases match" in r.stdout
+
+
+def check_broken(tmp_path, capsys, score=port_keydiff.score) -> list[str]:
+    port_common.main("keydiff", score, [str(VECTORS), str(tmp_path)])
+    assert check_port.main([str(VECTORS), str(tmp_path)]) == 1
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("MISMATCH")]
+
+
+def test_a_tie_broken_the_other_way_fails(tmp_path, capsys, monkeypatch):
+    def newer_first(ctx, kept, block, newest, score):  # drops the newer of two equal scores
+        cand = np.array(sorted(kept + block))
+        s = score(ctx, ctx["head"], cand, newest).astype(np.float32)
+        order = np.lexsort((-cand, s))
+        return sorted(cand[order[max(0, len(cand) - ctx["budget"]):]].tolist()), cand, s
+    monkeypatch.setattr(port_common, "step", newer_first)
+    lines = check_broken(tmp_path, capsys)
+    assert lines and all("[tie]" in line for line in lines), lines
+    assert "MISMATCH keydiff-gqa-b16 [tie] step 0 (prefill block, positions 0-15)" in lines[0]
+    assert "ties drop the older position" in lines[0]
+
+
+def test_an_off_by_one_window_fails(tmp_path, capsys):
+    def wide_window(ctx, h, cand, newest):  # protects floor(frac x budget) + 1 positions
+        s = port_keydiff.score(ctx, h, cand, newest)
+        return np.where(cand == newest - int(ctx["params"]["window_frac"] * ctx["budget"]), np.inf, s)
+    lines = check_broken(tmp_path, capsys, wide_window)
+    assert lines and any("[protected]" in line and "off by one" in line for line in lines), lines
+    assert all(" step " in line for line in lines)
+
+
+def test_evict_before_attend_fails(tmp_path, capsys, monkeypatch):
+    def evict_first(ctx, kept, block, newest, score):  # makes room among the kept, then appends the block
+        cand = np.array(kept, dtype=np.int64)
+        s = score(ctx, ctx["head"], cand, newest).astype(np.float32) if kept else np.zeros(0, np.float32)
+        order = np.lexsort((cand, s))
+        room = max(0, ctx["budget"] - len(block))
+        return sorted(cand[order[max(0, len(cand) - room):]].tolist() + block)[-ctx["budget"]:], cand, s
+    monkeypatch.setattr(port_common, "step", evict_first)
+    lines = check_broken(tmp_path, capsys)
+    order = [line for line in lines if "[order]" in line]
+    assert order, lines
+    assert "attend before evict" in order[0] and " step " in order[0]
