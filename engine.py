@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from cache import is_scorer, make_cache, row_cache, setup_caches
+from config import parse_config
 from convert import ENGINE_FILE, CheckpointError, read_config, read_hf_dir
 from errors import UserError
 from model import ModelArgs, RMSNorm, Transformer, on_meta, rope_inv_freq, set_layer_regions
@@ -30,7 +31,7 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
     tensors already sliced (tp.read_slices), shard is applied to the empty model before the loading instead."""
     if config is None:
         config = read_config(ckpt_dir)
-    args = ModelArgs.from_config(config)
+    args = parse_config(config)
     quant = config.get("budgetkv_quantization")
     engine_file = ckpt_dir / ENGINE_FILE
     if engine_file.is_file():
@@ -78,7 +79,7 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
 
 def meta_model(config: dict) -> Transformer:
     """The model of a config.json on the meta device: its shapes and parameter count, nothing allocated."""
-    args = ModelArgs.from_config(config)  # off the meta device: it checks RoPE's frequencies by value
+    args = parse_config(config)  # off the meta device: it checks RoPE's frequencies by value
     with on_meta():
         return Transformer(args)
 

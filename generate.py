@@ -39,7 +39,7 @@ from cache import is_scorer  # noqa: E402
 from engine import (AOT, MIN_TEMPERATURE, compile_steps, decode_bytes_per_step, default_compile_mode,  # noqa: E402
                     generate, generate_batch, kv_cache_estimate, load_model, model_step, prefill_protocol,
                     prefill_step, random_model, set_threads, setup, setup_batch, sync, warm_up)
-from model import ModelArgs  # noqa: E402
+from config import parse_config  # noqa: E402
 import progress  # noqa: E402
 import tp  # noqa: E402
 from progress import Progress, Ticker  # noqa: E402
@@ -479,13 +479,13 @@ def run(a) -> int:
     if a.random_weights:  # the model is built below, once the KV cache it needs is known
         config, shapes = shape_config(a.checkpoint)
         ckpt, tokenizer, model = a.checkpoint, None, None
-        args = ModelArgs.from_config(config)
+        args = parse_config(config)
         tp.check_shapes(args, mesh.world)
         prompts = batch_of(a, prompt_ids(a, args.vocab_size))
     else:
         ckpt = resolve_checkpoint(a.checkpoint)
         config = read_config(ckpt)  # read once: the architecture check, the model and the quantization marker
-        tp.check_shapes(ModelArgs.from_config(config), mesh.world)  # an unsupported architecture: before anything
+        tp.check_shapes(parse_config(config), mesh.world)  # an unsupported architecture: before anything
         tokenizer = load_tokenizer(ckpt)
         model = tp.load_model(ckpt, dtype, a.device, mesh, config)
         args = model.args

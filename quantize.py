@@ -50,6 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from config import parse_config
 from convert import (ENGINE_FILE, TOKENIZER_FILES, CheckpointError, checkpoint_files, file_sha256, identity,
                      load_stats, read_config, read_hf_dir, save_engine, save_stats)
 from errors import UserError
@@ -445,7 +446,7 @@ def quantize_dir(ckpt: Path, mode: str, groupsize: int | None = None, head: str 
         q = config[MARKER]
         raise UserError(f"{ckpt} is already quantized ({q.get('mode')}); quantize the float checkpoint it was "
                         f"made from ({q.get('source', 'its source')})")
-    args = ModelArgs.from_config(config)
+    args = parse_config(config)
     groupsize = check_mode(mode, groupsize, in_features(args))
     out_dir = out or default_out(ckpt, mode, groupsize)
     if out_dir.resolve() == ckpt.resolve():

@@ -268,10 +268,10 @@ def random_model(config: dict, dtype, device: str, seed: int, mesh: Mesh, *, lab
     sliced as soon as it is made, so that a rank holds its shard plus one whole tensor at a time (Llama-3.1-70B on
     8 GPUs never needs the whole model on one). kv_bytes: the whole model's KV cache (a rank holds 1/N)."""
     import engine
-    from model import ModelArgs
+    from config import parse_config
     if mesh.world == 1:
         return engine.random_model(config, dtype, device, seed, label=label, kv_bytes=kv_bytes)
-    args = ModelArgs.from_config(config)
+    args = parse_config(config)
     check_shapes(args, mesh.world)
     n = weight_bytes_per_rank(config, mesh.world, dtype) // dtype.itemsize
     model = engine.random_model(config, dtype, device, seed, label=label, kv_bytes=kv_bytes // mesh.world,
@@ -286,12 +286,12 @@ def load_model(ckpt_dir, dtype, device: str, mesh: Mesh, config: dict | None = N
     `device`."""
     import engine
     from convert import ENGINE_FILE, read_config
-    from model import ModelArgs
+    from config import parse_config
     if mesh.world == 1:
         return engine.load_model(ckpt_dir, dtype, device, config)
     if (ckpt_dir / ENGINE_FILE).is_file():
         config = config if config is not None else read_config(ckpt_dir)
-        args = ModelArgs.from_config(config)
+        args = parse_config(config)
         return engine.load_model(ckpt_dir, dtype, device, config, shard=lambda m: apply_tp(m, mesh),
                                  read=lambda path: read_slices(path, args, mesh))
 
@@ -384,8 +384,8 @@ def memory_table(config: dict, worlds=(1, 2, 4, 8), contexts=(8192, 16384, 32768
     context (every token held: context + block slots per layer and KV head) against a budget (budget + block
     slots, whatever the context)."""
     import engine
-    from model import ModelArgs
-    args = ModelArgs.from_config(config)
+    from config import parse_config
+    args = parse_config(config)
     gib = 2 ** 30
     head = ["ranks", "weights / rank"] + [f"KV full {c // 1024}K / rank" for c in contexts] + \
         [f"KV budget {budget} / rank", f"total / rank, {contexts[-1] // 1024}K: full vs budget"]

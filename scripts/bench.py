@@ -90,7 +90,7 @@ from engine import (AOT, PeakMemory, block_inputs, compile_steps, decode_bytes_p
                     sync, use_layer_regions)
 from engine import prefill as engine_prefill  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
-from model import ModelArgs  # noqa: E402
+from config import parse_config  # noqa: E402
 from scripts.eval import check_device  # noqa: E402
 from scripts.outputs import check_settings, checkpoint_identity, read_json, save_png, write_atomic  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -220,7 +220,7 @@ def bench_model(args, ckpt, config: dict, kv_slots: int = 0, dtype: torch.dtype 
     dtype = dtype or getattr(torch, args.dtype)
     if not args.random_weights:
         return load_model(ckpt, dtype, args.device, config)
-    kv_need = kv_cache_estimate(ModelArgs.from_config(config), kv_slots, kv_dtype(args) or dtype)
+    kv_need = kv_cache_estimate(parse_config(config), kv_slots, kv_dtype(args) or dtype)
     return random_model(config, dtype, args.device, 0, label=shape_config(args.checkpoint)[1], kv_bytes=kv_need)
 
 
@@ -247,14 +247,14 @@ def short_weights(args, config: dict | None) -> str:
 
 def random_prompt(config: dict, n: int) -> list[int]:
     """--random-weights: n prompt ids drawn below the vocabulary size (seed 0: every process draws the same)."""
-    vocab = ModelArgs.from_config(config).vocab_size
+    vocab = parse_config(config).vocab_size
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
 def run_figure(args) -> None:
     contexts, budgets = int_list(args.contexts, "--contexts"), int_list(args.budgets, "--budgets")
     ckpt, config = bench_source(args)
-    ctx = ModelArgs.from_config(config).max_seq_len
+    ctx = parse_config(config).max_seq_len
     if args.block_size > ctx:
         raise UserError(f"--block-size {args.block_size} is larger than the model's context ({ctx})")
     if max(contexts) + args.decode_steps > ctx:
@@ -841,7 +841,7 @@ def run_batch(args) -> None:
                         break
                 else:  # one prefilled sequence per (policy, context), in its own process
                     _, budget, _ = batch_budget(label, args.prompt_tokens, args)
-                    kv1 = kv_cache_estimate(ModelArgs.from_config(config), budget + args.block_size, dtype)
+                    kv1 = kv_cache_estimate(parse_config(config), budget + args.block_size, dtype)
                     if weights_b + B * kv1 > cap:
                         rows.append(row | {"fits": False, "measured": False,
                                            "estimate_mib": (weights_b + B * kv1) / 2**20})
@@ -1101,7 +1101,7 @@ def int_list(text: str, flag: str) -> list[int]:
 
 def check_sizes(config: dict, args) -> dict:
     """config (returned), after checking the prompt, decode steps, block and budget and each policy against it."""
-    model_args = ModelArgs.from_config(config)
+    model_args = parse_config(config)
     ctx = model_args.max_seq_len
     if args.block_size > ctx:
         raise UserError(f"--block-size {args.block_size} is larger than the model's context ({ctx})")

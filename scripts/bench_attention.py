@@ -28,6 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import engine  # noqa: E402
 import model as model_py  # noqa: E402
+from config import parse_config  # noqa: E402
 from checkpoint import shape_config  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
 from errors import UserError  # noqa: E402
@@ -69,7 +70,7 @@ def run(a) -> int:
     dtype = getattr(torch, a.dtype)
     torch._dynamo.config.recompile_limit = 64
     config, label = shape_config(a.checkpoint)
-    args = model_py.ModelArgs.from_config(config)
+    args = parse_config(config)
     hkv, d, g = args.n_kv_heads, args.head_dim, args.n_heads // args.n_kv_heads
     gen = torch.Generator().manual_seed(0)
     caches = [tuple(torch.randn(1, hkv, a.slots, d, generator=gen).to(a.device, dtype) for _ in "kv")

@@ -47,7 +47,8 @@ from cache import is_scorer  # noqa: E402
 import speculative  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402
 from errors import UserError  # noqa: E402
-from model import ModelArgs, set_layer_regions  # noqa: E402
+from config import parse_config  # noqa: E402
+from model import set_layer_regions  # noqa: E402
 from scripts.outputs import save_png, write_atomic  # noqa: E402
 
 WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}
@@ -138,7 +139,7 @@ def make_model(a, ckpt, config, weights: str):
 def prompt_ids(tokenizer, config: dict, n: int, text: str) -> list[int]:
     """n prompt ids: random ones (random weights), a window of the fidelity prose, or the needle document."""
     if tokenizer is None:
-        vocab = ModelArgs.from_config(config).vocab_size
+        vocab = parse_config(config).vocab_size
         return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
     if text == "prose":
         from scripts.eval import fidelity_texts
@@ -362,7 +363,7 @@ def run(a) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     ckpt, config, tokenizer = source(a)
-    ctx = ModelArgs.from_config(config).max_seq_len
+    ctx = parse_config(config).max_seq_len
     if max(lists["contexts"]) + a.new_tokens + max(lists["ks"]) > ctx:
         raise UserError(f"--contexts up to {max(lists['contexts'])} + --new-tokens {a.new_tokens} + K "
                         f"{max(lists['ks'])} exceed the model's context ({ctx})")

@@ -57,7 +57,7 @@ from convert import read_config  # noqa: E402
 from engine import compile_steps, load_model, model_step, prefill_step, setup  # noqa: E402
 from engine import prefill as engine_prefill  # noqa: E402
 from errors import UserError  # noqa: E402
-from model import ModelArgs  # noqa: E402
+from config import parse_config  # noqa: E402
 from scripts import eval_tasks  # noqa: E402
 from scripts.outputs import (append_line, check_settings, checkpoint_identity, digest, read_lines,  # noqa: E402
                              save_png, write_atomic)
@@ -670,7 +670,7 @@ def run(a) -> int:
     check_writable(journal, "--out-dir")
     ckpt = resolve_checkpoint(a.checkpoint)
     config = read_config(ckpt)  # read once, here and by the model
-    model_args = ModelArgs.from_config(config)
+    model_args = parse_config(config)
     ctx = model_args.max_seq_len
     for spec in a.policies:  # a parameter that cannot work at a budget fails before any loading
         policy = policies.make(spec)

@@ -96,17 +96,17 @@ def test_sliding_window_matters(hf_tiny):
 def test_qwen2_sliding_window_follows_max_window_layers(max_window_layers, want):
     """HF Qwen2 slides only in layers >= max_window_layers; the engine has one window for all layers, so it takes the
     window when every layer slides, none when no layer does, and refuses a mix (it once slid in every layer)."""
-    from model import ConfigError, ModelArgs
+    from config import ConfigError, parse_config
     cfg = dict(FAMILIES["qwen2"], use_sliding_window=True, sliding_window=48, max_window_layers=max_window_layers)
     if want == "error":
         with pytest.raises(ConfigError, match="sliding-window attention in some layers only"):
-            ModelArgs.from_config(cfg)
+            parse_config(cfg)
     else:
-        assert ModelArgs.from_config(cfg).sliding_window == want
+        assert parse_config(cfg).sliding_window == want
     if want != "error":  # transformers 5 writes layer_types; it wins
         types = ["sliding_attention", "full_attention"]
         with pytest.raises(ConfigError):
-            ModelArgs.from_config(dict(cfg, layer_types=types))
+            parse_config(dict(cfg, layer_types=types))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
