@@ -299,7 +299,35 @@ def read_gguf(gguf_path: Path):
     arch = _gguf_value(reader, "general.architecture")
     if arch not in ("llama", "qwen2"):
         raise CheckpointError(f"unsupported GGUF architecture {arch!r} in {name} (llama and qwen2 are supported)")
+    shapes = {t.name: tuple(int(x) for x in reversed(t.shape.tolist())) for t in reader.tensors}
+    h = gguf_hyperparameters(reader, name, arch, shapes)
+    vocab = shapes.get("token_embd.weight", (0,))[0]
+    check_gguf_tensors(name, shapes, vocab, h)
+    config = {
+        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": h["dim"],
+        "intermediate_size": h["ffn"],
+        "num_hidden_layers": h["n_layers"],
+        "num_attention_heads": h["n_heads"],
+        "num_key_value_heads": h["n_kv"],
+        "head_dim": h["head_dim"],
+        "rms_norm_eps": float(f"{h['eps']:.7g}"),  # stored as float32: 1e-5
+        "rope_theta": float(h["theta"]),
+        "rope_scaling": None if h["factor"] is None else {"rope_type": "linear", "factor": h["factor"]},
+        "max_position_embeddings": h["context"],
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "source": f"converted from {name} ({gguf_weight_type(reader)} weights, dequantized to float32)",
+        "gguf_converter": CONVERTER,
+    }
+    return reader, config
 
+
+def gguf_hyperparameters(reader, name: str, arch: str, shapes: dict) -> dict:
+    """The model's sizes, RMS norm epsilon and RoPE (theta, a linear scaling factor or None) from a GGUF's
+    metadata, each checked by type and range, naming the key: whole GQA groups, an even head dimension, and no
+    RoPE scaling the converter cannot carry over."""
     def meta(key, default=None):
         return _gguf_value(reader, f"{arch}.{key}", default)
 
@@ -331,23 +359,26 @@ def read_gguf(gguf_path: Path):
     # llama.cpp keeps Llama 3.1-style RoPE scaling as per-frequency factors (a rope_freqs tensor) instead of the
     # parameters the engine's config takes; converting without them would silently misplace every position.
     scaling = meta("rope.scaling.type", "none")
-    shapes = {t.name: tuple(int(x) for x in reversed(t.shape.tolist())) for t in reader.tensors}
     if "rope_freqs.weight" in shapes or scaling not in ("none", "linear"):
         kind = "per-frequency factors (rope_freqs)" if "rope_freqs.weight" in shapes else repr(scaling)
         raise CheckpointError(f"GGUF file {name} uses RoPE scaling by {kind}, which the GGUF converter "
                               "does not carry over; use the model's HF checkpoint instead")
     factor = positive("rope.scaling.factor", kind=float) if scaling == "linear" else None
+    return dict(n_heads=n_heads, n_kv=n_kv, dim=dim, n_layers=n_layers, ffn=ffn, context=context,
+                head_dim=head_dim, eps=eps, theta=theta, factor=factor)
 
-    vocab = shapes.get("token_embd.weight", (0,))[0]
-    q, kv = n_heads * head_dim, n_kv * head_dim
+
+def check_gguf_tensors(name: str, shapes: dict, vocab: int, h: dict) -> None:
+    """Every tensor the model needs is in the GGUF, and every tensor it may use has the shape its metadata gives."""
+    dim, ffn, q, kv = h["dim"], h["ffn"], h["n_heads"] * h["head_dim"], h["n_kv"] * h["head_dim"]
     want = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,)}
-    for i in range(n_layers):
+    for i in range(h["n_layers"]):
         want |= {f"blk.{i}.{k}.weight": s for k, s in (
             ("attn_norm", (dim,)), ("ffn_norm", (dim,)), ("attn_q", (q, dim)), ("attn_k", (kv, dim)),
             ("attn_v", (kv, dim)), ("attn_output", (dim, q)), ("ffn_gate", (ffn, dim)), ("ffn_up", (ffn, dim)),
             ("ffn_down", (dim, ffn)))}
     optional = {"output.weight": (vocab, dim)}
-    for i in range(n_layers):
+    for i in range(h["n_layers"]):
         optional |= {f"blk.{i}.{k}.bias": (n,) for k, n in (("attn_q", q), ("attn_k", kv), ("attn_v", kv),
                                                            ("attn_output", dim))}
     for t, shape in (want | optional).items():
@@ -356,25 +387,6 @@ def read_gguf(gguf_path: Path):
         if t in shapes and shapes[t] != shape:
             raise CheckpointError(f"GGUF file {name}: tensor {t} has shape {list(shapes[t])}, expected "
                                   f"{list(shape)} from its metadata")
-    config = {
-        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
-        "model_type": arch,
-        "vocab_size": vocab,
-        "hidden_size": dim,
-        "intermediate_size": ffn,
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "rms_norm_eps": float(f"{eps:.7g}"),  # stored as float32: 1e-5
-        "rope_theta": float(theta),
-        "rope_scaling": {"rope_type": "linear", "factor": factor} if scaling == "linear" else None,
-        "max_position_embeddings": context,
-        "tie_word_embeddings": "output.weight" not in shapes,
-        "source": f"converted from {name} ({gguf_weight_type(reader)} weights, dequantized to float32)",
-        "gguf_converter": CONVERTER,
-    }
-    return reader, config
 
 
 def gguf_weight_type(reader) -> str:
