@@ -65,6 +65,7 @@ def documented_command(port: str) -> str:
 @pytest.mark.parametrize("port", ["port_keydiff.py", "port_snapkv.py"])
 def test_worked_ports_pass_the_checker(port, tmp_path):
     command = documented_command(port)
+    assert command in (REPO / "docs" / "porting.md").read_text(), "docs/porting.md gives the same command"
     out = command.split()[3]  # python examples/port_X.py tests/vectors OUT && ...
     command = command.replace(out, str(tmp_path / "out")).replace("python ", f"{sys.executable} ")
     r = subprocess.run(command, shell=True, cwd=REPO, capture_output=True, text=True, timeout=600)
