@@ -11,9 +11,10 @@ Baselines, all in the same process and run:
   prefill, as kvpress does), run in .venv-kv (kvpress needs transformers < 5.3); decode tok/s and peak memory.
 - `--llamacpp`: llama.cpp (llama-cpp-python, scripts/bench_llamacpp.py in .venv-llamacpp: `bash scripts/setup.sh
   llamacpp`) on the GGUF the checkpoint was converted from (smollm2-135m: the embedded Q4_1), as shipped (llama.cpp's
-  defaults: KV cache f16) and dequantized to F32 (KV cache f32, made once under build/), with the same prompt ids,
-  threads, decode steps and repeats, greedy: TTFT, prefill and decode tok/s, peak memory, and whether its greedy
-  tokens are `full`'s. Strict: without .venv-llamacpp the run stops before it starts (one line, exit 1).
+  defaults: KV cache f16) and dequantized to F32 (KV cache f32, made once under build/), each with flash attention
+  on and off, with the same prompt ids, threads, decode steps and repeats, greedy: TTFT, prefill and decode tok/s,
+  peak memory, whether its greedy tokens are `full`'s, and each budgetkv configuration against llama.cpp's best
+  setting for each measure. Strict: without .venv-llamacpp the run stops before it starts (one line, exit 1).
 Timings are medians over --repeats; prefill = the whole block-wise prompt, TTFT = prefill + the first token's
 argmax (the same time: the prefill's last logits give the first token); decode = median per-step time.
 Memory: process peak RSS (VmHWM, reset at the start of each phase) on CPU, max_memory_allocated on CUDA.
@@ -1036,8 +1037,9 @@ def parser() -> Parser:
                     help="HF-format copy of the model for kvpress (made from the GGUF if missing)")
     ap.add_argument("--llamacpp", action="store_true",
                     help="also run llama.cpp (in .venv-llamacpp: bash scripts/setup.sh llamacpp) on the GGUF the "
-                         "checkpoint was converted from, as shipped and dequantized to F32: TTFT, prefill and decode "
-                         "tok/s, peak memory, and whether its greedy tokens are full's")
+                         "checkpoint was converted from, as shipped and dequantized to F32, each with flash attention "
+                         "on and off: TTFT, prefill and decode tok/s, peak memory, whether its greedy tokens are "
+                         "full's, and budgetkv against llama.cpp's best setting for each measure")
     ap.add_argument("--random-weights", action="store_true",
                     help="the table, --paired or --figure without weights: --checkpoint's shapes (a short name's "
                          "configs/<name>.json, or a folder with only a config.json) with seeded random weights "
@@ -1363,8 +1365,12 @@ def run(args) -> None:
 # --------------------------------------------------------------------------------- llama.cpp as the CPU peer
 
 # bench_llamacpp.py's runs: the GGUF as shipped with llama.cpp's defaults (KV cache f16), and its F32 copy with an
-# f32 KV cache (every tensor and the cache in budgetkv's dtype: its greedy tokens should be full's)
-LLAMACPP_VARIANTS = {"shipped": [], "F32": ["--kv-type", "f32"]}
+# f32 KV cache (every tensor and the cache in budgetkv's dtype: its greedy tokens should be full's), each with flash
+# attention on and off: on this CPU it is llama.cpp's fast prefill and its slow F32 decode, so each measure is
+# compared with llama.cpp's best setting for it (best_llamacpp)
+LLAMACPP_WEIGHTS = {"shipped": [], "F32": ["--kv-type", "f32"]}
+LLAMACPP_VARIANTS = {f"{w} fa-{fa}": [*flags, "--flash-attn", fa] for w, flags in LLAMACPP_WEIGHTS.items()
+                     for fa in ("on", "off")}
 LLAMACPP_FIELDS = {"model": str, "kv_type": str, "ttft_s": float, "prefill_tok_s": float, "decode_step_ms": float,
                    "decode_tok_s": float, "prefill_peak_mib": float, "decode_peak_mib": float}
 
@@ -1393,15 +1399,33 @@ def run_llamacpp(gguf: Path, ids: list[int], variant: str, args) -> dict:
         cmd = [str(LLAMACPP_PY), str(REPO / "scripts" / "bench_llamacpp.py"), "--gguf", str(gguf),
                "--ids-file", f.name, "--decode-steps", str(args.decode_steps), "--repeats", str(args.repeats),
                "--threads", str(torch.get_num_threads()), *LLAMACPP_VARIANTS[variant]]
-        if variant == "F32":
+        if variant.startswith("F32"):
             cmd += ["--dequantize", str(REPO / "build" / f"{gguf.stem}.F32.gguf")]
         return json_result(subprocess.run(cmd, capture_output=True, text=True), f"llama.cpp {variant}",
                            "budgetkv-bench-llamacpp")
 
 
 def llama_label(variant: str, x: dict) -> str:
-    """'llama.cpp Q4_1 as shipped, KV f16' / 'llama.cpp all F32, KV f32' (the file type from llama_model_desc)."""
-    return f"llama.cpp {x['model'].split(' ', 2)[-1]}{' as shipped' if variant == 'shipped' else ''}, KV {x['kv_type']}"
+    """'llama.cpp Q4_1 as shipped, KV f16, flash attention on' (the file type from llama_model_desc)."""
+    shipped = " as shipped" if variant.startswith("shipped") else ""
+    return (f"llama.cpp {x['model'].split(' ', 2)[-1]}{shipped}, KV {x['kv_type']}, flash attention "
+            f"{x.get('flash_attn', variant.rpartition('fa-')[2])}")
+
+
+# each measure: its field, whether more is better, and how the table names it
+PEER_MEASURES = (("ttft_s", False, "TTFT"), ("prefill_tok_s", True, "prefill tok/s"),
+                 ("decode_tok_s", True, "decode tok/s"), ("decode_peak_mib", False, "decode peak RSS"))
+
+
+def best_llamacpp(llama: dict, weights: str) -> dict:
+    """For llama.cpp's `weights` ("shipped" / "F32"): per measure, (its best value over the flash-attention settings,
+    the setting that gave it)."""
+    rows = {v.rpartition("fa-")[2]: x for v, x in llama.items() if v.startswith(weights + " ")}
+    best = {}
+    for field, higher, _ in PEER_MEASURES:
+        setting = (max if higher else min)(rows, key=lambda s: rows[s][field])
+        best[field] = (rows[setting][field], setting)
+    return best
 
 
 def same_tokens(tokens, reference) -> str:
@@ -1441,6 +1465,22 @@ def print_peer_table(results: dict, llama: dict, args, config: dict) -> None:
         same = "(reference)" if r is results["full"] else same_tokens(r.get("tokens"), full)
         print(f"| {name} | {r['ttft_s'] if 'ttft_s' in r else r['prefill_s']:.2f} | {r['prefill_tok_s']:.0f} | "
               f"{spread(r)} | {r['prefill_peak_mib']:.0f} / {r['decode_peak_mib']:.0f} | {same} |")
+    for w in LLAMACPP_WEIGHTS:
+        if not any(v.startswith(w + " ") for v in llama):
+            continue
+        best = best_llamacpp(llama, w)
+        print(f"\nbudgetkv against llama.cpp {w}'s best setting for each measure (flash attention on or off; "
+              "ratios > 1: budgetkv better)\n")
+        print("| configuration | " + " | ".join(f"{name} (llama.cpp best: {best[f][0]:.2f}, flash attention "
+                                                f"{best[f][1]})" for f, _, name in PEER_MEASURES) + " |")
+        print("|---|" + "---:|" * len(PEER_MEASURES))
+        for label, r in results.items():
+            if label == "no-evict":
+                continue
+            ours = dict(r, ttft_s=r.get("ttft_s", r["prefill_s"]))
+            cells = [f"{ours[f] / best[f][0] if higher else best[f][0] / ours[f]:.2f}x"
+                     for f, higher, _ in PEER_MEASURES]
+            print(f"| budgetkv {label} | " + " | ".join(cells) + " |")
 
 
 # ----------------------------------------------------------------------------- outputs that survive interruption

