@@ -8,8 +8,8 @@ port ran, CASE.safetensors with the case's outputs in the vectors' format: `kept
 
 Every step and head is compared until the head's kept set first differs (later steps start from other candidates);
 a mismatch is reported once per case and cause with its first step: the positions that differ, the engine's scores
-around the cut, and which part of the rule to look at. Exit 0: every checked case
-matches; 1: a mismatch; 2: bad input (one line). Needs numpy and safetensors only.
+around the cut, and which part of the rule to look at. Exit 0: every checked case matches; 1: a mismatch; 2: bad
+input (one line). Needs numpy and safetensors only.
 """
 import argparse
 import fnmatch
@@ -27,7 +27,10 @@ class BadInput(Exception):
 
 
 def load(path: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
+    try:
+        from safetensors.numpy import load_file
+    except ImportError:
+        raise BadInput("needs the safetensors package (pip install safetensors numpy)") from None
     if not path.is_file():
         raise BadInput(f"{path}: no such file")
     try:
@@ -198,6 +201,9 @@ def main(argv: list[str]) -> int:
                 print(f"MISMATCH {case['case']} [{cause}] {line} (rule: {case['docs']})")
     except BadInput as e:
         print(f"check_port: {e}", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError, ValueError) as e:
+        print(f"check_port: malformed vectors or results ({type(e).__name__}: {e})", file=sys.stderr)
         return 2
     print(f"{len(present) - bad} of {len(present)} cases match ({len(cases) - len(present)} without a result "
           f"skipped)")

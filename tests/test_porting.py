@@ -42,6 +42,10 @@ def test_checker_passes_the_engine_and_refuses_bad_input(tmp_path):
         (out / f.name).write_bytes(f.read_bytes())
     r = run_checker(VECTORS, out)
     assert r.returncode == 0 and "4 of 4 cases match" in r.stdout, r.stdout + r.stderr
+    from safetensors.numpy import save_file
+    save_file({"kept": np.zeros((6, 2, 35), np.uint8)}, str(out / "keydiff-gqa-b16.safetensors"))
+    r = run_checker(VECTORS, out)
+    assert r.returncode == 2 and "kept has shape [6, 2, 35], expected [6, 2, 36]" in r.stderr, r.stderr
     (out / "keydiff-gqa-b16.safetensors").write_bytes(b"not a tensor file")
     r = run_checker(VECTORS, out)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
