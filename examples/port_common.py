@@ -2,8 +2,10 @@
 
 Written from docs/policies.md and docs/porting.md alone, in plain NumPy, with a dynamic list of positions per KV
 head instead of a static buffer: a port may store its cache any way it likes as long as each KV head keeps the
-same positions. A port supplies `score(ctx, h, cand, newest) -> fp32 scores of the candidate positions cand` and
-calls `main(policy, score)`.
+same positions. A port supplies `score(ctx, h, cand, newest) -> fp32 scores of the candidate positions cand` of KV
+head h and calls `main(policy, score)`. ctx holds the case's `params` and `budget`, `q`, `k`, `v` (float32 [N, heads,
+D], int8-rounded for an int8 case), `group`, `D` and the step's `block` of positions; a rule with state across
+steps (H2O's sums) may keep it in ctx, which lives for one case.
 """
 import json
 import sys
@@ -41,7 +43,7 @@ def run_case(case, shape, inputs, score):
     out_scores = np.full((len(case["steps"]), H, N), np.nan, np.float32)
     for i, (start, end) in enumerate(case["steps"]):
         for h in range(H):
-            ctx["head"] = h
+            ctx["head"], ctx["block"] = h, list(range(start, end))
             kept[h], cand, s = step(ctx, kept[h], list(range(start, end)), end - 1, score)
             out_kept[i, h, kept[h]] = 1
             out_scores[i, h, cand] = s
