@@ -62,29 +62,31 @@ def docs_section(name: str) -> str:
     return f"docs/policies.md#{anchor}"
 
 
+def budget_of(name: str, shape: str) -> int:
+    """Small enough that every step evicts (an appending policy's compression drops), as large as the rule needs."""
+    if name == "exact-topk":  # holds every token
+        return SHAPES[shape][3] + NEW_TOKENS
+    if name == "sagekv":
+        return 15  # the paper's B = 16: sink 4, top-4 per query head (GQA), ring 4
+    if policies.REGISTRY[name].decode == "append":
+        return 16  # 12 prompt tokens kept + 4 appended
+    return 8 if shape == "mha" else 12
+
+
 def cases() -> list[dict]:
     """The cases of every registered policy: GQA block-wise with blocks of 16, MHA block-wise one token at a time,
     GQA one-shot (the only protocol of a one-shot policy, with an MHA case too), and int8 KV where the rule reads
-    keys or values. The budgets make every step evict (one-shot appending policies: the compression drops)."""
+    keys or values."""
     out = []
     for name, cls in policies.REGISTRY.items():
-        appends = cls.decode == "append"
-        if name == "exact-topk":  # holds every token
-            budget = lambda shape: SHAPES[shape][3] + NEW_TOKENS  # noqa: E731
-        elif name == "sagekv":
-            budget = lambda shape: 15  # noqa: E731  (B = 16)
-        else:
-            budget = lambda shape: 16 if appends else (8 if shape == "mha" else 12)  # noqa: E731
         runs = [("gqa", "one-shot", 16), ("mha", "one-shot", 8)] if cls.protocol == "one-shot" else \
             [("gqa", "block", 16), ("mha", "block", 1), ("gqa", "one-shot", 16)]
-        int8 = [(s, p, b, "int8") for s, p, b in runs[:1]] if READS_KV.get(base_name(name), True) else []
+        int8 = [(*runs[0], "int8")] if READS_KV.get(base_name(name), True) else []
         for shape, protocol, block, *kv in [*runs, *int8]:
-            kv_dtype = kv[0] if kv else "float32"
-            suffix = "-int8" if kv else ""
-            tag = "oneshot" if protocol == "one-shot" else f"b{block}"
-            out.append(dict(case=f"{name.replace(':', '-')}-{shape}-{tag}{suffix}", policy=name, spec=spec(name),
-                            protocol=protocol, block_size=block, budget=budget(shape), kv_dtype=kv_dtype,
-                            inputs=shape, docs=docs_section(name)))
+            tag = ("oneshot" if protocol == "one-shot" else f"b{block}") + ("-int8" if kv else "")
+            out.append(dict(case=f"{name.replace(':', '-')}-{shape}-{tag}", policy=name, spec=spec(name),
+                            protocol=protocol, block_size=block, budget=budget_of(name, shape),
+                            kv_dtype=kv[0] if kv else "float32", inputs=shape, docs=docs_section(name)))
     return out
 
 
@@ -145,7 +147,6 @@ def run_engine(case: dict, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarra
     """The engine's kept sets, scores and selections after every step of one case."""
     Hq, Hkv, D, L = SHAPES[case["inputs"]]
     N = L + NEW_TOKENS
-    G = Hq // Hkv
     q, k, v = (torch.from_numpy(inputs[n]).transpose(0, 1)[None].contiguous() for n in ("q", "k", "v"))
     model = OneLayer(Hq, Hkv, D, q, k, v)
     policy = policies.make(case["spec"])
@@ -158,8 +159,7 @@ def run_engine(case: dict, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarra
     selected = np.zeros((len(steps), Hq, N), np.uint8)
     now, sel_heads = [0], [0]  # sel_heads: the selection's heads (H_kv or H_q), 0 while nothing was selected
 
-    def record_scores(view, s):
-        s = s.float().masked_fill(view.pos < 0, float("-inf"))
+    def record_scores(view, s):  # the valid slots' scores, by position
         for h in range(Hkv):
             valid = view.pos[0, h] >= 0
             scores[now[0], h, view.pos[0, h][valid].long().numpy()] = s[0, h][valid].numpy()
@@ -173,10 +173,9 @@ def run_engine(case: dict, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarra
         def recording_select(view):
             idx = select(view)
             if idx is not None:
-                sel_heads[0] = idx.shape[1]
-                per_query = idx.shape[1] == Hq and G > 1
+                sel_heads[0] = idx.shape[1]  # H_kv, or H_q for a selection per query head
                 for h in range(idx.shape[1]):
-                    p = model.cache.pos[0, h // G if per_query else h, idx[0, h]]
+                    p = model.cache.pos[0, h // (idx.shape[1] // Hkv), idx[0, h]]
                     selected[now[0], h, p[p >= 0].long().numpy()] = 1
             return idx
         policy.select = recording_select
@@ -211,7 +210,6 @@ def json_value(x):
 
 
 def write(out: Path) -> None:
-    torch.manual_seed(SEED)
     (out / "inputs").mkdir(parents=True, exist_ok=True)
     (out / "cases").mkdir(parents=True, exist_ok=True)
     shapes = {}
