@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+import threads  # noqa: F401  (before torch: how its OpenMP threads wait, for the Python API too)
 import torch
 
 from cache import is_scorer, make_cache, row_cache, setup_caches

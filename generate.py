@@ -24,10 +24,7 @@ sys.path.insert(0, str(REPO))
 from errors import EnvironmentFailure, UserError, check_python  # noqa: E402
 
 check_python()
-# OpenMP threads that wait passively: with another process busy on the machine, spinning threads (libgomp's default)
-# collapse (decode 3x slower on 2 cores); idle, passive waiting costs some decode speed (docs/performance.md). Read
-# once, when torch loads OpenMP: OMP_WAIT_POLICY=ACTIVE in the environment keeps the spinning.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import threads  # noqa: E402,F401  (before torch: how its OpenMP threads wait)
 import torch  # noqa: E402
 
 from cache import KV_DTYPES, kv_bytes  # noqa: E402
@@ -143,9 +140,10 @@ def parse_args(argv=None):
                          "The others are torch.compile modes for every step ('default': no CUDA graphs). The prefill "
                          "step never runs under CUDA graphs; reduce-overhead is refused on CPU, aot on CUDA")
     ap.add_argument("--threads", type=int, default=None,
-                    help="CPU threads torch uses (intra-op and inter-op; default: one per core). Threads wait "
-                         "passively (OMP_WAIT_POLICY=PASSIVE unless set), so a busy machine slows a run down instead "
-                         "of collapsing it; idle, OMP_WAIT_POLICY=ACTIVE decodes faster (docs/performance.md)")
+                    help="CPU threads torch uses (intra-op and inter-op; default: one per core). Threads spin while "
+                         "they wait when the machine is idle at start-up and wait passively beside a busy process, "
+                         "which would make spinning threads collapse (threads.py; OMP_WAIT_POLICY or GOMP_SPINCOUNT "
+                         "in the environment are kept)")
     ap.add_argument("--tp", type=int, metavar="N",
                     help="tensor parallel over N ranks: run under torchrun --nproc-per-node N (which sets the ranks; "
                          "this flag only checks that the world size is N). docs/tensor_parallel.md")

@@ -518,16 +518,36 @@ def test_every_command_line_says_in_one_line_that_this_python_lacks_the_requirem
     assert r.stderr.count("\n") == 1 and "not installed in this Python" in r.stderr and "torch" in r.stderr
 
 
-def test_generate_waits_passively_unless_told_otherwise():
-    """OMP_WAIT_POLICY=PASSIVE by default (spinning threads collapse on a busy machine), a user's value kept."""
-    code = "import os, runpy, sys; sys.argv = ['generate.py', '--help']; runpy.run_path('generate.py', run_name='x')" \
-           "; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
-    assert out.stdout.strip() == "PASSIVE", out.stderr
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env | {"OMP_WAIT_POLICY": "ACTIVE"},
-                         capture_output=True, text=True)
+def test_threads_spin_when_idle_and_wait_passively_beside_a_busy_process(monkeypatch):
+    import threads
+    for busy, policy in ((0.1, "ACTIVE"), (1.0, "PASSIVE"), (None, "PASSIVE")):
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+        monkeypatch.setattr(threads, "busy_cores", lambda busy=busy: busy)
+        assert threads.choose_wait_policy() == policy and __import__("os").environ["OMP_WAIT_POLICY"] == policy
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")  # a user's setting is kept
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert threads.choose_wait_policy() == "GOMP_SPINCOUNT=1000" and "OMP_WAIT_POLICY" not in __import__("os").environ
+
+
+def test_generate_and_the_api_choose_the_wait_policy_before_torch_loads():
+    """generate.py and `import engine` set OMP_WAIT_POLICY before torch is imported (libgomp reads it when it loads):
+    PASSIVE beside a busy process; a user's value kept."""
+    check = "import os, sys, {0}; assert 'torch' in sys.modules; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        for module in ("engine", "generate"):
+            out = subprocess.run([sys.executable, "-c", check.format(module)], cwd=REPO, env=env, capture_output=True,
+                                 text=True)
+            assert out.stdout.strip() == "PASSIVE", out.stderr
+    finally:
+        spinner.kill()
+    out = subprocess.run([sys.executable, "-c", check.format("generate")], cwd=REPO,
+                         env=env | {"OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True, text=True)
     assert out.stdout.strip() == "ACTIVE", out.stderr
+    order = (REPO / "generate.py").read_text()
+    assert order.index("import threads") < order.index("import torch")
 
 
 def test_the_summary_names_the_weight_format_and_source():
