@@ -22,6 +22,16 @@ def int8_round_trip(x):
     return (np.clip(np.round(x / scale), -127, 127) * scale).astype(np.float32)
 
 
+def attention(ctx, h, queries, cand):
+    """The rows a rule reads: the causal fp32 softmax of q . k / sqrt(D) of the query positions `queries` over the
+    candidates, for each query head of KV head h's group, averaged over the group: [len(queries), len(cand)]."""
+    G = ctx["group"]
+    logits = np.einsum("qgd,nd->qgn", ctx["q"][queries][:, h * G:(h + 1) * G], ctx["k"][cand, h]) / np.sqrt(ctx["D"])
+    logits = np.where(cand[None, None, :] <= queries[:, None, None], logits, -np.inf)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    return (w / w.sum(-1, keepdims=True)).mean(1)
+
+
 def step(ctx, kept, block, newest, score):
     """One step of one KV head: the block is written and attended first, then the kept positions plus the block
     are scored and the lowest dropped down to the budget; ties drop the older position (attend before evict)."""

@@ -5,7 +5,7 @@ decode token per step) and block-wise, float32 and int8 KV.
 """
 import numpy as np
 
-from port_common import main
+from port_common import attention, main
 
 
 def score(ctx, h, cand, newest):
@@ -13,13 +13,9 @@ def score(ctx, h, cand, newest):
     group) vote with their causal softmax attention over the candidates, summed over the queries and averaged over
     the group; the votes are average-pooled in position order (kernel, stride 1, zero padding counted); the window's
     own positions vote 0 and are protected (+inf)."""
-    window, kernel, G = ctx["params"]["window"], ctx["params"]["kernel"], ctx["group"]
+    window, kernel = ctx["params"]["window"], ctx["params"]["kernel"]
     ring = np.arange(max(0, newest - window + 1), newest + 1)
-    q = ctx["q"][ring][:, h * G:(h + 1) * G]  # [R, G, D]
-    logits = np.einsum("rgd,nd->grn", q, ctx["k"][cand, h]) / np.sqrt(ctx["D"])
-    logits = np.where(cand[None, None, :] <= ring[None, :, None], logits, -np.inf)  # older queries: causal
-    w = np.exp(logits - logits.max(-1, keepdims=True))
-    votes = (w / w.sum(-1, keepdims=True)).mean(0).sum(0)
+    votes = attention(ctx, h, ring, cand).sum(0)  # an older query sees only the keys up to its position
     in_window = cand > newest - window
     votes = np.pad(np.where(in_window, 0.0, votes), kernel // 2)
     pooled = np.convolve(votes, np.ones(kernel), "valid") / kernel

@@ -66,7 +66,7 @@ def documented_command(port: str) -> str:
     return next(line.strip() for line in text.splitlines() if line.strip().startswith(f"python examples/{port}"))
 
 
-@pytest.mark.parametrize("port", ["port_keydiff.py", "port_snapkv.py"])
+@pytest.mark.parametrize("port", ["port_keydiff.py", "port_snapkv.py", "port_tova.py", "port_h2o.py"])
 def test_worked_ports_pass_the_checker(port, tmp_path):
     command = documented_command(port)
     assert command in (REPO / "docs" / "porting.md").read_text(), "docs/porting.md gives the same command"
