@@ -37,7 +37,7 @@ def brute_force(alpha, V, drop):
     return float((o - a2 @ V).norm())
 
 
-def test_T1_closed_form_equals_brute_force_and_differs_from_tova():
+def test_closed_form_equals_brute_force_and_differs_from_tova():
     alpha = [0.5, 0.3, 0.2]
     c = engine(alpha, V_T1)
     assert c.tolist() == pytest.approx([1.077033, 0.0, 0.673146], abs=1e-4)
@@ -48,14 +48,14 @@ def test_T1_closed_form_equals_brute_force_and_differs_from_tova():
     assert fast.tolist() == pytest.approx([1.615549, 0.230793, 0.538516], abs=1e-5)
 
 
-def test_T2_second_example():
+def test_closed_form_and_brute_force_on_a_second_hand_case():
     alpha, V = [0.5, 0.3, 0.2], [[1, 0], [0, 1], [1, 1]]
     assert engine(alpha, V).tolist() == pytest.approx([0.583095, 0.368671, 0.145774], abs=1e-5)
     assert [brute_force(alpha, V, [j]) for j in range(3)] == pytest.approx([0.583095, 0.368671, 0.145774], abs=1e-6)
     assert engine(alpha, V, fast=True).tolist() == pytest.approx([0.745356, 0.319438, 0.117851], abs=1e-5)
 
 
-def test_T3_multi_token_eviction_is_independent():
+def test_multi_token_eviction_is_independent():
     """Two evictions at once rank each token by its single-token score (paper App. A): {2, 3} go, although the
     pair {1, 3} has zero joint error (the set formula equals brute force for every pair)."""
     alpha = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
@@ -70,7 +70,7 @@ def test_T3_multi_token_eviction_is_independent():
         assert brute_force(alpha.tolist(), V_T1, pair) == pytest.approx(want, abs=1e-5)
 
 
-def test_T4_h2o_accumulation_and_normalisation():
+def test_h2o_accumulation_and_normalisation():
     A1 = torch.tensor([[1, 0], [0.6, 0.4]])
     A2 = torch.tensor([[0.5, 0.1, 0.4, 0], [0.3, 0.1, 0.2, 0.4]])
     acc = torch.cat([A1.sum(0), torch.zeros(2)]) + A2.sum(0)
@@ -88,14 +88,14 @@ def test_T4_h2o_accumulation_and_normalisation():
     assert int(tova.argmin()) == 1
 
 
-def test_T5_scale_invariant_not_shift_invariant():
+def test_scale_invariant_not_shift_invariant():
     acc, V = [2.4, 0.6, 0.6, 0.4], [[1, 0], [0, 1], [0.6, 0.4], [-2, 0]]
     base = engine(acc, V)
     assert torch.allclose(engine([7 * a for a in acc], V), base, atol=1e-6)
     assert not torch.allclose(engine([a + 1 for a in acc], V), base, atol=1e-3)  # spec A8: a shift changes c
 
 
-def test_T6_gqa_l2_is_the_concatenated_error():
+def test_gqa_l2_is_the_concatenated_error():
     a1, a2 = [0.5, 0.3, 0.2], [0.2, 0.3, 0.5]
     c = engine([a1, a2], V_T1)
     assert c.tolist() == pytest.approx([1.210240, 0.484665, 1.700595], abs=1e-5)
@@ -104,7 +104,7 @@ def test_T6_gqa_l2_is_the_concatenated_error():
     assert engine([a1, a2], V_T1, fast=True).tolist() == pytest.approx([1.665270, 0.326390, 2.220360], abs=1e-5)
 
 
-def test_T7_renormalisation_theorem_random_logits():
+def test_renormalisation_theorem_on_random_logits():
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(9, generator=g, dtype=torch.float64)
     alpha = logits.softmax(0)
@@ -119,7 +119,7 @@ def test_T7_renormalisation_theorem_random_logits():
     assert c.tolist() == pytest.approx([brute_force(alpha.tolist(), V.tolist(), [j]) for j in range(9)], rel=1e-4)
 
 
-def test_T12_edge_cases():
+def test_one_valid_slot_empty_slots_and_equal_values():
     # T = 1 (alpha = 1): the clamp gives no NaN/inf; an empty slot never outranks a valid one (cache.py sets
     # empty slots to -inf); all-equal values give c = 0 everywhere.
     c = engine([1.0, 0.0, 0.0], [[1, 2], [3, 4], [5, 6]], valid=[True, False, False])
@@ -135,7 +135,7 @@ def test_T12_edge_cases():
                                                            abs=1e-5)
 
 
-def test_T16_fp32_against_fp64_random():
+def test_fp32_scores_against_fp64_on_random_inputs():
     g = torch.Generator().manual_seed(16)
     for trial in range(20):
         h = torch.rand(3, 40, generator=g, dtype=torch.float64)
@@ -146,7 +146,7 @@ def test_T16_fp32_against_fp64_random():
         assert int(got.argmin()) == int(want.argmin())
 
 
-def test_T18_permutation_invariance():
+def test_scores_are_permutation_invariant():
     g = torch.Generator().manual_seed(18)
     h, V = torch.rand(2, 12, generator=g), torch.randn(12, 4, generator=g)
     perm = torch.randperm(12, generator=g)
@@ -155,7 +155,7 @@ def test_T18_permutation_invariance():
                               engine(h.tolist(), V.tolist(), fast)[perm], atol=1e-6)
 
 
-def test_T17_tova_pseudo_output_is_the_attention_output():
+def test_tova_pseudo_output_is_the_attention_output():
     """With TOVA's per-head last-row attention, X~ = sum h~ v is that query's SDPA output."""
     g = torch.Generator().manual_seed(17)
     q, K, V = torch.randn(2, 1, 8, generator=g), torch.randn(1, 6, 8, generator=g), torch.randn(1, 6, 8, generator=g)

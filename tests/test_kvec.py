@@ -44,7 +44,7 @@ def select(P, I, n, layer, W, B, lam, beta, kernel=1, pin=INF):
     return sorted(c.pos[0, 0, :B].tolist()), scores[0, 0, :T - W].tolist()
 
 
-def test_T1_window_score_and_causal_mask():
+def test_window_score_and_causal_mask():
     """q = k = 0: each query attends uniformly to its causal prefix; O = 2 -> P = [7/24, 7/24, 7/24, 1/8]."""
     pol = KVec(obs_window=2, long_window=2)
     c = KVCache(1, 1, 1, 4, 4, torch.float32, "cpu", pol, n_heads=1, scratch=True)
@@ -58,7 +58,7 @@ def test_T1_window_score_and_causal_mask():
     assert torch.allclose(P2, P) and torch.allclose(I[0], P[0, 0])  # one head: max over heads = the head
 
 
-def test_T2_gqa_group_mean_and_I_max_over_query_heads():
+def test_gqa_group_mean_and_importance_max_over_query_heads():
     rows = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
     A = rows.view(1, 2, 2, 1, 3)  # [B, H_kv, G, R, S]: query head h -> KV head h // 2
     P, _, I = window_means(A, torch.tensor([2]), 1, 1)
@@ -66,14 +66,14 @@ def test_T2_gqa_group_mean_and_I_max_over_query_heads():
     assert torch.allclose(I[0], torch.tensor([0.6, 0.8, 0.6]))  # not max over the KV scores [0.40, 0.55, 0.35]
 
 
-def test_T3_I_is_max_then_mean():
+def test_importance_is_max_then_mean():
     A = torch.tensor([[[0.9, 0.1], [0.1, 0.9]], [[0.5, 0.5], [0.5, 0.5]]]).view(1, 1, 2, 2, 2)
     P, _, I = window_means(A, torch.tensor([0, 1]), 2, 2)
     assert torch.allclose(I[0], torch.tensor([0.7, 0.7]))
     assert torch.allclose(P[0, 0], torch.tensor([0.5, 0.5]))  # mean-then-max would give 0.5
 
 
-def test_T4_T5_lowest_std_heads_take_the_long_window():
+def test_lowest_std_heads_take_the_long_window():
     P = torch.tensor([[.25, .25, .25, .25], [.7, .1, .1, .1], [.4, .3, .2, .1]]).view(1, 3, 4)
     cand = torch.ones(1, 3, 4, dtype=torch.bool)
     assert torch.allclose(head_spread(P, cand)[0], torch.tensor([0.0, 0.2598, 0.1118]), atol=1e-4)
@@ -90,13 +90,13 @@ def test_T4_T5_lowest_std_heads_take_the_long_window():
     assert torch.allclose(head_spread(wide, wide_cand), head_spread(P, cand))
 
 
-def test_T6_coverage_and_focus():
+def test_coverage_and_focus():
     I, n = torch.tensor([0.6, 0.3, 0.3]), torch.tensor([2, 1, 0])
     assert torch.allclose(focus(I, n, 2), torch.tensor([0.2, 0.2, 0.3]))
     assert torch.equal(focus(I, torch.zeros(3, dtype=torch.long), 0), I)
 
 
-def test_T7_one_layer_end_to_end():
+def test_one_layer_scores_pool_focus_and_pins():
     P = [0.30, 0.20, 0.05, 0.10, 0.15, 0.02, 0, 0]
     I = [0.40, 0.30, 0.10, 0.28, 0.20, 0.05, 0, 0]
     n = [1, 1, 0, 0, 1, 0, 0, 0]
@@ -107,14 +107,14 @@ def test_T7_one_layer_end_to_end():
     assert select(P, I, n, 1, W=2, B=4, lam=0.0, beta=0.25)[0] == [0, 1, 6, 7]  # SnapKV
 
 
-def test_T8_pin_value_inf_vs_the_papers_one():
+def test_pin_value_inf_against_the_papers_one():
     P, I = [0.5, 0.45, 0], [0.1, 0.9, 0]
     kept, Pp = select(P, I, [0, 0, 0], 0, W=1, B=2, lam=1.0, beta=0.5)
     assert kept == [0, 2] and Pp == [INF, pytest.approx(1.35)]
     assert select(P, I, [0, 0, 0], 0, W=1, B=2, lam=1.0, beta=0.5, pin=1.0)[0] == [1, 2]  # 1.35 > 1.0
 
 
-def test_T9_counter_counts_a_token_once_per_layer():
+def test_counter_counts_a_token_once_per_layer():
     pos = torch.tensor([[0, 3, 6, 7, -1], [0, 2, 6, 7, -1]]).view(1, 2, 5)
     assert kept_any(pos, 8)[0].tolist() == [1, 0, 1, 1, 0, 0, 1, 1]  # 0 is +1, not +2; empty slots add nothing
 
@@ -130,7 +130,7 @@ def run_T10(lam):
     return rows, n[0].tolist()
 
 
-def test_T10_T21_three_layer_recursion_raises_coverage():
+def test_three_layer_recursion_raises_coverage():
     rows, n = run_T10(1.0)
     want = [([0.60, 0.50, 0.40, 0.15, 0.10], [0, 1, 5]),
             ([0.45, 0.375, 0.40, 0.15, 0.10], [0, 2, 5]),
@@ -143,7 +143,7 @@ def test_T10_T21_three_layer_recursion_raises_coverage():
     assert n == [3, 3, 0, 0, 0, 3] and sum(c > 0 for c in n) / 6 == 0.5  # SnapKV: 3/6
 
 
-def test_T12_max_pooling_and_T23_snapkv_without_pooling():
+def test_max_pooling_and_snapkv_without_pooling():
     one_hot = torch.zeros(1, 1, 10)
     one_hot[0, 0, 3] = 1
     pos = torch.arange(10).view(1, 1, 10)
@@ -202,7 +202,7 @@ def kept_sets(cache):
     (dict(DEFAULTS, W=4, O=4, O2=8, delta=1, kernel=1, pin=1.0, lam=3.0), 12, 7),
     (DEFAULTS, 24, 64),
 ])
-def test_T14_T19_scratch_compression_equals_reference_and_invariants(p, B, block):
+def test_scratch_compression_equals_the_reference_and_keeps_its_invariants(p, B, block):
     """A random layer (T = 40, Hq = 4, Hkv = 2): the engine keeps the reference's sets; every head holds exactly B
     tokens, the last W among them, no position twice, every pinned token; block padding is never counted."""
     T = 40
@@ -219,7 +219,7 @@ def test_T14_T19_scratch_compression_equals_reference_and_invariants(p, B, block
     assert dst.pos[0, :, :B].tolist() == got  # slots sorted by position (A18), new tokens go after them
 
 
-def test_T15_kept_keys_and_values_attend_like_the_masked_full_prompt():
+def test_kept_keys_and_values_attend_like_the_masked_full_prompt():
     T, B = 30, 10
     _, dst, q, k, v = compress_random(T, B, dict(DEFAULTS, W=4, O=4, O2=8))
     kept = torch.zeros(2, T, dtype=torch.bool)
@@ -232,7 +232,7 @@ def test_T15_kept_keys_and_values_attend_like_the_masked_full_prompt():
     assert torch.equal(dst.k[0, 0, :B], k[0, kept_sets(dst)[0]])
 
 
-def test_T13_short_prompt_keeps_everything_and_counts_it():
+def test_short_prompt_keeps_everything_and_counts_it():
     """T = 5 <= B = 8: nothing is dropped; slots 0..4 hold positions 0..4, the rest are empty; n = 1 after layer 0.
     With block padding (scratch of 16 slots > B) the scores run but can only drop the padding: same result."""
     for block in (5, 16):
@@ -241,7 +241,7 @@ def test_T13_short_prompt_keeps_everything_and_counts_it():
         assert shared["n_cov"][0, :5].tolist() == [1] * 5 and (shared["n_cov"][0, 5:] == 0).all()
 
 
-def test_T20_huge_lambda_makes_every_head_keep_the_same_set():
+def test_huge_lambda_makes_every_head_keep_the_same_set():
     _, dst, *_ = compress_random(40, 12, dict(DEFAULTS, W=4, O=4, O2=8, delta=0, beta=0.0, lam=1e6))
     a, b = kept_sets(dst)
     assert a == b
@@ -252,7 +252,7 @@ def test_T20_huge_lambda_makes_every_head_keep_the_same_set():
 
 @pytest.mark.parametrize("O2", [4, 32])
 @pytest.mark.parametrize("beta", [0.0, 0.25, 1.0])
-def test_T11_lambda_zero_without_cross_head_is_snapkv(beta, O2):
+def test_lambda_zero_without_cross_head_is_snapkv(beta, O2):
     """Seeded random layer (T = 64, Hq = 8, Hkv = 2, B = 16, W = O = 4, max-pool 7): K-VEC with lambda = 0 and delta = 0
     (any beta, any O') keeps exactly what snapkv++ keeps with the same window, kernel and prompt slots."""
     p = dict(DEFAULTS, W=4, O=4, O2=O2, delta=0, lam=0.0, beta=beta)

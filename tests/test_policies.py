@@ -41,7 +41,7 @@ def test_A1(anchor, expect):
     assert stream(keydiff(anchor=anchor), keys, 3, 5)[0][-1] == expect
 
 
-def test_A1_scores_are_the_cosines():
+def test_keydiff_scores_are_the_cosines():
     keys = torch.tensor([(1, 0), (1, 0.2), (0, 1), (1, -0.5), (-1, 0.3)], dtype=torch.float32)
     cache = KVCache(1, 1, 2, 5, 5, torch.float32, "cpu", keydiff())
     cache.update(torch.zeros(1, 1, 5, 2), keys.view(1, 1, 5, 2), keys.view(1, 1, 5, 2), torch.arange(5),
@@ -51,7 +51,7 @@ def test_A1_scores_are_the_cosines():
 
 
 @pytest.mark.parametrize("anchor,expect", [("raw", [1, 2]), ("normalized", [0, 1])])
-def test_A2_raw_and_normalized_anchor_differ(anchor, expect):
+def test_keydiff_raw_and_normalized_anchor_differ(anchor, expect):
     assert stream(keydiff(anchor=anchor), [(10, 0), (0, 1), (0.1, 1)], 2, 3)[0][-1] == expect
 
 
@@ -60,13 +60,13 @@ def test_A3():
     assert stream(keydiff(), torch.stack([e[0], e[0], e[0], e[1], e[2]]), 2, 5)[0][-1] == [3, 4]
 
 
-def test_A7_identical_keys_keep_the_newest():
+def test_keydiff_identical_keys_keep_the_newest():
     kept, cache = stream(keydiff(), torch.ones(10, 4), 4, 3)
     assert kept[-1] == [6, 7, 8, 9]
     assert torch.isfinite(keydiff().score(cache.view(4, query_pos=torch.arange(1)))).all()
 
 
-def test_A8_zero_keys_give_finite_scores():
+def test_keydiff_zero_keys_give_finite_scores():
     _, cache = stream(keydiff(), torch.zeros(6, 4), 3, 2)
     assert torch.isfinite(keydiff().score(cache.view(5, query_pos=torch.arange(1)))[cache.pos[:, :, :5] >= 0]).all()
 
@@ -76,23 +76,23 @@ B_STREAM = [(0, -1), (-2, 0), (2, 1), (-2, 2), (1, 2), (2, -2)]
 
 @pytest.mark.parametrize("block,expect", [(2, [[0, 1], [0, 1, 2], [0, 1, 4]]), (6, [[0, 1, 5]]),
                                           (1, [[0], [0, 1], [0, 1, 2], [0, 1, 2], [0, 1, 2], [0, 1, 2]])])
-def test_B1_B2_B3_block_size_changes_the_selection(block, expect):
+def test_keydiff_block_size_changes_the_selection(block, expect):
     assert stream(keydiff(), B_STREAM, 3, block)[0] == expect
 
 
-def test_B4_recent_window():
+def test_keydiff_recent_window_is_kept():
     keys = [(1, 0), (0, 1), (1, 0.1), (1, -0.1), (-1, 0), (0.9, 0.05)]
     assert stream(keydiff(window_frac=1 / 3), keys, 3, 2)[0] == [[0, 1], [0, 1, 3], [1, 4, 5]]
     assert stream(keydiff(), keys, 3, 2)[0][-1] == [1, 3, 4]
 
 
-def test_B5_counts():
+def test_keydiff_holds_the_budget_after_every_block():
     kept, _ = stream(keydiff(), torch.randn(600, 8, generator=torch.Generator().manual_seed(0)), 300, 128)
     assert [len(k) for k in kept] == [128, 256, 300, 300, 300]
 
 
 @pytest.mark.parametrize("block", [4, 3])
-def test_C1_sink(block):
+def test_sink_keeps_the_first_and_the_newest_tokens(block):
     policy = policies.Sink(n_sink=4)
     kept, cache = stream(policy, torch.randn(20, 2), 8, block)
     assert kept[-1] == [0, 1, 2, 3, 16, 17, 18, 19]
@@ -103,7 +103,7 @@ def test_C1_sink(block):
     assert sorted(cache.pos[0, 0][cache.pos[0, 0] >= 0].tolist()) == [0, 1, 2, 3, 19, 20, 21, 22]
 
 
-def test_C2_h2o_accumulates_from_the_first_block_and_favours_old_tokens():
+def test_h2o_accumulates_from_the_first_block_and_favours_old_tokens():
     policy = policies.H2O(window_frac=0.0)  # heavy hitters only: the hand-checked rule
     keys = torch.randn(10, 4, generator=torch.Generator().manual_seed(1))
     cache = KVCache(1, 1, 4, 4, 2, torch.float32, "cpu", policy)
@@ -123,7 +123,7 @@ def test_C2_h2o_accumulates_from_the_first_block_and_favours_old_tokens():
     assert sorted(cache.pos[0, 0][cache.pos[0, 0] >= 0].tolist()) == [0, 1, 2, 3]
 
 
-def test_C3_tova_averages_within_the_gqa_group():
+def test_tova_averages_within_the_gqa_group():
     keys = [(3, 0), (0, 2), (1.8, 1.8), (0, 0)]
     queries = torch.zeros(4, 2, 2)
     queries[3] = torch.tensor([[math.sqrt(2), 0], [0, math.sqrt(2)]])  # last query of heads a and b
@@ -131,7 +131,7 @@ def test_C3_tova_averages_within_the_gqa_group():
     assert kept[-1] == [0, 2]
 
 
-def test_C4_snapkv_pools_window_votes(monkeypatch):
+def test_snapkv_pools_window_votes(monkeypatch):
     row6 = [0.5, 0, 0.05, 0.3, 0, 0, 0.15, 0]
     row7 = [0.4, 0, 0.05, 0, 0, 0.45, 0.05, 0.05]
     weights = torch.tensor([row6, row7]).view(1, 1, 2, 8)
@@ -147,7 +147,7 @@ def test_C4_snapkv_pools_window_votes(monkeypatch):
     assert sorted(cache.pos[0, 0, :4].tolist()) == [0, 1, 6, 7]
 
 
-def test_C6_snapkv_window_always_kept():
+def test_snapkv_window_always_kept():
     policy = policies.SnapKV(window=8, kernel=7)
     n = 120
     g = torch.Generator().manual_seed(2)
@@ -158,7 +158,7 @@ def test_C6_snapkv_window_always_kept():
         assert set(range(newest - 8, newest)) <= set(k)
 
 
-def test_C7_keynorm():
+def test_keynorm_keeps_the_smallest_key_norms():
     keys = [(3, 0), (0, 1), (2, 0), (0.5, 0)]
     assert stream(policies.KeyNorm(window_frac=0.0), keys, 2, 4)[0][-1] == [1, 3]
 

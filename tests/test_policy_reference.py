@@ -22,7 +22,7 @@ def kept_of(history, head=0):
 
 # ------------------------------------------------------------------------------------------ A: KeyDiff scorer
 
-def test_A1_A2_keydiff_scorer():
+def test_keydiff_reference_scores_raw_and_normalized():
     k = torch.tensor([[(1, 0), (1, 0.2), (0, 1), (1, -0.5), (-1, 0.3)]])
     s = keydiff_scores(k, "raw")
     assert torch.allclose(-s[0], torch.tensor([0.8944, 0.9648, 0.4472, 0.6000, -0.7282]), atol=1e-4)
@@ -40,7 +40,7 @@ def test_A1_A2_keydiff_scorer():
     assert keep_indices(keydiff_scores(k2, "normalized"), P2, 2).tolist() == [[0, 1]]
 
 
-def test_A7_ties_keep_newest():
+def test_keydiff_reference_ties_keep_the_newest():
     k = torch.ones(1, 6, 4)
     assert keep_indices(keydiff_scores(k), torch.arange(6)[None], 3).tolist() == [[3, 4, 5]]
     # candidate order does not matter, only positions
@@ -55,22 +55,22 @@ VANILLA = {"window_frac": 0.0}  # the papers' rules as the hand-checked cases st
 B_STREAM = [(0, -1), (-2, 0), (2, 1), (-2, 2), (1, 2), (2, -2)]
 
 
-def test_B1_blocks_of_2():
+def test_keydiff_reference_in_blocks_of_2():
     hist, _ = run_stream(RefKeyDiff(VANILLA), B_STREAM, 3, 2)
     assert kept_of(hist) == [[0, 1], [0, 1, 2], [0, 1, 4]]
 
 
-def test_B2_one_block():
+def test_keydiff_reference_in_one_block():
     hist, _ = run_stream(RefKeyDiff(VANILLA), B_STREAM, 3, 6)
     assert kept_of(hist) == [[0, 1, 5]]
 
 
-def test_B3_blocks_of_1():
+def test_keydiff_reference_in_blocks_of_1():
     hist, _ = run_stream(RefKeyDiff(VANILLA), B_STREAM, 3, 1)
     assert kept_of(hist)[3:] == [[0, 1, 2], [0, 1, 2], [0, 1, 2]]
 
 
-def test_B4_recent_window():
+def test_keydiff_reference_recent_window():
     stream = [(1, 0), (0, 1), (1, 0.1), (1, -0.1), (-1, 0), (0.9, 0.05)]
     hist, _ = run_stream(RefKeyDiff({"window_frac": 0.34}), stream, 3, 2)  # floor(0.34 * 3) = 1
     assert kept_of(hist) == [[0, 1], [0, 1, 3], [1, 4, 5]]
@@ -80,7 +80,7 @@ def test_B4_recent_window():
 
 # ------------------------------------------------------------------------------------------- C: baselines
 
-def test_C1_sink():
+def test_sink_reference_keeps_the_first_and_the_newest():
     keys = torch.randn(23, 2, generator=torch.Generator().manual_seed(0))
     for b in (4, 3):
         hist, _ = run_stream(RefSink(), keys[:20], 8, b)
@@ -89,7 +89,7 @@ def test_C1_sink():
     assert hist[-1][0] == [0, 1, 2, 3, 19, 20, 21, 22]
 
 
-def test_C2_h2o_age_bias():
+def test_h2o_reference_favours_old_tokens():
     keys = torch.randn(10, 2, generator=torch.Generator().manual_seed(1))
     hist, layer = run_stream(RefH2O(VANILLA), keys[:6], 4, 2)
     assert hist[-1][0] == [0, 1, 2, 3]
@@ -101,7 +101,7 @@ def test_C2_h2o_age_bias():
     assert all(h[0] == [0, 1, 2, 3] for h in hist[2:])
 
 
-def test_C3_tova_group_mean():
+def test_tova_reference_averages_the_group():
     K = torch.tensor([[(3, 0), (0, 2), (1.8, 1.8), (0, 0)]], dtype=torch.float32)
     P = torch.arange(4)[None]
     q = torch.tensor([[[math.sqrt(2), 0]], [[0, math.sqrt(2)]]])              # [Hq=2, R=1, d=2]
@@ -116,7 +116,7 @@ def test_C3_tova_group_mean():
     assert keep_indices(s, P, 2).tolist() == [[0, 2]]
 
 
-def test_C4_snapkv_aggregation():
+def test_snapkv_reference_sums_window_votes():
     row6 = torch.tensor([0.5, 0, 0.05, 0.3, 0, 0, 0.15, 0])
     row7 = torch.tensor([0.4, 0, 0.05, 0, 0, 0.45, 0.05, 0.05])
     P = torch.arange(8)[None]
@@ -126,7 +126,7 @@ def test_C4_snapkv_aggregation():
     assert keep_indices(s, P, 4).tolist() == [[0, 1, 6, 7]]
 
 
-def test_C5_pooling():
+def test_avg_pooling_with_zero_padding():
     x = torch.zeros(20)
     x[10] = 1
     y = avg_pool_zero_pad(x, 7)
@@ -137,7 +137,7 @@ def test_C5_pooling():
     assert torch.allclose(y[:4], torch.full((4,), 1 / 7)) and y[4:].abs().sum() == 0
 
 
-def test_C7_keynorm_pre_post_rope():
+def test_keynorm_reference_before_and_after_rope():
     norms = torch.tensor([3, 1, 2, 0.5])
     k = torch.zeros(4, 1, 8)
     k[:, 0, 0] = norms
@@ -317,7 +317,7 @@ D3_CASES = [
 
 
 @pytest.mark.parametrize("case", D3_CASES, ids=_case_id)
-def test_D3_engine_equals_reference(tiny_model, case):
+def test_engine_equals_reference_on_a_small_budget(tiny_model, case):
     name, params = case
     ids, decode_ids = distinct_ids(37, 6, 37)
     compare_run(tiny_model, name, params, ids, budget=8, block=5, n_decode=6, decode_ids=decode_ids)

@@ -31,7 +31,7 @@ def top(scores, n):
 
 # ------------------------------------------------------------------------------- stage 1: pooling and selection
 
-def test_11_1_group_sum_and_max_pool_selection():
+def test_group_sum_then_max_pool_selects_the_top_prompt_tokens():
     """Hkv=1, G=2, w=2, T=10: group sum of the window-summed head scores, max-pooled, P=5 keeps {1,2,3} + window."""
     h0 = torch.tensor([0, 0, 5, 0, 0, 0, 0, 1.0, 0, 0])
     h1 = torch.tensor([0, 0, 0, 0, 0, 0, 3, 0.0, 0, 0])
@@ -44,7 +44,7 @@ def test_11_1_group_sum_and_max_pool_selection():
     assert torch.allclose(avg, torch.tensor([0, 5 / 3, 5 / 3, 5 / 3, 0, 1, 4 / 3, 4 / 3]))
 
 
-def test_11_2_per_head_vs_per_group():
+def test_snapkv_selects_per_query_head_snapkvpp_per_group():
     """Original SnapKV picks per query head (head 0 keeps 2, head 1 keeps 6); SnapKV++ keeps one set per group."""
     h = torch.tensor([[0, 0, 5, 0, 0, 0, 0, 1.0, 0, 0], [0, 0, 0, 0, 0, 0, 3, 0.0, 0, 0]])
     pos = torch.arange(10).expand(1, 2, 10)
@@ -72,7 +72,7 @@ def scratch_with(T, w, G=2, D=8, kernel=3, seed=0):
     return c, pol, q, k
 
 
-def test_11_3_window_causal_mask_and_group_sum():
+def test_window_votes_are_causal_and_summed_over_the_group():
     T, w, G, D = 10, 4, 2, 8
     c, pol, q, k = scratch_with(T, w, G, D)
     ring_pos = c.layer_state["ring_pos"][0]  # [batch, w]: one sequence
@@ -91,7 +91,7 @@ def test_11_3_window_causal_mask_and_group_sum():
     assert torch.allclose(score[:T - w], s3, atol=1e-6) and (score[T - w:] == INF).all()
 
 
-def test_11_5_stage1_kept_count_and_order():
+def test_stage1_keeps_the_prompt_budget_in_position_order():
     """Compression keeps exactly P per KV head: selected prefix positions strictly increasing, then the window."""
     T, w, P = 40, 8, 20
     c, pol, _, k = scratch_with(T, w)
@@ -104,7 +104,7 @@ def test_11_5_stage1_kept_count_and_order():
     assert torch.equal(dst.k[0, 0, :P], k[0, 0, kept])  # keys (and values) moved with their positions
 
 
-def test_11_4_prompt_within_budget_is_copied_unchanged():
+def test_prompt_within_budget_is_copied_unchanged():
     T, w = 12, 4
     c, pol, _, k = scratch_with(T, w)
     dst = KVCache(1, 1, 8, 20, 1, torch.float32, "cpu", pol, n_heads=2, keep=16)
@@ -113,7 +113,7 @@ def test_11_4_prompt_within_budget_is_copied_unchanged():
     assert rocket_params(S=1000, t=1000, D=64, N=10).sparse is False  # t >= S: c = 1, dense
 
 
-def test_11_6_kernel_rule():
+def test_adaptive_kernel_by_prompt_length_and_model():
     llama31, longchat = (SimpleNamespace(rope_scaling={"rope_type": r}) for r in ("llama3", "linear"))
     mistral = SimpleNamespace(rope_scaling=None)
     assert adaptive_kernel(47_999, llama31) == 63 and adaptive_kernel(64_000, llama31) == 511
@@ -133,7 +133,7 @@ def pages_of(keys, C=8, p=2):
     return build_pages(k, valid, p), k
 
 
-def test_11_7_page_min_max_build_and_update():
+def test_page_min_max_build_and_update():
     pages, k = pages_of(KEYS)
     assert pages.shape == (1, 1, 4, 4)
     assert pages[0, 0, :2, :3].T.tolist() == [[1, -2], [-1, 2], [0, -5]]  # min rows, channel-major
@@ -145,7 +145,7 @@ def test_11_7_page_min_max_build_and_update():
     assert pages[0, 0, :, :2].tolist() == build_pages(k, (torch.arange(8) < 5).view(1, 1, 8), 2)[0, 0, :, :2].tolist()
 
 
-def test_11_8_hybrid_approximate_scores():
+def test_hybrid_approximate_scores():
     keys = torch.cat([KEYS, torch.tensor([[4.0, -6]])])
     pages, _ = pages_of(keys, C=6)
     Q = torch.tensor([[1.0, -3], [2, -1]]).view(1, 1, 2, 2)
@@ -161,7 +161,7 @@ def test_11_8_hybrid_approximate_scores():
     assert stable_topk(agg, 2)[0, 0].tolist() == [4, 5]
 
 
-def test_11_9_page_score_is_an_upper_bound():
+def test_page_score_is_an_upper_bound():
     g = torch.Generator().manual_seed(0)
     D, C, p, G, r = 16, 40, 4, 3, 5
     for _ in range(20):
@@ -176,7 +176,7 @@ def test_11_9_page_score_is_an_upper_bound():
         assert (s[0, 0] >= exact.amax(-1) - 1e-5).all()
 
 
-def test_a12_stable_topk_breaks_ties_to_the_lower_slot():
+def test_stable_topk_breaks_ties_to_the_lower_slot():
     """The token top-k is deterministic (A12): equal to a stable descending argsort, on ties, zeros, denormals."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 2000, generator=g)
@@ -218,7 +218,7 @@ def dense(c, q, G=2, D=8):
     return F.scaled_dot_product_attention(q.view(1, 2, G, D), c.k, c.v, attn_mask=valid)
 
 
-def test_11_10_selection_shared_by_the_group_equals_dense_restricted():
+def test_selection_shared_by_the_group_equals_dense_over_the_selected():
     rp = rocket_params(S=256, t=16, D=8, N=4)
     assert (rp.C, rp.p, rp.r, rp.k) == (64, 2, 4, 8)
     c, pol, g = rocket_cache(rp)
@@ -234,7 +234,7 @@ def test_11_10_selection_shared_by_the_group_equals_dense_restricted():
         assert torch.allclose(out[:, h], ref, atol=1e-6)
 
 
-def test_11_11_degenerate_parameters_equal_dense():
+def test_degenerate_parameters_equal_dense():
     """r = D, p = 1, k = every slot: hybrid attention equals dense attention over the compressed cache."""
     rp = rocket_params(S=64, t=16, D=8, N=4)
     rp = dataclasses.replace(rp, p=1, r=8, k=rp.C, Np=rp.C)
@@ -244,7 +244,7 @@ def test_11_11_degenerate_parameters_equal_dense():
         assert torch.allclose(out, dense(c, q), atol=1e-6)
 
 
-def test_11_12_budget_arithmetic():
+def test_storage_and_page_arithmetic():
     def params(S, t, **kw):
         rp = rocket_params(S, t, D=128, N=kw.pop("N", 50), **kw)
         return rp.C, rp.p, rp.r, rp.k, rp.Np
@@ -274,7 +274,7 @@ def test_storage_and_read_reproduce_the_papers_parameters():
     assert not rocket_sizes(100, 101, 128, 10, 1000).sparse and not rocket_sizes(100, 50, 128, 10, 50).sparse
 
 
-def test_11_13_decode_slot_arithmetic_and_overflow(hf_tiny):
+def test_decode_slot_arithmetic_and_overflow(hf_tiny):
     _, ckpt = hf_tiny("llama")
     model = load_model(ckpt, torch.float32, "cpu")
     prompt, N = ids_of(120), 10
@@ -296,7 +296,7 @@ def test_11_13_decode_slot_arithmetic_and_overflow(hf_tiny):
         generate(model, prompt, C - P + 2, block_size=16, steps=EAGER, one_shot=True)
 
 
-def test_11_14_memory_model():
+def test_paper_peak_memory_model():
     dense, rocket = paper_peak_memory(96256, 50, 256)
     assert abs(dense / 1e9 - 37.99) < 0.01 and abs(rocket / 1e9 - 26.15) < 0.01
     assert abs(1 - rocket / dense - 0.312) < 0.003
@@ -308,7 +308,7 @@ def test_11_14_memory_model():
     assert abs(1 - rocket / dense - 0.326) < 0.003
 
 
-def test_11_19_exact_topk():
+def test_exact_topk_is_dense_at_large_k_and_each_query_heads_argmax_at_k_1():
     g = torch.Generator().manual_seed(1)
     pol = ExactTopK()
     c = KVCache(1, 2, 8, 20, 1, torch.float32, "cpu", pol, n_heads=4)

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ----------------------------------------------------------------------------------------- T1: the size rule
 
-def test_T1_budget_arithmetic_matches_the_spec_table():
+def test_size_rule_matches_the_papers_table():
     """Spec 1.2's table (S / k / W; the B = 8192 rows are the paper's App. A.3 numbers)."""
     table = {(512, 4): (128, 64, 128), (1024, 4): (256, 128, 256), (2048, 4): (512, 256, 512),
              (4096, 4): (1024, 512, 1024), (8192, 4): (2048, 1024, 2048),
@@ -46,7 +46,7 @@ def test_T1_budget_arithmetic_matches_the_spec_table():
     assert sage_sizes(24, 2, topk=0) == (6, 0, 18)  # StreamLLM_Abs: sink + window
 
 
-def test_T1_bad_sizes_raise_one_line():
+def test_bad_sizes_raise_one_line():
     for args, match in [((3, 2), "below 2 x the GQA group"), ((16, 2, 14), "leaves no recent window"),
                         ((16, 2, 4, 6), "leaves no recent window")]:
         with pytest.raises(PolicyError, match=match) as e:
@@ -128,7 +128,7 @@ def token(p, D=4):
     return k, torch.full((1, D), float(p))
 
 
-def test_T2_partition_and_selection_layout():
+def test_partition_and_selection_layout():
     """Head 0 (q = +e0) keeps the largest candidates {13, 14, 15}, head 1 (q = -e0) the smallest {2, 3, 4}; the
     ring keeps the W - 1 = 3 newest prompt positions (the spec's 4th, 16, is overwritten by position 20 before any
     query sees it)."""
@@ -139,7 +139,7 @@ def test_T2_partition_and_selection_layout():
     assert torch.equal(cache.v[0, 0, :11, 3], cache.pos[0, 0, :11].float())
 
 
-def test_T3_T4_T5_ring_slides_and_each_head_sees_its_own_selection():
+def test_ring_slides_and_each_head_sees_its_own_selection():
     cache, pol = t2_cache()
     q = torch.zeros(2, 4)  # T5: a zero query attends uniformly
     out, seen = decode(cache, q, *token(20), 20)
@@ -156,7 +156,7 @@ def test_T3_T4_T5_ring_slides_and_each_head_sees_its_own_selection():
         assert sorted(cache.pos[0, 0, 8:11].tolist()) == [p - 2, p - 1, p]
 
 
-def test_T4_ownership_with_G7():
+def test_slot_ownership_with_seven_query_heads_per_group():
     """H_kv = 1, H_q = 7: query head g attends exactly its own selection block [S + g k, S + (g+1) k)."""
     S, k, W, G = 3, 4, 6, 7
     g = torch.Generator().manual_seed(0)
@@ -170,7 +170,7 @@ def test_T4_ownership_with_G7():
 
 
 @pytest.mark.parametrize("N,S,W,G,k,H", [(50, 4, 8, 2, 5, 2), (50, 3, 6, 7, 4, 1), (40, 3, 5, 3, 6, 2)])
-def test_T6_decode_equals_explicit_per_head_attention(N, S, W, G, k, H):
+def test_decode_equals_explicit_per_head_attention(N, S, W, G, k, H):
     """Random data, 16 decode steps (the ring wraps twice): every head attends sink + its own top-k + the last W
     positions, and its output equals softmax attention over exactly those positions."""
     D = 8
@@ -189,7 +189,7 @@ def test_T6_decode_equals_explicit_per_head_attention(N, S, W, G, k, H):
         assert torch.allclose(out, reference_attend(q, K, V, visible), atol=1e-5), p
 
 
-def test_T7_keep_everything_but_the_ring_eviction():
+def test_keep_everything_but_the_ring_eviction():
     """k = 20 >= n_E = 18: every head keeps all of E; at p = 30 the output is dense attention over everything
     except position 22 = N - W (pushed out of the ring)."""
     D, N = 8, 30
@@ -204,7 +204,7 @@ def test_T7_keep_everything_but_the_ring_eviction():
     assert torch.allclose(out, reference_attend(q, K, V, seen), atol=1e-5)
 
 
-def test_T7_variant_no_candidates_is_dense_until_the_ring_wraps():
+def test_no_candidates_is_dense_until_the_ring_wraps():
     D, N = 8, 10
     g = torch.Generator().manual_seed(8)
     K, V = torch.randn(1, N + 3, D, generator=g), torch.randn(1, N + 3, D, generator=g)
@@ -220,7 +220,7 @@ def test_T7_variant_no_candidates_is_dense_until_the_ring_wraps():
     assert seen == [[0, 1, 2, 3] + list(range(5, 13))] * 2  # position 4 left the ring
 
 
-def test_T8_short_prompt_and_empty_ring_slots():
+def test_short_prompt_and_empty_ring_slots():
     keys, values = line_keys(5)
     cache, pol = bare(keys, values, torch.ones(2, 4), S=2, k=3, W=4)
     assert cache.pos[0, 0].tolist() == [0, 1, 2, 3, 4, -1]  # no selection region: n_E = 0
@@ -242,7 +242,7 @@ def test_T8_short_prompt_and_empty_ring_slots():
         assert seen[0] == [0] + list(range(max(1, p - 3), p + 1))
 
 
-def test_T9_selection_invariants_and_ties():
+def test_selection_invariants_and_ties():
     g = torch.Generator().manual_seed(9)
     S, k, W, G, H, N, D = 3, 6, 5, 3, 2, 40, 8
     for _ in range(5):
@@ -370,7 +370,7 @@ def test_engine_equals_reference_g3(tiny_g3):
     assert any(sel[0] != sel[h] for h in range(1, 3))  # the heads of a group really select differently
 
 
-def test_T12_one_shot_block_size_does_not_change_the_selection(tiny):
+def test_one_shot_block_size_does_not_change_the_selection(tiny):
     ids = ids_of(100, 12)
     kept, logits = [], []
     for block in (7, 64):
