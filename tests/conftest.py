@@ -128,41 +128,43 @@ def generate_compiled(model, prompt, max_new_tokens: int, block_size: int, one_s
     return out
 
 
-# The reference implementations (tests/reference/) name parameters as the old command line did; the engine's
-# policies name them as their dataclass fields. One table translates, per family; a parameter the policy lacks
-# is dropped (the references share one parameter dict between policies).
-LEGACY_NAMES = {
-    "kvec": dict(kvec_lambda="lam", kvec_delta="delta", kvec_beta="beta", kvec_window="window",
-                 kvec_obs_window="obs_window", kvec_long_window="long_window", kvec_kernel="kernel",
-                 kvec_pin_value="pin_value"),
-    "snapkv++": dict(snap_window="window", rocket_kernel="kernel", rocket_local_window="local_window"),
-    "snapkv": dict(snap_window="window", snap_kernel="kernel"),
-    "sagekv": dict(sage_sink="sink", sage_topk="topk", sage_skip_if_fits="skip_if_fits"),
-    "": dict(tova_heads="heads", tova_keep_last="keep_last"),
-}
+def spy_on(cache):
+    """Record, at every decode step of this engine cache, the positions each query head attends: the slots the
+    policy selected (or all for dense attention), read from the cache's positions, where the mask lets them."""
+    log = {"seen": [], "idx": None}
+    update, gather = cache.update, cache.gather
+
+    def gather_spy(idx, query_pos):
+        log["idx"] = idx
+        return gather(idx, query_pos)
+
+    def update_spy(q, k, v, input_pos, query_pos):
+        log["idx"] = None
+        keys, values, mask = update(q, k, v, input_pos, query_pos)
+        Hq, H = q.shape[1], cache.k.shape[1]
+        g = Hq // H
+        pos = cache.pos[0]
+        if log["idx"] is None:
+            rows = [pos[h // g, :keys.shape[2]][mask[0, h // g, 0]] for h in range(Hq)]
+        else:  # one selection per query head (SAGE-KV) or per KV head, shared by its group (RocketKV)
+            idx = log["idx"][0]
+            rows = [pos[h // g][idx[r]][mask[0, r, 0]] for h in range(Hq) for r in [h if len(idx) == Hq else h // g]]
+        seen = [r.tolist() for r in rows]
+        assert all(len(set(s)) == len(s) for s in seen)
+        log["seen"].append([sorted(s) for s in seen])
+        return keys, values, mask
+
+    cache.update, cache.gather = update_spy, gather_spy
+    return log
 
 
 def make_policy(name, params: dict | None = None):
-    """The engine's policy `name` (or class; None for full) from a reference-style parameter dict."""
+    """The engine's policy `name` (or class; None for full) with those of `params` (named as the policies' fields)
+    that its class has: one dict can serve several policies, as the references share theirs."""
     import dataclasses
     import policies
     if name == "full":
         return None
     cls = policies.REGISTRY[name] if isinstance(name, str) else name
-    if issubclass(cls, policies.KVec):
-        table = LEGACY_NAMES["kvec"]
-    elif issubclass(cls, policies.SnapKVPlusPlus):
-        table = LEGACY_NAMES["snapkv++"]
-    elif issubclass(cls, policies.SnapKV):
-        table = LEGACY_NAMES["snapkv"]
-    elif issubclass(cls, policies.SageKV):
-        table = LEGACY_NAMES["sagekv"]
-    else:
-        table = LEGACY_NAMES[""]
     fields = {f.name for f in dataclasses.fields(cls)}
-    kw = {}
-    for key, value in (params or {}).items():
-        key = table.get(key, key)
-        if key in fields:
-            kw[key] = value
-    return cls(**kw)
+    return cls(**{key: value for key, value in (params or {}).items() if key in fields})

@@ -173,7 +173,7 @@ def test_tova_pseudo_output_is_the_attention_output():
 # ------------------------------------------------------------------------------------ engine == reference
 
 BASES = ["h2o", "tova", "snapkv", "keydiff"]
-CASES = [(f"{kind}:{base}", {"snap_window": 4, "snap_kernel": 3} if base == "snapkv" else {})
+CASES = [(f"{kind}:{base}", {"window": 4, "kernel": 3} if base == "snapkv" else {})
          for base, kind in itertools.product(BASES, ["caote", "fastcaote"])]
 
 
@@ -189,7 +189,7 @@ def test_engine_equals_reference_small(tiny_model, case):  # noqa: F811
 
 
 @pytest.mark.parametrize("case", [("caote:h2o", {}), ("fastcaote:tova", {}), ("caote:snapkv", {}),
-                                  ("caote:keydiff", {"window_frac": 0.2}), ("caote:tova", {"tova_keep_last": True})],
+                                  ("caote:keydiff", {"window_frac": 0.2}), ("caote:tova", {"keep_last": True})],
                          ids=_id)
 def test_engine_equals_reference_1000(tiny_model, case):  # noqa: F811
     name, params = case

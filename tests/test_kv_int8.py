@@ -48,7 +48,7 @@ def kept(model):
     return [layer.attention.kv_cache.pos[0].sort(-1).values.clone() for layer in model.layers]
 
 
-PARAMS = dict(window_frac=0.1, n_sink=4, snap_window=8, snap_kernel=7, seed=0)
+PARAMS = dict(window_frac=0.1, n_sink=4, seed=0)
 
 
 def test_int8_logits_close_and_buffer_smaller(hf_tiny):

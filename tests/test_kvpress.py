@@ -14,14 +14,14 @@ kvpress 0.5.5's settings, where they differ from the KeyDiff paper's baselines (
 are our defaults, and how we reproduce them:
 - KeyDiffPress: the anchor is the mean of the unit-normalised keys; the paper reports the raw key mean. Ours:
   `anchor="normalized"` (`--policy keydiff:anchor=normalized`). The raw anchor selects differently here (a negative control).
-- SnapKVPress: observation window 64 and pooling kernel 5 (ours and the paper: 32 and 7). Ours: snap_window=64,
-  snap_kernel=5. Otherwise the same rule: the window's attention (softmax over all keys, causal), averaged over the
+- SnapKVPress: observation window 64 and pooling kernel 5 (ours and the paper: 32 and 7). Ours: window=64,
+  kernel=5. Otherwise the same rule: the window's attention (softmax over all keys, causal), averaged over the
   window and over each GQA group, average-pooled over the non-window prefix with zero padding counted, window always
   kept. Also checked with kvpress configured to our defaults (window_size=32, kernel_size=7).
 - TOVAPress: the last query's attention is averaged over ALL query heads of the layer and that one score is used by
   every KV head (one shared set, as in the official TOVA code), and the last token is always kept (score padded with
   max + 1; TOVA itself does not protect it). The paper averages within each GQA group and evicts per KV head. Ours:
-  tova_heads="all", tova_keep_last=True (`--policy tova:heads=all,keep_last=true`); our default selects differently here
+  heads="all", keep_last=True (`--policy tova:heads=all,keep_last=true`); our default selects differently here
   (a negative control).
 - StreamingLLMPress: n_sink=4 and no key re-rotation, as ours. KnormPress: -||k||, every layer compressed, as ours.
 Ties: kvpress uses torch.topk (order among equal scores unspecified); ours keeps the newer position. The only exact
@@ -47,9 +47,9 @@ L, BLOCK, RATIOS = 300, 64, (0.5, 0.75)
 # kvpress press spec (tests/reference/kvpress_keep.py) -> our policy and the parameters that reproduce it
 CASES = {
     "keydiff": ("keydiff", dict(anchor="normalized", window_frac=0.0)),
-    "snapkv": ("snapkv", dict(snap_window=64, snap_kernel=5)),  # kvpress defaults
-    "snapkv:window_size=32,kernel_size=7": ("snapkv", dict(snap_window=32, snap_kernel=7)),  # ours / the paper's
-    "tova": ("tova", dict(tova_heads="all", tova_keep_last=True)),
+    "snapkv": ("snapkv", dict(window=64, kernel=5)),  # kvpress defaults
+    "snapkv:window_size=32,kernel_size=7": ("snapkv", dict(window=32, kernel=7)),  # ours / the paper's
+    "tova": ("tova", dict(heads="all", keep_last=True)),
     "sink": ("sink", dict(n_sink=4)),
     "keynorm": ("keynorm", dict(window_frac=0.0)),
 }

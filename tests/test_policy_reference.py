@@ -153,7 +153,7 @@ def test_snapkv_ring_spans_blocks():
     g = torch.Generator().manual_seed(3)
     L, d = 30, 4
     keys, queries = torch.randn(L, 1, d, generator=g), torch.randn(L, 2, d, generator=g)
-    pol = RefSnapKV({"snap_window": 4, "snap_kernel": 3})
+    pol = RefSnapKV({"window": 4, "kernel": 3})
     hist, layer = run_stream(pol, keys, 10, 5, prompt_len=20, queries=queries)
     assert layer.layer_state["ring_pos"].tolist() == [26, 27, 28, 29]
     for h in hist[2:]:
@@ -310,7 +310,7 @@ D3_CASES = [
     ("sink", {}),
     ("keynorm", {}),
     ("tova", {}),
-    ("snapkv", {"snap_window": 4, "snap_kernel": 3}),  # w = 32 cannot fit N = 8 (the engine requires N > w)
+    ("snapkv", {"window": 4, "kernel": 3}),  # w = 32 cannot fit N = 8 (the engine requires N > w)
     ("h2o", {}),
     ("random", {"seed": 0}),
 ]

@@ -1,7 +1,8 @@
-"""RocketKV: the hand-checkable cases of its implementation spec (section 11) on the pure functions and a bare
-KVCache, then the engine on the tiny model: stage 2 with k = every slot equals dense attention over the kept cache,
-a budget >= the context reproduces `full`; on CUDA the decode step replays as a CUDA graph (compiled == eager on
-CPU: test_conformance.py).
+"""RocketKV and Exact-TopK: the hand-checkable cases of the paper's rules on the pure functions and a bare KVCache,
+then the engine on the tiny model against the independent reference (tests/reference/rocketkv.py: the positions
+each query head attends and the logits at every decode step), stage 2 with k = every slot equals dense attention
+over the kept cache, a budget >= the context reproduces `full`; on CUDA the decode step replays as a CUDA graph
+(compiled == eager on CPU: test_conformance.py).
 """
 import dataclasses
 import math
@@ -9,15 +10,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import generate_compiled, make_policy
+from conftest import generate_compiled, make_policy, spy_on
 import torch.nn.functional as F
 
 import policies
 from cache import KVCache, attention_weights
-from engine import generate, load_model, model_step, prefill_step, setup
+from engine import generate, load_model, model_step, prefill_one_shot, prefill_step, setup
 from errors import UserError
 from policies import (ExactTopK, RocketKV, SnapKVPlusPlus, adaptive_kernel, build_pages, hybrid_scores, pool_votes,
                       rocket_params, rocket_sizes, stable_topk, token_scores, update_page)
+from reference.model import RefModel
+from reference.rocketkv import RefRocketLayer
 from scripts.bench import paper_peak_memory
 from test_cli import tiny_ckpt  # noqa: F401  (fixture)
 
@@ -339,7 +342,7 @@ def run(model, name, prompt, N, t, block=16, steps=EAGER, k=None, device="cpu"):
     (the paper's even split) and reads t per step, exact-topk holds everything and attends its top t, snapkv++
     holds t slots. k overrides RocketKV's top-k."""
     S, D = len(prompt) + N, model.args.head_dim
-    pol = make_policy(name, dict(snap_window=8))
+    pol = make_policy(name, dict(window=8))
     if name == "rocketkv":
         pol, C = policies.RocketKV(window=8, read=t), policies.rocket_params(S, t, D, N).C
     elif name == "exact-topk":
@@ -371,6 +374,49 @@ def test_stage2_with_every_slot_selected_equals_dense_over_the_kept_cache(tiny):
     assert pol_s.prompt_keep(policies.Run(C, len(prompt), N)) == P
     assert out_r == out_s
     assert all(torch.equal(a, l.attention.kv_cache.pos) for a, l in zip(kept_r, tiny.layers))
+
+
+def compare_with_reference(model, spec, budget, T, N, seed):
+    """Engine (one-shot prefill, N eager greedy decode steps) and the independent reference side by side: the first
+    token's logits, then at every decode step each (layer, query head)'s attended positions and the logits."""
+    a = model.args
+    ids = ids_of(T, seed)
+    pol = policies.make(spec)
+    setup(model, pol, budget, T, N, 16, prefill="one-shot")
+    logs = [spy_on(layer.attention.kv_cache) for layer in model.layers]
+    ref = RefModel(model, budget=10 ** 9, policy_name=None)
+    if isinstance(pol, ExactTopK):
+        sizes = dict(exact_k=pol.k)
+    else:
+        sizes = dict(window=pol.window, kernel=pol.run_kernel, rp=pol.rp, local_window=pol.local_window)
+    ref.layers = [RefRocketLayer(a.n_heads, a.n_kv_heads, a.head_dim, **sizes) for _ in range(a.n_layers)]
+    with torch.inference_mode():
+        logits = prefill_one_shot(model, torch.tensor(ids), 16)
+        assert torch.allclose(logits[0], ref.block(ids, range(T)), atol=1e-4), "prefill logits"
+        for p in range(T, T + N):
+            tok = int(logits[0].argmax())
+            logits = model_step(model, torch.tensor([[tok]]), torch.tensor([p]))
+            ref_logits = ref.block([tok], [p])
+            for layer, (log, rl) in enumerate(zip(logs, ref.layers)):
+                assert log["seen"][-1] == rl.seen[-1], f"{spec} layer {layer} position {p}: attended positions differ"
+            err = (logits[0] - ref_logits).abs().max().item()
+            assert err <= 1e-4, f"{spec} position {p}: logits differ by {err:.3g}"
+    return pol
+
+
+@pytest.mark.parametrize("spec,budget,T,N", [
+    ("rocketkv:read=16,window=8,kernel=7", 64, 150, 24),      # pages of 2, the paper's even split
+    ("rocketkv:read=12,window=8", 96, 150, 24),               # the adaptive kernel (63), pages of 2
+    ("rocketkv:read=10,window=4,kernel=5,local_window=3", 72, 120, 20),  # the 3 newest always attended
+    ("rocketkv:read=1000,window=8,kernel=7", 64, 150, 12),    # read >= budget: dense over the kept cache
+    ("exact-topk:k=8", 150 + 24, 150, 24),
+    ("exact-topk:k=1", 100 + 8, 100, 8),
+])
+def test_engine_equals_the_independent_reference(tiny, spec, budget, T, N):
+    pol = compare_with_reference(tiny, spec, budget, T, N, seed=budget + T)
+    if isinstance(pol, RocketKV):
+        assert pol.rp.P < T  # the prompt was compressed
+        assert pol.rp.sparse == ("read=1000" not in spec)
 
 
 @pytest.mark.parametrize("slack", [0, 20])

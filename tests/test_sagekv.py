@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_policy
+from conftest import make_policy, spy_on
 import torch.nn.functional as F
 
 from cache import KVCache
@@ -265,35 +265,6 @@ def test_selection_invariants_and_ties():
 
 # ------------------------------------------------------------------- the independent reference on a model
 
-def spy_on(cache):
-    """Record, at every decode step of this engine cache, the positions each query head attends: the slots the
-    policy selected (or all for dense attention), read from the cache's positions, where the mask lets them."""
-    log = {"seen": [], "idx": None}
-    update, gather = cache.update, cache.gather
-
-    def gather_spy(idx, query_pos):
-        log["idx"] = idx
-        return gather(idx, query_pos)
-
-    def update_spy(q, k, v, input_pos, query_pos):
-        log["idx"] = None
-        keys, values, mask = update(q, k, v, input_pos, query_pos)
-        Hq, H = q.shape[1], cache.k.shape[1]
-        g = Hq // H
-        pos = cache.pos[0]
-        if log["idx"] is None:
-            rows = [pos[h // g, :keys.shape[2]][mask[0, h // g, 0]] for h in range(Hq)]
-        else:
-            rows = [pos[h // g][log["idx"][0, h]][mask[0, h, 0]] for h in range(Hq)]
-        seen = [r.tolist() for r in rows]
-        assert all(len(set(s)) == len(s) for s in seen)
-        log["seen"].append([sorted(s) for s in seen])
-        return keys, values, mask
-
-    cache.update, cache.gather = update_spy, gather_spy
-    return log
-
-
 def ids_of(n, seed, vocab=256):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -307,8 +278,8 @@ def compare_with_reference(model, params, B, N, T, block=16, seed=0):
     pol = make_policy("sagekv", params)  # the paper's B counts the decoding token: --budget B - 1
     setup(model, pol, B - 1, N, T, block, prefill="one-shot")
     logs = [spy_on(layer.attention.kv_cache) for layer in model.layers]
-    S, k, W = ref_sizes(B, a.n_heads // a.n_kv_heads, params.get("sage_sink"), params.get("sage_topk"))
-    dense = params.get("sage_skip_if_fits", False) and N + T <= B
+    S, k, W = ref_sizes(B, a.n_heads // a.n_kv_heads, params.get("sink"), params.get("topk"))
+    dense = params.get("skip_if_fits", False) and N + T <= B
     ref = RefModel(model, budget=10 ** 9, policy_name=None)
     ref.layers = [RefSageLayer(a.n_heads, a.n_kv_heads, a.head_dim, S, k, W, N, dense) for _ in range(a.n_layers)]
     with torch.inference_mode():
@@ -348,11 +319,11 @@ def tiny_g3():
 
 CASES = [  # params, budget, prompt length, decode steps
     ({}, 32, 100, 70),                                   # the paper's rule: S 8, k 8 per head, W 8
-    ({"sage_sink": 3, "sage_topk": 5}, 24, 60, 64),      # W = 11
-    ({"sage_topk": 0}, 24, 60, 64),                      # T13: k = 0 is StreamLLM_Abs (sink + window)
+    ({"sink": 3, "topk": 5}, 24, 60, 64),      # W = 11
+    ({"topk": 0}, 24, 60, 64),                      # T13: k = 0 is StreamLLM_Abs (sink + window)
     ({}, 32, 20, 64),                                    # n_E = 4 < k: every head keeps all candidates
     ({}, 32, 5, 64),                                     # prompt shorter than the sink
-    ({"sage_skip_if_fits": True}, 140, 70, 64),          # A5's flag: fits, so dense
+    ({"skip_if_fits": True}, 140, 70, 64),          # A5's flag: fits, so dense
 ]
 
 
@@ -397,8 +368,8 @@ def step_logits(model, policy, budget, ids, T, block=16):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("params,B", [({"sage_skip_if_fits": True}, 100 + 64),
-                                      ({"sage_sink": 16}, 400)])  # literal rule: S + W = 272 >= N + T
+@pytest.mark.parametrize("params,B", [({"skip_if_fits": True}, 100 + 64),
+                                      ({"sink": 16}, 400)])  # literal rule: S + W = 272 >= N + T
 def test_budget_covering_the_context_reproduces_full(tiny, params, B):
     """Spec T11 / A5: with --sage-skip-if-fits and N + T <= B, or under the literal rule while nothing leaves the
     ring (N + T <= S + W), every step's logits equal `full`'s."""

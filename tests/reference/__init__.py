@@ -7,6 +7,8 @@
 - caote.py: CAOTE / FastCAOTE's closed form (caote_reference) and RefCAOTE, re-ranking a block-wise base.
 - kvec.py: K-VEC's one-shot compression per layer with the shared coverage counter (ref_layer, reference_for).
 - sagekv.py: SAGE-KV's per-query-head selection and visible sets (RefSageLayer, reference_selection, ref_sizes).
+- rocketkv.py: RocketKV's SnapKV++ compression and hybrid top-k decode, and Exact-TopK's per-query-head top-k
+  (RefRocketLayer, snapkvpp_keep, rocket_select).
 - engine_scorer.py: EngineScorer, RefLayer driven by an engine policy's own observe / score (the conformance suite).
 - kvpress_keep.py: a standalone script run in the kvpress venv (.venv-kv) that records which positions NVIDIA
   kvpress's presses keep (test_kvpress.py); not imported.

@@ -136,10 +136,10 @@ class RefH2O(RefPolicy):
 
 
 class RefSnapKV(RefPolicy):
-    """Observation window = the `snap_window` most recent queries this layer has seen (a ring across blocks and
+    """Observation window = the `window` most recent queries this layer has seen (a ring across blocks and
     decode steps); each votes with its own softmax over the current candidates (only keys at or before it)."""
     def window(self):
-        return _get(self.params, "snap_window", 32)
+        return _get(self.params, "window", 32)
 
     def observe(self, layer, q, q_pos, A, K, P):
         rq = layer.layer_state.get("ring_q", q.new_zeros(q.shape[0], 0, q.shape[2]))
@@ -152,7 +152,7 @@ class RefSnapKV(RefPolicy):
         rq, rp = layer.layer_state["ring_q"], layer.layer_state["ring_pos"]
         W = attention_probs(rq, K, P, rp, layer.sliding_window)              # [Hq, w, n]
         votes = group_mean(W, layer.n_kv_heads).sum(dim=1)                   # [Hkv, n]
-        return snapkv_pool(votes, P, int(q_pos.max()), self.window(), _get(self.params, "snap_kernel", 7))
+        return snapkv_pool(votes, P, int(q_pos.max()), self.window(), _get(self.params, "kernel", 7))
 
 
 class RefRandom(RefPolicy):

@@ -54,7 +54,7 @@ class RefCAOTE(RefPolicy):
         if self.base == "tova":
             last = int(torch.argmax(q_pos))
             h = A[:, last]                                                            # [Hq, n]
-            if _get(self.params, "tova_keep_last", False):
+            if _get(self.params, "keep_last", False):
                 protected = P > newest - 1
         elif self.base == "h2o":
             h = torch.stack([layer.slot_state[f"acc{i}"] for i in range(g)], 1).reshape(Hkv * g, n)
@@ -63,7 +63,7 @@ class RefCAOTE(RefPolicy):
             rq, rp = layer.layer_state["ring_q"], layer.layer_state["ring_pos"]
             votes = attention_probs(rq, K, P, rp, layer.sliding_window).sum(dim=1)     # [Hq, n]
             w = self.snap.window()
-            pooled = snapkv_pool(votes, P.repeat_interleave(g, 0), newest, w, _get(self.params, "snap_kernel", 7))
+            pooled = snapkv_pool(votes, P.repeat_interleave(g, 0), newest, w, _get(self.params, "kernel", 7))
             protected = P > newest - w
             h = torch.where(protected.repeat_interleave(g, 0), votes, pooled)
         else:  # keydiff: 1 - cos
