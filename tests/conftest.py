@@ -158,6 +158,26 @@ def spy_on(cache):
     return log
 
 
+
+def one_shot_equals_reference(model, ref, ids: list, new_tokens: int, block: int, what: str = "") -> None:
+    """The engine (set up for a one-shot prefill) and a reference RefModel whose layers record `seen` side by side:
+    one-shot prefill, then eager greedy decode steps on the engine's logits. The first token's logits, then at every
+    step each (layer, query head)'s attended positions and the logits agree (atol 1e-4)."""
+    from engine import model_step, prefill_one_shot
+    logs = [spy_on(layer.attention.kv_cache) for layer in model.layers]
+    T = len(ids)
+    with torch.inference_mode():
+        logits = prefill_one_shot(model, torch.tensor(ids), block)
+        assert torch.allclose(logits[0], ref.block(ids, range(T)), atol=1e-4), f"{what} prefill logits"
+        for p in range(T, T + new_tokens):
+            tok = int(logits[0].argmax())
+            logits = model_step(model, torch.tensor([[tok]]), torch.tensor([p]))
+            ref_logits = ref.block([tok], [p])
+            for layer, (log, rl) in enumerate(zip(logs, ref.layers)):
+                assert log["seen"][-1] == rl.seen[-1], f"{what} layer {layer} position {p}: attended positions differ"
+            err = (logits[0] - ref_logits).abs().max().item()
+            assert err <= 1e-4, f"{what} position {p}: logits differ by {err:.3g}"
+
 def make_policy(name, params: dict | None = None):
     """The engine's policy `name` (or class; None for full) with those of `params` (named as the policies' fields)
     that its class has: one dict can serve several policies, as the references share theirs."""

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import generate_compiled, make_policy, spy_on
+from conftest import generate_compiled, make_policy, one_shot_equals_reference
 import torch.nn.functional as F
 
 import policies
 from cache import KVCache, attention_weights
-from engine import generate, load_model, model_step, prefill_one_shot, prefill_step, setup
+from engine import generate, load_model, model_step, prefill_step, setup
 from errors import UserError
 from policies import (ExactTopK, RocketKV, SnapKVPlusPlus, adaptive_kernel, build_pages, hybrid_scores, pool_votes,
                       rocket_params, rocket_sizes, stable_topk, token_scores, update_page)
@@ -377,30 +377,18 @@ def test_stage2_with_every_slot_selected_equals_dense_over_the_kept_cache(tiny):
 
 
 def compare_with_reference(model, spec, budget, T, N, seed):
-    """Engine (one-shot prefill, N eager greedy decode steps) and the independent reference side by side: the first
-    token's logits, then at every decode step each (layer, query head)'s attended positions and the logits."""
+    """Engine (one-shot prefill, N eager greedy decode steps) and the independent reference side by side."""
     a = model.args
     ids = ids_of(T, seed)
     pol = policies.make(spec)
     setup(model, pol, budget, T, N, 16, prefill="one-shot")
-    logs = [spy_on(layer.attention.kv_cache) for layer in model.layers]
     ref = RefModel(model, budget=10 ** 9, policy_name=None)
     if isinstance(pol, ExactTopK):
         sizes = dict(exact_k=pol.k)
     else:
         sizes = dict(window=pol.window, kernel=pol.run_kernel, rp=pol.rp, local_window=pol.local_window)
     ref.layers = [RefRocketLayer(a.n_heads, a.n_kv_heads, a.head_dim, **sizes) for _ in range(a.n_layers)]
-    with torch.inference_mode():
-        logits = prefill_one_shot(model, torch.tensor(ids), 16)
-        assert torch.allclose(logits[0], ref.block(ids, range(T)), atol=1e-4), "prefill logits"
-        for p in range(T, T + N):
-            tok = int(logits[0].argmax())
-            logits = model_step(model, torch.tensor([[tok]]), torch.tensor([p]))
-            ref_logits = ref.block([tok], [p])
-            for layer, (log, rl) in enumerate(zip(logs, ref.layers)):
-                assert log["seen"][-1] == rl.seen[-1], f"{spec} layer {layer} position {p}: attended positions differ"
-            err = (logits[0] - ref_logits).abs().max().item()
-            assert err <= 1e-4, f"{spec} position {p}: logits differ by {err:.3g}"
+    one_shot_equals_reference(model, ref, ids, N, 16, spec)
     return pol
 
 

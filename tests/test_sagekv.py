@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_policy, spy_on
+from conftest import make_policy, one_shot_equals_reference
 import torch.nn.functional as F
 
 from cache import KVCache
@@ -277,23 +277,11 @@ def compare_with_reference(model, params, B, N, T, block=16, seed=0):
     ids = ids_of(N, seed, a.vocab_size)
     pol = make_policy("sagekv", params)  # the paper's B counts the decoding token: --budget B - 1
     setup(model, pol, B - 1, N, T, block, prefill="one-shot")
-    logs = [spy_on(layer.attention.kv_cache) for layer in model.layers]
     S, k, W = ref_sizes(B, a.n_heads // a.n_kv_heads, params.get("sink"), params.get("topk"))
     dense = params.get("skip_if_fits", False) and N + T <= B
     ref = RefModel(model, budget=10 ** 9, policy_name=None)
     ref.layers = [RefSageLayer(a.n_heads, a.n_kv_heads, a.head_dim, S, k, W, N, dense) for _ in range(a.n_layers)]
-    with torch.inference_mode():
-        logits = prefill_one_shot(model, torch.tensor(ids), block)
-        ref_logits = ref.block(ids, range(N))
-        assert torch.allclose(logits[0], ref_logits, atol=1e-4), "prefill logits"
-        for p in range(N, N + T):
-            tok = int(logits[0].argmax())
-            logits = model_step(model, torch.tensor([[tok]]), torch.tensor([p]))
-            ref_logits = ref.block([tok], [p])
-            for l, (log, rl) in enumerate(zip(logs, ref.layers)):
-                assert log["seen"][-1] == rl.seen[-1], f"layer {l} position {p}: attended positions differ"
-            err = (logits[0] - ref_logits).abs().max().item()
-            assert err <= 1e-4, f"position {p}: logits differ by {err:.3g}"
+    one_shot_equals_reference(model, ref, ids, T, block)
     return pol, ref
 
 
