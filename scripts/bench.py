@@ -64,6 +64,7 @@ tok/s, speedup and the bandwidth model's prediction per draft policy, budget, K,
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import statistics
@@ -284,6 +285,8 @@ def run_figure(args) -> None:
             save(out.with_suffix(".json"), args, settings, rows=rows)
             plot_figure(rows, budgets, out.with_suffix(".png"))
     add_ratios(rows)
+    save(out.with_suffix(".json"), args, settings, rows=rows)  # with the kept rows after the last one measured
+    plot_figure(rows, budgets, out.with_suffix(".png"))
     print("\n| context | policy | cache slots | decode ms/step | speedup vs full | ideal (bandwidth model) | "
           "of ideal | decode peak MiB | peak saving | weights+cache saving |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -417,6 +420,8 @@ def run_quant(args) -> None:
               f"ppl {ppl_text(x['ppl'])}  [{x['kernels']}, total {x['wall_s']:.0f} s]", file=sys.stderr)
         if args.json:  # after every configuration: a stopped run keeps what it measured (--resume goes on)
             save(args.json, args, settings, rows=rows)
+    if args.json:  # with the kept rows after the last one measured
+        save(args.json, args, settings, rows=rows)
     base = next((x for x in rows if x["mode"] == "float32"), rows[0])
     print(f"\n| mode | bytes read / decode step (MiB) | decode tok/s | vs {base['mode']} | prefill tok/s | "
           f"perplexity | vs {base['mode']} | peak MiB decode |")
@@ -1327,6 +1332,8 @@ def run(args) -> None:
               f"[warm-up {x['warmup_s']:.1f} s]", file=sys.stderr)
         if args.json:
             save(args.json, args, settings, read_gb_s=bw, results=results, llamacpp=llama)
+    if args.json:  # with the kept configurations after the last one measured
+        save(args.json, args, settings, read_gb_s=bw, results=results, **({"llamacpp": llama} if llama else {}))
 
     base, full = results["no-evict"], results["full"]
     resumed = sum(label in old for label in results)
@@ -1538,7 +1545,20 @@ def previous(path, settings: dict, args, key: str, kind: type, fields: dict, mis
     if not ok:
         raise UserError(f"--resume: {path} has no {key} as this script writes them (run without --resume to replace "
                         "it)")
-    return entries
+    return kind(measured(path, entries, fields))
+
+
+def measured(path, entries, fields: dict):
+    """The entries (a dict's items, or a list's rows) whose numbers are finite and non-negative, as a measurement
+    gives them; each other is left out to be measured again, with one line naming it and the field."""
+    for name, x in entries.items() if isinstance(entries, dict) else ((None, x) for x in entries):
+        bad = next((f for f, t in fields.items() if t is not str and not 0 <= x[f] < math.inf), None)
+        if bad is None:
+            yield (name, x) if isinstance(entries, dict) else x
+            continue
+        row = name if name is not None else ", ".join(f"{f} {x[f]}" for f in fields if fields[f] is not float)
+        print(f"--resume: {path}: {row} has {bad} = {x[bad]} (not a finite, non-negative number): measuring it again",
+              file=sys.stderr)
 
 
 def save(path, args, settings: dict, **out) -> None:

@@ -786,6 +786,11 @@ def read_journal(path: Path, settings: dict) -> dict:
                 isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) for k in measures(e["task"]))
                 for r in e["records"]):
             bad = "a record is malformed or holds a measure that is not a finite number"
+        stray = next((r for r in e["records"] if any(r.get(k) != e[k] for k in ("protocol", "policy", "budget"))),
+                     None) if bad is None else None
+        if stray is not None:
+            bad = (f"a record of {stray.get('policy')} ({stray.get('protocol')}, budget {stray.get('budget')}) under "
+                   f"{e['policy']} ({e['protocol']}, budget {e['budget']})")
         if bad is None and not e["records"] and e["na"] is None:
             bad = "no records, and not marked n/a"
         if bad is not None:

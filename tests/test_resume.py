@@ -178,6 +178,25 @@ def test_eval_resume_refuses_a_damaged_record(ckpt, uninterrupted, tmp_path, cap
     assert len(err) == 1 and "line 3" in err[0] and "Traceback" not in err[0], err
 
 
+@pytest.mark.parametrize("field,value", [("policy", "sink"), ("budget", 64), ("protocol", "one-shot")])
+def test_eval_resume_refuses_a_record_under_another_configuration(ckpt, uninterrupted, tmp_path, capsys, field,
+                                                                  value):
+    """A journal line whose records name another policy, budget or protocol than its key is refused in one line
+    naming the line, not averaged into the key's cell."""
+    _, done = uninterrupted
+    out = tmp_path / "eval"
+    shutil.copytree(done, out)
+    lines = (out / "results.jsonl").read_text().splitlines()
+    n, entry = next((n, e) for n, e in enumerate(map(json.loads, lines)) if e.get("policy") == "keydiff" and
+                    e.get("budget") == 32)
+    entry["records"][-1][field] = value
+    lines[n] = json.dumps(entry)
+    (out / "results.jsonl").write_text("\n".join(lines) + "\n")
+    assert ev.main(eval_argv(ckpt, out, "--resume")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"line {n + 1}: a record of " in err[0] and "under keydiff (block, budget 32)" in err[0]
+
+
 def test_eval_resume_refuses_another_checkpoint(ckpt, uninterrupted, tmp_path, capsys):
     """The same command on a checkpoint whose weights changed (same path) is another run."""
     _, done = uninterrupted
@@ -352,3 +371,30 @@ def test_write_atomic_removes_a_killed_writers_temporary_file(tmp_path):
     stale.write_text("half")
     write_atomic(tmp_path / "out.json", "new")
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"] and (tmp_path / "out.json").read_text() == "new"
+
+
+@pytest.mark.parametrize("kind", list(BENCH_RUNS))
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_bench_resume_measures_again_a_row_that_is_not_a_measurement(kind, value, ckpt, tmp_path, monkeypatch,
+                                                                     capsys):
+    """A kept row whose timing is NaN, infinite or negative (edited, or written by a broken run) is measured again,
+    with one line naming it; the other rows are kept, and the output equals an uninterrupted run's."""
+    argv, configs, flag = BENCH_RUNS[kind]
+    out = tmp_path / "full" / "rocketkv_figure.json" if kind == "figure" else tmp_path / "full.json"
+    fmt = lambda out: [a.format(out=out, dir=out.parent) for a in argv]  # noqa: E731
+    code, started, _ = run_bench(monkeypatch, capsys, tmp_path, ckpt, fmt(out), flag, kind)
+    assert code in (0, None) and started == configs
+    full = json.loads(out.read_text())
+    key = "results" if kind == "table" else "rows"
+    damaged = json.loads(out.read_text())
+    row = damaged[key][configs[1]] if kind == "table" else damaged[key][1]
+    field = "decode_tok_s" if kind == "quant" else "decode_step_ms"  # a timing the table is made of
+    row[field] = value
+    out.write_text(json.dumps(damaged))  # json.dumps writes NaN / Infinity, as a broken run would
+    code, started, err = run_bench(monkeypatch, capsys, tmp_path, ckpt, fmt(out) + ["--resume"], flag, kind)
+    assert code in (0, None) and started == [configs[1]]
+    named = {"table": "full", "quant": "mode bfloat16", "figure": "label rocketkv-16, T 64"}[kind]
+    lines = [line for line in err.splitlines() if "measuring it again" in line]
+    assert lines == [f"--resume: {out}: {named} has {field} = {value} (not a finite, non-negative number): "
+                     "measuring it again"], err
+    assert json.loads(out.read_text())[key] == full[key]
