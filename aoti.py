@@ -6,17 +6,26 @@ package holds no weights (one copy in memory, the module's own) and writes the c
 does. A package is named by a key over everything that shapes the traced step: the source of the repository's
 modules that a step runs, torch's version, the thread count, every input's name, shape, stride and dtype, and the
 plain attributes of every module and of the objects they hold (the policy and its plan, the model's arguments). A
-change to any of them compiles a new package; none is ever loaded for another state."""
+change to any of them compiles a new package. Beside each package a record (<key>.json, written last) holds what it
+was built from and the package's sha256; a package is loaded only when both match, so none is ever loaded for another
+state or with damaged bytes: it is compiled again in its place."""
 import hashlib
 import inspect
+import json
 import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from errors import EnvironmentFailure
+from files import remove_stale_tmp, write_atomic, write_text
+
 ROOT = Path(__file__).resolve().parent
-PACKAGES = ROOT / "build" / "aot-steps"  # <key>.pt2, kept across runs (BUDGETKV_AOT_DIR overrides)
+PACKAGES = ROOT / "build" / "aot-steps"  # <key>.pt2 and <key>.json, kept across runs (BUDGETKV_AOT_DIR overrides)
 
 
 def package_dir() -> Path:
@@ -64,20 +73,30 @@ UNTRACED_MODULES = {"generate.py", "cli.py", "chat.py", "progress.py", "checkpoi
                     "files.py", "errors.py", "engine.py", "speculative.py"}
 
 
-def step_key(model, idx: Tensor, input_pos: Tensor) -> str:
-    h = hashlib.sha256()
+def step_recipe(model, idx: Tensor, input_pos: Tensor) -> list[str]:
+    """What a package is built from, one line each: the traced modules' source (by hash), torch's version and the
+    thread count, every input's name, shape, stride, dtype and device, and every module's plain attributes."""
+    sources = hashlib.sha256()
     for path in sorted(ROOT.glob("*.py")):
         if path.name not in UNTRACED_MODULES:
-            h.update(path.name.encode() + path.read_bytes())
-    h.update(f"torch {torch.__version__}, threads {torch.get_num_threads()}".encode())
+            sources.update(path.name.encode() + path.read_bytes())
+    lines = [f"sources {sources.hexdigest()}", f"torch {torch.__version__}, threads {torch.get_num_threads()}"]
     names, tensors = step_inputs(model)
     for name, t in [*zip(names, tensors), ("idx", idx), ("input_pos", input_pos)]:
-        h.update(f"{name}{tuple(t.shape)}{t.stride()}{t.dtype}{t.device}".encode())
+        lines.append(f"{name}{tuple(t.shape)}{t.stride()}{t.dtype}{t.device}")
     for name, module in model.named_modules():
         skip = getattr(module, "UNTRACED", ())
         attrs = {k: v for k, v in vars(module).items() if not k.startswith("_") and k not in skip}
-        h.update(f"{name}:{type(module).__qualname__}{describe(attrs, set())}".encode())
-    return h.hexdigest()[:32]
+        lines.append(f"{name}:{type(module).__qualname__}{describe(attrs, set())}")
+    return lines
+
+
+def recipe_key(recipe: list[str]) -> str:
+    return hashlib.sha256("\n".join(recipe).encode()).hexdigest()[:32]
+
+
+def step_key(model, idx: Tensor, input_pos: Tensor) -> str:
+    return recipe_key(step_recipe(model, idx, input_pos))
 
 
 class _Step(torch.nn.Module):
@@ -107,25 +126,82 @@ def export_step(model, idx: Tensor, input_pos: Tensor):
     return ep
 
 
-def compile_package(model, idx: Tensor, input_pos: Tensor, path: Path) -> Path:
-    """Export and compile the step into `path`, written whole or not at all (a temporary file, then renamed)."""
-    import torch._inductor
-    ep = export_step(model, idx, input_pos)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def record_path(path: Path) -> Path:
+    return path.with_suffix(".json")  # beside <key>.pt2: {"key", "built_from", "sha256"}, written after the package
+
+
+def package_problem(path: Path, key: str, recipe: list[str]) -> str | None:
+    """Why the package at `path` must not be loaded ("" where there is none yet), or None where it may: its record
+    names this key and this recipe, and the package's bytes hash to the recorded sha256."""
+    if not path.is_file():
+        return ""
     try:
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+        record = json.loads(record_path(path).read_text(encoding="utf-8"))
+        digest = file_sha256(path)
+    except (OSError, ValueError):
+        return "no readable record of what it was built from"
+    if not isinstance(record, dict) or record.get("key") != key or record.get("built_from") != recipe:
+        return "it was built for another model or setting"
+    if record.get("sha256") != digest:
+        return "its bytes are not the ones recorded: damaged or replaced"
+    return None
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why no package can be written in `folder` (created here if missing), found before a compile; None if it can."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def save_package(built: Path, path: Path, recipe: list[str]) -> None:
+    """Copy the package into place, then its record (last, so a record always describes the package beside it);
+    each written whole or not at all (files.write_atomic). Errors -> EnvironmentFailure naming the file."""
+    remove_stale_tmp(path.parent)
+    write_atomic(path, lambda tmp: shutil.copyfile(built, tmp))
+    record = {"key": recipe_key(recipe), "sha256": file_sha256(path), "built_from": recipe}
+    write_text(record_path(path), json.dumps(record, indent=0))
+
+
+def compile_package(model, idx: Tensor, input_pos: Tensor, path: Path, recipe: list[str], say):
+    """Export and compile the step, load it, and save it as `path` with its record; the loader. A folder that cannot
+    be written is found before the compile, and a save that fails (a full disk) leaves the loaded step running:
+    either is one line through say(line), naming the folder."""
+    import torch._inductor
+    unwritable = folder_problem(path.parent)
+    if unwritable:
+        say(f"note: cannot write compiled steps in {path.parent} ({unwritable}): the compiled step runs without "
+            "being saved")
+    ep = export_step(model, idx, input_pos)
+    with tempfile.TemporaryDirectory(prefix="budgetkv-aot-") as tmp:
+        built = Path(tmp) / path.name
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(built))
+        loader = load_package(built)
+        if loader is None:
+            raise EnvironmentFailure(f"the decode step just compiled cannot be loaded by this torch "
+                                     f"({torch.__version__}): run without --compile")
+        if not unwritable:
+            try:
+                save_package(built, path, recipe)
+            except EnvironmentFailure as e:
+                say(f"note: {e}: the compiled step runs without being saved in {path.parent}")
+    return loader
 
 
 def load_package(path: Path):
     """The package's loader, or None where the file is not a package this torch can load."""
     try:
         return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-    except RuntimeError:
+    except (RuntimeError, OSError, ValueError):
         return None
 
 
@@ -135,31 +211,46 @@ class AotStep:
     On its first call, and whenever the model's caches or the input shapes change (engine.setup makes new caches),
     it binds: computes the key, loads the package of that key or compiles it (about a minute for SmolLM2-135M on two
     cores), and holds the model's tensors for the calls that follow. Between binds nothing is re-read: change a
-    policy or a cache through engine.setup, which makes new caches. A package that cannot be loaded (damaged on
-    disk) is compiled again in its place. `compiled` and `loaded` count the binds."""
+    policy or a cache through engine.setup, which makes new caches. A package is loaded only when its record names
+    this key's recipe and its bytes hash to the recorded sha256; any other (swapped, damaged, unrecorded, or one
+    torch fails to load) is compiled again in its place, with one line saying why (to `stream`, else stderr).
+    `compiled` and `loaded` count the binds."""
 
     def __init__(self):
         self.loaders, self.bound, self.tensors, self.loader = {}, None, None, None
         self.compiled = self.loaded = 0
+        self.stream = None
+
+    def say(self, line: str) -> None:
+        stream = self.stream if self.stream is not None and not self.stream.closed else sys.stderr
+        print(line, file=stream, flush=True)
 
     def fingerprint(self, model, idx: Tensor, input_pos: Tensor) -> tuple:
         # the bound tensors stay referenced, so a new cache's tensors can never take an old one's id
         return (id(model.tok_embeddings.weight), *(id(layer.attention.kv_cache.k) for layer in model.layers),
                 idx.shape, input_pos.shape)
 
+    def load_or_compile(self, model, idx: Tensor, input_pos: Tensor, key: str, recipe: list[str]):
+        path = package_dir() / f"{key}.pt2"
+        why = package_problem(path, key, recipe)
+        if why is None:
+            loader = load_package(path)
+            if loader is not None:
+                self.loaded += 1
+                return loader
+            why = "torch could not load it"
+        if why:
+            self.say(f"note: compiled step {path} not loaded ({why}): compiling it again")
+        loader = compile_package(model, idx, input_pos, path, recipe, self.say)
+        self.compiled += 1
+        return loader
+
     def bind(self, model, idx: Tensor, input_pos: Tensor) -> None:
         self.tensors = None
-        key = step_key(model, idx, input_pos)
+        recipe = step_recipe(model, idx, input_pos)
+        key = recipe_key(recipe)
         if key not in self.loaders:
-            path = package_dir() / f"{key}.pt2"
-            loader = load_package(path) if path.is_file() else None
-            if loader is None:
-                compile_package(model, idx, input_pos, path)
-                loader = load_package(path)
-                self.compiled += 1
-            else:
-                self.loaded += 1
-            self.loaders[key] = loader
+            self.loaders[key] = self.load_or_compile(model, idx, input_pos, key, recipe)
         self.loader, self.tensors = self.loaders[key], step_inputs(model)[1]
         self.bound = self.fingerprint(model, idx, input_pos)
 

@@ -539,6 +539,8 @@ def run(a) -> int:
         t = time.perf_counter()
         # inductor's autotune tables and compiler warnings go to a log (-v shows them); the terminal gets one line
         with stderr_to_log(COMPILE_LOG, is_verbose(a)) as terminal, compile_ticker(a, terminal), torch.inference_mode():
+            if a.compile_mode == AOT:
+                steps[1].stream = terminal  # a package not loaded or not saved: its line on the terminal, not the log
             warm_up(model, steps, ids[0], a.block_size, a.device, batch=len(prompts))  # generate starts empty
         compile_s = time.perf_counter() - t
         compile_cache = cache_state(counters["inductor"] if dynamo else None,

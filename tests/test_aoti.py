@@ -1,8 +1,10 @@
 """The CPU decode step compiled ahead of time (aoti.py): eager's tokens for every kind of policy, a batch, and a
 package key that changes with everything the traced step depends on."""
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,3 +177,161 @@ def test_a_damaged_package_is_compiled_again(tiny, tmp_path, monkeypatch):
     assert run(tiny, "tova", 40, step) == want and (step.compiled, step.loaded) == (1, 0)
     again = aoti.AotStep()
     assert run(tiny, "tova", 40, again) == want and (again.compiled, again.loaded) == (0, 1)
+
+
+@pytest.fixture(scope="module")
+def built(tiny, hf_tiny, tmp_path_factory):
+    """One real package (and its record) of the tiny model's keydiff step, and one of another model's (qwen2): the
+    cases below copy them, and their compiles copy the first instead of compiling again. Also eager's tokens."""
+    d = tmp_path_factory.mktemp("built")
+    other = load_model(hf_tiny("qwen2")[1], torch.float32, "cpu")
+    old, n = os.environ.get("BUDGETKV_AOT_DIR"), torch.get_num_threads()
+    torch.set_num_threads(1)  # as under one_thread: the thread count is part of the key
+    try:
+        for name, model in (("own", tiny), ("other", other)):
+            os.environ["BUDGETKV_AOT_DIR"] = str(d / name)
+            run(model, "keydiff", 40, aoti.AotStep())
+        want = run(tiny, "keydiff", 40, model_step)
+    finally:
+        torch.set_num_threads(n)
+        os.environ.pop("BUDGETKV_AOT_DIR") if old is None else os.environ.update(BUDGETKV_AOT_DIR=old)
+    (own,), (theirs,) = (list((d / name).glob("*.pt2")) for name in ("own", "other"))
+    return own, theirs, want
+
+
+@pytest.fixture
+def copies(built, tmp_path, monkeypatch):
+    """The package folder of a case, holding the own package under its key; a compile copies the own package; every
+    load is recorded by the sha256 of what it loaded."""
+    import shutil
+    import torch._inductor
+    own, _, _ = built
+    folder = tmp_path / "aot"
+    folder.mkdir()
+    for p in (own, aoti.record_path(own)):
+        shutil.copyfile(p, folder / p.name)
+    monkeypatch.setenv("BUDGETKV_AOT_DIR", str(folder))
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package",
+                        lambda ep, package_path: shutil.copyfile(own, package_path))
+    loaded, load = [], aoti.load_package
+    monkeypatch.setattr(aoti, "load_package", lambda path: loaded.append(aoti.file_sha256(path)) or load(path))
+    return folder / own.name, loaded
+
+
+def damage_in_place(path):
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def swap_in_theirs_with_its_record(path, theirs):
+    path.write_bytes(theirs.read_bytes())
+    aoti.record_path(path).write_bytes(aoti.record_path(theirs).read_bytes())
+
+
+def record_a_package_torch_cannot_load(path, theirs):
+    path.write_bytes(b"PK\x03\x04 not a package")
+    record = json.loads(aoti.record_path(path).read_text())
+    aoti.record_path(path).write_text(json.dumps(record | {"sha256": aoti.file_sha256(path)}))
+
+
+TAMPERED = {  # what was done to the key's package -> the reason printed
+    "another package under the key's name, the key's record kept": (
+        lambda path, theirs: path.write_bytes(theirs.read_bytes()), "damaged or replaced"),
+    "another model's package with its record, both under the key's name": (
+        swap_in_theirs_with_its_record, "built for another model or setting"),
+    "bytes damaged in place, same size": (lambda path, theirs: damage_in_place(path), "damaged or replaced"),
+    "no record": (lambda path, theirs: aoti.record_path(path).unlink(), "no readable record"),
+    "a record that is not JSON": (lambda path, theirs: aoti.record_path(path).write_text("{"), "no readable record"),
+    "a recorded package that torch cannot load": (record_a_package_torch_cannot_load, "torch could not load it"),
+}
+
+
+@pytest.mark.parametrize("case", TAMPERED)
+def test_an_untrusted_package_is_compiled_again_never_loaded(tiny, built, copies, case, capsys):
+    """A package whose record does not vouch for it is never handed to torch's loader (a damaged one aborts the
+    process there): one line says why, a compile replaces it, and the next run loads the replacement."""
+    own, theirs, want = built
+    path, loaded = copies
+    tamper, why = TAMPERED[case]
+    tamper(path, theirs)
+    bad = aoti.file_sha256(path)
+    step = aoti.AotStep()
+    assert run(tiny, "keydiff", 40, step) == want and (step.compiled, step.loaded) == (1, 0)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and why in lines[0] and "compiling it again" in lines[0]
+    good = aoti.file_sha256(own)
+    assert aoti.file_sha256(path) == good and aoti.package_problem(path, path.stem, json.loads(
+        aoti.record_path(own).read_text())["built_from"]) is None
+    again = aoti.AotStep()
+    assert run(tiny, "keydiff", 40, again) == want and (again.compiled, again.loaded) == (0, 1)
+    torch_loaded = [d for d in loaded if d != good]
+    assert torch_loaded == ([bad] if why == "torch could not load it" else [])  # only a recorded one reaches torch
+
+
+def read_only(folder, monkeypatch):
+    folder.chmod(0o555)
+    if os.geteuid() == 0:  # root writes through the mode bits: the OS's refusal, as a user gets it
+        import errno
+        import tempfile
+
+        def refuse(*a, dir=None, **k):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    return folder
+
+
+@pytest.mark.parametrize("where", ["read-only folder", "a file in the way"])
+def test_an_unwritable_package_folder_is_found_before_compiling(tiny, built, copies, where, tmp_path, monkeypatch,
+                                                                capsys):
+    """The compiled step runs without being saved, one line naming the folder, said before the compile."""
+    _, _, want = built
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if where == "read-only folder":
+        read_only(folder, monkeypatch)
+    else:
+        (folder / "file").write_text("")
+        folder = folder / "file" / "aot"
+    monkeypatch.setenv("BUDGETKV_AOT_DIR", str(folder))
+    said_before = []
+    monkeypatch.setattr(aoti, "export_step", lambda *a, export=aoti.export_step: said_before.append(
+        capsys.readouterr().err) or export(*a))
+    step = aoti.AotStep()
+    try:
+        assert run(tiny, "keydiff", 40, step) == want and step.compiled == 1
+    finally:
+        (tmp_path / "ro").chmod(0o755)
+    assert len(said_before) == 1 and f"cannot write compiled steps in {folder}" in said_before[0]
+    assert said_before[0].count("\n") == 1 and capsys.readouterr().err == ""
+    assert list((tmp_path / "ro").rglob("*.pt2")) == []
+
+
+@pytest.mark.parametrize("failing", ["package", "record"])
+def test_a_full_disk_during_the_save_runs_the_step_unsaved(tiny, built, copies, failing, monkeypatch, capsys):
+    """The save fails (no space): the compiled step runs anyway, one line names the file and the folder, nothing
+    half-written stays, and what stays is never loaded (the next run compiles again)."""
+    import errno
+    import pathlib
+    import shutil
+    _, _, want = built
+    path, _ = copies
+    path.unlink()
+    aoti.record_path(path).unlink()
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with monkeypatch.context() as m:
+        if failing == "package":
+            m.setattr(aoti.shutil, "copyfile", lambda src, dst, copy=shutil.copyfile: full() if Path(
+                dst).parent == path.parent else copy(src, dst))
+        else:
+            m.setattr(pathlib.Path, "write_text", full)
+        step = aoti.AotStep()
+        assert run(tiny, "keydiff", 40, step) == want and step.compiled == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "No space left on device" in lines[0] and str(path.parent) in lines[0]
+    assert sorted(p.name for p in path.parent.iterdir()) == ([] if failing == "package" else [path.name])
+    again = aoti.AotStep()
+    assert run(tiny, "keydiff", 40, again) == want and (again.compiled, again.loaded) == (1, 0)
