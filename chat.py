@@ -52,6 +52,7 @@ from engine import (PeakMemory, block_inputs, check_finite, model_step, prefill_
 from errors import UserError
 
 DEFAULT_BUDGET = 2048  # as generate.py's; clamped to the model's context
+MAX_TURN_BYTES = 64 << 20  # one line of stdin, capped as a prompt file is (generate.MAX_PROMPT_BYTES)
 MARKER = "<<budgetkv:assistant-answer>>"  # stands for the previous answer when the template renders a new turn
 COMMANDS = {"/reset": "forget the conversation (positions restart at 0)", "/stats": "the conversation's summary",
             "/exit": "leave (EOF too)", "/help": "this list"}
@@ -195,6 +196,9 @@ class Chat:
         TurnRefused when not one fits, or when a cache that keeps every token (full, exact-topk) would need more
         slots than it has (positions are slots there)."""
         start, ctx = self.position, self.model.args.max_seq_len
+        if n_prompt >= ctx:  # no conversation would hold it: a /reset does not help
+            raise TurnRefused(f"this turn's {n_prompt} tokens leave no room for an answer in the model's context of "
+                              f"{ctx} tokens: shorten it")
         if start + n_prompt >= ctx:
             raise TurnRefused(f"the conversation has used {start} of the model's {ctx} positions and this turn's "
                               f"{n_prompt} tokens leave no room for an answer: /reset starts a new conversation")
@@ -348,13 +352,24 @@ def stats_line(st: dict) -> str:
 
 
 def read_turn(stdin, prompt: str) -> str | None:
-    """One line of input (None at EOF); the prompt is shown on a terminal only."""
+    """One line of input (None at EOF); the prompt is shown on a terminal only. A line that is not UTF-8 raises
+    TurnRefused (the REPL goes on to the next line); one over MAX_TURN_BYTES, read no further, UserError."""
     if prompt and stdin is sys.stdin:
         try:
             return input(prompt)
         except EOFError:
             return None
-    line = stdin.readline()
+        except UnicodeDecodeError as e:
+            raise TurnRefused(f"the turn is not valid UTF-8 text ({e.reason} at byte {e.start}): skipped") from None
+    raw = getattr(stdin, "buffer", stdin)  # bytes where there are (a pipe, a file), else the text stream's own
+    line = raw.readline(MAX_TURN_BYTES + 1)
+    if len(line) > MAX_TURN_BYTES:  # the rest of the line may never end (/dev/zero): the chat ends here
+        raise UserError(f"a turn on stdin is longer than {MAX_TURN_BYTES >> 20} MiB (as a prompt file may be)")
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TurnRefused(f"the turn is not valid UTF-8 text ({e.reason} at byte {e.start}): skipped") from None
     return None if line == "" else line.rstrip("\n")
 
 
@@ -373,10 +388,16 @@ def repl(chat: Chat, *, json_mode: bool = False, stdin=None, out=None, err=None)
         except KeyboardInterrupt:
             print(file=out)
             continue
+        except TurnRefused as e:
+            print(f"error: {e}", file=err, flush=True)
+            continue
         if line is None:
             break
         text = line.strip()
         if not text:
+            continue
+        if text.split()[0] in COMMANDS and text != text.split()[0]:  # "/reset now": a command, not a prompt
+            print(f"error: {text.split()[0]} takes no argument", file=err)
             continue
         if text.startswith("/") and " " not in text:
             if text == "/exit":

@@ -139,6 +139,9 @@ def run_cli(run_fn, a) -> int:
     Shared by every entry point (generate.py and scripts/)."""
     from safetensors import SafetensorError
     verbose = is_verbose(a)
+    if sys.stdout is None:  # started with stdout closed (>&-): print() would fail on None
+        print("error: standard output is closed: give it a file or /dev/null", file=sys.stderr)
+        return 1
     try:
         return run_fn(a)
     except (UserError, EnvironmentFailure) as e:

@@ -338,6 +338,8 @@ def check_interactive_flags(a) -> None:
     tokenizer), no --profile."""
     if not a.interactive:
         return
+    if sys.stdin is None or sys.stdin.closed:
+        raise UserError("--interactive reads its turns from stdin, which is closed")
     given = [f for f in ("--prompt", "--prompt-file") if getattr(a, f[2:].replace("-", "_"), None) is not None]
     if given:
         raise UserError(f"--interactive takes its turns from stdin, not {given[0]} (one prompt or a batch): drop it")
@@ -370,10 +372,13 @@ def check_prompt_flags(a) -> None:
         raise UserError(f"--prompt-tokens must be >= 1, got {a.prompt_tokens}")
 
 
-def prompt_ids(a, vocab_size: int) -> list[list[int]]:
+def prompt_ids(a, vocab_size: int, ctx: int) -> list[list[int]]:
     """The token ids of each --random-weights prompt: every --prompt-ids checked against the vocabulary, or
-    --prompt-tokens random ids in [0, vocab_size) from a generator seeded with --seed (or 0)."""
+    --prompt-tokens random ids in [0, vocab_size) from a generator seeded with --seed (or 0), checked against the
+    model's context before they are drawn."""
     if a.prompt_tokens is not None:
+        if a.prompt_tokens > ctx:
+            raise UserError(f"--prompt-tokens {a.prompt_tokens} is longer than the model's context of {ctx}")
         gen = torch.Generator().manual_seed(a.seed or 0)
         return [torch.randint(0, vocab_size, (a.prompt_tokens,), generator=gen).tolist()]
     prompts = []
@@ -479,7 +484,7 @@ def run(a) -> int:
         ckpt, tokenizer, model = a.checkpoint, None, None
         args = parse_config(config)
         tp.check_shapes(args, mesh.world)
-        prompts = batch_of(a, prompt_ids(a, args.vocab_size))
+        prompts = batch_of(a, prompt_ids(a, args.vocab_size, args.max_seq_len))
     else:
         ckpt = resolve_checkpoint(a.checkpoint)
         config = read_config(ckpt)  # read once: the architecture check, the model and the quantization marker

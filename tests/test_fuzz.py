@@ -144,6 +144,12 @@ def other_checkpoint(name: str, marker: dict | None = None):
     return setup
 
 
+def shapes_only(tmp, ckpt):
+    """Setup: tmp/shapes holds the checkpoint's config.json alone (what --random-weights builds)."""
+    (tmp / "shapes").mkdir()
+    shutil.copy(ckpt / "config.json", tmp / "shapes")
+
+
 def hf_dir_copy(tmp, ckpt):
     shutil.copytree(ckpt, tmp / "hf", symlinks=True)
 
@@ -321,6 +327,11 @@ CASES += [
     gen("prompt-file-too-long", ["--prompt-file", "{tmp}/p.txt"], 2, "longer than the model's context",
         write("p.txt", "the quick brown fox " * 200), prompt=False),
     gen("prompt-and-file", ["--prompt-file", "{tmp}/p.txt"], 2, "not both", write("p.txt", "hi")),
+    gen("random-prompt-tokens-past-context", ["--random-weights", "--prompt-tokens", str(2 ** 62)], 2,
+        f"--prompt-tokens {2 ** 62} is longer than the model's context of 256", shapes_only, "{tmp}/shapes",
+        prompt=False),
+    gen("random-prompt-tokens-context", ["--random-weights", "--prompt-tokens", "257"], 2,
+        "--prompt-tokens 257 is longer than the model's context of 256", shapes_only, "{tmp}/shapes", prompt=False),
     gen("prompt-surrogate", ["--prompt", "\udcff\udcfe"], 2, "not valid UTF-8", prompt=False),
     gen("prompt-fills-context", ["--prompt-file", "{tmp}/p.txt"], 2, "fills the model's context", prompt_of(256),
         prompt=False, new_tokens=False),
@@ -640,3 +651,85 @@ def test_full_disk_during_quantize(tiny_ckpt, tmp_path, capfd):
     assert not (tmp_path / "q" / "budgetkv.safetensors").exists()
     assert generate.main(["--checkpoint", str(tmp_path / "q"), *PROMPT]) == 2
     assert "unfinished quantization" in capfd.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ chat turns from stdin
+
+class RecordingChat:
+    """What chat.repl needs of a Chat, recording the turns it sends (no model)."""
+    name, protocol, budget = "keydiff", "block", 8
+
+    def __init__(self):
+        self.sent, self.resets = [], 0
+
+    def send(self, text, on_text=None):
+        self.sent.append(text)
+        return "ok"
+
+    def reset(self):
+        self.resets += 1
+
+    def stop(self):
+        pass
+
+
+def test_a_bad_chat_turn_is_one_line_and_the_chat_goes_on():
+    """A turn that is not UTF-8 and commands with an argument: each is one line naming what is wrong, none reaches
+    the model, and the next turn is read."""
+    import io
+
+    import chat
+    lines = [b"hello", b"caf\xe9 au lait", b"/reset now", b"/stats please", b"after"]
+    stdin = io.TextIOWrapper(io.BytesIO(b"\n".join(lines) + b"\n"), encoding="utf-8")
+    rec, out, err = RecordingChat(), io.StringIO(), io.StringIO()
+    assert chat.repl(rec, stdin=stdin, out=out, err=err) == 0
+    assert rec.sent == ["hello", "after"] and rec.resets == 0
+    assert err.getvalue().splitlines() == [
+        "error: the turn is not valid UTF-8 text (invalid continuation byte at byte 3): skipped",
+        "error: /reset takes no argument", "error: /stats takes no argument"]
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "a long line"])
+def test_a_chat_turn_is_read_no_further_than_the_cap(monkeypatch, tmp_path, source):
+    """stdin that never ends a line (/dev/zero) or a line over the cap is read up to the cap, not into memory, and
+    ends the chat with one line (exit 2)."""
+    import chat
+    from errors import UserError
+    monkeypatch.setattr(chat, "MAX_TURN_BYTES", 1 << 20)
+    if source != "/dev/zero":
+        (tmp_path / "turns").write_bytes(b"x" * (3 << 20) + b"\nhello\n")
+    with open(source if source == "/dev/zero" else tmp_path / "turns", "rb") as f:
+        with pytest.raises(UserError, match="a turn on stdin is longer than 1 MiB"):
+            chat.repl(RecordingChat(), stdin=f)
+        assert f.tell() <= (1 << 20) + 1
+
+
+@pytest.mark.parametrize("stream", ["stdin", "stdout"])
+def test_a_closed_standard_stream_is_one_line(tiny_ckpt, capfd, monkeypatch, stream):
+    """Started with stdin or stdout closed (<&-, >&-: Python's sys.stdin / sys.stdout are None)."""
+    import sys
+    monkeypatch.setattr(sys, stream, None)
+    argv = ["--checkpoint", str(tiny_ckpt)] + (["--interactive"] if stream == "stdin" else PROMPT)
+    code = run_entry("generate", argv)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert (code, err.strip()) == ((2, "error: --interactive reads its turns from stdin, which is closed")
+                                   if stream == "stdin" else
+                                   (1, "error: standard output is closed: give it a file or /dev/null"))
+
+
+def test_a_turn_longer_than_the_context_says_so_without_suggesting_reset():
+    """No conversation holds a turn of the context's length: the line says to shorten it, not to /reset; a turn
+    that fits a fresh conversation but not this one still suggests /reset."""
+    from types import SimpleNamespace
+
+    import chat
+    state = SimpleNamespace(position=0, model=SimpleNamespace(args=SimpleNamespace(max_seq_len=16)),
+                            max_new_tokens=4, policy="keydiff", budget=8)
+    with pytest.raises(chat.TurnRefused) as e:
+        chat.Chat.room(state, 16)
+    assert str(e.value) == ("this turn's 16 tokens leave no room for an answer in the model's context of 16 tokens: "
+                            "shorten it")
+    state.position = 10
+    with pytest.raises(chat.TurnRefused, match="/reset starts a new conversation"):
+        chat.Chat.room(state, 8)
