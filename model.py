@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cache import last_real
+from kernels import Linear, attention, tp_sum
 
 
 @dataclass
@@ -102,106 +103,6 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def tp_sum(x: Tensor, group: str | None) -> Tensor:
-    """x summed over the ranks of a tensor-parallel group (tp.py: each rank holds a slice of the heads or of the
-    MLP, and its row-parallel Linear a partial sum; group: its name); x itself when group is None (one device: the
-    code path and its graphs unchanged). A functional collective, so that a compiled step keeps it in its graph."""
-    if group is None:
-        return x
-    from torch.distributed._functional_collectives import all_reduce
-    return all_reduce(x, "sum", group)
-
-
-class Linear(nn.Linear):
-    """nn.Linear, except on CPU for 1 to 16 rows, where MKL's GEMV and GEMM read the weight far below the memory's
-    bandwidth (docs/performance.md):
-    - 1 to 8 rows (batch-1 decode, a small batch, a speculative verification block) in a compiled step:
-      `rowwise_linear`, one reduction per row that inductor fuses into one vectorised loop streaming the weight;
-    - 2 to 16 rows otherwise (eager, or 9-16 rows compiled): y = (W @ x^T)^T, the weight as the GEMM's left
-      operand: MKL packs a GEMM's right operand, and for a few rows packing the whole weight costs several times
-      the product itself."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        rows = x.numel() // x.shape[-1] if x.device.type == "cpu" else 0
-        if rowwise_rows(rows):
-            return rowwise_linear(x, self.weight, self.bias)
-        if 1 < rows <= 16:
-            # contiguous: a transposed result would reach SDPA as a query whose last dim has stride `rows`, which
-            # sends it to the slow math path
-            y = (self.weight @ x.reshape(rows, x.shape[-1]).T).T.contiguous().reshape(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
-
-
-ROWWISE_MAX_ROWS = 8  # past ~8 rows the row-wise loop becomes compute-bound and MKL's GEMM catches up
-
-
-def rowwise_rows(rows: int) -> bool:
-    """Whether a CPU product of `rows` rows takes rowwise_linear: in a compiled step, 1 to ROWWISE_MAX_ROWS rows."""
-    return 1 <= rows <= ROWWISE_MAX_ROWS and torch.compiler.is_compiling()
-
-
-def rowwise_product(x: Tensor, weight: Tensor) -> Tensor:
-    """x @ weight^T for x (..., R, d) and weight (..., N, d) (batch dims broadcast), written as one reduction
-    sum(weight * row, -1) per row of x: compiled, inductor fuses the R reductions into one vectorised loop that reads
-    each weight row once. Eager it would materialise the products: for compiled steps of a few rows only.
-
-    The rows are first written to a buffer of their own (a no-op as_strided, which inductor cannot inline): else
-    inductor inlines x's producer (a norm, SiLU * up, RoPE) into the loop and recomputes it for every weight row."""
-    x = x.contiguous()
-    x = x.as_strided(x.shape, x.stride())
-    return torch.stack([(weight * x[..., r, None, :]).sum(-1) for r in range(x.shape[-2])], -2)
-
-
-def rowwise_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """y = x @ weight.T + bias as rowwise_product over x's rows (all leading dims flattened): for rowwise_rows."""
-    y = rowwise_product(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
-    return y if bias is None else y + bias
-
-
-ROWWISE_MAX_QUERY_ROWS = 16  # past ~20 query rows SDPA's kernel catches up (docs/performance.md)
-MATMUL_MAX_QUERY_ROWS = 64  # CUDA: up to a verification block of a few tokens times the GQA group
-MATMUL_EAGER_MIN_SLOTS = 8192  # CUDA eager: SDPA's one kernel wins at 2K slots, the products at 16K (performance.md)
-
-
-def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """softmax(q keys^T / sqrt(d), where mask is False: -inf) values as two batched products in the inputs' dtype
-    and a softmax in fp32 (the precision of HF transformers' eager attention): the products parallelise over the
-    cache's slots, where a fused attention kernel parallelises over query rows and heads only (a decode step has a
-    few rows per KV head). A row that sees no slot gives NaN where SDPA gives zeros; the engine never makes one."""
-    scores = ((q * q.shape[-1] ** -0.5) @ keys.transpose(-1, -2)).float()  # scaled first: fp16's range
-    return weighted_values(scores, mask, values)
-
-
-def weighted_values(scores: Tensor, mask: Tensor, values: Tensor) -> Tensor:
-    """softmax(scores, where mask is False: -inf) over the slots in fp32, then the weighted sum of values as one
-    batched product in the values' dtype."""
-    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return weights.to(values.dtype) @ values
-
-
-def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, rowwise: bool = True) -> Tensor:
-    """softmax(q keys^T / sqrt(d), where mask is False: -inf) values, for q (B, h, R, d), keys and values
-    (B, h, S, d), mask (B, h, R, S) bool.
-
-    SDPA, except for steps of a few query rows (a decode step, a verification block):
-    - on CUDA, up to MATMUL_MAX_QUERY_ROWS rows, compiled or (eager) over MATMUL_EAGER_MIN_SLOTS slots or more:
-      matmul_attention. SDPA's masked kernel runs one block per head and block of query rows there, a handful of
-      blocks for a whole GPU;
-    - on CPU (rowwise), in a compiled step of 1 to ROWWISE_MAX_QUERY_ROWS rows: SDPA's kernel runs a small GEMM
-      per block of keys and reads the cache far below the memory's bandwidth. The scores are then rowwise_product
-      (one loop streaming the keys) and the softmax, both in fp32, and the weighted sum of values one batched GEMM
-      in the values' dtype (SDPA's CPU kernel rounds the weights so too)."""
-    if q.device.type == "cuda" and q.shape[-2] <= MATMUL_MAX_QUERY_ROWS and (
-            torch.compiler.is_compiling() or keys.shape[-2] >= MATMUL_EAGER_MIN_SLOTS):
-        return matmul_attention(q, keys.to(q.dtype), values.to(q.dtype), mask)
-    if (not rowwise or q.device.type != "cpu" or not torch.compiler.is_compiling()
-            or q.shape[-2] > ROWWISE_MAX_QUERY_ROWS):
-        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
-    scores = rowwise_product(q.float() * q.shape[-1] ** -0.5, keys.float())  # keys widened in the loop
-    return weighted_values(scores, mask, values).to(q.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -224,25 +125,10 @@ class Attention(nn.Module):
         v = v.view(B, T, hkv, d).transpose(1, 2)
 
         keys, values, mask = cache.update(q, k, v, input_pos, query_pos)
-        # GQA without copying K/V: the g query heads of a KV group become g*T query rows of that KV head. The cache
-        # may return keys per query head instead (a per-head decode-time selection): then h = hq and g = 1.
-        h = keys.shape[1]
-        g = hq // h
-        S = keys.shape[2]
-        if mask.shape[1] == 1 < h:
-            # One mask for every head (an eager prefill block of a cache without eviction): SDPA groups the heads
-            # itself and broadcasts the mask, where folded rows would copy it g * h times (and SDPA widen each copy).
-            out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
-                                                 enable_gqa=g > 1)
-        else:
-            q_rows = q.reshape(B, h, g * T, d)
-            mask_rows = mask[:, :, None].expand(B, h, g, T, S).reshape(B, h, g * T, S)
-            # A cache that evicts scores its keys in this step too; inductor fuses that scoring's per-head
-            # reductions with the row-wise loop into one kernel parallel over the KV heads only, slower: SDPA there.
-            out = attention(q_rows, keys, values, mask_rows, rowwise=not (cache.evicts and cache.evict_enabled))
+        out = attention(q, keys, values, mask, evicting=cache.evicts and cache.evict_enabled)
         # Attend, then let the policy evict (the block-wise protocol; a no-op without a scorer).
         cache.evict(q, input_pos, query_pos)
-        out = out.reshape(B, hq, T, d).transpose(1, 2).reshape(B, T, hq * d)  # CUDA's SDPA: not contiguous
+        out = out.transpose(1, 2).reshape(B, T, hq * d)  # CUDA's SDPA: not contiguous
         return tp_sum(self.wo(out), self.tp_group)
 
 

@@ -26,7 +26,7 @@ specific (CPU's _convert_weight_to_int4pack_for_cpu output is neither nibble ord
 
 Kernels, chosen once per Linear at load time (so the forward has no data-dependent branch and compiles fullgraph):
     int8, CPU: aten._weight_int8pack_mm; in a compiled step of 1-8 rows (decode, a verification block) instead
-          model.rowwise_linear over the weight widened in the loop, in the run's dtype.
+          kernels.rowwise_linear over the weight widened in the loop, in the run's dtype.
     int8, CUDA: F.linear(x, weight.to(x.dtype)) * scales, gpt-fast's formulation: inductor fuses the cast into the
           matmul, so this is the intended path there, not a fallback.
     int4, CPU: aten._weight_int4pack_mm_for_cpu's kernel, quantized.int4mm_packed_weight_cpu (out-features a
@@ -55,7 +55,8 @@ from convert import (ENGINE_FILE, TOKENIZER_FILES, CheckpointError, checkpoint_f
                      load_stats, read_config, read_hf_dir, save_engine, save_stats)
 from errors import UserError
 from files import remove_stale_tmp, write_atomic, write_text
-from model import ModelArgs, on_meta, rowwise_linear, rowwise_rows
+from kernels import rowwise_linear, rowwise_rows
+from model import ModelArgs, on_meta
 from progress import Progress
 
 MODES = ("int8", "int4")
@@ -157,7 +158,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel == "int8pack" and rowwise_rows(x.numel() // x.shape[-1]):
-            # a compiled step's few rows: the int8 weight widened inside model.rowwise_linear's loop, in x's dtype
+            # a compiled step's few rows: the int8 weight widened inside kernels.rowwise_linear's loop, in x's dtype
             # (faster than the fused kernel here: docs/performance.md)
             y = rowwise_linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
             return y if self.bias is None else y + self.bias

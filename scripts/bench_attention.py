@@ -1,15 +1,15 @@
 """How fast a decode step's attention runs on this machine, by how it is written: every layer of a model's shapes
 (random keys and values: speed does not depend on the values) attending a cache of --slots slots with a few query
 tokens (a decode step: 1; a speculative verification block of K drafts: K + 1), grouped-query heads folded as
-model.Attention folds them (the g query heads of a KV head become g x tokens query rows).
+kernels.attention folds them (the g query heads of a KV head become g x tokens query rows).
 
     python scripts/bench_attention.py --checkpoint smollm2-135m --slots 8320 --tokens 1,2,3,5 --threads 2
 
 Forms, timed alternately (--repeats rounds, each form once per round, after one untimed call that compiles):
 - SDPA, eager and compiled (inductor calls the same CPU kernel);
-- `model.attention`, compiled: the row-wise scores (one reduction per query row over the keys), the softmax in
+- `kernels.attention`, compiled: the row-wise scores (one reduction per query row over the keys), the softmax in
   fp32, and one batched GEMM with the values: what a compiled CPU step takes for 1-16 query rows (SDPA past that);
-- `matmul_attention`, eager and compiled: two batched products and an fp32 softmax, what `model.attention` takes on
+- `matmul_attention`, eager and compiled: two batched products and an fp32 softmax, what `kernels.attention` takes on
   CUDA for up to 64 query rows (`--device cuda --dtype bfloat16`).
 Prints ms per pass over all layers and the keys' and values' bytes over that time (GB/s), beside the machine's
 measured read bandwidth.
@@ -27,10 +27,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import engine  # noqa: E402
-import model as model_py  # noqa: E402
-from config import parse_config  # noqa: E402
+import kernels  # noqa: E402
 from checkpoint import shape_config  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
+from config import parse_config  # noqa: E402
 from errors import UserError  # noqa: E402
 
 
@@ -90,9 +90,9 @@ def run(a) -> int:
         mask = mask.to(a.device)
         forms = {}
         for name, op, compiled in (("SDPA, eager", sdpa, False), ("SDPA, compiled", sdpa, True),
-                                   ("model.attention, compiled", model_py.attention, True),
-                                   ("matmul_attention, eager", model_py.matmul_attention, False),
-                                   ("matmul_attention, compiled", model_py.matmul_attention, True)):
+                                   ("kernels.attention, compiled", kernels.attention, True),
+                                   ("matmul_attention, eager", kernels.matmul_attention, False),
+                                   ("matmul_attention, compiled", kernels.matmul_attention, True)):
             def apply(q, mask, op=op):
                 return [op(q, k, v, mask) for k, v in caches]
             forms[name] = torch.compile(apply, fullgraph=True, dynamic=False) if compiled else apply

@@ -6,10 +6,10 @@ makes (batch-1 decode: 1 row; a small batch or a speculative verification block:
 
 Forms, each timed over --repeats passes after one untimed pass (compiling, for the compiled ones):
 - `F.linear`, eager: what nn.Linear does (MKL's GEMV for one row, GEMM for more);
-- `model.Linear`, eager: F.linear for one row, (W @ x^T)^T for 2-16;
+- `kernels.Linear`, eager: F.linear for one row, (W @ x^T)^T for 2-16;
 - `F.linear`, compiled: inductor's lowering of the same product;
-- `model.Linear`, compiled: model.rowwise_linear for 1-8 rows, (W @ x^T)^T for 9-16;
-- `rowwise_linear`, compiled: one reduction sum(W * row, -1) per row, at every row count (model.Linear's 1-8 rows);
+- `kernels.Linear`, compiled: kernels.rowwise_linear for 1-8 rows, (W @ x^T)^T for 9-16;
+- `rowwise_linear`, compiled: one reduction sum(W * row, -1) per row, at every row count (kernels.Linear's 1-8 rows);
 - int8 weights (quantize.quantize_model in memory): the fused kernel (aten._weight_int8pack_mm, bfloat16
   activations) eager and compiled, and Int8Linear compiled (rowwise_linear on the weight widened in the loop for 1-8
   rows, the fused kernel for more).
@@ -29,7 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import engine  # noqa: E402
 import quantize  # noqa: E402
-from model import rowwise_linear  # noqa: E402
+from kernels import rowwise_linear  # noqa: E402
 from checkpoint import shape_config  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
 from errors import UserError  # noqa: E402
@@ -51,7 +51,7 @@ def linears(model) -> list:
 
 
 def fused_int8(m, x):
-    """CPU's fused int8 kernel itself (a compiled Int8Linear of 1-8 rows takes model.rowwise_linear instead)."""
+    """CPU's fused int8 kernel itself (a compiled Int8Linear of 1-8 rows takes kernels.rowwise_linear instead)."""
     return quantize.fused_matmul(torch.ops.aten._weight_int8pack_mm, x, m.bias, m.weight, m.scales)
 
 
@@ -97,9 +97,9 @@ def run(a) -> int:
             torch._dynamo.reset()
 
     report("fp32", linears(model), [("F.linear, eager", lambda m, x: F.linear(x, m.weight), False),
-                                    ("model.Linear, eager", lambda m, x: m(x), False),
+                                    ("kernels.Linear, eager", lambda m, x: m(x), False),
                                     ("F.linear, compiled", lambda m, x: F.linear(x, m.weight), True),
-                                    ("model.Linear, compiled", lambda m, x: m(x), True),
+                                    ("kernels.Linear, compiled", lambda m, x: m(x), True),
                                     ("rowwise_linear, compiled", lambda m, x: rowwise_linear(x, m.weight), True)])
     quantize.quantize_model(model, "int8", head=True)
     report("int8", linears(model), [("fused kernel, eager", lambda m, x: m(x), False),

@@ -16,7 +16,7 @@ def test_table_of_forms(tiny_config_dir, capsys):
                      "--threads", "1"], capsys)
     assert code == 0, out.err
     rows = [line.split("|")[1:-1] for line in out.out.splitlines() if line.startswith("| 3 |")]
-    assert [r[2].strip() for r in rows] == ["SDPA, eager", "SDPA, compiled", "model.attention, compiled",
+    assert [r[2].strip() for r in rows] == ["SDPA, eager", "SDPA, compiled", "kernels.attention, compiled",
                                             "matmul_attention, eager", "matmul_attention, compiled"]
     assert all(r[1].strip() == "6" for r in rows)  # 2 query heads per KV head x 3 tokens
     assert all(float(r[3]) > 0 for r in rows)

@@ -61,17 +61,17 @@ def test_keydiff_decode_replays_as_a_cuda_graph(hf_tiny):
 @pytest.mark.parametrize("rows, slots, matmul", [(4, 9000, True), (64, 9000, True), (65, 9000, False),
                                                  (4, 2000, False)])
 def test_attention_on_cuda_takes_the_products_for_few_rows(rows, slots, matmul, monkeypatch):
-    """model.attention on CUDA, eager: up to MATMUL_MAX_QUERY_ROWS query rows over MATMUL_EAGER_MIN_SLOTS slots or
+    """kernels.attention on CUDA, eager: up to MATMUL_MAX_QUERY_ROWS query rows over MATMUL_EAGER_MIN_SLOTS slots or
     more go to matmul_attention, the rest to SDPA; both equal SDPA on the CPU in fp32. Compiled, the products take
-    every slot count (tests/test_model.py checks the products' result)."""
-    import model
+    every slot count (tests/test_kernels.py checks the products' result)."""
+    import kernels
     torch.manual_seed(0)
     q, keys, values = (torch.randn(1, 8, n, 64) for n in (rows, slots, slots))
     mask = torch.rand(1, 8, rows, slots) > 0.2
-    calls, matmul_attention = [], model.matmul_attention
-    monkeypatch.setattr(model, "matmul_attention", lambda *a: calls.append(1) or matmul_attention(*a))
+    calls, matmul_attention = [], kernels.matmul_attention
+    monkeypatch.setattr(kernels, "matmul_attention", lambda *a: calls.append(1) or matmul_attention(*a))
     torch.backends.cuda.matmul.allow_tf32 = False
-    out = model.attention(*(t.cuda() for t in (q, keys, values, mask)))
+    out = kernels.attention(*(t.cuda() for t in (q, keys, values, mask)))
     assert bool(calls) == matmul
     ref = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)

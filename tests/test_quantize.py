@@ -143,7 +143,7 @@ def test_linear_fused_and_plain_match_reference(mode, groupsize):
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_int8_compiled_few_rows_take_the_rowwise_form(rows):
-    """A compiled step's 1-8 rows with CPU's int8 kernel picked go through model.rowwise_linear over the widened
+    """A compiled step's 1-8 rows with CPU's int8 kernel picked go through kernels.rowwise_linear over the widened
     weight: the dequantized product with fp32 activations (unlike the fused kernel's bfloat16 ones)."""
     lin, mod = quantized_linear("int8", None)
     quantize.pack_for_kernel(mod, "int8pack")  # the scales become bfloat16: the reference takes them from there
@@ -301,7 +301,7 @@ def forced_decode_logits(model, prompt: list[int], tokens: list[int], step) -> t
 def test_compiled_decode_fullgraph_without_recompiles(hf_tiny, mode, groupsize):
     """Compiled decode (fullgraph, inductor, as generate.py --compile) computes eager's logits, and error_on_recompile
     holds over 2 x 69 decode steps. The compiled step sums in another order (inductor's kernels; a float head through
-    model.rowwise_linear): the logits agree to rounding, and the greedy token agrees wherever eager's top-2
+    kernels.rowwise_linear): the logits agree to rounding, and the greedy token agrees wherever eager's top-2
     margin is wider than that (a tiny random model's logits have near-ties)."""
     _, src = hf_tiny("qwen2")
     model = quantize.quantize_model(load_model(src, torch.float32, "cpu"), mode, groupsize)
