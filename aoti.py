@@ -113,7 +113,7 @@ class _Step(torch.nn.Module):
 
 def export_step(model, idx: Tensor, input_pos: Tensor):
     """The decode step model(idx, input_pos) as an ExportedProgram over (tensors, idx, input_pos)."""
-    from model import set_layer_regions
+    from engine import set_layer_regions
     names, tensors = step_inputs(model)
     set_layer_regions(False)  # a region is a dynamo construct: the exported step is flat
     with torch.no_grad():

@@ -14,7 +14,7 @@ from cache import is_scorer, make_cache, row_cache, setup_caches
 from config import parse_config
 from convert import ENGINE_FILE, CheckpointError, read_config, read_hf_dir
 from errors import UserError
-from model import ModelArgs, RMSNorm, Transformer, on_meta, rope_inv_freq, set_layer_regions
+from model import ModelArgs, RMSNorm, Transformer, TransformerBlock, on_meta, rope_inv_freq
 from policies import Run
 
 INDUCTOR_CACHE = Path(__file__).resolve().parent / "build" / "inductor-cache"  # compiled steps, kept across runs
@@ -195,7 +195,7 @@ def compile_steps(device: str, mode: str | None = None, prefill: bool = True, fr
     Unfrozen (the default), a compiled graph reads the module's own weights and inductor caches it on disk: a later
     process of the same model, policy, budget, block size, dtype and device loads it in seconds. freeze=True folds
     the weights into the graph as constants (inductor's freezing): a second copy of the weights, for a CPU decode
-    step measured ~2% faster since model.rowwise_linear (docs/performance.md). prefill=False leaves
+    step ~2% faster (docs/performance.md). prefill=False leaves
     the prefill step eager (gpt-fast's default; generate.py's on CPU). The cache is the repository's
     build/inductor-cache unless TORCHINDUCTOR_CACHE_DIR says otherwise (torch's default is under /tmp, which a
     reboot empties)."""
@@ -216,10 +216,47 @@ def compile_steps(device: str, mode: str | None = None, prefill: bool = True, fr
 
 
 def use_layer_regions(device: str, freeze: bool) -> None:
-    """Whether the next traced step takes one layer for all (model.block_region; read when dynamo traces): not for
-    frozen weights (a region cannot hold constants), and on CPU only: on CUDA a region's step ran 11% slower under CUDA
-    graphs and TOVA's tokens differed from eager's (docs/performance.md, the fourth GPU run)."""
+    """Whether the next traced step takes one layer for all (block_region; read when dynamo traces): not for frozen
+    weights (a region cannot hold constants), and on CPU only: on CUDA a region's step runs slower under CUDA graphs
+    and TOVA's tokens differ from eager's (docs/performance.md)."""
     set_layer_regions(not freeze and device == "cpu")
+
+
+# Layer regions: a compiled step traces one layer and stamps its graph out for every later layer whose inputs and
+# whatever it reads of its modules match (torch.compiler.nested_compile_region; a layer that differs, say a policy
+# reading the layer's index, is traced again): tracing, not compiling, is most of a warm start, and a cold one
+# compiles one layer's kernels. Eager, a region is the plain function. Every TransformerBlock runs through
+# block_forward, which takes the region while regions_on().
+block_plain = TransformerBlock.forward
+try:  # one reuse entry per distinct layer trace (each model, block shape and differing layer in the process)
+    block_region = torch.compiler.nested_compile_region(block_plain, max_reuse_entries=1024)
+except TypeError:  # torch 2.11: regions without a reuse limit to set
+    block_region = torch.compiler.nested_compile_region(block_plain)
+except AttributeError:  # a torch without regions
+    block_region = block_plain
+layer_regions = True
+
+
+def block_forward(block: TransformerBlock, x, cos, sin, input_pos, query_pos, cache=None):
+    """TransformerBlock.forward, as one layer region while regions_on()."""
+    return (block_region if regions_on() else block_plain)(block, x, cos, sin, input_pos, query_pos, cache)
+
+
+TransformerBlock.forward = block_forward
+
+
+def set_layer_regions(on: bool) -> None:
+    """use_layer_regions calls this before every compile; it also marks regions_on a constant for dynamo (here, not
+    at import: the marker imports dynamo, ~70 MiB and ~1.3 s that an eager run does not need)."""
+    global layer_regions
+    layer_regions = on
+    torch.compiler.assume_constant_result(regions_on)
+
+
+def regions_on() -> bool:
+    """layer_regions, read when dynamo traces a step and not guarded (as inductor's freezing flag is): a frozen
+    and an unfrozen step traced one after the other in one process both keep running without a recompile."""
+    return layer_regions
 
 
 def compile_step(fn, mode: str | None, freeze: bool = False):

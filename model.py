@@ -1,9 +1,10 @@
 """The transformer: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5 and SmolLM2 from one set of modules.
 
 Every hyper-parameter comes from the checkpoint's `config.json` (`config.parse_config`), never from a name.
-Weights are in Hugging Face layout (q/k rows not permuted), so RoPE rotates halves (`rotate_half`), as HF does.
+Weights are in Hugging Face layout (q/k rows not permuted), so RoPE rotates halves (`apply_rope`), as HF does.
 The KV cache and everything a policy does live in `cache.py`; this file only calls `cache.update` before attention
-and `cache.evict` after it. Two forwards: `forward` (one block through every layer: block-wise prefill and decode)
+and `cache.evict` after it. The products and the attention run on kernels.py's forms (`Linear`, `attention`), and
+the engine runs each block as a compile region (engine.block_forward). Two forwards: `forward` (one block through every layer: block-wise prefill and decode)
 and `prefill_layer_major` (the whole prompt through one layer at a time, with a scratch cache per layer: the
 one-shot prefill).
 """
@@ -152,41 +153,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, cos, sin, input_pos, query_pos, cache=None):
-        return (block_region if regions_on() else block_forward)(self, x, cos, sin, input_pos, query_pos, cache)
-
-
-def block_forward(block: TransformerBlock, x, cos, sin, input_pos, query_pos, cache=None) -> Tensor:
-    x = x + block.attention(block.attention_norm(x), cos, sin, input_pos, query_pos, cache)
-    return x + block.feed_forward(block.ffn_norm(x))
-
-
-# A compiled step traces one layer and stamps its graph out for every later layer whose inputs and whatever it
-# reads of its modules match (torch.compiler.nested_compile_region; a layer that differs, say a policy reading the
-# layer's index, is traced again): tracing, not compiling, is most of a warm start, and a cold one compiles one
-# layer's kernels. Eager, it is the plain function. Inductor's freezing (weights as graph constants) cannot take a
-# region: engine.compile_steps turns the regions off for a frozen step and on CUDA (engine.use_layer_regions says why).
-try:  # one reuse entry per distinct layer trace (each model, block shape and differing layer in the process)
-    block_region = torch.compiler.nested_compile_region(block_forward, max_reuse_entries=1024)
-except TypeError:  # torch 2.11 (the GPU runs' so far): regions without a reuse limit to set
-    block_region = torch.compiler.nested_compile_region(block_forward)
-except AttributeError:  # a torch without regions
-    block_region = block_forward
-layer_regions = True
-
-
-def set_layer_regions(on: bool) -> None:
-    """engine.use_layer_regions calls this before every compile; it also marks regions_on a constant for dynamo
-    (here, not at import: the marker imports dynamo, ~70 MiB and ~1.3 s that an eager run does not need)."""
-    global layer_regions
-    layer_regions = on
-    torch.compiler.assume_constant_result(regions_on)
-
-
-def regions_on() -> bool:
-    """layer_regions, read when dynamo traces a step and not guarded (as inductor's freezing flag is): a frozen
-    and an unfrozen step traced one after the other in one process both keep running without a recompile."""
-    return layer_regions
+    def forward(self, x, cos, sin, input_pos, query_pos, cache=None) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, input_pos, query_pos, cache)
+        return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):

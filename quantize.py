@@ -189,7 +189,7 @@ class Int4Linear(nn.Module):
         if self.kernel == "int4pack_cpu":
             # aten._weight_int4pack_mm_for_cpu's kernel, called as inductor's lowering calls it: the group size a
             # tensor of the module's, since the constant that lowering makes of it reaches the kernel wrong inside
-            # a compiled layer region (model.block_region, torch 2.13)
+            # a compiled layer region (engine.block_region, torch 2.13)
             return fused_matmul(torch.ops.quantized.int4mm_packed_weight_cpu, x, self.bias, self.weight,
                                 self.group_size, self.scales_and_zeros)
         if self.kernel == "int4pack_cuda":

@@ -48,7 +48,7 @@ import speculative  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402
 from errors import UserError  # noqa: E402
 from config import parse_config  # noqa: E402
-from model import set_layer_regions  # noqa: E402
+from engine import set_layer_regions  # noqa: E402
 from scripts.outputs import save_png, write_atomic  # noqa: E402
 
 WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}

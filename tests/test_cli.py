@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO
 
 import generate
-from model import set_layer_regions
+from engine import set_layer_regions
 
 
 @pytest.fixture(scope="module")
@@ -413,7 +413,7 @@ print("exit", code, "dynamo", "torch._dynamo" in sys.modules)
 @pytest.mark.parametrize("policy, control", [("keydiff", False), ("full", False), ("full", True)])
 def test_eager_run_never_imports_the_compiler(tiny_ckpt, policy, control):
     """An eager generation (loading on the meta device, prefill, decode) never imports dynamo: ~70 MiB of RSS and
-    ~1.3 s of startup that only --compile needs (model.on_meta, set_layer_regions, generate.py's counters)."""
+    ~1.3 s of startup that only --compile needs (model.on_meta, engine.set_layer_regions, generate.py's counters)."""
     argv = ["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox", "--policy", policy, "--budget", "32",
             "--max-new-tokens", "3", "--quiet"]
     argv = [a for a in argv if policy != "full" or a not in ("--budget", "32")]

@@ -9,8 +9,7 @@ import torch
 from conftest import REPO
 
 from cache import setup_caches
-from engine import compile_steps, generate, load_model, model_step, prefill_step, setup
-from model import set_layer_regions
+from engine import compile_steps, generate, load_model, model_step, prefill_step, set_layer_regions, setup
 import policies
 from policies import RandomScores
 
@@ -113,7 +112,7 @@ def test_compiled_decode_never_copies_a_whole_kv_buffer(hf_tiny, policy):
 
 @pytest.mark.parametrize("policy", [None, "keydiff", "snapkv", "rocketkv"])
 def test_compiled_step_traces_one_layer_for_every_layer(hf_tiny, policy):
-    """A compiled step traces the first layer and stamps its graph out for the others (model.block_region): one
+    """A compiled step traces the first layer and stamps its graph out for the others (engine.block_region): one
     trace, the step's graph calls one subgraph once per layer. A per-layer read in the traced code (the cache view
     copying the layer's index did: dynamo guarded on it and traced every layer again, into an identical graph)
     fails the trace count. Regions off (as for a frozen step): every layer inline, no subgraph."""
@@ -194,7 +193,7 @@ def test_a_layer_that_reads_its_index_is_traced_again(hf_tiny):
 
 
 def test_steps_traced_with_and_without_regions_alternate_without_recompiling(hf_tiny):
-    """The regions switch is read when dynamo traces and not guarded (model.regions_on), like inductor's freezing
+    """The regions switch is read when dynamo traces and not guarded (engine.regions_on), like inductor's freezing
     flag: a step traced with regions and one traced without (a frozen twin, bench.py --freezing-twins) keep
     alternating in one process under error_on_recompile, each its own graph."""
     _, ckpt = hf_tiny("llama")

@@ -119,7 +119,7 @@ COMPILED = [("keydiff", "block"), ("rocketkv", "one-shot"), ("tova:heads=all", "
 
 
 def calls_in(gm, name: str) -> int:
-    """Occurrences of `name` in a traced graph's code, each layer region (model.block_region: one subgraph called
+    """Occurrences of `name` in a traced graph's code, each layer region (engine.block_region: one subgraph called
     once per layer) counted once per call."""
     n = str(gm.code).count(name)
     for node in gm.graph.nodes:
