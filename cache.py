@@ -1,15 +1,16 @@
 """The per-layer static KV buffer and its mechanics: write a block, build the mask, evict by scores (hole filling).
 
 Layout of one layer (allocated once, before the first token):
-    k, v   [batch, n_kv_heads, C, head_dim]   C = budget + block_size, keys stored after RoPE
+    k, v   [batch, n_kv_heads, C, head_dim]   C = budget + block, keys stored after RoPE (Storage: float, bf16, int8)
     pos    [batch, n_kv_heads, C] int32        absolute position of each slot, -1 = empty
     state  per-slot policy tensors [batch, n_kv_heads, C, ...], moved with their slot
 
-With a scorer that evicts, slots [0, budget) hold the kept tokens (in any order) and the incoming block is written
-to the tail [budget, budget + T). After attention the scorer scores all budget + T slots, the lowest T are dropped,
-and the surviving tail tokens move into the dropped slots of [0, budget): at most T copies per step, never a
-compaction of the whole buffer. Without a scorer (`full`, a selector alone) each token is written at slot == its
-position, as in gpt-fast, and nothing is ever evicted. After a one-shot compression (`compress_into`) a scorer with
+A cache is built from one CacheSpec, whose `mode` says how a block is written and what follows attention (MODES).
+An evicting scorer keeps its tokens in slots [0, budget) (in any order) and writes the incoming block to the tail
+[budget, budget + T). After attention the scorer scores all budget + T slots, the lowest T are dropped, and the
+surviving tail tokens move into the dropped slots of [0, budget): at most T copies per step, never a compaction of
+the whole buffer. Without a scorer (`full`, a selector alone) each token is written at slot == its position, as in
+gpt-fast, and nothing is ever evicted. After a one-shot compression (`compress_into`) a scorer with
 `decode = "append"` appends new tokens after the kept ones (slots fill in order) instead of evicting.
 
 Decode-time sparse attention: when a selector's `select` returns slot indices for a decode step, `update` returns
@@ -17,9 +18,13 @@ the gathered keys/values/mask of just those slots (per KV head, or per query hea
 over the selection with no policy-specific code. A policy sees a layer through a `View` (read-only, state
 excepted); every buffer write happens here.
 
-Everything is a static-shaped tensor op: the shapes depend only on budget and T, never on the data.
+Everything is a static-shaped tensor op: the shapes depend only on budget and T, never on the data. The one
+exception is the caller's to make: blocks it runs eagerly may attend only the slots filled so far (fill_eagerly).
 """
 import copy
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -41,6 +46,33 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def dequantize_rows(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return (q.float() * scale.float()[..., None]).to(dtype)  # fp32 product: one rounding, at the final cast
+
+
+class Storage:
+    """How K and V rows are stored: in the compute dtype, in bfloat16 (half an fp32 buffer; policies read the rows
+    widened, attention gets them as stored: model.attention widens), or in int8 with one scale per row and head
+    (~2x smaller than bf16; every reader gets them dequantized). The buffers are the cache's; this converts rows."""
+
+    def __init__(self, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
+        self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
+        self.scaled = self.kv_dtype == torch.int8
+
+    def allocate(self, shape: tuple, device) -> dict[str, Tensor]:
+        """Empty buffers by name: k, v [*shape] (and k_scale, v_scale [*shape[:-1]] when int8)."""
+        out = {name: torch.zeros(shape, dtype=self.kv_dtype, device=device) for name in ("k", "v")}
+        if self.scaled:
+            out.update({f"{name}_scale": torch.zeros(shape[:-1], dtype=self.dtype, device=device) for name in "kv"})
+        return out
+
+    def encode(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Rows x [..., D] as stored, and their scales (None unless int8)."""
+        return quantize_rows(x) if self.scaled else (x.to(self.kv_dtype), None)
+
+    def decode(self, rows: Tensor, scale: Tensor | None, widen: bool = True) -> Tensor:
+        """Stored rows in the compute dtype (int8 dequantized; widen=False leaves bfloat16 as stored)."""
+        if self.scaled:
+            return dequantize_rows(rows, scale, self.dtype)
+        return rows.to(self.dtype) if widen else rows
 
 
 def position_order(pos: Tensor) -> Tensor:
@@ -119,16 +151,17 @@ def evict_fill_holes(scores: Tensor, budget: int, buffers: list[Tensor], pos: Te
     pos[:, :, budget:S] = -1
 
 
-def attention_weights(cache: "KVCache", q: Tensor, q_pos: Tensor, S: int, group_mean: bool = True) -> Tensor:
-    """Softmax attention of query rows q [B, Hq, R, D] (positions q_pos [R] or [B, R], -1 = ignore the row) over the first
-    S slots, fp32, averaged over the query heads of each KV group: [B, H_kv, R, S] (group_mean=False: per query
-    head, [B, H_kv, G, R, S]). A small separate matmul for the few rows a policy needs, so the main attention
-    stays SDPA/flash. Masked rows come out all zero."""
+def attention_weights(q: Tensor, q_pos: Tensor, keys: Tensor, pos: Tensor, window: int | None,
+                      group_mean: bool = True) -> Tensor:
+    """Softmax attention of query rows q [B, Hq, R, D] (positions q_pos [R] or [B, R], -1 = ignore the row) over
+    keys [B, H_kv, S, D] at slot positions pos [B, H_kv, S], fp32, averaged over the query heads of each KV group:
+    [B, H_kv, R, S] (group_mean=False: per query head, [B, H_kv, G, R, S]). A small separate matmul for the few
+    rows a policy needs, so the main attention stays SDPA/flash. Masked rows come out all zero."""
     B, Hq, R, D = q.shape
-    k = cache.keys(S).float()
+    k = keys.float()
     H = k.shape[1]
     logits = torch.einsum("bhgrd,bhsd->bhgrs", q.float().view(B, H, Hq // H, R, D), k).div_(D ** 0.5)
-    mask = attention_mask(cache.pos[:, :, :S], q_pos, cache.window)
+    mask = attention_mask(pos, q_pos, window)
     w = logits.masked_fill_(~mask[:, :, None], torch.finfo(torch.float32).min).softmax(-1)
     # A row that sees no slot (or is ignored) comes out zero. The rest equal softmax(...) * mask exactly (a masked
     # entry's exp underflows to 0), so the row's flag multiplies the G-times smaller group mean, not every weight.
@@ -146,26 +179,29 @@ class View:
     (shared by the batch) or [B, T] (each sequence its own) their positions (-1 = padding), query_pos of the same
     shape (padding rows query as their sequence's last real token), slot [T] the slots just written (or [B, T] when
     the sequences wrote different slots: a batch with `full` or appending after a one-shot compression).
-    budget: the slots the layer holds (--budget); keep: how many of the prompt a one-shot compression keeps."""
+    budget: the slots the layer holds (--budget); keep: how many of the prompt a one-shot compression keeps;
+    positions: every position the slots hold is below it (a chat's re-compression holds a later turn than S)."""
 
     def __init__(self, cache: "KVCache", S: int, q=None, input_pos=None, query_pos=None, slot=None, shared=None,
                  budget: int | None = None, keep: int | None = None):
-        self.cache, self.S = cache, S
-        self.q, self.input_pos, self.query_pos, self.slot = q, input_pos, query_pos, slot
+        spec = cache.spec
+        self.S, self.q, self.input_pos, self.query_pos, self.slot = S, q, input_pos, query_pos, slot
         self.shared = {} if shared is None else shared
-        self.n_heads, self.n_kv_heads = cache.n_heads, cache.k.shape[1]
+        self.n_heads, self.n_kv_heads, self.head_dim, self.dtype = spec.n_heads, spec.kv_heads, spec.head_dim, spec.dtype
         # tensor parallel: the model's index of the first KV head here (not 0 on rank > 0), the group of all ranks
-        self.head0, self.tp_group = cache.head0, cache.tp_group
-        self.head_dim, self.dtype = cache.k.shape[3], cache.dtype
-        self.budget = budget or cache.keep_budget
+        self.head0, self.tp_group, self.window, self.positions = spec.head0, spec.tp_group, spec.window, spec.positions
+        self.budget = budget or spec.keep_budget
         self.keep = keep or self.budget
-        self.layer_state, self.window = cache.layer_state, cache.window
+        self.pos = cache.pos[:, :, :S]
+        self.state = {name: t[:, :, :S] for name, t in cache.state.items()}
+        self.layer_state = cache.layer_state
+        self._spec, self._storage, self._k, self._v = spec, cache.storage, cache.rows("k"), cache.rows("v")
 
     @property
     def layer(self) -> int:
         """This layer's index in the model (read only where a rule depends on it: a compiled step whose layers
         differ in nothing they read traces one layer and reuses it)."""
-        return self.cache.layer
+        return self._spec.layer
 
     @property
     def group(self) -> int:
@@ -173,20 +209,12 @@ class View:
         return self.n_heads // self.n_kv_heads
 
     @property
-    def pos(self) -> Tensor:
-        return self.cache.pos[:, :, :self.S]
-
-    @property
     def keys(self) -> Tensor:
-        return self.cache.keys(self.S)
+        return self._storage.decode(*(t if t is None else t[:, :, :self.S] for t in self._k))
 
     @property
     def values(self) -> Tensor:
-        return self.cache.values(self.S)
-
-    @property
-    def state(self) -> dict:
-        return {name: t[:, :, :self.S] for name, t in self.cache.state.items()}
+        return self._storage.decode(*(t if t is None else t[:, :, :self.S] for t in self._v))
 
     @property
     def newest(self) -> Tensor:
@@ -194,12 +222,13 @@ class View:
         return newest(self.query_pos)
 
     def key_rows(self, slot: Tensor) -> Tensor:
-        return self.cache.key_rows(slot)
+        """Keys [B, H, n, D] of the slots `slot` [n] (the same in every sequence) or [B, n] (compute dtype)."""
+        return self._storage.decode(*(t if t is None else take_rows(t, slot) for t in self._k))
 
     def attention(self, q: Tensor, q_pos: Tensor, group_mean: bool = True) -> Tensor:
         """Softmax attention of query rows q [B, H_q, R, D] at positions q_pos [R] (-1 = ignore) over the S slots:
         fp32 [B, H_kv, R, S] (mean over each KV group) or [B, H_kv, G, R, S] (group_mean=False)."""
-        return attention_weights(self.cache, q, q_pos, self.S, group_mean)
+        return attention_weights(q, q_pos, self.keys, self.pos, self.window, group_mean)
 
     def last_query(self) -> tuple[Tensor, Tensor]:
         """Each sequence's last real query of the step [B, H_q, 1, D] and its position [1 or B, 1]."""
@@ -238,77 +267,93 @@ def is_selector(policy) -> bool:
     return policy is not None and hasattr(policy, "select")
 
 
-class KVCache(nn.Module):
-    """One layer's static buffer, driven by `policy` (None for `full`): a scorer (`score`) evicts, a selector
-    (`select`) picks the slots each decode step attends; a policy may be both (RocketKV, SAGE-KV).
+# How a cache writes a block and what follows attention:
+#   dense     slot == position, nothing evicted (full; a selector alone, e.g. Exact-TopK)
+#   evict     the block goes to the tail [budget, budget + T), then the scorer drops the lowest T (hole filling)
+#   no-evict  written as evict, nothing dropped: the `no-evict` baseline (the same buffer, scoring-free steps)
+#   append    after the valid slots, nothing dropped (a scorer with decode = "append", after its compression)
+#   scratch   a one-shot prefill's whole-prompt buffer: written as append (a fresh one: slot == position), observed
+#             after each block, compressed once into the layer's cache (compress_into); no selector
+MODES = ("dense", "evict", "no-evict", "append", "scratch")
 
-    Slot layout: without a scorer (full, Exact-TopK) and in a one-shot scratch each token sits at slot ==
-    position and nothing is evicted. An evicting scorer keeps its tokens in [0, budget) and writes each block to
-    the tail [budget, budget + T), then drops the lowest T (hole filling). After a one-shot compression a scorer
-    with `decode = "append"` (SnapKV++, RocketKV, K-VEC) appends new tokens after the kept ones instead."""
+
+def cache_mode(policy, evict: bool = True) -> str:
+    """The mode of a layer cache for `policy` (None: full); evict=False: the no-evict baseline."""
+    if not is_scorer(policy):
+        return "dense"
+    if policy.decode == "append":
+        return "append"
+    return "evict" if evict else "no-evict"
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What one layer's buffer is, fixed at setup (None fields take the default named beside them)."""
+    batch: int
+    kv_heads: int
+    head_dim: int
+    budget: int  # the slots held; the buffer has budget + block
+    block: int  # the most tokens one step writes (the tail)
+    mode: str | None = None  # MODES (None: cache_mode(policy))
+    policy: Any = None  # None: full
+    dtype: torch.dtype = torch.float32  # the compute dtype
+    storage: torch.dtype | None = None  # K and V as stored (Storage): None (the compute dtype), int8 or bfloat16
+    device: Any = "cpu"
+    n_heads: int | None = None  # query heads (kv_heads)
+    window: int | None = None  # sliding-window attention (Mistral): the latest positions a query sees
+    layer: int = 0  # this layer's index in the model
+    keep: int | None = None  # the prompt slots a one-shot compression into this cache keeps (budget)
+    keep_budget: int | None = None  # the budget a recent window is a fraction of (budget; a scratch: its layer's)
+    positions: int | None = None  # every position a slot holds is below it (budget; a chat's re-compression: more)
+    evict_first: bool = False  # --evict-before-attend: evict, then attend over the kept slots only
+    head0: int = 0  # tensor parallel (tp.py): the model's index of this buffer's first KV head
+    tp_group: str | None = None  # the group a rule that reads every head of a layer gathers over (None: one device)
+
+    def __post_init__(self):
+        defaults = dict(mode=cache_mode(self.policy), n_heads=self.kv_heads, keep=self.budget,
+                        keep_budget=self.budget, positions=self.budget)
+        for name, value in defaults.items():
+            if not getattr(self, name):
+                object.__setattr__(self, name, value)
+        if self.mode not in MODES:
+            raise ValueError(f"cache mode {self.mode!r} is none of {', '.join(MODES)}")
+
+
+class KVCache(nn.Module):
+    """One layer's static buffer, built from a CacheSpec and driven by its policy (None for `full`): a scorer
+    (`score`) evicts, a selector (`select`) picks the slots each decode step attends; a policy may be both
+    (RocketKV, SAGE-KV). The spec's mode says where a block is written and whether the scorer evicts (MODES)."""
 
     # Attributes no compiled step reads (the policy's plan is the policy's own attributes): aoti.step_key leaves them
     # out of a package's name, so that a prompt of another length loads the same package.
-    UNTRACED = ("run", "last_step")
+    UNTRACED = ("run", "last_step", "eager")
 
-    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, budget: int, block_size: int,
-                 dtype: torch.dtype, device, policy=None, window: int | None = None, n_heads: int | None = None,
-                 scratch: bool = False, kv_dtype: torch.dtype | None = None, keep_budget: int | None = None,
-                 layer: int = 0, keep: int | None = None, head0: int = 0, tp_group: str | None = None):
+    def __init__(self, spec: CacheSpec):
         super().__init__()
-        # Tensor parallel (tp.py): this buffer holds KV heads [head0, head0 + n_kv_heads) of the model's, and the
-        # few policies that read every head of a layer gather them over tp_group (None: one device)
-        self.head0, self.tp_group = head0, tp_group
-        # kv_dtype int8: K and V stored as int8 with one scale per token and head (the buffer shrinks ~2x vs
-        # bf16, ~4x vs fp32); `keys`/`values` dequantize to `dtype` for attention and for every policy's scores.
-        # kv_dtype bfloat16 under fp32 compute: half the buffer; policies score the keys widened to `dtype`;
-        # attention gets the stored bf16 (model.attention: widened copies for SDPA and on CUDA; on CPU a compiled
-        # decode step widens the keys in its loop and takes the values' product in bf16).
-        self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
-        self.quantized = self.kv_dtype == torch.int8
-        self.budget, self.block_size, self.window, self.policy = budget, block_size, window, policy
-        self.layer = layer  # this layer's index in the model
+        self.spec, self.policy, self.storage = spec, spec.policy, Storage(spec.dtype, spec.storage)
+        self.scorer = spec.policy if is_scorer(spec.policy) else None
+        self.selector = spec.policy if is_selector(spec.policy) and spec.mode != "scratch" else None
         self.run = None  # the policies.Run that engine.setup planned the policy for (a batch re-plans per prompt)
-        # The budget a recent window is a fraction of: a one-shot scratch's budget is the prompt, its keep_budget
-        # the destination cache's. keep: the prompt slots a one-shot compression into this cache keeps.
-        self.keep_budget = keep_budget or budget
-        self.keep = keep or budget
-        self.scratch = scratch  # a one-shot prefill's full-length scratch: always dense, no decode-time state
-        # Without eviction a token goes to slot position - slot_base: 0, except in a scratch that re-compresses a
-        # kept history plus a new chat turn (chat.py), whose turn starts after the history's slots.
-        self.slot_base = 0
-        self.n_heads = n_heads or n_kv_heads  # query heads, for policies that keep queries
-        self.scorer = policy if is_scorer(policy) else None
-        self.selector = policy if is_selector(policy) and not scratch else None
-        self.evicts = self.scorer is not None and not scratch and getattr(policy, "decode", "evict") == "evict"
-        self.appends = self.scorer is not None and not scratch and not self.evicts
-        self.dense = not (self.evicts or self.appends)  # every token at slot == position - slot_base
-        self.evict_enabled = True  # False: the `no-evict` baseline (same buffer, nothing dropped)
-        C = budget + block_size
-        self.register_buffer("k", torch.zeros(batch, n_kv_heads, C, head_dim, dtype=self.kv_dtype, device=device))
-        self.register_buffer("v", torch.zeros(batch, n_kv_heads, C, head_dim, dtype=self.kv_dtype, device=device))
-        if self.quantized:
-            self.register_buffer("k_scale", torch.zeros(batch, n_kv_heads, C, dtype=dtype, device=device))
-            self.register_buffer("v_scale", torch.zeros(batch, n_kv_heads, C, dtype=dtype, device=device))
-        self.register_buffer("pos", torch.full((batch, n_kv_heads, C), -1, dtype=torch.int32, device=device))
-        self.evict_before_attend = False
         self.last_step = None  # a scratch's last block (q, input_pos, query_pos): its queries score the compression
+        self.eager = None  # fill_eagerly's [next slot, end, one mask] while the caller runs blocks eagerly
+        shape = (spec.batch, spec.kv_heads, spec.budget + spec.block)
+        for name, t in self.storage.allocate((*shape, spec.head_dim), spec.device).items():
+            self.register_buffer(name, t)
+        self.register_buffer("pos", torch.full(shape, -1, dtype=torch.int32, device=spec.device))
         # Per-slot policy state (e.g. H2O's accumulated attention) moves with its slot on eviction; per-layer state
         # (e.g. SnapKV's ring of recent queries) stays put. Policies declare both; they are allocated here, once.
-        self._state_names, self._layer_state_decl = [], {}
+        self._state_names, decl = [], {}
         if self.scorer is not None:
-            for name, (extra_shape, state_dtype) in policy.slot_state().items():
-                extra_shape = [self.n_heads // n_kv_heads if d == "group" else d for d in extra_shape]
-                t = torch.zeros(batch, n_kv_heads, C, *extra_shape, dtype=state_dtype, device=device)
-                self.register_buffer(f"state_{name}", t)
+            for name, (extra, dtype) in spec.policy.slot_state().items():
+                extra = [spec.n_heads // spec.kv_heads if d == "group" else d for d in extra]
+                self.register_buffer(f"state_{name}", torch.zeros(*shape, *extra, dtype=dtype, device=spec.device))
                 self._state_names.append(name)
-        if policy is not None:
-            decl = dict(policy.layer_state(self) if self.scorer is not None else {})
-            if self.selector is not None and hasattr(policy, "selector_state"):
-                decl.update(policy.selector_state(self))
-            for name, (shape, state_dtype, fill) in decl.items():
-                self.register_buffer(f"layer_{name}", torch.full(shape, fill, dtype=state_dtype, device=device))
-            self._layer_state_decl = decl
+            decl.update(spec.policy.layer_state(spec))
+        if self.selector is not None and hasattr(spec.policy, "selector_state"):
+            decl.update(spec.policy.selector_state(spec))
+        for name, (size, dtype, fill) in decl.items():
+            self.register_buffer(f"layer_{name}", torch.full(size, fill, dtype=dtype, device=spec.device))
+        self._layer_state_decl = decl
 
     # Both read the registered buffers on each access, so that a step run with the buffers swapped for others
     # (aoti.py exports the step with every buffer an input) reads and writes the swapped ones.
@@ -322,31 +367,26 @@ class KVCache(nn.Module):
         """Per-layer policy state by name."""
         return {name: getattr(self, f"layer_{name}") for name in self._layer_state_decl}
 
+    def kv_buffers(self) -> list[Tensor]:
+        """The key and value buffers as stored (and their int8 scales)."""
+        return [self.k, self.v, *([self.k_scale, self.v_scale] if self.storage.scaled else [])]
+
     def slot_buffers(self) -> list[Tensor]:
         """Every [B, H, C, ...] tensor whose slots move together: keys, values (+ their int8 scales), policy state."""
-        scales = [self.k_scale, self.v_scale] if self.quantized else []
-        return [self.k, self.v, *scales, *self.state.values()]
+        return [*self.kv_buffers(), *self.state.values()]
+
+    def rows(self, name: str, S: int | None = None) -> tuple[Tensor, Tensor | None]:
+        """Buffer `name` ("k" or "v") as stored, its first S slots (all when None), and their scales (None unless
+        int8)."""
+        scale = getattr(self, f"{name}_scale")[:, :, :S] if self.storage.scaled else None
+        return getattr(self, name)[:, :, :S], scale
 
     def keys(self, S: int | None = None) -> Tensor:
-        """Keys of the first S slots (all when None) in the compute dtype (dequantized when stored as int8,
-        widened when stored as bfloat16)."""
-        k = self.k if S is None else self.k[:, :, :S]
-        return dequantize_rows(k, self.k_scale[:, :, :k.shape[2]], self.dtype) if self.quantized else k.to(self.dtype)
+        """Keys of the first S slots (all when None) in the compute dtype."""
+        return self.storage.decode(*self.rows("k", S))
 
     def values(self, S: int | None = None) -> Tensor:
-        v = self.v if S is None else self.v[:, :, :S]
-        return dequantize_rows(v, self.v_scale[:, :, :v.shape[2]], self.dtype) if self.quantized else v.to(self.dtype)
-
-    def key_rows(self, slot: Tensor) -> Tensor:
-        """Keys [B, H, n, D] of the slots `slot` [n] (the same in every sequence) or [B, n] (compute dtype)."""
-        if slot.dim() == 1:
-            k = self.k.index_select(2, slot)
-            scale = self.k_scale.index_select(2, slot) if self.quantized else None
-        else:
-            idx = slot[:, None, :].expand(-1, self.k.shape[1], -1)
-            k = take_slots(self.k, idx)
-            scale = take_slots(self.k_scale, idx) if self.quantized else None
-        return dequantize_rows(k, scale, self.dtype) if self.quantized else k.to(self.dtype)
+        return self.storage.decode(*self.rows("v", S))
 
     def reset(self) -> None:
         self.pos.fill_(-1)
@@ -358,7 +398,7 @@ class KVCache(nn.Module):
     def slots(self, T: int) -> int:
         """How many leading slots a step of T tokens reads: the budget and the block's tail (a cache that does not
         evict holds every real token below `budget`: its tail only ever holds padding)."""
-        return self.budget + T
+        return self.spec.budget + T
 
     def view(self, S: int | None = None, **step) -> View:
         return View(self, self.k.shape[2] if S is None else S, **step)
@@ -367,61 +407,61 @@ class KVCache(nn.Module):
         """Token-equivalents (K+V pairs) one decode step reads per KV head: the slots attended, or what a
         selector reads (RocketKV: exact top-k plus its page scan)."""
         read = getattr(self.selector, "read_tokens", None)
-        n = read(self.view(self.budget)) if read is not None else None
+        n = read(self.view(self.spec.budget)) if read is not None else None
         return self.slots(1) if n is None else n
 
     def destinations(self, input_pos: Tensor) -> Tensor:
         """The slots [1 or B, T] a block at positions input_pos ([T] or [B, T], -1 = padding) is written to: the
-        tail (an evicting scorer: the same slots in every sequence), after each sequence's valid slots (appending),
-        or slot == position (full, selector-only, a one-shot scratch); padding goes to the tail, which no real
-        position reaches."""
-        ip = per_row(input_pos)
+        tail (evict, no-evict: the same slots in every sequence), slot == position (dense), or after each sequence's
+        valid slots (append, scratch); padding goes to the tail, which no real position reaches."""
+        ip, budget = per_row(input_pos), self.spec.budget
         T = ip.shape[1]
-        tail = torch.arange(self.budget, self.budget + T, device=ip.device)
-        if self.evicts:
+        tail = torch.arange(budget, budget + T, device=ip.device)
+        if self.spec.mode in ("evict", "no-evict"):
             return tail[None]
-        if self.appends:  # after a one-shot compression: append after the valid slots, which fill [0, n) in order
-            n = (self.pos[:, 0, :self.budget] >= 0).sum(-1, keepdim=True)
-            return torch.where(ip >= 0, n + torch.arange(T, device=ip.device), tail)
-        # slot == position - slot_base: 0, except in a chat's re-compression scratch (chat.py)
-        return torch.where(ip >= 0, ip - self.slot_base, tail)
+        if self.spec.mode == "dense":
+            return torch.where(ip >= 0, ip, tail)
+        n = (self.pos[:, 0, :budget] >= 0).sum(-1, keepdim=True)  # the valid slots fill [0, n) in order
+        return torch.where(ip >= 0, n + torch.arange(T, device=ip.device), tail)
+
+    def fill_eagerly(self, start: int, end: int, one_mask: bool = True) -> None:
+        """The caller's choice for blocks it runs eagerly, never in a compiled step: they fill the slots from
+        `start` in order, up to `end` (padding only past it), and a block of T > 1 attends only the slots filled so
+        far (a causal triangle's cost, not the whole buffer's), with one mask for every head when they all hold
+        the same positions (one_mask). `cache.eager = None` goes back to the static budget + T."""
+        self.eager = [start, end, one_mask]
 
     def update(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, query_pos: Tensor):
         """Write a block k, v [B, H, T, D] at positions input_pos [T] (shared by the batch) or [B, T] (each sequence
         its own; -1 = padding); return what to attend: keys and values as stored (model.attention widens a
-        bfloat16 cache), int8 dequantized. With evict_before_attend the policy evicts first and the
-        block attends over the kept slots only."""
+        bfloat16 cache), int8 dequantized. With evict_first the policy evicts first and the block attends over the
+        kept slots only."""
         B, H, T = k.shape[:3]
         dst = self.destinations(input_pos)
-        if self.quantized:
-            (k, k_scale), (v, v_scale) = quantize_rows(k), quantize_rows(v)
-            write_slots(self.k_scale, dst, k_scale)
-            write_slots(self.v_scale, dst, v_scale)
-        write_slots(self.k, dst, k.to(self.kv_dtype))
-        write_slots(self.v, dst, v.to(self.kv_dtype))
+        for name, x in (("k", k), ("v", v)):
+            rows, scale = self.storage.encode(x)
+            write_slots(getattr(self, name), dst, rows)
+            if scale is not None:
+                write_slots(getattr(self, f"{name}_scale"), dst, scale)
         write_slots(self.pos, dst, per_row(input_pos).to(torch.int32)[:, None, :].expand(B, H, T))
         for t in self.state.values():  # a new token starts with zero state
             write_slots(t, dst, 0)
-        S = self.slots(T)
-        filled_prefix = T > 1 and self.dense and not torch.compiler.is_compiling()
-        if filled_prefix:
-            # Eager prefill block, slot == position - slot_base: no slot past the block's newest position is valid,
-            # so attend only the filled prefix (a causal triangle's cost instead of the whole buffer's). Compiled
-            # graphs keep the static budget + T. (One host read of the newest position per layer and block.)
-            S = min(S, int(input_pos.max()) + 1 - self.slot_base)
-        if self.evict_before_attend:
+        S, one_mask = self.slots(T), False
+        if self.eager is not None:
+            self.eager[0] += T
+            if T > 1:
+                S, one_mask = min(S, *self.eager[:2]), self.eager[2]
+        if self.spec.evict_first:
             self._evict(q, input_pos, query_pos)
         if T == 1 and self.selector is not None:  # decode: the selector picks the slots
             slot = dst[0] if dst.shape[0] == 1 else dst
-            view = self.view(self.budget, q=q, input_pos=input_pos, query_pos=query_pos, slot=slot)
+            view = self.view(self.spec.budget, q=q, input_pos=input_pos, query_pos=query_pos, slot=slot)
             idx = self.selector.select(view)
             if idx is not None:
                 return self.gather(idx, query_pos)
-        pos = self.pos[:, :, :S]
-        if filled_prefix and bool((pos == pos[:, :1]).all()):
-            pos = pos[:, :1]  # every head holds the same positions: one mask [B, 1, T, S] for all (model.py: GQA)
-        keys, values = (self.keys(S), self.values(S)) if self.quantized else (self.k[:, :, :S], self.v[:, :, :S])
-        return keys, values, attention_mask(pos, query_pos, self.window)
+        pos = self.pos[:, :, :S]  # one mask [B, 1, T, S] for all heads where they agree (model.py: GQA)
+        keys, values = (self.storage.decode(*self.rows(name, S), widen=False) for name in ("k", "v"))
+        return keys, values, attention_mask(pos[:, :1] if one_mask else pos, query_pos, self.spec.window)
 
     def gather(self, idx: Tensor, query_pos: Tensor):
         """Keys, values [B, Hs, k, D] (as `update` returns them) and mask [B, Hs, 1, k] of slots idx [B, Hs, k]; Hs =
@@ -430,28 +470,28 @@ class KVCache(nn.Module):
         B, H, C, D = self.k.shape
         g, n = idx.shape[1] // H, idx.shape[2]
         flat = flat_rows(idx.view(B, H, g * n), C)
-        k, v = (t.view(B * H * C, D).index_select(0, flat).view(B, H * g, n, D) for t in (self.k, self.v))
-        pos = self.pos.view(B * H * C).index_select(0, flat).view(B, H * g, n)
-        if self.quantized:
-            k, v = (dequantize_rows(t, s.view(B * H * C).index_select(0, flat).view(B, H * g, n), self.dtype)
-                    for t, s in ((k, self.k_scale), (v, self.v_scale)))
-        return k, v, attention_mask(pos, query_pos, self.window)
+
+        def take(t, *row):
+            return t.view(B * H * C, *row).index_select(0, flat).view(B, H * g, n, *row)
+        k, v = (self.storage.decode(take(t, D), None if s is None else take(s), widen=False)
+                for t, s in (self.rows("k"), self.rows("v")))
+        return k, v, attention_mask(take(self.pos), query_pos, self.spec.window)
 
     def evict(self, q: Tensor, input_pos: Tensor, query_pos: Tensor) -> None:
         """After attention (the default order): score the budget + T slots and drop the lowest T."""
-        if not self.evict_before_attend:
+        if not self.spec.evict_first:
             self._evict(q, input_pos, query_pos)
 
     def _evict(self, q, input_pos, query_pos):
-        if self.scorer is None or not (self.scratch or self.evicts and self.evict_enabled):
+        if self.scorer is None or self.spec.mode not in ("evict", "scratch"):
             return
         view = self.view(self.slots(q.shape[2]), q=q, input_pos=input_pos, query_pos=query_pos)
         if hasattr(self.scorer, "observe"):
             self.scorer.observe(view)
-        if self.scratch:  # one-shot prefill scores the whole prompt with its last block (compress_into)
+        if self.spec.mode == "scratch":  # one-shot prefill scores the whole prompt with its last block (compress_into)
             self.last_step = (q, input_pos, query_pos)
         else:
-            self.drop_to(self.budget, self.scorer.score(view))
+            self.drop_to(self.spec.budget, self.scorer.score(view))
 
     def drop_to(self, budget: int, scores: Tensor) -> None:
         """Keep the `budget` best of the first scores.shape[-1] slots (empty slots are never kept over real ones)."""
@@ -460,48 +500,48 @@ class KVCache(nn.Module):
         evict_fill_holes(scores, budget, self.slot_buffers(), self.pos)
 
     def compress_into(self, dst: "KVCache", shared: dict | None = None) -> None:
-        """One-shot prefill: this scratch holds a whole prompt (slot == position); keep dst.keep of it in dst.
+        """One-shot prefill: this scratch holds a whole prompt (in position order); keep dst.spec.keep of it in dst.
 
         The policy either names the scratch slots to keep (`keep_slots(view)` -> [B, H, n], a layout of its own:
-        SAGE-KV) or scores them (the last block's queries stand for the prompt's end) and the dst.keep best are
+        SAGE-KV) or scores them (the last block's queries stand for the prompt's end) and the keep best are
         kept, then sorted by position. Then a selector prepares its decode-time state (`prepare`: RocketKV's pages).
         """
-        S, policy = self.budget, dst.policy
-        q, input_pos, query_pos = self.last_step
-        view = View(self, S, q, input_pos, query_pos, shared=shared, budget=dst.keep_budget, keep=dst.keep)
+        S, policy, keep = self.spec.budget, dst.policy, dst.spec.keep
+        view = View(self, S, *self.last_step, shared=shared, budget=dst.spec.keep_budget, keep=keep)
+        pairs = [(self.pos, dst.pos), *zip(self.slot_buffers(), dst.slot_buffers(), strict=True)]
         if hasattr(policy, "keep_slots"):
             idx = policy.keep_slots(view)
             n = idx.shape[-1]
-            for src_t, dst_t in [(self.pos, dst.pos), *zip(self.slot_buffers(), dst.slot_buffers(), strict=True)]:
+            for src_t, dst_t in pairs:
                 dst_t[:, :, :n] = take_slots(src_t, idx)
             dst.pos[:, :, n:] = -1
         else:
             n_real = int(self.n_valid().max())
             scores = policy.score(view)  # scored even when all fits: a policy may record what it keeps (K-VEC)
-            if n_real > dst.keep:
-                self.drop_to(dst.keep, scores)
-            n = min(S, dst.keep)
-            for src_t, dst_t in [(self.pos, dst.pos), *zip(self.slot_buffers(), dst.slot_buffers(), strict=True)]:
+            if n_real > keep:
+                self.drop_to(keep, scores)
+            n = min(S, keep)
+            for src_t, dst_t in pairs:
                 dst_t[:, :, :n] = src_t[:, :, :n]
-            dst.sort_slots(n)
+            sort_slots(dst, n)
         for name, t in self.layer_state.items():
             if name in dst.layer_state:
                 dst.layer_state[name].copy_(t)
         if dst.selector is not None and hasattr(dst.selector, "prepare"):
-            dst.selector.prepare(dst.view(dst.budget))
-
-    def sort_slots(self, n: int) -> None:
-        """Permute the first n slots (and their state) into ascending position order, empty slots last (so that
-        appending at the valid count stays correct), e.g. after compress_into."""
-        pos = self.pos[:, :, :n]
-        order = position_order(pos)
-        for buf in [self.pos, *self.slot_buffers()]:
-            extra = buf.shape[3:]
-            idx = order.view(*order.shape, *([1] * len(extra))).expand(*order.shape, *extra)
-            buf[:, :, :n] = buf[:, :, :n].gather(2, idx)
+            dst.selector.prepare(dst.view(dst.spec.budget))
 
     def n_valid(self) -> Tensor:
         return (self.pos >= 0).sum(-1)
+
+
+def sort_slots(cache: KVCache, n: int) -> None:
+    """Permute the first n slots of a cache (and their state) into ascending position order, empty slots last (so
+    that appending at the valid count stays correct), e.g. after compress_into."""
+    order = position_order(cache.pos[:, :, :n])
+    for buf in [cache.pos, *cache.slot_buffers()]:
+        extra = buf.shape[3:]
+        idx = order.view(*order.shape, *([1] * len(extra))).expand(*order.shape, *extra)
+        buf[:, :, :n] = buf[:, :, :n].gather(2, idx)
 
 
 def row_cache(cache: KVCache, b: int) -> KVCache:
@@ -513,20 +553,45 @@ def row_cache(cache: KVCache, b: int) -> KVCache:
     return row
 
 
+def scratch_cache(cache: KVCache, slots: int, end: int, positions: int | None = None) -> KVCache:
+    """A one-shot prefill's scratch for the layer cache `cache`: one sequence, `slots` slots in mode scratch (the
+    policy's prefill state, no selector). The caller runs its blocks eagerly (model.prefill_layer_major): they
+    fill it from slot 0 up to `end` (fill_eagerly). positions: see CacheSpec."""
+    spec = cache.spec
+    scratch = KVCache(replace(spec, batch=1, budget=slots, mode="scratch", keep=None, keep_budget=spec.budget,
+                              positions=positions, evict_first=False))
+    scratch.fill_eagerly(0, end)
+    return scratch
+
+
+@contextmanager
+def eager_blocks(model, start: int, end: int, eager: bool = True):
+    """While the caller runs blocks eagerly (eager=True: its own choice, never for a compiled step) over the model's
+    caches of mode dense (slot == position), from position `start` up to `end` (padding only past it): each block
+    attends only the slots filled so far (fill_eagerly). Every head of such a cache holds the same positions: one
+    mask for all. Other caches keep the static budget + T."""
+    caches = [layer.attention.kv_cache for layer in model.layers]
+    for c in caches if eager and all(c.spec.mode == "dense" for c in caches) else []:
+        c.fill_eagerly(start, end)
+    try:
+        yield
+    finally:
+        for c in caches:
+            c.eager = None
+
+
+def take_rows(x: Tensor, slot: Tensor) -> Tensor:
+    """x[b, h, slot[j]] for x [B, H, C, ...] and slots [n] (the same in every sequence) or [B, n]: [B, H, n, ...]."""
+    if slot.dim() == 1:
+        return x.index_select(2, slot)
+    return take_slots(x, slot[:, None, :].expand(-1, x.shape[1], -1))
+
+
 def take_slots(x: Tensor, idx: Tensor) -> Tensor:
     """x[b, h, idx[b, h, j]] for x [B, H, C, ...] and idx [B, H, n]: whole slots, one index_select over the flat
     rows (on CPU ~3x faster than torch.gather, which indexes element by element)."""
     B, H, C = x.shape[:3]
     return x.reshape(B * H * C, *x.shape[3:]).index_select(0, flat_rows(idx, C)).view(B, H, idx.shape[-1], *x.shape[3:])
-
-
-def make_cache(model, batch: int, budget: int, block_size: int, policy=None, scratch=False,
-               kv_dtype: torch.dtype | None = None, keep_budget: int | None = None, layer: int = 0,
-               keep: int | None = None) -> KVCache:
-    args, p = model.args, model.tok_embeddings.weight
-    return KVCache(batch, args.n_kv_heads, args.head_dim, budget, block_size, p.dtype, p.device, policy,
-                   args.sliding_window, args.n_heads, scratch, kv_dtype, keep_budget, layer, keep,
-                   getattr(model, "kv_head0", 0), getattr(model, "tp_group", None))
 
 
 def setup_caches(model, batch: int, budget: int, block_size: int, policy=None, evict_before_attend=False,
@@ -535,14 +600,15 @@ def setup_caches(model, batch: int, budget: int, block_size: int, policy=None, e
     bfloat16; None: the model's dtype).
     keep: the prompt slots a one-shot compression keeps (default budget); evict=False: the `no-evict` baseline,
     the same buffer with eviction switched off."""
+    args, p = model.args, model.tok_embeddings.weight
+    spec = CacheSpec(batch, args.n_kv_heads, args.head_dim, budget, block_size, cache_mode(policy, evict), policy,
+                     p.dtype, kv_dtype, p.device, args.n_heads, args.sliding_window, keep=keep,
+                     evict_first=evict_before_attend, head0=getattr(model, "kv_head0", 0),
+                     tp_group=getattr(model, "tp_group", None))
     for i, layer in enumerate(model.layers):
-        cache = make_cache(model, batch, budget, block_size, policy, kv_dtype=kv_dtype, layer=i, keep=keep)
-        cache.evict_before_attend = evict_before_attend
-        cache.evict_enabled = evict
-        layer.attention.kv_cache = cache
+        layer.attention.kv_cache = KVCache(replace(spec, layer=i))
 
 
 def kv_bytes(model) -> int:
     """Bytes of the key and value buffers of all layers, int8 scales included (positions and policy state not)."""
-    return sum(t.nbytes for l in model.layers for t in l.attention.kv_cache.slot_buffers()[:4 if
-               l.attention.kv_cache.quantized else 2])
+    return sum(t.nbytes for layer in model.layers for t in layer.attention.kv_cache.kv_buffers())

@@ -46,7 +46,7 @@ from contextlib import contextmanager
 
 import torch
 
-from cache import KV_DTYPES, is_scorer, make_cache
+from cache import KV_DTYPES, eager_blocks, is_scorer, scratch_cache
 from engine import (PeakMemory, block_inputs, check_finite, model_step, prefill_one_shot, prefill_protocol,
                     prefill_step, sample_finite, setup, sync)
 from errors import UserError
@@ -212,7 +212,7 @@ class Chat:
         """The turn's tokens [L] into the caches at positions position, position + 1, ...; the last one's logits."""
         if self.fresh and self.protocol == "one-shot":
             return prefill_one_shot(self.model, prompt, self.block_size)
-        if self.model.layers[0].attention.kv_cache.appends:
+        if self.model.layers[0].attention.kv_cache.spec.mode == "append":
             return recompress(self.model, prompt, self.position, self.block_size)
         return prefill_at(self.model, prompt, self.position, self.block_size, self.steps[0])
 
@@ -293,16 +293,17 @@ def shifted(input_pos: torch.Tensor, start: int) -> torch.Tensor:
 def prefill_at(model, prompt: torch.Tensor, start: int, block_size: int, step=prefill_step) -> torch.Tensor:
     """Block-wise prefill of prompt [L] at positions start, start + 1, ... on top of what the caches hold (a scorer
     evicts back to its budget after every block, as in one run); returns the last position's logits [1, vocab]."""
-    for s in range(0, prompt.numel(), block_size):
-        idx, pos = block_inputs(prompt, s, block_size)
-        logits = step(model, idx, shifted(pos, start))
+    with eager_blocks(model, start, start + prompt.numel(), step is prefill_step):
+        for s in range(0, prompt.numel(), block_size):
+            idx, pos = block_inputs(prompt, s, block_size)
+            logits = step(model, idx, shifted(pos, start))
     return logits
 
 
 def recompress(model, prompt: torch.Tensor, start: int, block_size: int, shared: dict | None = None) -> torch.Tensor:
     """A new turn [L] at positions start, ... for caches that append after a one-shot compression (SnapKV++,
     RocketKV, K-VEC): per layer, one scratch holds the kept history (its n valid slots, which fill [0, n) in
-    position order) and then the turn (slot = position - slot_base); model.prefill_layer_major runs the turn densely
+    position order) and then the turn, appended after it; model.prefill_layer_major runs the turn densely
     over it, and the scratch is compressed into the emptied layer cache as a one-shot prompt is: the policy's
     `keep` best of history + turn, scored with the turn's last queries. Peak: one layer's history + turn scratch on
     top of the budgets. Returns the last position's logits [1, vocab]."""
@@ -313,11 +314,10 @@ def recompress(model, prompt: torch.Tensor, start: int, block_size: int, shared:
     def scratch(i):
         c = model.layers[i].attention.kv_cache
         n = int(c.n_valid().max())
-        s = make_cache(model, 1, n + n_blocks * block_size, block_size, c.policy, scratch=True, kv_dtype=c.kv_dtype,
-                       keep_budget=c.budget, layer=i)
+        s = scratch_cache(c, n + n_blocks * block_size, n + prompt.numel(), positions=start + n_blocks * block_size)
         for dst, src in zip([s.pos, *s.slot_buffers()], [c.pos, *c.slot_buffers()], strict=True):
             dst[:, :, :n] = src[:, :, :n]
-        s.slot_base = start - n
+        s.fill_eagerly(n, n + prompt.numel(), one_mask=bool((s.pos[:, :, :n] == s.pos[:, :1, :n]).all()))
         return s
 
     def done(i, s):

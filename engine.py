@@ -10,7 +10,7 @@ from pathlib import Path
 import threads  # noqa: F401  (before torch: how its OpenMP threads wait, for the Python API too)
 import torch
 
-from cache import is_scorer, make_cache, row_cache, setup_caches
+from cache import eager_blocks, is_scorer, row_cache, scratch_cache, setup_caches
 from config import parse_config
 from convert import ENGINE_FILE, CheckpointError, read_config, read_hf_dir
 from errors import UserError
@@ -395,9 +395,7 @@ def prefill_one_shot(model, prompt: torch.Tensor, block_size: int, shared: dict 
         return c if row is None else row_cache(c, row)
 
     def scratch(i):
-        c = model.layers[i].attention.kv_cache
-        return make_cache(model, 1, n_blocks * block_size, block_size, c.policy, scratch=True, kv_dtype=c.kv_dtype,
-                          keep_budget=c.budget, layer=i)
+        return scratch_cache(model.layers[i].attention.kv_cache, n_blocks * block_size, L)
 
     def done(i, scratch):
         c = layer_cache(i)
@@ -424,15 +422,17 @@ def prefill(model, prompt: torch.Tensor, block_size: int, step=prefill_step, one
     if one_shot:
         return prefill_one_shot(model, prompt, block_size, shared, on_prefill=on_prefill)
     L = prompt.numel()
-    dense = step is prefill_step and all(layer.attention.kv_cache.dense for layer in model.layers)
+    eager = step is prefill_step  # then a dense cache's block attends only the slots filled so far
+    dense = eager and all(layer.attention.kv_cache.spec.mode == "dense" for layer in model.layers)
     chunk = max(block_size, EAGER_CHUNK) if dense else block_size
-    for start in range(0, L, chunk):
-        end = min(start + chunk, L)
-        inputs = (prompt[None, start:end], torch.arange(start, end, device=prompt.device)) if dense else \
-            block_inputs(prompt, start, block_size)
-        logits = step(model, *inputs)
-        if on_prefill is not None:
-            on_prefill(end, L)
+    with eager_blocks(model, 0, L, eager):
+        for start in range(0, L, chunk):
+            end = min(start + chunk, L)
+            inputs = (prompt[None, start:end], torch.arange(start, end, device=prompt.device)) if dense else \
+                block_inputs(prompt, start, block_size)
+            logits = step(model, *inputs)
+            if on_prefill is not None:
+                on_prefill(end, L)
     return logits
 
 
@@ -567,13 +567,14 @@ def prefill_batch(model, prompts: list[torch.Tensor], block_size: int, step=pref
     longest = max(p.numel() for p in prompts)
     last_block = [(p.numel() - 1) // block_size for p in prompts]
     rows = [None] * len(prompts)
-    for i, start in enumerate(range(0, longest, block_size)):
-        logits = step(model, *batch_block_inputs(prompts, start, block_size))
-        for b in (b for b, last in enumerate(last_block) if last == i):
-            rows[b] = logits[b].clone()
-        done += sum(min(block_size, max(0, p.numel() - start)) for p in prompts)
-        if on_prefill is not None:
-            on_prefill(done, total)
+    with eager_blocks(model, 0, longest, step is prefill_step):
+        for i, start in enumerate(range(0, longest, block_size)):
+            logits = step(model, *batch_block_inputs(prompts, start, block_size))
+            for b in (b for b, last in enumerate(last_block) if last == i):
+                rows[b] = logits[b].clone()
+            done += sum(min(block_size, max(0, p.numel() - start)) for p in prompts)
+            if on_prefill is not None:
+                on_prefill(done, total)
     return torch.stack(rows)
 
 
@@ -712,13 +713,13 @@ def check_capacity(model, prompt_len: int, max_new_tokens: int, one_shot: bool) 
     """A cache that never evicts (full, Exact-TopK, and after a one-shot compression SnapKV++, RocketKV, K-VEC) must
     hold the kept prompt plus every token written during decode (the last sampled one is never written).
     Generation past that capacity is an error, never a silent eviction."""
-    c = model.layers[0].attention.kv_cache
-    if c.evicts:
+    spec = model.layers[0].attention.kv_cache.spec
+    if spec.mode in ("evict", "no-evict"):
         return
-    kept = min(prompt_len, c.keep) if one_shot and c.appends else prompt_len
-    if kept + max_new_tokens - 1 > c.budget:
-        raise UserError(f"{c.policy.name if c.policy else 'full'}: {kept} kept prompt tokens + {max_new_tokens} "
-                        f"new tokens exceed the cache's {c.budget} slots (raise --budget)")
+    kept = min(prompt_len, spec.keep) if one_shot and spec.mode == "append" else prompt_len
+    if kept + max_new_tokens - 1 > spec.budget:
+        raise UserError(f"{spec.policy.name if spec.policy else 'full'}: {kept} kept prompt tokens + "
+                        f"{max_new_tokens} new tokens exceed the cache's {spec.budget} slots (raise --budget)")
 
 
 def decode_bytes_per_step(model) -> tuple[int, int]:
@@ -738,6 +739,6 @@ def decode_bytes_per_step(model) -> tuple[int, int]:
     kv = 0
     for layer in model.layers:
         c = layer.attention.kv_cache
-        per_token = sum(t[:, :, :1].nbytes for t in c.slot_buffers()[:4 if c.quantized else 2])  # K+V (+scales)
+        per_token = sum(t[:, :, :1].nbytes for t in c.kv_buffers())  # K+V (+scales)
         kv += int(per_token * c.read_tokens())
     return weights, kv

@@ -126,7 +126,7 @@ class Attention(nn.Module):
         v = v.view(B, T, hkv, d).transpose(1, 2)
 
         keys, values, mask = cache.update(q, k, v, input_pos, query_pos)
-        out = attention(q, keys, values, mask, evicting=cache.evicts and cache.evict_enabled)
+        out = attention(q, keys, values, mask, evicting=cache.spec.mode == "evict")
         # Attend, then let the policy evict (the block-wise protocol; a no-op without a scorer).
         cache.evict(q, input_pos, query_pos)
         out = out.transpose(1, 2).reshape(B, T, hq * d)  # CUDA's SDPA: not contiguous

@@ -107,8 +107,8 @@ class Scorer(Policy):
         query heads per KV head."""
         return {}
 
-    def layer_state(self, cache) -> dict:
-        """Per-layer state that stays put: name -> (shape, dtype, fill value)."""
+    def layer_state(self, spec) -> dict:
+        """Per-layer state that stays put, for a cache of this cache.CacheSpec: name -> (shape, dtype, fill value)."""
         return {}
 
     def score(self, view) -> Tensor:
@@ -302,10 +302,9 @@ class SnapKV(Scorer):
     def ring_size(self) -> int:
         return self.window
 
-    def layer_state(self, cache):
-        B, _, _, D = cache.k.shape
-        return {"ring_q": ((B, cache.n_heads, self.ring_size(), D), torch.float32, 0.0),
-                "ring_pos": ((B, self.ring_size()), torch.long, -1)}
+    def layer_state(self, spec):
+        return {"ring_q": ((spec.batch, spec.n_heads, self.ring_size(), spec.head_dim), torch.float32, 0.0),
+                "ring_pos": ((spec.batch, self.ring_size()), torch.long, -1)}
 
     def observe(self, view):
         """Keep each sequence's `ring_size` latest queries of ring + block (the top positions; padding is -1)."""
@@ -613,8 +612,8 @@ class SnapKVPlusPlus(SnapKV):
             raise PolicyError(f"{self.name} keeps {how} = {P} prompt tokens, fewer than its observation window "
                               f"({self.window}): raise --budget")
 
-    def layer_state(self, cache):
-        return super().layer_state(cache) if cache.scratch else {}  # the query ring lives in the prefill scratch
+    def layer_state(self, spec):
+        return super().layer_state(spec) if spec.mode == "scratch" else {}  # the query ring lives in the prefill scratch
 
     def score(self, view):  # view.attention averages a group; x G = the paper's group sum
         kernel = self.run_kernel or self.kernel or adaptive_kernel(view.S)
@@ -657,11 +656,11 @@ class RocketKV(SnapKVPlusPlus):
         rp = self.rp
         return rp.sparse, rp.p, rp.r, rp.k, rp.Np
 
-    def selector_state(self, cache):
+    def selector_state(self, spec):
         if not self.rp.sparse:
             return {}
-        B, H, _, D = cache.k.shape
-        return {"pages": ((B, H, 2 * D, -(-cache.budget // self.rp.p)), cache.dtype, 0.0)}
+        shape = (spec.batch, spec.kv_heads, 2 * spec.head_dim, -(-spec.budget // self.rp.p))
+        return {"pages": (shape, spec.dtype, 0.0)}
 
     def prepare(self, view):
         if self.rp.sparse:
@@ -982,7 +981,7 @@ class KVec(SnapKVPlusPlus):
         P = cross_head(P, P2, cand, self.delta, lambda x: all_heads(x, view), view.head0)
         n_cov = view.shared.get("n_cov")
         if view.layer == 0 or n_cov is None:  # a new prompt: no layer has kept anything yet
-            n_pos = view.S + view.cache.slot_base  # past every position in the scratch (chat.py's re-compression)
+            n_pos = view.positions  # past every position in the scratch (chat.py's re-compression: a later turn)
             n_cov = view.shared["n_cov"] = torch.zeros(pos.shape[0], n_pos, dtype=torch.int32, device=pos.device)
             view.shared["prompt"] = pos[:, 0] >= 0  # the scratch's slot s holds position s (or padding)
         n = n_cov.gather(1, pos.clamp_min(0).long().flatten(1)).view_as(pos)

@@ -247,7 +247,7 @@ def apply_tp(model, mesh: Mesh):
 def localize(model, mesh: Mesh):
     """After its Linears are sharded: the per-rank head counts on each Attention, the all-reduce group on each
     Attention / FeedForward, a per-rank copy of ModelArgs (n_heads, n_kv_heads, intermediate_size divided by the
-    world size; dim, head_dim unchanged), so that cache.make_cache allocates only this rank's KV heads, and
+    world size; dim, head_dim unchanged), so that cache.setup_caches allocates only this rank's KV heads, and
     `kv_head0`, the model's index of its first KV head (RandomScores hashes the model's heads)."""
     world, args = mesh.world, model.args
     hq, hkv = args.n_heads // world, args.n_kv_heads // world

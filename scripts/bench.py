@@ -156,7 +156,7 @@ def rewind(model, n0: list[int]) -> None:
         c = layer.attention.kv_cache
         c.pos[:, :, n:] = -1
         if hasattr(c.selector, "prepare"):
-            c.selector.prepare(c.view(c.budget))
+            c.selector.prepare(c.view(c.spec.budget))
 
 
 def figure_one(model, label: str, T: int, args) -> dict:

@@ -64,7 +64,7 @@ def test_each_sequence_generates_its_batch_one_tokens(hf_tiny, spec, prefill, bu
     assert stats["batch_size"] == 3 and stats["generated_tokens"] == [NEW] * 3
     assert stats["decode_tokens"] == 3 * (NEW - 1)
     c = model.layers[0].attention.kv_cache
-    assert c.k.shape[0] == 3 and c.k.shape[2] == c.budget + BLOCK  # one static buffer [batch, kv_heads, C, D]
+    assert c.k.shape[0] == 3 and c.k.shape[2] == c.spec.budget + BLOCK  # one static buffer [batch, kv_heads, C, D]
 
 
 VARIANTS = [("keydiff", dict(kv_dtype=torch.int8), 16), ("h2o", dict(evict_before_attend=True), 16),

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from cache import KVCache, attention_mask, attention_weights, evict_fill_holes
+from cache import CacheSpec, KVCache, attention_mask, attention_weights, evict_fill_holes
 from policies import Scorer
 
 
@@ -27,7 +27,7 @@ def run_stream(budget, block, prompt_len, n_decode, H=3, D=4, seed=0):
     n_protected = min(3, budget - 1)  # never more protected tokens than the budget (ties among +inf)
     table[:, torch.arange(0, total, 11)[:n_protected]] = float("inf")
     policy = TableScores(table)
-    cache = KVCache(1, H, D, budget, block, torch.float32, "cpu", policy)
+    cache = KVCache(CacheSpec(1, H, D, budget, block, policy=policy))
     ref = [[] for _ in range(H)]  # per head: kept positions, the dynamic reference
 
     def step(positions):
@@ -116,7 +116,7 @@ def test_attention_weights_equal_the_masked_softmax_bitwise(window):
     a row that sees no slot, or whose position is -1, is all zero (batch rows with their own positions)."""
     g = torch.Generator().manual_seed(0)
     B, H, G, R, D, C = 2, 2, 3, 5, 16, 12
-    cache = KVCache(B, H, D, C - 2, 2, torch.float32, "cpu", None, window, H * G)
+    cache = KVCache(CacheSpec(B, H, D, C - 2, 2, window=window, n_heads=H * G))
     cache.k.copy_(torch.randn(cache.k.shape, generator=g))
     cache.pos.copy_(torch.randint(-1, 20, cache.pos.shape, generator=g, dtype=torch.int32))
     q = 3 * torch.randn(B, H * G, R, D, generator=g)
@@ -124,24 +124,26 @@ def test_attention_weights_equal_the_masked_softmax_bitwise(window):
     mask = attention_mask(cache.pos[:, :, :C], q_pos, window) & (q_pos >= 0)[:, None, :, None]
     logits = torch.einsum("bhgrd,bhsd->bhgrs", q.view(B, H, G, R, D), cache.k) / D ** 0.5
     ref = logits.masked_fill(~mask[:, :, None], torch.finfo(torch.float32).min).softmax(-1) * mask[:, :, None]
-    per_head = attention_weights(cache, q, q_pos, C, group_mean=False)
-    assert torch.equal(per_head, ref) and torch.equal(attention_weights(cache, q, q_pos, C), ref.mean(2))
+    keys, pos = cache.keys(C), cache.pos[:, :, :C]
+    per_head = attention_weights(q, q_pos, keys, pos, window, group_mean=False)
+    assert torch.equal(per_head, ref) and torch.equal(attention_weights(q, q_pos, keys, pos, window), ref.mean(2))
     assert (per_head[0, :, :, 0] == 0).all() and (per_head[1, :, :, 1] == 0).all()
 
 
-@pytest.mark.parametrize("slot_base", [0, 3])
-def test_eager_prefill_block_attends_only_the_filled_prefix(slot_base):
-    """Without eviction (slot == position - slot_base) an eager block of T > 1 reads slots up to its newest
-    position only: the same attention as over the whole buffer, whose other slots are empty."""
+@pytest.mark.parametrize("mode,first", [("dense", 0), ("scratch", 3)])
+def test_eager_prefill_block_attends_only_the_filled_prefix(mode, first):
+    """Blocks the caller runs eagerly (fill_eagerly) on a cache without eviction (dense: slot == position; a
+    scratch: appended from slot 0, here positions from `first`, as a chat turn after its history) read only the
+    slots filled so far: the same attention as over the whole buffer, whose other slots are empty."""
     torch.manual_seed(0)
     H, D, budget, T = 2, 8, 40, 4
-    cache = KVCache(1, H, D, budget, T, torch.float32, "cpu")
-    cache.slot_base = slot_base
-    for start in (slot_base, slot_base + T, slot_base + 2 * T):
+    cache = KVCache(CacheSpec(1, H, D, budget, T, mode))
+    cache.fill_eagerly(0, budget)
+    for start in (first, first + T, first + 2 * T):
         pos = torch.arange(start, start + T)
         q, k, v = (torch.randn(1, H, T, D) for _ in range(3))
         keys, values, mask = cache.update(q, k, v, pos, pos)
-        assert keys.shape[2] == start + T - slot_base  # the filled prefix, not budget + T
+        assert keys.shape[2] == start + T - first  # the filled prefix, not budget + T
         assert mask.shape[1] == 1  # every head holds the same positions: one mask for all
         whole = attention_mask(cache.pos, pos, None)
         ref = torch.nn.functional.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=whole)
@@ -149,7 +151,11 @@ def test_eager_prefill_block_attends_only_the_filled_prefix(slot_base):
         torch.testing.assert_close(out, ref)
     decode_keys, _, _ = cache.update(q[:, :, :1], k[:, :, :1], v[:, :, :1], pos[-1:] + 1, pos[-1:] + 1)
     assert decode_keys.shape[2] == budget + 1  # decode keeps the static budget + 1 (what a compiled step reads)
-    cache.pos[:, 1, slot_base] = -1  # heads that hold different positions: a mask per head
+    cache.fill_eagerly(3 * T + 1, budget, one_mask=False)  # heads that hold different positions: a mask per head
     start = int(pos[-1]) + 2
     _, _, mask = cache.update(q, k, v, torch.arange(start, start + T), torch.arange(start, start + T))
     assert mask.shape[1] == H
+    cache.eager = None  # a compiled step's reads: the static budget + T
+    start += T
+    keys, _, mask = cache.update(q, k, v, torch.arange(start, start + T), torch.arange(start, start + T))
+    assert keys.shape[2] == budget + T and mask.shape[1] == H

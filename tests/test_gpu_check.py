@@ -48,7 +48,7 @@ def test_graph_check_on_cpu_compiles_once_and_matches_eager(hf_tiny):
         row = gc.graph_row(r)
         assert row["ok"], row
         assert r["graphs"] == 1 and r["compiled"] == r["eager"] and len(r["eager"]) == 12
-        assert model.layers[0].attention.kv_cache.budget == 60  # graph_budget: 48 + 12 new, it evicts (150 prompt)
+        assert model.layers[0].attention.kv_cache.spec.budget == 60  # graph_budget: 48 + 12 new, it evicts (150 prompt)
 
 
 def test_speculate_check_on_cpu_compiles_two_graphs_and_matches_plain(hf_tiny):

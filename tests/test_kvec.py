@@ -11,7 +11,7 @@ import torch
 import policies
 import torch.nn.functional as F
 
-from cache import KVCache, attention_weights
+from cache import CacheSpec, KVCache
 from engine import block_inputs, generate, model_step, prefill_one_shot, prefill_step, setup
 from model import ModelArgs, Transformer
 from policies import (KVec, PolicyError, Run, SnapKVPlusPlus, biased_scores, cross_head, focus, head_spread, kept_any,
@@ -38,7 +38,7 @@ def select(P, I, n, layer, W, B, lam, beta, kernel=1, pin=INF):
     K = min(int(beta * B), B - W)
     f = focus(torch.tensor(I).view(1, 1, T), torch.tensor(n).view(1, 1, T), layer)
     scores = biased_scores(Pp, f, cand, pos, lam, K, pin)
-    c = KVCache(1, 1, 1, B, T - B, torch.float32, "cpu")
+    c = KVCache(CacheSpec(1, 1, 1, B, T - B))
     c.pos.copy_(pos)
     c.drop_to(B, scores)
     return sorted(c.pos[0, 0, :B].tolist()), scores[0, 0, :T - W].tolist()
@@ -47,12 +47,12 @@ def select(P, I, n, layer, W, B, lam, beta, kernel=1, pin=INF):
 def test_window_score_and_causal_mask():
     """q = k = 0: each query attends uniformly to its causal prefix; O = 2 -> P = [7/24, 7/24, 7/24, 1/8]."""
     pol = KVec(obs_window=2, long_window=2)
-    c = KVCache(1, 1, 1, 4, 4, torch.float32, "cpu", pol, n_heads=1, scratch=True)
+    c = KVCache(CacheSpec(1, 1, 1, 4, 4, policy=pol, n_heads=1, mode="scratch"))
     pos = torch.arange(4)
     c.update(torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1), pos, pos)
     c.evict(torch.zeros(1, 1, 4, 1), pos, pos)  # observe: the query ring keeps the last max(O, O') = 2 queries
     ring_pos = c.layer_state["ring_pos"]
-    A = attention_weights(c, c.layer_state["ring_q"], ring_pos, 4, group_mean=False)
+    A = c.view(4).attention(c.layer_state["ring_q"], ring_pos, group_mean=False)
     P, P2, I = window_means(A, ring_pos, 2, 2)
     assert torch.allclose(P[0, 0], torch.tensor([7 / 24, 7 / 24, 7 / 24, 1 / 8]))
     assert torch.allclose(P2, P) and torch.allclose(I[0], P[0, 0])  # one head: max over heads = the head
@@ -169,7 +169,7 @@ def random_scratch(pol, T, Hkv=2, G=2, D=8, block=None, seed=0):
     block = block or T
     n_blocks = -(-T // block)
     S = n_blocks * block
-    scratch = KVCache(1, Hkv, D, S, block, torch.float32, "cpu", pol, n_heads=Hkv * G, scratch=True)
+    scratch = KVCache(CacheSpec(1, Hkv, D, S, block, policy=pol, n_heads=Hkv * G, mode="scratch"))
     q, k, v = (torch.randn(1, H, S, D, generator=g) for H in (Hkv * G, Hkv, Hkv))
     for b in range(n_blocks):
         _, pos = block_inputs(torch.zeros(T, dtype=torch.long), b * block, block)
@@ -187,7 +187,7 @@ def compress_random(T, B, p, Hkv=2, G=2, D=8, block=None, seed=0):
     run = Run(B + 1, T, 1, block or T)
     pol.plan(run)
     scratch, q, k, v = random_scratch(pol, T, Hkv, G, D, block, seed)
-    dst = KVCache(1, Hkv, D, B + 1, block or T, torch.float32, "cpu", pol, n_heads=Hkv * G, keep=pol.prompt_keep(run))
+    dst = KVCache(CacheSpec(1, Hkv, D, B + 1, block or T, policy=pol, n_heads=Hkv * G, keep=pol.prompt_keep(run)))
     shared = {}
     scratch.compress_into(dst, shared)
     return shared, dst, q, k, v
@@ -263,7 +263,7 @@ def test_lambda_zero_without_cross_head_is_snapkv(beta, O2):
         snap.plan(run)
         assert snap.prompt_keep(run) == 16
         scratch, *_ = random_scratch(snap, 64, Hkv=2, G=4, block=16, seed=seed)  # the same tokens and queries
-        snap_dst = KVCache(1, 2, 8, 17, 16, torch.float32, "cpu", snap, n_heads=8, keep=16)
+        snap_dst = KVCache(CacheSpec(1, 2, 8, 17, 16, policy=snap, n_heads=8, keep=16))
         scratch.compress_into(snap_dst)
         assert kept_sets(dst) == kept_sets(snap_dst)
 

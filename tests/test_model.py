@@ -3,7 +3,7 @@ import pytest
 import torch
 from conftest import FAMILIES
 
-from cache import setup_caches
+from cache import eager_blocks, setup_caches
 from engine import block_inputs, load_model, model_step
 from convert import ENGINE_FILE, convert_hf_dir
 
@@ -12,10 +12,12 @@ PROMPT_LEN, NEW, BLOCK = 300, 12, 64
 
 @torch.inference_mode()
 def engine_logits(model, ids, new_tokens, block_size):
-    """Block-wise prefill then greedy decode; returns (all generated ids, logits [new_tokens, V])."""
+    """Block-wise prefill (eager: a cache without eviction attends the slots filled so far, cache.eager_blocks) then
+    greedy decode; returns (all generated ids, logits [new_tokens, V])."""
     prompt = torch.tensor(ids)
-    for start in range(0, len(ids), block_size):
-        logits = model_step(model, *block_inputs(prompt, start, block_size))
+    with eager_blocks(model, 0, len(ids)):
+        for start in range(0, len(ids), block_size):
+            logits = model_step(model, *block_inputs(prompt, start, block_size))
     out, all_logits = [], []
     for i in range(new_tokens):
         all_logits.append(logits[0])
@@ -41,7 +43,7 @@ def test_logits_match_hf(family, hf_tiny):
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_prefill_with_one_mask_for_all_heads_equals_a_mask_per_head(family, hf_tiny, monkeypatch):
-    """An eager prefill block of a cache without eviction gets one mask for every head (cache.update) and attends
+    """An eager prefill block of a cache without eviction (cache.eager_blocks) gets one mask for every head and attends
     with SDPA's own grouped heads (model.Attention); forcing a mask per KV head (the folded rows every other step
     takes) gives the same logits."""
     import cache as cache_py

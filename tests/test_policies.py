@@ -7,7 +7,7 @@ import torch
 
 import cache as cache_module
 import policies
-from cache import KVCache
+from cache import CacheSpec, KVCache
 
 
 def stream(policy, keys, budget, block, queries=None, n_heads=1):
@@ -15,7 +15,7 @@ def stream(policy, keys, budget, block, queries=None, n_heads=1):
     keys = torch.as_tensor(keys, dtype=torch.float32)
     n, D = keys.shape
     queries = torch.zeros(n, n_heads, D) if queries is None else torch.as_tensor(queries, dtype=torch.float32)
-    cache = KVCache(1, 1, D, budget, block, torch.float32, "cpu", policy, n_heads=n_heads)
+    cache = KVCache(CacheSpec(1, 1, D, budget, block, policy=policy, n_heads=n_heads))
     kept = []
     for start in range(0, n, block):
         T = min(block, n - start)
@@ -43,7 +43,7 @@ def test_A1(anchor, expect):
 
 def test_keydiff_scores_are_the_cosines():
     keys = torch.tensor([(1, 0), (1, 0.2), (0, 1), (1, -0.5), (-1, 0.3)], dtype=torch.float32)
-    cache = KVCache(1, 1, 2, 5, 5, torch.float32, "cpu", keydiff())
+    cache = KVCache(CacheSpec(1, 1, 2, 5, 5, policy=keydiff()))
     cache.update(torch.zeros(1, 1, 5, 2), keys.view(1, 1, 5, 2), keys.view(1, 1, 5, 2), torch.arange(5),
                  torch.arange(5))
     s = keydiff().score(cache.view(10, query_pos=torch.arange(5)))[0, 0, 5:]
@@ -106,7 +106,7 @@ def test_sink_keeps_the_first_and_the_newest_tokens(block):
 def test_h2o_accumulates_from_the_first_block_and_favours_old_tokens():
     policy = policies.H2O(window_frac=0.0)  # heavy hitters only: the hand-checked rule
     keys = torch.randn(10, 4, generator=torch.Generator().manual_seed(1))
-    cache = KVCache(1, 1, 4, 4, 2, torch.float32, "cpu", policy)
+    cache = KVCache(CacheSpec(1, 1, 4, 4, 2, policy=policy))
     for start in range(0, 10, 2):
         pos = torch.arange(start, start + 2)
         k = keys[start:start + 2].view(1, 1, 2, 4)
@@ -137,7 +137,7 @@ def test_snapkv_pools_window_votes(monkeypatch):
     weights = torch.tensor([row6, row7]).view(1, 1, 2, 8)
     monkeypatch.setattr(cache_module.View, "attention", lambda view, q, q_pos, group_mean=True: weights)
     policy = policies.SnapKV(window=2, kernel=3)
-    cache = KVCache(1, 1, 2, 4, 4, torch.float32, "cpu", policy)
+    cache = KVCache(CacheSpec(1, 1, 2, 4, 4, policy=policy))
     pos = torch.arange(8)
     k = torch.randn(1, 1, 8, 2)
     cache.pos[0, 0, :8] = pos  # candidates 0..7 in slots 0..7

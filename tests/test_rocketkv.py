@@ -14,7 +14,7 @@ from conftest import generate_compiled, make_policy, one_shot_equals_reference
 import torch.nn.functional as F
 
 import policies
-from cache import KVCache, attention_weights
+from cache import CacheSpec, KVCache
 from engine import generate, load_model, model_step, prefill_step, setup
 from errors import UserError
 from policies import (ExactTopK, RocketKV, SnapKVPlusPlus, adaptive_kernel, build_pages, hybrid_scores, pool_votes,
@@ -67,7 +67,7 @@ def scratch_with(T, w, G=2, D=8, kernel=3, seed=0):
     """A one-shot scratch (Hkv=1, G query heads) holding T random tokens, its query ring filled by observe."""
     g = torch.Generator().manual_seed(seed)
     pol = SnapKVPlusPlus(window=w, kernel=kernel)
-    c = KVCache(1, 1, D, T, T, torch.float32, "cpu", pol, n_heads=G, scratch=True)
+    c = KVCache(CacheSpec(1, 1, D, T, T, policy=pol, n_heads=G, mode="scratch"))
     q, k, v = torch.randn(1, G, T, D, generator=g), torch.randn(1, 1, T, D, generator=g), torch.randn(1, 1, T, D)
     pos = torch.arange(T)
     c.update(q, k, v, pos, pos)
@@ -80,7 +80,7 @@ def test_window_votes_are_causal_and_summed_over_the_group():
     c, pol, q, k = scratch_with(T, w, G, D)
     ring_pos = c.layer_state["ring_pos"][0]  # [batch, w]: one sequence
     assert sorted(ring_pos.tolist()) == list(range(T - w, T))  # the ring holds the last w queries
-    A = attention_weights(c, c.layer_state["ring_q"], ring_pos, T)[:, :, ring_pos.argsort()]  # [1, 1, w, T]
+    A = c.view(T).attention(c.layer_state["ring_q"], ring_pos)[:, :, ring_pos.argsort()]  # [1, 1, w, T]
     for i in range(w):
         assert (A[0, 0, i, T - w + i + 1:] == 0).all()
     assert torch.allclose(A.sum(-1), torch.ones(1, 1, w))
@@ -99,7 +99,7 @@ def test_stage1_keeps_the_prompt_budget_in_position_order():
     T, w, P = 40, 8, 20
     c, pol, _, k = scratch_with(T, w)
     want = top(pol.score(last_view(c, T)), P)
-    dst = KVCache(1, 1, 8, P + 4, 1, torch.float32, "cpu", pol, n_heads=2, keep=P)
+    dst = KVCache(CacheSpec(1, 1, 8, P + 4, 1, policy=pol, n_heads=2, keep=P))
     c.compress_into(dst)
     kept = dst.pos[0, 0, :P].tolist()
     assert kept == want and (dst.pos[0, 0, P:] == -1).all() and kept[-w:] == list(range(T - w, T))
@@ -110,7 +110,7 @@ def test_stage1_keeps_the_prompt_budget_in_position_order():
 def test_prompt_within_budget_is_copied_unchanged():
     T, w = 12, 4
     c, pol, _, k = scratch_with(T, w)
-    dst = KVCache(1, 1, 8, 20, 1, torch.float32, "cpu", pol, n_heads=2, keep=16)
+    dst = KVCache(CacheSpec(1, 1, 8, 20, 1, policy=pol, n_heads=2, keep=16))
     c.compress_into(dst)
     assert dst.pos[0, 0, :T].tolist() == list(range(T)) and torch.equal(dst.k[0, 0, :T], k[0, 0])
     assert rocket_params(S=1000, t=1000, D=64, N=10).sparse is False  # t >= S: c = 1, dense
@@ -199,11 +199,11 @@ def rocket_cache(rp, G=2, D=8, n=30, seed=0):
     g = torch.Generator().manual_seed(seed)
     pol = RocketKV(window=4)
     pol.rp = rp
-    c = KVCache(1, 2, D, rp.C, 1, torch.float32, "cpu", pol, n_heads=2 * G, keep=rp.P)
+    c = KVCache(CacheSpec(1, 2, D, rp.C, 1, policy=pol, n_heads=2 * G, keep=rp.P))
     c.k[:, :, :n] = torch.randn(1, 2, n, D, generator=g)
     c.v[:, :, :n] = torch.randn(1, 2, n, D, generator=g)
     c.pos[:, :, :n] = torch.arange(n, dtype=torch.int32)
-    pol.prepare(c.view(c.budget))  # slots already in position order, as after stage 1
+    pol.prepare(c.view(c.spec.budget))  # slots already in position order, as after stage 1
     return c, pol, g
 
 
@@ -314,7 +314,7 @@ def test_paper_peak_memory_model():
 def test_exact_topk_is_dense_at_large_k_and_each_query_heads_argmax_at_k_1():
     g = torch.Generator().manual_seed(1)
     pol = ExactTopK()
-    c = KVCache(1, 2, 8, 20, 1, torch.float32, "cpu", pol, n_heads=4)
+    c = KVCache(CacheSpec(1, 2, 8, 20, 1, policy=pol, n_heads=4))
     c.k[:, :, :12], c.v[:, :, :12] = torch.randn(2, 1, 2, 12, 8, generator=g)
     c.pos[:, :, :12] = torch.arange(12, dtype=torch.int32)
     q = torch.randn(1, 4, 1, 8, generator=g)
@@ -324,7 +324,7 @@ def test_exact_topk_is_dense_at_large_k_and_each_query_heads_argmax_at_k_1():
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     assert torch.allclose(out, dense(c, q).view(1, 4, 1, 8), atol=1e-6)
     pol.k = 1  # one token per query head: the value of its argmax logit
-    keys, values, mask = pol_step = c.gather(pol.select(c.view(c.budget, q=q, input_pos=pos, query_pos=pos)), pos)
+    keys, values, mask = pol_step = c.gather(pol.select(c.view(c.spec.budget, q=q, input_pos=pos, query_pos=pos)), pos)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     best = (q.view(1, 2, 2, 8) @ c.k[:, :, :13].transpose(-1, -2)).argmax(-1)  # [1, 2, G]
     want = torch.stack([c.v[0, h, best[0, h]] for h in range(2)]).view(1, 4, 1, 8)

@@ -17,7 +17,7 @@ import torch
 from conftest import make_policy, one_shot_equals_reference
 import torch.nn.functional as F
 
-from cache import KVCache
+from cache import CacheSpec, KVCache
 from engine import load_model, model_step, prefill_one_shot, prefill_step, setup
 from model import ModelArgs, Transformer
 from policies import PolicyError, Run, SageKV, SageLayout, sage_sizes
@@ -80,13 +80,13 @@ def bare(keys, values, q_last, S, k, W, max_new=8):
     Hq = q_last.shape[0]
     pol = SageKV(sink=S, topk=k)  # the paper's B = S + G k + W counts the current token: --budget B - 1
     C = pol.plan(Run(S + Hq // H * k + W - 1, N, max_new, args=SimpleNamespace(n_heads=Hq, n_kv_heads=H)))
-    scratch = KVCache(1, H, D, N, N, torch.float32, "cpu", pol, n_heads=Hq, scratch=True)
+    scratch = KVCache(CacheSpec(1, H, D, N, N, policy=pol, n_heads=Hq, mode="scratch"))
     q = torch.zeros(1, Hq, N, D)
     q[0, :, -1] = q_last
     pos = torch.arange(N)
     scratch.update(q, keys[None], values[None], pos, pos)
     scratch.evict(q, pos, pos)
-    cache = KVCache(1, H, D, C, 1, torch.float32, "cpu", pol, n_heads=Hq)
+    cache = KVCache(CacheSpec(1, H, D, C, 1, policy=pol, n_heads=Hq))
     scratch.compress_into(cache)
     return cache, pol
 
@@ -133,7 +133,7 @@ def test_partition_and_selection_layout():
     ring keeps the W - 1 = 3 newest prompt positions (the spec's 4th, 16, is overwritten by position 20 before any
     query sees it)."""
     cache, pol = t2_cache()
-    assert cache.budget == 11
+    assert cache.spec.budget == 11
     assert cache.pos[0, 0].tolist() == [0, 1, 13, 14, 15, 2, 3, 4, 17, 18, 19, -1]
     assert torch.equal(cache.k[0, 0, :11, 0], cache.pos[0, 0, :11].float())  # keys moved with their positions
     assert torch.equal(cache.v[0, 0, :11, 3], cache.pos[0, 0, :11].float())
@@ -162,11 +162,11 @@ def test_slot_ownership_with_seven_query_heads_per_group():
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(1, 50, 8, generator=g), torch.randn(1, 50, 8, generator=g)
     cache, pol = bare(keys, values, torch.randn(G, 8, generator=g), S, k, W)
-    idx = pol.select(cache.view(cache.budget, q=torch.zeros(1, G, 1, 8), query_pos=torch.tensor([50]),
-                                slot=torch.tensor([cache.budget])))
-    ring = list(range(S + G * k, cache.budget))
+    idx = pol.select(cache.view(cache.spec.budget, q=torch.zeros(1, G, 1, 8), query_pos=torch.tensor([50]),
+                                slot=torch.tensor([cache.spec.budget])))
+    ring = list(range(S + G * k, cache.spec.budget))
     for h in range(G):
-        assert idx[0, h].tolist() == list(range(S + h * k, S + (h + 1) * k)) + [0, 1, 2] + ring + [cache.budget]
+        assert idx[0, h].tolist() == list(range(S + h * k, S + (h + 1) * k)) + [0, 1, 2] + ring + [cache.spec.budget]
 
 
 @pytest.mark.parametrize("N,S,W,G,k,H", [(50, 4, 8, 2, 5, 2), (50, 3, 6, 7, 4, 1), (40, 3, 5, 3, 6, 2)])
@@ -318,7 +318,7 @@ CASES = [  # params, budget, prompt length, decode steps
 @pytest.mark.parametrize("params,B,N,T", CASES, ids=lambda c: str(c))
 def test_engine_equals_reference_tiny_llama(tiny, params, B, N, T):
     pol, _ = compare_with_reference(tiny, params, B, N, T, seed=B + N)
-    assert tiny.layers[0].attention.kv_cache.budget == pol.layout.budget
+    assert tiny.layers[0].attention.kv_cache.spec.budget == pol.layout.budget
 
 
 def test_engine_equals_reference_g3(tiny_g3):

@@ -8,7 +8,7 @@ no padding, no tail), so only the scoring function is shared with the engine.
 """
 import torch
 
-from cache import KVCache
+from cache import CacheSpec, KVCache
 
 
 class EngineScorer:
@@ -26,8 +26,9 @@ class EngineScorer:
 
     def observe(self, layer, q, pos, A, K, P):
         Hkv, n, D = K.shape
-        c = KVCache(1, Hkv, D, n, 0, torch.float32, "cpu", self.policy, layer.sliding_window, layer.n_heads,
-                    scratch=self.one_shot, keep_budget=self.budget, layer=self.layer)
+        c = KVCache(CacheSpec(1, Hkv, D, n, 0, "scratch" if self.one_shot else None, self.policy,
+                              window=layer.sliding_window, n_heads=layer.n_heads, keep_budget=self.budget,
+                              layer=self.layer))
         c.k[0], c.v[0], c.pos[0] = K, layer.cand_V, P.to(torch.int32)
         b = pos.numel()
         for name, t in c.state.items():  # the kept tokens' state, then zeros for the block's new tokens
