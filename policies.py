@@ -37,6 +37,9 @@ class PolicyError(UserError):
     """An unknown policy or parameters that cannot work; the message is one line for the user."""
 
 
+INT_LIMIT = 2 ** 31  # an integer parameter counts positions, slots or heads (a seed too): far below this
+
+
 def param(default, help: str, choices: tuple | None = None):
     """A policy parameter: its default, one line of help, and the values it may take (None: any of its type)."""
     return field(default=default, metadata={"help": help, "choices": choices})
@@ -72,6 +75,8 @@ class Policy:
                                   f"got {value!r}")
             if isinstance(value, float) and math.isnan(value):
                 raise PolicyError(f"{self.name}: {f.name} must be a number, got nan")
+            if isinstance(value, int) and not -INT_LIMIT < value < INT_LIMIT:  # sizes past torch's int64 arithmetic
+                raise PolicyError(f"{self.name}: {f.name} must be between -2**31 and 2**31, got {value}")
         self.validate()
 
     def validate(self) -> None:
@@ -330,11 +335,13 @@ def pool_votes(votes: Tensor, pos: Tensor, newest: Tensor, window: int, kernel: 
     """SnapKV's pooling of votes [B, H, S] along positions (stride 1, same length): `avg` (zero padding counted)
     or `max`. The window (the `window` newest positions) is excluded from the votes (zero, i.e. padding at its
     edge) and protected (+inf). Empty slots (position -1, zero votes) sort first and act as padding too; for max
-    pooling of votes >= 0, zero padding equals -inf padding."""
+    pooling of votes >= 0, zero padding equals -inf padding. A kernel wider than 2 S + 1 pools as 2 S + 1 does
+    (every window already covers all S slots), so that a huge one costs no more."""
     win = pos > newest - window
     votes = votes.masked_fill(win, 0.0)
     order = pos.argsort(dim=-1)
     B, H, S = votes.shape
+    kernel = min(kernel, 2 * S + 1)
     v = votes.gather(-1, order).view(B * H, 1, S)
     if pool == "avg":
         pooled = F.avg_pool1d(v, kernel, 1, kernel // 2, count_include_pad=True)

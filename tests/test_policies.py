@@ -177,8 +177,29 @@ def test_snapkv_ring_keeps_the_latest_queries():
     ("keydiff:window_frac=1.0", 64, "window_frac"),
     ("h2o:window_frac=-0.1", 64, "window_frac"),
     ("keydiff:anchor=median", 64, "anchor"),
+    ("snapkv:kernel=9223372036854775807", 64, "kernel must be between -2\\*\\*31 and 2\\*\\*31"),
+    ("rocketkv:kernel=2147483649", 64, "kernel must be between"),
+    ("random:seed=-9223372036854775808", 64, "seed must be between"),
+    ("sink:n_sink=18446744073709551616", 64, "n_sink must be between"),
 ])
 def test_bad_parameters(spec, budget, message):
     """Parameters are checked when the policy is made, and against a run's budget in plan."""
     with pytest.raises(policies.PolicyError, match=message):
         policies.make(spec).plan(policies.Run(budget, 100, 10))
+
+
+@pytest.mark.parametrize("pool", ["max", "avg"])
+def test_a_kernel_wider_than_the_slots_pools_over_all_of_them(pool):
+    """A kernel of 2**31 - 1 (odd, in range) costs no more than one of 2 S + 1: every window covers all S slots, so
+    max pooling gives each slot outside the window the largest vote (a hand-computed reference), and average
+    pooling the sum of the votes over the kernel's width 2 S + 1."""
+    S, window = 50, 4
+    votes = torch.rand(1, 2, S, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(S).flip(0).repeat(1, 2, 1)  # slot order is not position order
+    newest = torch.tensor([S - 1]).view(1, 1, 1)
+    got = policies.pool_votes(votes, pos, newest, window, 2 ** 31 - 1, pool)
+    inside = pos > S - 1 - window
+    outside = votes.masked_fill(inside, 0.0)
+    want = (outside.amax(-1, keepdim=True) if pool == "max" else outside.sum(-1, keepdim=True) / (2 * S + 1))
+    want = want.expand(1, 2, S).masked_fill(inside, float("inf"))
+    torch.testing.assert_close(got, want)
