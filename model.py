@@ -3,10 +3,10 @@
 Every hyper-parameter comes from the checkpoint's `config.json` (`config.parse_config`), never from a name.
 Weights are in Hugging Face layout (q/k rows not permuted), so RoPE rotates halves (`apply_rope`), as HF does.
 The KV cache and everything a policy does live in `cache.py`; this file only calls `cache.update` before attention
-and `cache.evict` after it. The products and the attention run on kernels.py's forms (`Linear`, `attention`), and
-the engine runs each block as a compile region (engine.block_forward). Two forwards: `forward` (one block through every layer: block-wise prefill and decode)
-and `prefill_layer_major` (the whole prompt through one layer at a time, with a scratch cache per layer: the
-one-shot prefill).
+and `cache.evict` after it. The products and attention run on kernels.py's forms (`Linear`, `attention`); the engine
+runs each block as a compile region (engine.block_forward). Two forwards: `forward` (one block through every layer:
+block-wise prefill and decode) and `prefill_layer_major` (the whole prompt through one layer at a time, with a
+scratch cache per layer: the one-shot prefill).
 """
 import math
 from contextlib import contextmanager
