@@ -198,15 +198,25 @@ def test_compiled_matches_eager_and_never_recompiles(tiny, name):
 
 # ------------------------------------------------------------------------------ a budget that holds everything
 
+@pytest.fixture(scope="module")
+def full_tokens(tiny) -> dict:
+    """`full`'s greedy tokens for the prompt below, per protocol, generated once for every policy's row."""
+    model, T, N = tiny, 70, 12
+    out = {}
+    for protocol in ("block", "one-shot"):
+        setup(model, None, T + N, T, N, 16)
+        out[protocol], _ = generate(model, ids_of(T, seed=9), N, block_size=16, steps=EAGER,
+                                    one_shot=protocol == "one-shot")
+    return out
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("protocol", ["block", "one-shot"])
-def test_budget_holding_everything_reproduces_full(tiny, name, protocol):
+def test_budget_holding_everything_reproduces_full(tiny, full_tokens, name, protocol):
     model, T, N = tiny, 70, 12
     if protocol not in protocols(name):
         pytest.skip(f"{name} runs one-shot only")
-    prompt = ids_of(T, seed=9)
-    setup(model, None, T + N, T, N, 16)
-    ref, _ = generate(model, prompt, N, block_size=16, steps=EAGER, one_shot=protocol == "one-shot")
+    prompt, ref = ids_of(T, seed=9), full_tokens[protocol]
     params = params_of(CLASSES[name], skip_if_fits=True)  # SAGE-KV's literal rule selects even when all fits
     setup(model, make_policy(CLASSES[name], params), T + N, T, N, 16, prefill=protocol)
     out, _ = generate(model, prompt, N, block_size=16, steps=EAGER, one_shot=protocol == "one-shot")
