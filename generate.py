@@ -9,27 +9,28 @@
 prompt is prefilled densely layer by layer and compressed once. The buffer never holds more than budget +
 block-size slots per layer and KV head.
 """
-import argparse
-import json
-import math
-import os
-import re
 import sys
-import time
-from contextlib import nullcontext
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
 from errors import EnvironmentFailure, UserError, check_python  # noqa: E402
 
-check_python()
+check_python()  # first: Ctrl-C from here on is one line
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
+
 import threads  # noqa: E402,F401  (before torch: how its OpenMP threads wait)
 import torch  # noqa: E402
 
 from cache import KV_DTYPES, kv_bytes  # noqa: E402
 from checkpoint import MODELS, resolve_checkpoint, shape_config  # noqa: E402
-from cli import COMPILE_LOG, Parser, check_writable, is_verbose, run_cli, stderr_to_log  # noqa: E402
+from cli import COMPILE_LOG, Parser, check_writable, is_verbose, stderr_to_log  # noqa: E402
 from convert import read_config  # noqa: E402
 from files import jsonl_objects, tmp_path  # noqa: E402
 from cache import is_scorer  # noqa: E402
@@ -199,7 +200,7 @@ def read_prompts(a) -> list[str]:
         raise UserError("give --prompt or --prompt-file, not both")
     if a.prompt is not None and len(a.prompt) > 1:
         texts = [checked_utf8(t) for t in a.prompt]
-    elif a.prompt_file is not None and a.prompt_file.suffix == ".jsonl":
+    elif is_jsonl(a.prompt_file):
         texts = jsonl_prompts(a.prompt_file, read_prompt(a, check_empty=False))
     else:
         return [read_prompt(a)]
@@ -207,6 +208,11 @@ def read_prompts(a) -> list[str]:
         if not text.strip():
             raise UserError(f"prompt {i + 1} of the batch is empty")
     return texts
+
+
+def is_jsonl(path: Path | None) -> bool:
+    """A --prompt-file read as a batch: its name ends in .jsonl, in any case."""
+    return path is not None and path.suffix.lower() == ".jsonl"
 
 
 def jsonl_prompts(path: Path, data: str) -> list[str]:
@@ -319,7 +325,7 @@ def check_speculate_flags(a) -> None:
     if a.draft_budget is not None and a.draft_budget < 1:
         raise UserError("--draft-budget must be >= 1")
     batch = (a.batch_size or 1) > 1 or len(a.prompt or []) > 1 or len(a.prompt_ids or []) > 1 or \
-        (a.prompt_file is not None and a.prompt_file.suffix == ".jsonl")
+        (is_jsonl(a.prompt_file) and len(read_prompts(a)) > 1)  # a one-line .jsonl is one sequence
     for flag, on in (("a batch", batch), ("--interactive", a.interactive), ("--freeze", a.freeze),
                      ("--evict-before-attend", a.evict_before_attend), ("--profile", a.profile is not None)):
         if on:
@@ -845,11 +851,7 @@ def weights_format(config: dict, dtype: str) -> str:
 
 
 def main(argv=None) -> int:
-    tp.quiet_other_ranks()  # under torchrun only rank 0 prints, from the first line on
-    try:
-        return run_cli(run, parse_args(argv))
-    finally:
-        tp.finish()  # tensor parallel: leave the group (nothing on one device)
+    return tp.main(run, lambda: parse_args(argv))  # under torchrun only rank 0 prints, from the first line on
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from errors import UserError
+from errors import EnvironmentFailure, UserError
 
 TIMEOUT_S = float(os.environ.get("BUDGETKV_TP_TIMEOUT", 120))  # no rank waits longer in a collective
 
@@ -46,9 +46,36 @@ class Mesh:
         return self
 
 
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # torchrun sets each for a worker
+LOST = []  # the collective error once a rank was lost or stalled: finish() then waits for no one
+
+
+def torchrun_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) without torchrun. A torchrun worker is
+    recognised by torchrun's own TORCHELASTIC_RUN_ID, beside which every TORCHRUN_VARS must be set, the first three
+    integers in range. RANK, WORLD_SIZE or LOCAL_RANK without it (left in a shell) are refused, UserError: a plain
+    run would wait for ranks that never come."""
+    env = os.environ
+    given = ", ".join(f"{v}={env[v]}" for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if v in env)
+    if "TORCHELASTIC_RUN_ID" not in env:
+        if given:
+            raise UserError(f"{given} in the environment, but this process was not started by torchrun (no "
+                            "TORCHELASTIC_RUN_ID): unset them to run on one device, or start it with torchrun")
+        return 0, 1, 0
+    if missing := [v for v in TORCHRUN_VARS if v not in env]:
+        raise UserError(f"torchrun's environment lacks {', '.join(missing)}")
+    try:
+        rank, world, local_rank = (int(env[v]) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    except ValueError:
+        raise UserError(f"torchrun's RANK, WORLD_SIZE and LOCAL_RANK must be integers, got {given}") from None
+    if not 0 <= local_rank <= rank < world:
+        raise UserError(f"torchrun's environment is out of range: {given} (0 <= LOCAL_RANK <= RANK < WORLD_SIZE)")
+    return rank, world, local_rank
+
+
 def env_world() -> int:
-    """WORLD_SIZE from torchrun's environment (1 when not started by torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """WORLD_SIZE from torchrun's environment (1 when not started by torchrun); UserError for a partial one."""
+    return torchrun_env()[1]
 
 
 def check_world(world: int, requested: int | None, device: str) -> None:
@@ -61,7 +88,10 @@ def check_world(world: int, requested: int | None, device: str) -> None:
                         f"(run torchrun --nproc-per-node {requested} generate.py ...)")
     if device.startswith("cuda") and world > 1:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n < int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+        local_world = os.environ.get("LOCAL_WORLD_SIZE", str(world))
+        if not local_world.isdigit():
+            raise UserError(f"torchrun's LOCAL_WORLD_SIZE must be an integer, got {local_world!r}")
+        if n < int(local_world):
             raise UserError(f"tensor parallel over {world} ranks needs one CUDA device per rank; this machine has {n}")
 
 
@@ -69,8 +99,7 @@ def init(device: str = "cpu", timeout_s: float = TIMEOUT_S) -> Mesh:
     """Join torchrun's process group (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT from the environment): NCCL on
     CUDA (this rank's device is cuda:LOCAL_RANK), gloo on CPU, with a timeout so that no rank waits forever for a
     rank that failed. A world of 1 (no torchrun) initialises nothing."""
-    world = env_world()
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, world, local_rank = torchrun_env()
     if world == 1:
         return Mesh(0, 1, 0, None)
     if not dist.is_initialized():
@@ -89,10 +118,61 @@ def finish() -> None:
         import gc
         gc.collect()
         try:
-            dist.barrier()
-        except Exception:  # a rank already lost: nothing to wait for (its failure is what the user reads)
+            if not LOST:  # a rank already lost: nothing to wait for (its failure is what the user reads)
+                dist.barrier()
+        except Exception:
             pass
         dist.destroy_process_group()
+
+
+def naming_lost_ranks(run):
+    """run(a), where a collective that fails (gloo: a rank lost, or stalled past the group's timeout) is one line
+    naming that rank where it can be told (of two ranks, the other one), EnvironmentFailure."""
+    def call(a):
+        try:
+            return run(a)
+        except RuntimeError as e:  # gloo's errors (DistBackendError among them) are RuntimeErrors
+            if not dist.is_initialized() or "gloo" not in str(e).lower():
+                raise
+            LOST.append(e)
+            rank, world = dist.get_rank(), dist.get_world_size()
+            who = f"rank {1 - rank}" if world == 2 else "another rank"
+            raise EnvironmentFailure(
+                f"tensor parallel: {who} of {world} stopped answering rank {rank} (it failed or stalled past the "
+                f"{TIMEOUT_S:.0f} s timeout, BUDGETKV_TP_TIMEOUT; a rank's own error is in "
+                f"{Path(tempfile.gettempdir()) / 'budgetkv-rank<R>.log'}): {' '.join(str(e).split())[:200]}") from None
+    return call
+
+
+def exit_code(code: int) -> int:
+    """The exit code of a torchrun worker: bad input (2) exits 0 on every rank (rank 0 printed the line, and every
+    rank refused the same flags): a non-zero exit would add torchrun's own report, a ChildFailedError of some 40
+    lines, after the one line (or restart the workers where --max-restarts allows). A malformed torchrun
+    environment keeps its 2."""
+    if code != 2 or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return code
+    try:
+        torchrun_env()
+    except UserError:
+        return code
+    return 0
+
+
+def main(run, parse_args) -> int:
+    """A command line that may run under torchrun: only rank 0 prints, a lost rank is one line naming it, bad input
+    is one line and a clean exit on every rank (exit_code), and the group is left at the end."""
+    from cli import run_cli
+    quiet_other_ranks()
+    try:
+        try:
+            a = parse_args()
+        except SystemExit as e:  # argparse's one line (cli.Parser), or --help
+            if not isinstance(e.code, int):
+                raise
+            return exit_code(e.code)
+        return exit_code(run_cli(naming_lost_ranks(run), a))
+    finally:
+        finish()
 
 
 def start(requested: int | None, device: str, policy) -> Mesh:
@@ -114,8 +194,11 @@ def quiet_other_ranks() -> Path | None:
     """Only rank 0 prints (under torchrun; call it first thing, so that a bad flag is one line too): the other
     ranks' stdout goes to /dev/null and their stderr to a log file (returned), which a failure on that rank alone
     can be read from."""
-    rank = int(os.environ.get("RANK", "0"))
-    if env_world() == 1 or rank == 0:
+    try:
+        rank, world, _ = torchrun_env()
+    except UserError:  # said in one line by the command's own check (start), on this process's own stderr
+        return None
+    if world == 1 or rank == 0:
         return None
     log = Path(tempfile.gettempdir()) / f"budgetkv-rank{rank}.log"
     sys.stdout.flush()

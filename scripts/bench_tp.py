@@ -29,7 +29,7 @@ import engine  # noqa: E402
 import policies  # noqa: E402
 import tp  # noqa: E402
 from checkpoint import shape_config  # noqa: E402
-from cli import Parser, run_cli  # noqa: E402
+from cli import Parser  # noqa: E402
 
 
 def parser() -> Parser:
@@ -103,11 +103,7 @@ def run(a) -> int:
 
 
 def main(argv=None) -> int:
-    tp.quiet_other_ranks()  # under torchrun only rank 0 prints, from the first line on
-    try:
-        return run_cli(run, parser().parse_args(argv))
-    finally:
-        tp.finish()
+    return tp.main(run, lambda: parser().parse_args(argv))  # under torchrun only rank 0 prints
 
 
 if __name__ == "__main__":
