@@ -16,7 +16,7 @@ from pathlib import Path
 from convert import (ENGINE_FILE, CheckpointError, checkpoint_files, convert_gguf, convert_hf_dir, hf_sources,
                      hf_weights, read_config, read_gguf, read_identity, stale)
 from errors import EnvironmentFailure, UserError
-from files import remove_stale_tmp
+from files import remove_stale_tmp, unreachable
 
 REPO = Path(__file__).resolve().parent
 
@@ -59,14 +59,16 @@ def resolve_checkpoint(name: str, flag: str = "--checkpoint") -> Path:
     path = Path(name)
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise UserError(f"GGUF file not found: {path}")
+            why = unreachable(path)
+            raise UserError(f"GGUF file {path}: {why}" if why and why.startswith("a symlink loop") else
+                            f"GGUF file not found: {path}")
         return fresh_gguf(path, CHECKPOINTS / path.stem)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"{path} has no config.json: not a model directory")
         return fresh_dir(path)
     if name not in MODELS and (os.sep in name or name.startswith((".", "~")) or path.exists()):
-        what = "no such file or directory" if not path.exists() else "not a model directory or a .gguf file"
+        what = unreachable(path) or "not a model directory or a .gguf file"
         raise UserError(f"{flag} {name}: {what}")
     if name not in MODELS:
         raise UserError(f"unknown checkpoint {name!r}: not a directory, a .gguf file or a known name "

@@ -18,8 +18,18 @@ class EnvironmentFailure(Exception):
 
 def check_python() -> None:
     """One line and exit 1 when this Python lacks the requirements (the system Python instead of the project's
-    venv), instead of a ModuleNotFoundError traceback from the first import."""
+    venv), instead of a ModuleNotFoundError traceback from the first import. Also: Ctrl-C before the command's own
+    handling (cli.run_cli), while torch imports, is the line `interrupted`, not a KeyboardInterrupt traceback (the
+    exit status stays the interrupt's)."""
+    sys.excepthook = quiet_interrupt
     missing = [m for m in REQUIRED if importlib.util.find_spec(m) is None]
     if missing:
         sys.exit(f"error: {', '.join(missing)} not installed in this Python ({sys.executable}): run "
                  "`bash scripts/setup.sh` once, then use .venv/bin/python")
+
+
+def quiet_interrupt(kind, value, tb) -> None:
+    if issubclass(kind, KeyboardInterrupt):
+        print("\ninterrupted", file=sys.stderr)
+    else:
+        sys.__excepthook__(kind, value, tb)

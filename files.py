@@ -42,6 +42,20 @@ def remove_stale_tmp(folder: Path) -> None:
                 pass  # a read-only folder: nothing we could write there either
 
 
+def unreachable(path: Path) -> str | None:
+    """Why `path` cannot be reached, for an error line (None when it can): a symlink loop named as such, where
+    Path.exists() says only False."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symlink loop (too many levels of symbolic links)"
+        return "no such file or directory" if e.errno == errno.ENOENT else (e.strerror or str(e))
+    except ValueError:  # a NUL byte in the path
+        return "not a valid path"
+    return None
+
+
 def tmp_path(path: Path) -> Path:
     return path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
 

@@ -32,6 +32,7 @@ the acceptances; Exact-TopK selects its top-k only in single-token decode steps 
 refused (check_target); the target is `full`.
 """
 import copy
+import re
 import time
 from collections import namedtuple
 
@@ -143,8 +144,11 @@ def setup(target, draft, draft_policy, draft_budget: int | None, prompt_len: int
     check_draft(draft_policy, draft_budget, capacity, draft.tok_embeddings is target.tok_embeddings)
     slots = engine.setup(target, None, capacity, prompt_len, n, block_size, kv_dtype=kv_dtype)
     protocol = engine.prefill_protocol(draft_policy, draft_prefill)
-    draft_slots = engine.setup(draft, draft_policy, draft_budget, prompt_len, n, block_size, prefill=protocol,
-                               kv_dtype=kv_dtype)
+    try:
+        draft_slots = engine.setup(draft, draft_policy, draft_budget, prompt_len, n, block_size, prefill=protocol,
+                                   kv_dtype=kv_dtype)
+    except UserError as e:  # the draft's policy and budget are --draft-policy's and --draft-budget's
+        raise type(e)(re.sub(r"--(budget|policy)\b", r"--draft-\1", str(e))) from None
     return slots, draft_slots
 
 

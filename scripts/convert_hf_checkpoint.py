@@ -22,6 +22,7 @@ check_python()  # one line, not a traceback, in a Python without the requirement
 from cli import Parser, check_out_dir, check_writable, run_cli  # noqa: E402
 from convert import ENGINE_FILE, convert_gguf, convert_hf_dir  # noqa: E402
 from errors import UserError  # noqa: E402
+from files import unreachable  # noqa: E402
 import progress  # noqa: E402
 
 
@@ -39,8 +40,8 @@ def parse_args(argv=None):
 def check_args(a) -> None:
     """What the conversion needs, before it reads gigabytes: an input of the right kind, an output it may write."""
     src = a.checkpoint
-    if not src.exists():
-        raise UserError(f"--checkpoint {src}: no such file or directory")
+    if why := unreachable(src):
+        raise UserError(f"--checkpoint {src}: {why}")
     if src.suffix == ".gguf":
         if not src.is_file():
             raise UserError(f"--checkpoint {src} is not a file")

@@ -397,6 +397,17 @@ CASES += [
         checkpoint="{tmp}/f.bin"),
     gen("checkpoint-empty-dir", [], 2, "has no config.json", write("empty/", None), checkpoint="{tmp}/empty"),
     gen("checkpoint-gguf-missing", [], 2, "GGUF file not found", checkpoint="{tmp}/m.gguf"),
+    gen("checkpoint-symlink-loop", [], 2, "loop: a symlink loop", symlink("loop", "loop"), checkpoint="{tmp}/loop"),
+    gen("checkpoint-gguf-symlink-loop", [], 2, "m.gguf: a symlink loop", symlink("m.gguf", "m.gguf"),
+        checkpoint="{tmp}/m.gguf"),
+    gen("prompt-file-symlink-loop", ["--prompt-file", "{tmp}/loop"], 2, "Too many levels of symbolic links",
+        symlink("loop", "loop"), prompt=False),
+    gen("speculate-draft-budget-named", ["--prompt-file", "{tmp}/p.txt", "--max-new-tokens", "40", "--speculate",
+                                         "2", "--draft-policy", "snapkv:window=32", "--draft-budget", "16"], 2,
+        "snapkv: --draft-budget 16 must exceed the observation window", prompt_of(20), prompt=False,
+        new_tokens=False),
+    gen("speculate-two-line-jsonl", ["--prompt-file", "{tmp}/p.JSONL", "--speculate", "2"], 2, "a batch",
+        write("p.JSONL", '{"prompt": "a"}\n{"prompt": "b"}\n'), prompt=False),
 ]
 
 CASES += [
@@ -456,6 +467,8 @@ CASES += [
 
     ("convert-no-checkpoint", "convert", [], None, 2, "--checkpoint"),
     ("convert-missing", "convert", ["--checkpoint", "{tmp}/none"], None, 2, "no such file or directory"),
+    ("convert-symlink-loop", "convert", ["--checkpoint", "{tmp}/loop"], symlink("loop", "loop"), 2,
+     "loop: a symlink loop"),
     ("convert-a-file", "convert", ["--checkpoint", "{tmp}/f.bin"], write("f.bin", "x"), 2, "neither an HF directory"),
     ("convert-gguf-garbage", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "{tmp}/o"],
      write("m.gguf", b"GGUF\x03\x00\x00\x00garbage"), 2, "cannot read GGUF file"),
@@ -736,3 +749,36 @@ def test_a_turn_longer_than_the_context_says_so_without_suggesting_reset():
     state.position = 10
     with pytest.raises(chat.TurnRefused, match="/reset starts a new conversation"):
         chat.Chat.room(state, 8)
+
+
+
+@pytest.mark.parametrize("name", ["p.jsonl", "p.JSONL", "p.Jsonl"])
+def test_a_jsonl_prompt_file_is_a_batch_in_any_case_and_one_line_speculates(tiny_ckpt, tmp_path, name):
+    """A .jsonl prompt file is a batch whatever the case of its suffix; one line of it is one sequence, which
+    --speculate accepts."""
+    path = tmp_path / name
+    path.write_text('{"prompt": "the quick"}\n{"prompt": "brown fox"}\n')
+    a = generate.parse_args(["--checkpoint", str(tiny_ckpt), "--prompt-file", str(path)])
+    assert generate.read_prompts(a) == ["the quick", "brown fox"]
+    path.write_text('{"prompt": "the quick"}\n')
+    a = generate.parse_args(["--checkpoint", str(tiny_ckpt), "--prompt-file", str(path), "--speculate", "2"])
+    generate.check_args(a)
+    assert generate.read_prompts(a) == ["the quick"]
+
+
+@pytest.mark.parametrize("delay", [0.5, 1.0, 2.0])
+def test_ctrl_c_while_starting_is_one_line(tiny_ckpt, delay):
+    """SIGINT while torch imports, while the checkpoint loads or while it generates: `interrupted`, never a
+    KeyboardInterrupt traceback (generate.py's first statements install the hook: errors.check_python)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from conftest import REPO
+    p = subprocess.Popen([sys.executable, str(REPO / "generate.py"), "--checkpoint", str(tiny_ckpt), *PROMPT],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert "Traceback" not in err and err.strip() in ("", "interrupted") or p.returncode == 0, err
+    assert p.returncode in (130, -signal.SIGINT, 0), (p.returncode, err)
