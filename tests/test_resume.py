@@ -330,14 +330,20 @@ def run_bench(monkeypatch, capsys, tmp_path, ckpt, argv, flag, kind, fail_on=Non
     return code, started, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kind", list(BENCH_RUNS))
-def test_bench_resume_runs_only_the_rest(kind, ckpt, tmp_path, monkeypatch, capsys):
+def uninterrupted_bench(kind, ckpt, tmp_path, monkeypatch, capsys):
+    """One run of every configuration of `kind`: its output path, the argv maker for another output, the JSON."""
     argv, configs, flag = BENCH_RUNS[kind]
     out = tmp_path / "full" / "rocketkv_figure.json" if kind == "figure" else tmp_path / "full.json"
     fmt = lambda out: [a.format(out=out, dir=out.parent) for a in argv]  # noqa: E731
     code, started, _ = run_bench(monkeypatch, capsys, tmp_path, ckpt, fmt(out), flag, kind)
     assert code in (0, None) and started == configs
-    full = json.loads(out.read_text())
+    return out, fmt, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("kind", list(BENCH_RUNS))
+def test_bench_resume_runs_only_the_rest(kind, ckpt, tmp_path, monkeypatch, capsys):
+    _, configs, flag = BENCH_RUNS[kind]
+    out, fmt, full = uninterrupted_bench(kind, ckpt, tmp_path, monkeypatch, capsys)
 
     part = tmp_path / "part" / out.name
     part.parent.mkdir()
@@ -379,12 +385,8 @@ def test_bench_resume_measures_again_a_row_that_is_not_a_measurement(kind, value
                                                                      capsys):
     """A kept row whose timing is NaN, infinite or negative (edited, or written by a broken run) is measured again,
     with one line naming it; the other rows are kept, and the output equals an uninterrupted run's."""
-    argv, configs, flag = BENCH_RUNS[kind]
-    out = tmp_path / "full" / "rocketkv_figure.json" if kind == "figure" else tmp_path / "full.json"
-    fmt = lambda out: [a.format(out=out, dir=out.parent) for a in argv]  # noqa: E731
-    code, started, _ = run_bench(monkeypatch, capsys, tmp_path, ckpt, fmt(out), flag, kind)
-    assert code in (0, None) and started == configs
-    full = json.loads(out.read_text())
+    _, configs, flag = BENCH_RUNS[kind]
+    out, fmt, full = uninterrupted_bench(kind, ckpt, tmp_path, monkeypatch, capsys)
     key = "results" if kind == "table" else "rows"
     damaged = json.loads(out.read_text())
     row = damaged[key][configs[1]] if kind == "table" else damaged[key][1]
