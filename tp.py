@@ -138,8 +138,8 @@ def naming_lost_ranks(run):
             rank, world = dist.get_rank(), dist.get_world_size()
             who = f"rank {1 - rank}" if world == 2 else "another rank"
             raise EnvironmentFailure(
-                f"tensor parallel: {who} of {world} stopped answering rank {rank} (it failed or stalled past the "
-                f"{TIMEOUT_S:.0f} s timeout, BUDGETKV_TP_TIMEOUT; a rank's own error is in "
+                f"tensor parallel: {who} of {world} stopped answering rank {rank} (it failed, or stalled past the "
+                f"group's timeout, BUDGETKV_TP_TIMEOUT, default 120 s; a rank's own error is in "
                 f"{Path(tempfile.gettempdir()) / 'budgetkv-rank<R>.log'}): {' '.join(str(e).split())[:200]}") from None
     return call
 

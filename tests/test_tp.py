@@ -306,7 +306,7 @@ sys.path.insert(0, {repo!r})
 import tp
 mesh = tp.init("cpu", timeout_s=10)
 if mesh.rank == 1:
-    os._exit(3)  # a rank lost after the group formed
+    {lose}  # a rank lost (or stalled) after the group formed
 t = time.perf_counter()
 try:
     tp.naming_lost_ranks(lambda a: torch.distributed.all_reduce(torch.ones(4)))(None)
@@ -317,11 +317,12 @@ os._exit(0)
 """
 
 
-def test_a_lost_rank_does_not_hang(tmp_path):
-    """Rank 1 dies after the group formed: rank 0's next collective fails (gloo sees the closed connection, or the
-    group's timeout fires) instead of waiting forever."""
+@pytest.mark.parametrize("lose", ["os._exit(3)", "time.sleep(120)"], ids=["lost", "stalled"])
+def test_a_lost_rank_does_not_hang(tmp_path, lose):
+    """Rank 1 dies (or stalls) after the group formed: rank 0's next collective fails (gloo sees the closed
+    connection, or the group's timeout fires) instead of waiting forever, with one line naming rank 1."""
     script = tmp_path / "lost.py"
-    script.write_text(LOST_RANK.format(repo=str(REPO)))
+    script.write_text(LOST_RANK.format(repo=str(REPO), lose=lose))
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
