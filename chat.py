@@ -356,21 +356,25 @@ def read_turn(stdin, prompt: str) -> str | None:
     TurnRefused (the REPL goes on to the next line); one over MAX_TURN_BYTES, read no further, UserError."""
     if prompt and stdin is sys.stdin:
         try:
-            return input(prompt)
+            line = input(prompt)
         except EOFError:
             return None
         except UnicodeDecodeError as e:
             raise TurnRefused(f"the turn is not valid UTF-8 text ({e.reason} at byte {e.start}): skipped") from None
-    raw = getattr(stdin, "buffer", stdin)  # bytes where there are (a pipe, a file), else the text stream's own
-    line = raw.readline(MAX_TURN_BYTES + 1)
-    if len(line) > MAX_TURN_BYTES:  # the rest of the line may never end (/dev/zero): the chat ends here
-        raise UserError(f"a turn on stdin is longer than {MAX_TURN_BYTES >> 20} MiB (as a prompt file may be)")
-    if isinstance(line, bytes):
-        try:
-            line = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise TurnRefused(f"the turn is not valid UTF-8 text ({e.reason} at byte {e.start}): skipped") from None
-    return None if line == "" else line.rstrip("\n")
+    else:
+        raw = getattr(stdin, "buffer", stdin)  # bytes where there are (a pipe, a file), else the text stream's own
+        line = raw.readline(MAX_TURN_BYTES + 1)
+        if len(line) > MAX_TURN_BYTES:  # the rest of the line may never end (/dev/zero): the chat ends here
+            raise UserError(f"a turn on stdin is longer than {MAX_TURN_BYTES >> 20} MiB (as a prompt file may be)")
+        if line in ("", b""):
+            return None
+        line = line.decode("utf-8", "surrogateescape") if isinstance(line, bytes) else line
+        line = line.removesuffix("\n")
+    try:  # a terminal in a C locale passes bytes that are not UTF-8 as lone surrogates
+        line.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TurnRefused(f"the turn is not valid UTF-8 text (at character {e.start + 1}): skipped") from None
+    return line
 
 
 def repl(chat: Chat, *, json_mode: bool = False, stdin=None, out=None, err=None) -> int:

@@ -696,13 +696,14 @@ def test_a_bad_chat_turn_is_one_line_and_the_chat_goes_on():
 
     import chat
     lines = [b"hello", b"caf\xe9 au lait", b"/reset now", b"/stats please", b"after"]
-    stdin = io.TextIOWrapper(io.BytesIO(b"\n".join(lines) + b"\n"), encoding="utf-8")
-    rec, out, err = RecordingChat(), io.StringIO(), io.StringIO()
-    assert chat.repl(rec, stdin=stdin, out=out, err=err) == 0
-    assert rec.sent == ["hello", "after"] and rec.resets == 0
-    assert err.getvalue().splitlines() == [
-        "error: the turn is not valid UTF-8 text (invalid continuation byte at byte 3): skipped",
-        "error: /reset takes no argument", "error: /stats takes no argument"]
+    surrogates = io.StringIO("hello\ncaf\udce9 au lait\n/reset now\n/stats please\nafter\n")  # a C locale's stdin
+    for stdin in (io.TextIOWrapper(io.BytesIO(b"\n".join(lines) + b"\n"), encoding="utf-8"), surrogates):
+        rec, out, err = RecordingChat(), io.StringIO(), io.StringIO()
+        assert chat.repl(rec, stdin=stdin, out=out, err=err) == 0
+        assert rec.sent == ["hello", "after"] and rec.resets == 0
+        assert err.getvalue().splitlines() == [
+            "error: the turn is not valid UTF-8 text (at character 4): skipped",
+            "error: /reset takes no argument", "error: /stats takes no argument"]
 
 
 @pytest.mark.parametrize("source", ["/dev/zero", "a long line"])
