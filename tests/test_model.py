@@ -97,7 +97,7 @@ def test_sliding_window_matters(hf_tiny):
 @pytest.mark.parametrize("max_window_layers,want", [(0, 48), (2, None), (5, None), (1, "error")])
 def test_qwen2_sliding_window_follows_max_window_layers(max_window_layers, want):
     """HF Qwen2 slides only in layers >= max_window_layers; the engine has one window for all layers, so it takes the
-    window when every layer slides, none when no layer does, and refuses a mix (it once slid in every layer)."""
+    window when every layer slides, none when no layer does, and refuses a mix."""
     from config import ConfigError, parse_config
     cfg = dict(FAMILIES["qwen2"], use_sliding_window=True, sliding_window=48, max_window_layers=max_window_layers)
     if want == "error":
