@@ -260,11 +260,13 @@ def write_slots(buf: Tensor, dst: Tensor, x: Tensor | int) -> None:
 
 
 def is_scorer(policy) -> bool:
-    return policy is not None and hasattr(policy, "score")
+    """Whether a policy (or policy class; None: full) declares itself a scorer (policies.Policy.scores)."""
+    return policy is not None and policy.scores
 
 
 def is_selector(policy) -> bool:
-    return policy is not None and hasattr(policy, "select")
+    """Whether it declares itself a selector (policies.Policy.selects)."""
+    return policy is not None and policy.selects
 
 
 # How a cache writes a block and what follows attention:
@@ -349,7 +351,7 @@ class KVCache(nn.Module):
                 self.register_buffer(f"state_{name}", torch.zeros(*shape, *extra, dtype=dtype, device=spec.device))
                 self._state_names.append(name)
             decl.update(spec.policy.layer_state(spec))
-        if self.selector is not None and hasattr(spec.policy, "selector_state"):
+        if self.selector is not None:
             decl.update(spec.policy.selector_state(spec))
         for name, (size, dtype, fill) in decl.items():
             self.register_buffer(f"layer_{name}", torch.full(size, fill, dtype=dtype, device=spec.device))
@@ -406,8 +408,7 @@ class KVCache(nn.Module):
     def read_tokens(self) -> float:
         """Token-equivalents (K+V pairs) one decode step reads per KV head: the slots attended, or what a
         selector reads (RocketKV: exact top-k plus its page scan)."""
-        read = getattr(self.selector, "read_tokens", None)
-        n = read(self.view(self.spec.budget)) if read is not None else None
+        n = self.selector.read_tokens(self.view(self.spec.budget)) if self.selector is not None else None
         return self.slots(1) if n is None else n
 
     def destinations(self, input_pos: Tensor) -> Tensor:
@@ -425,10 +426,9 @@ class KVCache(nn.Module):
         return torch.where(ip >= 0, n + torch.arange(T, device=ip.device), tail)
 
     def fill_eagerly(self, start: int, end: int, one_mask: bool = True) -> None:
-        """The caller's choice for blocks it runs eagerly, never in a compiled step: they fill the slots from
-        `start` in order, up to `end` (padding only past it), and a block of T > 1 attends only the slots filled so
-        far (a causal triangle's cost, not the whole buffer's), with one mask for every head when they all hold
-        the same positions (one_mask). `cache.eager = None` goes back to the static budget + T."""
+        """The caller's choice for blocks it runs eagerly (never in a compiled step), filling slots from `start` in
+        order up to `end`: a block of T > 1 attends only the slots filled so far (a causal triangle's cost, not the
+        buffer's), with one mask for all heads when they hold the same positions (one_mask). eager = None: off."""
         self.eager = [start, end, one_mask]
 
     def update(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, query_pos: Tensor):
@@ -486,8 +486,7 @@ class KVCache(nn.Module):
         if self.scorer is None or self.spec.mode not in ("evict", "scratch"):
             return
         view = self.view(self.slots(q.shape[2]), q=q, input_pos=input_pos, query_pos=query_pos)
-        if hasattr(self.scorer, "observe"):
-            self.scorer.observe(view)
+        self.scorer.observe(view)
         if self.spec.mode == "scratch":  # one-shot prefill scores the whole prompt with its last block (compress_into)
             self.last_step = (q, input_pos, query_pos)
         else:
@@ -499,39 +498,40 @@ class KVCache(nn.Module):
         scores = scores.float().masked_fill(self.pos[:, :, :S] < 0, float("-inf"))
         evict_fill_holes(scores, budget, self.slot_buffers(), self.pos)
 
-    def compress_into(self, dst: "KVCache", shared: dict | None = None) -> None:
-        """One-shot prefill: this scratch holds a whole prompt (in position order); keep dst.spec.keep of it in dst.
-
-        The policy either names the scratch slots to keep (`keep_slots(view)` -> [B, H, n], a layout of its own:
-        SAGE-KV) or scores them (the last block's queries stand for the prompt's end) and the keep best are
-        kept, then sorted by position. Then a selector prepares its decode-time state (`prepare`: RocketKV's pages).
-        """
-        S, policy, keep = self.spec.budget, dst.policy, dst.spec.keep
-        view = View(self, S, *self.last_step, shared=shared, budget=dst.spec.keep_budget, keep=keep)
-        pairs = [(self.pos, dst.pos), *zip(self.slot_buffers(), dst.slot_buffers(), strict=True)]
-        if hasattr(policy, "keep_slots"):
-            idx = policy.keep_slots(view)
-            n = idx.shape[-1]
-            for src_t, dst_t in pairs:
-                dst_t[:, :, :n] = take_slots(src_t, idx)
-            dst.pos[:, :, n:] = -1
-        else:
-            n_real = int(self.n_valid().max())
-            scores = policy.score(view)  # scored even when all fits: a policy may record what it keeps (K-VEC)
-            if n_real > keep:
-                self.drop_to(keep, scores)
-            n = min(S, keep)
-            for src_t, dst_t in pairs:
-                dst_t[:, :, :n] = src_t[:, :, :n]
-            sort_slots(dst, n)
-        for name, t in self.layer_state.items():
-            if name in dst.layer_state:
-                dst.layer_state[name].copy_(t)
-        if dst.selector is not None and hasattr(dst.selector, "prepare"):
-            dst.selector.prepare(dst.view(dst.spec.budget))
-
     def n_valid(self) -> Tensor:
         return (self.pos >= 0).sum(-1)
+
+
+def compress_into(scratch: KVCache, dst: KVCache, shared: dict | None = None) -> None:
+    """One-shot prefill: `scratch` holds a whole prompt (in position order); keep dst.spec.keep of it in dst.
+
+    The policy either names the scratch slots to keep (`keep_slots(view)` -> [B, H, n], a layout of its own:
+    SAGE-KV) or scores them (the last block's queries stand for the prompt's end) and the keep best are
+    kept, then sorted by position. Then a selector prepares its decode-time state (`prepare`: RocketKV's pages).
+    """
+    S, policy, keep = scratch.spec.budget, dst.policy, dst.spec.keep
+    view = View(scratch, S, *scratch.last_step, shared=shared, budget=dst.spec.keep_budget, keep=keep)
+    pairs = [(scratch.pos, dst.pos), *zip(scratch.slot_buffers(), dst.slot_buffers(), strict=True)]
+    idx = policy.keep_slots(view)
+    if idx is not None:
+        n = idx.shape[-1]
+        for src_t, dst_t in pairs:
+            dst_t[:, :, :n] = take_slots(src_t, idx)
+        dst.pos[:, :, n:] = -1
+    else:
+        n_real = int(scratch.n_valid().max())
+        scores = policy.score(view)  # scored even when all fits: a policy may record what it keeps (K-VEC)
+        if n_real > keep:
+            scratch.drop_to(keep, scores)
+        n = min(S, keep)
+        for src_t, dst_t in pairs:
+            dst_t[:, :, :n] = src_t[:, :, :n]
+        sort_slots(dst, n)
+    for name, t in scratch.layer_state.items():
+        if name in dst.layer_state:
+            dst.layer_state[name].copy_(t)
+    if dst.selector is not None:
+        dst.selector.prepare(dst.view(dst.spec.budget))
 
 
 def sort_slots(cache: KVCache, n: int) -> None:

@@ -46,7 +46,7 @@ from contextlib import contextmanager
 
 import torch
 
-from cache import KV_DTYPES, eager_blocks, is_scorer, scratch_cache
+from cache import KV_DTYPES, compress_into, eager_blocks, is_scorer, scratch_cache
 from engine import (PeakMemory, block_inputs, check_finite, model_step, prefill_one_shot, prefill_protocol,
                     prefill_step, sample_finite, setup, sync)
 from errors import UserError
@@ -323,7 +323,7 @@ def recompress(model, prompt: torch.Tensor, start: int, block_size: int, shared:
     def done(i, s):
         c = model.layers[i].attention.kv_cache
         c.reset()  # rebuilt from the scratch: no stale slot past what the compression keeps
-        s.compress_into(c, shared)
+        compress_into(s, c, shared)
     return model.prefill_layer_major(idx, shifted(input_pos, start), block_size, scratch, done)
 
 

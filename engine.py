@@ -10,7 +10,7 @@ from pathlib import Path
 import threads  # noqa: F401  (before torch: how its OpenMP threads wait, for the Python API too)
 import torch
 
-from cache import eager_blocks, is_scorer, row_cache, scratch_cache, setup_caches
+from cache import compress_into, eager_blocks, is_scorer, row_cache, scratch_cache, setup_caches
 from config import parse_config
 from convert import ENGINE_FILE, CheckpointError, read_config, read_hf_dir
 from errors import UserError
@@ -405,7 +405,7 @@ def prefill_one_shot(model, prompt: torch.Tensor, block_size: int, shared: dict 
             for dst, src in zip([c.pos, *c.slot_buffers()], [scratch.pos, *scratch.slot_buffers()], strict=True):
                 dst[:, :, :L] = src[:, :, :L]
         else:
-            scratch.compress_into(c, shared)
+            compress_into(scratch, c, shared)
         if on_prefill is not None:
             on_prefill(L * (i + 1) // n_layers, L)
     return model.prefill_layer_major(idx, input_pos, block_size, scratch, done)

@@ -1,8 +1,9 @@
 """KV-cache policies: the registry `name -> policy class`, and every policy as its paper's rule.
 
 A policy is a dataclass: its parameters are typed fields with defaults (the command line is generated from them,
-`--policy snapkv:window=32,kernel=7`). It plays one or both of two parts, each a single method over a read-only
-`cache.View` of one layer (keys, values, positions, layer index, head counts, declared state, the step's queries):
+`--policy snapkv:window=32,kernel=7`). It plays one or both of two parts (declared: `scores`, set by the Scorer
+base, and `selects`), each a single method over a read-only `cache.View` of one layer (keys, values, positions,
+layer index, head counts, declared state, the step's queries):
 
 - a **scorer**, `score(view) -> [batch, n_kv_heads, slots]` fp32: higher = keep, +inf = protected (empty slots are
   set to -inf by cache.py). The engine keeps the `budget` best: block-wise after every prefill block and decode step,
@@ -11,7 +12,8 @@ A policy is a dataclass: its parameters are typed fields with defaults (the comm
   declare per-slot / per-layer tensors that cache.py allocates (per-slot state moves with its slot).
 - a **selector**, `select(view) -> [batch, heads, k]` slot indices: the slots one decode step attends (per KV head,
   or per query head), for decode-time sparse attention. Optional: `prepare(view)` after the one-shot compression,
-  `read_tokens(view)` for the traffic accounting, `selector_state()` for its per-layer tensors.
+  `read_tokens(view)` for the traffic accounting, `selector_state()` for its per-layer tensors. The optional hooks
+  are no-ops in the base class.
 
 `plan(run)` checks the parameters against one run (budget, prompt length, new tokens, model shape) and sizes what
 the run needs. cache.py does every buffer write. docs/architecture.md gives the call order.
@@ -66,6 +68,8 @@ class Policy:
     summary: ClassVar[str] = ""  # one line for the policy table and --help
     protocol: ClassVar[str] = "any"
     decode: ClassVar[str] = "evict"
+    scores: ClassVar[bool] = False  # a scorer (Scorer): score(view) ranks the slots to keep
+    selects: ClassVar[bool] = False  # a selector: select(view) picks the slots a decode step attends
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -103,18 +107,40 @@ class Policy:
         """How many prompt tokens a one-shot compression keeps per KV head."""
         return run.budget - run.max_new_tokens if self.decode == "append" else run.budget
 
-
-class Scorer(Policy):
-    """A policy that evicts by `score(view)`."""
+    # The optional hooks, each a no-op here (cache.py calls them unconditionally).
 
     def slot_state(self) -> dict:
-        """Per-slot state moved with its slot: name -> (extra shape, dtype); "group" in the shape stands for the
-        query heads per KV head."""
+        """A scorer's per-slot state moved with its slot: name -> (extra shape, dtype); "group" in the shape stands
+        for the query heads per KV head."""
         return {}
 
     def layer_state(self, spec) -> dict:
-        """Per-layer state that stays put, for a cache of this cache.CacheSpec: name -> (shape, dtype, fill value)."""
+        """A scorer's per-layer state that stays put, for a cache of this cache.CacheSpec: name -> (shape, dtype,
+        fill value)."""
         return {}
+
+    def observe(self, view) -> None:
+        """A scorer's update of its declared state before each score (H2O's sums, SnapKV's query ring)."""
+
+    def keep_slots(self, view) -> Tensor | None:
+        """A one-shot layout of the policy's own: the scratch slots to keep [B, H, n] (None: the best by score)."""
+        return None
+
+    def selector_state(self, spec) -> dict:
+        """A selector's per-layer state (as layer_state)."""
+        return {}
+
+    def prepare(self, view) -> None:
+        """A selector's decode-time state, built after the one-shot compression (RocketKV's pages)."""
+
+    def read_tokens(self, view) -> float | None:
+        """Token-equivalents a selector's decode step reads per KV head (None: the slots it attends)."""
+        return None
+
+
+class Scorer(Policy):
+    """A policy that evicts by `score(view)`."""
+    scores = True
 
     def score(self, view) -> Tensor:
         raise NotImplementedError
@@ -638,6 +664,7 @@ class RocketKV(SnapKVPlusPlus):
     (min rows then max rows) over slot order, aligned to slot 0; slots are in position order (sorted after stage 1,
     then appended), updated in place each step. The new token is a candidate, nothing is forced in (local_window n
     pins the n newest, inside k). Ties go to the lower slot. read >= budget: dense attention, no selection."""
+    selects = True
     name = "rocketkv"
     summary = "SnapKV++ then hybrid top-k attention each decode step"
     read: int | None = param(None, "tokens read per KV head per decode step, t (default: budget^2 / (prompt + new))")
@@ -693,6 +720,7 @@ class ExactTopK(Policy):
     """Exact-TopK, the accuracy ceiling (RocketKV section 4.1): nothing is evicted (the budget holds prompt + new
     tokens, like `full`); each decode step computes the exact attention logits over the whole cache and each QUERY
     head attends its own top k (as the official oracle: a group's union can exceed k); the selection is free."""
+    selects = True
     name = "exact-topk"
     summary = "oracle: exact attention over each query head's top-k of the full cache"
     k: int = param(256, "slots each query head attends per decode step")
@@ -789,6 +817,7 @@ class SageKV(Scorer):
     Engine form: `keep_slots` lays the cache out (sink, G blocks of k, ring); `select` is a constant slot pattern
     per query head; `score` protects sink and selection (+inf) and ranks the ring by recency, so the oldest ring
     token is dropped and the new token takes its slot."""
+    selects = True
     name = "sagekv"
     summary = "one-shot top-k per query head from the last prompt query + sink + sliding window"
     protocol = "one-shot"

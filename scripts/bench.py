@@ -155,7 +155,7 @@ def rewind(model, n0: list[int]) -> None:
     for layer, n in zip(model.layers, n0):
         c = layer.attention.kv_cache
         c.pos[:, :, n:] = -1
-        if hasattr(c.selector, "prepare"):
+        if c.selector is not None:
             c.selector.prepare(c.view(c.spec.budget))
 
 

@@ -18,7 +18,7 @@ import torch
 from conftest import REPO, make_policy
 
 import policies
-from cache import KVCache, dequantize_rows, is_scorer, quantize_rows
+from cache import KVCache, dequantize_rows, is_scorer, is_selector, quantize_rows
 from engine import (block_inputs, compile_steps, generate, load_model, model_step, prefill_one_shot, prefill_step,
                     setup)
 from reference.engine_scorer import EngineScorer
@@ -94,7 +94,8 @@ def tiny(hf_tiny):
 # ------------------------------------------------------------------------------ the dynamic-shape reference
 
 MECHANICS = [(n, p) for n in NAMES for p in protocols(n)
-             if is_scorer(CLASSES[n]) and not hasattr(CLASSES[n], "keep_slots") and not hasattr(CLASSES[n], "select")]
+             if is_scorer(CLASSES[n]) and CLASSES[n].keep_slots is policies.Policy.keep_slots
+             and not is_selector(CLASSES[n])]
 
 
 @pytest.mark.parametrize("name,protocol", MECHANICS, ids=[f"{n}-{p}" for n, p in MECHANICS])

@@ -11,7 +11,7 @@ import torch
 import policies
 import torch.nn.functional as F
 
-from cache import CacheSpec, KVCache
+from cache import CacheSpec, KVCache, compress_into
 from engine import block_inputs, generate, model_step, prefill_one_shot, prefill_step, setup
 from model import ModelArgs, Transformer
 from policies import (KVec, PolicyError, Run, SnapKVPlusPlus, biased_scores, cross_head, focus, head_spread, kept_any,
@@ -189,7 +189,7 @@ def compress_random(T, B, p, Hkv=2, G=2, D=8, block=None, seed=0):
     scratch, q, k, v = random_scratch(pol, T, Hkv, G, D, block, seed)
     dst = KVCache(CacheSpec(1, Hkv, D, B + 1, block or T, policy=pol, n_heads=Hkv * G, keep=pol.prompt_keep(run)))
     shared = {}
-    scratch.compress_into(dst, shared)
+    compress_into(scratch, dst, shared)
     return shared, dst, q, k, v
 
 
@@ -264,7 +264,7 @@ def test_lambda_zero_without_cross_head_is_snapkv(beta, O2):
         assert snap.prompt_keep(run) == 16
         scratch, *_ = random_scratch(snap, 64, Hkv=2, G=4, block=16, seed=seed)  # the same tokens and queries
         snap_dst = KVCache(CacheSpec(1, 2, 8, 17, 16, policy=snap, n_heads=8, keep=16))
-        scratch.compress_into(snap_dst)
+        compress_into(scratch, snap_dst)
         assert kept_sets(dst) == kept_sets(snap_dst)
 
 

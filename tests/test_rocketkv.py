@@ -14,7 +14,7 @@ from conftest import generate_compiled, make_policy, one_shot_equals_reference
 import torch.nn.functional as F
 
 import policies
-from cache import CacheSpec, KVCache
+from cache import CacheSpec, KVCache, compress_into
 from engine import generate, load_model, model_step, prefill_step, setup
 from errors import UserError
 from policies import (ExactTopK, RocketKV, SnapKVPlusPlus, adaptive_kernel, build_pages, hybrid_scores, pool_votes,
@@ -100,7 +100,7 @@ def test_stage1_keeps_the_prompt_budget_in_position_order():
     c, pol, _, k = scratch_with(T, w)
     want = top(pol.score(last_view(c, T)), P)
     dst = KVCache(CacheSpec(1, 1, 8, P + 4, 1, policy=pol, n_heads=2, keep=P))
-    c.compress_into(dst)
+    compress_into(c, dst)
     kept = dst.pos[0, 0, :P].tolist()
     assert kept == want and (dst.pos[0, 0, P:] == -1).all() and kept[-w:] == list(range(T - w, T))
     assert all(a < b for a, b in zip(kept, kept[1:]))
@@ -111,7 +111,7 @@ def test_prompt_within_budget_is_copied_unchanged():
     T, w = 12, 4
     c, pol, _, k = scratch_with(T, w)
     dst = KVCache(CacheSpec(1, 1, 8, 20, 1, policy=pol, n_heads=2, keep=16))
-    c.compress_into(dst)
+    compress_into(c, dst)
     assert dst.pos[0, 0, :T].tolist() == list(range(T)) and torch.equal(dst.k[0, 0, :T], k[0, 0])
     assert rocket_params(S=1000, t=1000, D=64, N=10).sparse is False  # t >= S: c = 1, dense
 

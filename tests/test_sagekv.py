@@ -17,7 +17,7 @@ import torch
 from conftest import make_policy, one_shot_equals_reference
 import torch.nn.functional as F
 
-from cache import CacheSpec, KVCache
+from cache import CacheSpec, KVCache, compress_into
 from engine import load_model, model_step, prefill_one_shot, prefill_step, setup
 from model import ModelArgs, Transformer
 from policies import PolicyError, Run, SageKV, SageLayout, sage_sizes
@@ -87,7 +87,7 @@ def bare(keys, values, q_last, S, k, W, max_new=8):
     scratch.update(q, keys[None], values[None], pos, pos)
     scratch.evict(q, pos, pos)
     cache = KVCache(CacheSpec(1, H, D, C, 1, policy=pol, n_heads=Hq))
-    scratch.compress_into(cache)
+    compress_into(scratch, cache)
     return cache, pol
 
 

@@ -39,8 +39,7 @@ class EngineScorer:
             if name in layer.layer_state:
                 t.copy_(layer.layer_state[name])
         self.view = c.view(n, q=q[None].float(), input_pos=pos, query_pos=pos, shared=self.shared, keep=self.keep)
-        if hasattr(self.policy, "observe"):
-            self.policy.observe(self.view)
+        self.policy.observe(self.view)
         layer.slot_state = {name: t[0].clone() for name, t in c.state.items()}
         layer.layer_state = {name: t.clone() for name, t in c.layer_state.items()}
 
