@@ -34,7 +34,7 @@ from cli import COMPILE_LOG, Parser, check_writable, is_verbose, stderr_to_log  
 from convert import read_config  # noqa: E402
 from files import jsonl_objects, tmp_path  # noqa: E402
 from cache import is_scorer  # noqa: E402
-from engine import (AOT, MIN_TEMPERATURE, compile_steps, decode_bytes_per_step, default_compile_mode,  # noqa: E402
+from engine import (AOT, MIN_TEMPERATURE, check_fits, compile_steps, decode_bytes_per_step, default_compile_mode,  # noqa: E402
                     generate, generate_batch, kv_cache_estimate, load_model, model_step, prefill_protocol,
                     prefill_step, random_model, set_threads, setup, setup_batch, sync, warm_up)
 from config import parse_config  # noqa: E402
@@ -516,11 +516,14 @@ def run(a) -> int:
         if a.budget is None and token_budget < DEFAULT_BUDGET:
             clamped["--budget"] = (DEFAULT_BUDGET, token_budget)
     kv_dtype = KV_DTYPES.get(a.kv_dtype)
+    kv_need = len(prompts) * kv_cache_estimate(args, token_budget + a.block_size, kv_dtype or dtype)  # every layer's
+    if a.prefill == "one-shot":  # and one layer's scratch of the whole (padded) prompt
+        kv_need += kv_cache_estimate(args, -(-L // a.block_size) * a.block_size, kv_dtype or dtype) // args.n_layers
     if model is None:
-        kv_need = len(prompts) * kv_cache_estimate(args, token_budget + a.block_size, kv_dtype or dtype)  # every layer's
-        if a.prefill == "one-shot":  # and one layer's scratch of the whole (padded) prompt
-            kv_need += kv_cache_estimate(args, -(-L // a.block_size) * a.block_size, kv_dtype or dtype) // args.n_layers
         model = tp.random_model(config, dtype, a.device, a.seed or 0, mesh, label=shapes, kv_bytes=kv_need)
+    else:  # the weights are in memory already: the caches must fit in what is left (a rank holds 1/N of them)
+        check_fits(f"the KV cache of {len(prompts)} sequence{'s' if batched else ''}", 0, kv_dtype or dtype,
+                   a.device, kv_need // mesh.world)
     if a.speculate:
         weights = (f"random {str(dtype).replace('torch.', '')} weights ({shapes} shapes, seed {a.seed or 0})"
                    if a.random_weights else weights_format(model.config, str(dtype).replace("torch.", "")))

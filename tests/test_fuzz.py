@@ -783,3 +783,20 @@ def test_ctrl_c_while_starting_is_one_line(tiny_ckpt, delay):
     out, err = p.communicate(timeout=120)
     assert "Traceback" not in err and err.strip() in ("", "interrupted") or p.returncode == 0, err
     assert p.returncode in (130, -signal.SIGINT, 0), (p.returncode, err)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_caches_larger_than_the_free_memory_are_one_line_before_they_are_allocated(tiny_ckpt, capfd, monkeypatch,
+                                                                                   batch):
+    """Real weights, as random ones are: the KV caches a run needs are checked against the memory left once the
+    weights are loaded, before setup allocates them (here the free memory is made smaller than one cache)."""
+    import engine
+    monkeypatch.setattr(engine, "free_memory", lambda device: 1000)
+    allocated = []
+    monkeypatch.setattr(generate, "setup", lambda *a, **k: allocated.append(a))
+    monkeypatch.setattr(generate, "setup_batch", lambda *a, **k: allocated.append(a))
+    code = run_entry("generate", ["--checkpoint", str(tiny_ckpt), *PROMPT, "--batch-size", str(batch)])
+    err = capfd.readouterr().err
+    assert code == 2 and allocated == [] and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: the KV cache of {batch} sequence{'s' if batch > 1 else ''} in float32 needs ")
+    assert "more than the 0.0 GiB free on cpu" in err
