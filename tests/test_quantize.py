@@ -338,6 +338,7 @@ def test_compiled_decode_fullgraph_without_recompiles(hf_tiny, mode, groupsize):
 ])
 def test_cli_bad_mode_or_group_size(hf_tiny, tmp_path, capsys, args, message):
     _, src = hf_tiny("llama")
+    capsys.readouterr()  # what building the fixture printed (transformers' progress bar) is not the command's
     try:
         code = quantize_script.main(["--checkpoint", str(src), "--out", str(tmp_path / "q"), *args])
     except SystemExit as e:  # argparse's own errors (an unknown --mode) exit from parse_args
