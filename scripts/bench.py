@@ -54,17 +54,11 @@ decided before allocating) exceeds --memory-cap MiB; the largest batch under the
 machine's measured matrix-product rate, whichever takes longer). Each row a copy of one prefilled sequence: one batch-1 prefill
 per policy (its own process), its cache state copied into every row of each batch's process.
 
-    python scripts/bench.py --speculate [--policies sink,snapkv] [--budgets 256,512] [--ks 2,4,6]
-                            [--contexts 2048,4096,8000] [--weights float32,bfloat16,int8] [--plot p.png] [--compile]
-
-`--speculate`: self-speculative decoding against plain full-cache decode in the same process: acceptance, decode
-tok/s, speedup and the bandwidth model's prediction per draft policy, budget, K, context and weight format
-(scripts/bench_speculate.py, whose --help lists its flags).
+Self-speculative decoding is measured by scripts/bench_speculate.py.
 """
 import argparse
 import dataclasses
 import json
-import math
 import os
 import re
 import statistics
@@ -94,43 +88,14 @@ from engine import prefill as engine_prefill  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
 from config import parse_config  # noqa: E402
 from scripts.eval import check_device  # noqa: E402
-from scripts.outputs import check_settings, checkpoint_identity, read_json, save_png, write_atomic  # noqa: E402
+from scripts.benchlib import (bench_settings, gemm_gflop_s, int_list, make_document, previous, random_prompt,  # noqa: E402
+                              json_result, read_bandwidth_gb_s, run_one, save, timed_read)
+from scripts.outputs import save_png, write_atomic  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 LLAMACPP_PY = REPO / ".venv-llamacpp" / "bin" / "python"  # bench_llamacpp.py's venv (bash scripts/setup.sh llamacpp)
 KVPRESS = {"keydiff": "KeyDiffPress", "snapkv": "SnapKVPress", "tova": "TOVAPress", "sink": "StreamingLLMPress",
            "keynorm": "KnormPress"}
-
-
-def make_document(tokenizer, n_tokens: int, seed: int = 0) -> tuple[str, list[int]]:
-    """A prompt of at most n_tokens (chat-formatted): a fact at the start, filler sentences, a question about the
-    fact at the end. Returns (text, ids)."""
-    import random
-    rng = random.Random(seed)
-    subjects = ["The river", "A merchant", "The old library", "Our committee", "The northern valley", "A young engineer",
-                "The harbour", "The observatory", "A travelling musician", "The city council"]
-    verbs = ["described", "measured", "rebuilt", "visited", "recorded", "painted", "studied", "discussed"]
-    objects = ["the bridge near the mill", "a map of the eastern hills", "the winter festival", "an old clock tower",
-               "the results of the harvest", "a letter from the coast", "the new railway line", "a garden of herbs"]
-    fact = "The secret password for the archive is BLUE-HERON-42."
-    filler = []
-    while len(tokenizer.encode(" ".join(filler), add_bos=False)) < n_tokens - 60:
-        filler += [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} in {1800 + rng.randrange(200)}."
-                   for _ in range(50)]
-    question = "\n\nQuestion: what is the secret password for the archive, stated at the very start?"
-
-    def encode(t):
-        return tokenizer.chat_prompt_ids(t) if tokenizer.chat_template else tokenizer.encode(t, add_bos=True)
-
-    words = (fact + " " + " ".join(filler)).split(" ")
-    while True:  # trim filler words until the formatted prompt fits
-        text = " ".join(words) + question
-        ids = encode(text)
-        if len(ids) <= n_tokens:
-            return text, ids
-        if not words:
-            raise UserError(f"--prompt-tokens {n_tokens} is too small: the question alone takes {len(ids)} tokens")
-        words = words[: len(words) - max(1, (len(ids) - n_tokens) // 2)]
 
 
 def paper_peak_memory(T: int, N: int, t: int, n_params: int = 8_030_261_248, L: int = 32, Hkv: int = 8, D: int = 128,
@@ -247,12 +212,6 @@ def short_weights(args, config: dict | None) -> str:
     return quant.get("mode", "?") + (f"-g{quant['groupsize']}" if quant.get("groupsize") else "")
 
 
-def random_prompt(config: dict, n: int) -> list[int]:
-    """--random-weights: n prompt ids drawn below the vocabulary size (seed 0: every process draws the same)."""
-    vocab = parse_config(config).vocab_size
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
-
-
 def run_figure(args) -> None:
     contexts, budgets = int_list(args.contexts, "--contexts"), int_list(args.budgets, "--budgets")
     ckpt, config = bench_source(args)
@@ -277,7 +236,7 @@ def run_figure(args) -> None:
                 rows.append(old[label, T])
                 print(f"  T={T:6d} {label:14s} (from {out}.json)", file=sys.stderr)
                 continue
-            rows.append(run_one(["--one-figure", f"{label}@{T}"], f"{label} at {T}"))
+            rows.append(run_one(__file__, ["--one-figure", f"{label}@{T}"], f"{label} at {T}"))
             x = rows[-1]
             print(f"  T={T:6d} {label:14s} decode {x['decode_step_ms']:7.2f} ms/step  peak {x['decode_peak_mib']:6.0f}"
                   f" MiB  [prefill {x['prefill_s']:.0f} s, warm-up {x['warmup_s']:.0f} s]", file=sys.stderr)
@@ -414,7 +373,7 @@ def run_quant(args) -> None:
             rows.append(old[mode])
             print(f"  {mode:10s} (from {args.json})", file=sys.stderr)
             continue
-        rows.append(run_one(["--one-quant", mode], mode))
+        rows.append(run_one(__file__, ["--one-quant", mode], mode))
         x = rows[-1]
         print(f"  {mode:10s} decode {x['decode_tok_s']:5.1f} tok/s  prefill {x['prefill_tok_s']:6.1f} tok/s  "
               f"ppl {ppl_text(x['ppl'])}  [{x['kernels']}, total {x['wall_s']:.0f} s]", file=sys.stderr)
@@ -617,35 +576,6 @@ def profile_steps(models, toks, next_pos, decode_fns, args, n_steps: int = 10) -
             sync(args.device)
         print(f"\n{label}: {n_steps} decode steps, top kernels by self time\n")
         print(prof.key_averages().table(sort_by=sort_by, row_limit=args.profile, max_name_column_width=60))
-
-
-def timed_read(x: torch.Tensor, device: str) -> float:
-    """Seconds to read x once (a sum: streaming reads, one scalar written)."""
-    sync(device)
-    t = time.perf_counter()
-    x.sum()
-    sync(device)
-    return time.perf_counter() - t
-
-
-def read_bandwidth_gb_s(device: str) -> float:
-    """Measured streaming-read bandwidth: median time of summing a 512 MiB fp32 tensor."""
-    x = torch.ones(2**27, device=device)
-    return x.nbytes / statistics.median(timed_read(x, device) for _ in range(5)) / 1e9
-
-
-def gemm_gflop_s(device: str, dtype: torch.dtype) -> float:
-    """Measured dense matrix-product rate: median of 5 products of two 2048 x 2048 matrices in `dtype`."""
-    a = torch.randn(2048, 2048, device=device).to(dtype)
-    a @ a
-
-    def once() -> float:
-        sync(device)
-        t = time.perf_counter()
-        a @ a
-        sync(device)
-        return time.perf_counter() - t
-    return 2 * 2048**3 / statistics.median(once() for _ in range(5)) / 1e9
 
 
 # ------------------------------------------------------------------------- --batch: throughput at a memory cap
@@ -853,7 +783,8 @@ def run_batch(args) -> None:
                                            "estimate_mib": (weights_b + B * kv1) / 2**20})
                         print(f"  {label:10s} B={B:5d} over the cap before any prefill: stop", file=sys.stderr)
                         break
-                    pre = prefills[label] = run_one(["--one-batch-prefill", f"{label}@{path}"], f"{label} prefill")
+                    pre = prefills[label] = run_one(__file__, ["--one-batch-prefill", f"{label}@{path}"],
+                                                    f"{label} prefill")
                     print(f"  {label:10s} prefill of one {pre['L']}-token sequence ({pre['protocol']}) "
                           f"{pre['prefill_s']:.0f} s; cache {pre['row_bytes'] / 2**20:.1f} MiB per row",
                           file=sys.stderr)
@@ -862,7 +793,7 @@ def run_batch(args) -> None:
                     if est > cap:
                         rows.append(row | {"fits": False, "measured": False})
                         break
-                x = run_one(["--one-batch", f"{label}@{B}@{path}"], f"{label} at batch {B}")
+                x = run_one(__file__, ["--one-batch", f"{label}@{B}@{path}"], f"{label} at batch {B}")
                 x.pop("label")
                 read_s = (x["weights_bytes"] + B * x["kv_bytes_per_seq"]) / (bw * 1e9)
                 ideal, roofline = B / read_s, B / max(read_s, x["flops"] / (peak_gflop_s * 1e9))
@@ -1088,22 +1019,7 @@ def parser() -> Parser:
 
 
 def main():
-    if "--speculate" in sys.argv[1:]:  # its own flags and runs: scripts/bench_speculate.py
-        from scripts import bench_speculate
-        return bench_speculate.main([x for x in sys.argv[1:] if x != "--speculate"])
     return run_cli(run, parser().parse_args())
-
-
-def int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise UserError(f"{flag} takes comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise UserError(f"{flag} needs integers >= 1, got {text!r}")
-    if twice := [v for i, v in enumerate(values) if v in values[:i]]:
-        raise UserError(f"{flag} lists {twice[0]} twice")
-    return values
 
 
 def check_sizes(config: dict, args) -> dict:
@@ -1311,7 +1227,7 @@ def run(args) -> None:
             print(f"  {label:9s} (from {args.json})", file=sys.stderr)
             continue
         # Each configuration in a fresh process: peak memory is then not polluted by earlier runs or compiles.
-        r = results[label] = run_one(["--one", label], label)
+        r = results[label] = run_one(__file__, ["--one", label], label)
         r["bandwidth_fraction"] = r["bytes_per_step"] * r["decode_tok_s"] / 1e9 / bw
         print(f"  {label:9s} prefill {r['prefill_tok_s']:7.1f} tok/s  decode {r['decode_step_ms']:6.2f} ms/step "
               f"({r['decode_tok_s']:5.1f} tok/s)  KV {r['kv_cache_mib']:.1f} MiB  "
@@ -1492,30 +1408,6 @@ def print_peer_table(results: dict, llama: dict, args, config: dict) -> None:
 
 # ----------------------------------------------------------------------------- outputs that survive interruption
 
-# vars(args) that are not settings: the configurations (--policies, --quant's modes, --figure's contexts and
-# budgets), where the outputs go, the checkpoint's name (checkpoint_identity instead) and the internal flags
-NOT_SETTINGS = {"policies", "quant", "contexts", "budgets", "checkpoint", "json", "out_dir", "resume", "one",
-                "one_figure", "one_quant", "plot", "one_batch", "one_batch_prefill"}
-
-
-def bench_settings(args, ckpt, mode: str) -> dict:
-    """What every configuration's measurement depends on besides the configuration itself (recorded beside the
-    results; --resume refuses an output with other settings)."""
-    # outputs written before these flags stay resumable
-    off = {k for k in ("llamacpp", "kv_dtype") if not getattr(args, k, None)}
-    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-            if k not in NOT_SETTINGS | off} | dict(
-        mode=mode, checkpoint=shapes_identity(ckpt) if getattr(args, "random_weights", False) else
-        checkpoint_identity(ckpt), threads=torch.get_num_threads(), torch=torch.__version__)
-
-
-def shapes_identity(name: str) -> dict:
-    """--random-weights: what tells one model's shapes from another's (the config, not its path)."""
-    import hashlib
-    config, shapes = shape_config(name)
-    return {"shapes": shapes, "config": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]}
-
-
 # what a resumed row must hold (the table and the ratios use them): str, int or any number
 TABLE_FIELDS = {"protocol": str, "prefill_s": float, "prefill_tok_s": float, "decode_step_ms": float,
                 "decode_tok_s": float, "bandwidth_fraction": float, "prefill_peak_mib": float, "decode_peak_mib": float}
@@ -1523,73 +1415,6 @@ QUANT_FIELDS = {"mode": str, "decode_tok_s": float, "bytes_per_step": float, "pr
                 "decode_peak_mib": float}  # and "ppl": float, except with --random-weights
 FIGURE_FIELDS = {"label": str, "T": int, "cache_slots": float, "decode_step_ms": float, "decode_peak_mib": float,
                  "bytes_per_step": float, "weights_mib": float, "cache_mib": float}
-
-
-def row_ok(x, fields: dict) -> bool:
-    kinds = {str: str, int: int, float: (int, float)}
-    return isinstance(x, dict) and all(isinstance(x.get(f), kinds[t]) and not isinstance(x.get(f), bool)
-                                       for f, t in fields.items())
-
-
-def previous(path, settings: dict, args, key: str, kind: type, fields: dict, missing_ok: bool = False):
-    """--resume: out[key] of the JSON this script left at `path` with these settings (empty when there is none or
-    without --resume; missing_ok: also when the output has no `key` yet); each entry a dict with `fields`."""
-    old = read_json(path) if args.resume else None
-    if old is None:
-        return kind()
-    check_settings(path, old.get("settings") if isinstance(old, dict) else None, settings)
-    if missing_ok and key not in old:
-        return kind()
-    entries = old.get(key)
-    ok = isinstance(entries, kind) and all(row_ok(x, fields) for x in (entries.values() if kind is dict else entries))
-    if not ok:
-        raise UserError(f"--resume: {path} has no {key} as this script writes them (run without --resume to replace "
-                        "it)")
-    return kind(measured(path, entries, fields))
-
-
-def measured(path, entries, fields: dict):
-    """The entries (a dict's items, or a list's rows) whose numbers are finite and non-negative, as a measurement
-    gives them; each other is left out to be measured again, with one line naming it and the field."""
-    for name, x in entries.items() if isinstance(entries, dict) else ((None, x) for x in entries):
-        bad = next((f for f, t in fields.items() if t is not str and not 0 <= x[f] < math.inf), None)
-        if bad is None:
-            yield (name, x) if isinstance(entries, dict) else x
-            continue
-        row = name if name is not None else ", ".join(f"{f} {x[f]}" for f in fields if fields[f] is not float)
-        print(f"--resume: {path}: {row} has {bad} = {x[bad]} (not a finite, non-negative number): measuring it again",
-              file=sys.stderr)
-
-
-def save(path, args, settings: dict, **out) -> None:
-    write_atomic(path, json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "settings": settings, **out},
-                                  indent=2))
-
-
-def run_one(argv: list[str], what: str) -> dict:
-    """One configuration in a fresh process (this script with `argv` added); its JSON line. A failure ends the run
-    with one line; the process's whole output goes to a log."""
-    r = subprocess.run([sys.executable, __file__, *sys.argv[1:], *argv], capture_output=True, text=True)
-    try:
-        return json_result(r, what, "budgetkv-bench")
-    except EnvironmentFailure as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-
-
-def json_result(r: subprocess.CompletedProcess, what: str, log_name: str) -> dict:
-    """The JSON line a measuring subprocess printed last; or EnvironmentFailure naming its last stderr line and a
-    log holding its whole output."""
-    lines = r.stdout.strip().splitlines()
-    if r.returncode == 0 and lines:
-        try:
-            return json.loads(lines[-1])
-        except json.JSONDecodeError:
-            pass
-    log = Path(tempfile.gettempdir()) / f"{log_name}-{os.getpid()}.log"
-    log.write_text(r.stdout + r.stderr)
-    last = (r.stderr.strip().splitlines() or ["no result"])[-1].removeprefix("error: ")
-    raise EnvironmentFailure(f"{what} failed (exit {r.returncode}): {last} (whole output: {log})")
 
 
 if __name__ == "__main__":

@@ -76,8 +76,7 @@ def run(a) -> int:
     caches = [tuple(torch.randn(1, hkv, a.slots, d, generator=gen).to(a.device, dtype) for _ in "kv")
               for _ in range(args.n_layers)]
     nbytes = sum(k.nbytes + v.nbytes for k, v in caches)
-    sys.path.insert(0, str(REPO / "scripts"))
-    from bench import read_bandwidth_gb_s
+    from scripts.benchlib import read_bandwidth_gb_s
     print(f"{label}: {args.n_layers} layers x {hkv} KV heads ({g} query heads each) x {a.slots} slots x head dim {d}: "
           f"{nbytes / 2**20:.0f} MiB of {a.dtype} keys and values on {a.device}, torch threads "
           f"{torch.get_num_threads()}, read bandwidth {read_bandwidth_gb_s(a.device):.1f} GB/s")

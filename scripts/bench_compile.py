@@ -33,7 +33,7 @@ check_python()  # one line, not a traceback, in a Python without the requirement
 from checkpoint import resolve_checkpoint  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402
 from errors import UserError  # noqa: E402
-from scripts.bench import make_document  # noqa: E402
+from scripts.benchlib import make_document  # noqa: E402
 from scripts.outputs import write_atomic  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 

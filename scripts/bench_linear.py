@@ -76,8 +76,7 @@ def run(a) -> int:
     torch._dynamo.config.recompile_limit = 64
     config, label = shape_config(a.checkpoint)
     model = engine.random_model(config, torch.float32, "cpu", label=label)
-    sys.path.insert(0, str(REPO / "scripts"))
-    from bench import read_bandwidth_gb_s
+    from scripts.benchlib import read_bandwidth_gb_s
     print(f"{label}: {sum(m.weight.numel() for m in linears(model)) * 4 / 2**20:.0f} MiB of fp32 weights in "
           f"{len(linears(model))} Linears, torch threads {torch.get_num_threads()}, "
           f"read bandwidth {read_bandwidth_gb_s('cpu'):.1f} GB/s")

@@ -1,9 +1,9 @@
-"""scripts/bench.py --speculate: self-speculative decoding (speculative.py) against plain decoding of the same
+"""Self-speculative decoding (speculative.py) against plain decoding of the same
 target with its full cache, measured in the same process.
 
-    python scripts/bench.py --speculate [--policies sink,snapkv,tova,keydiff,rocketkv] [--budgets 256,512]
-                            [--ks 2,4,6] [--contexts 2048,4096,8000] [--weights float32,bfloat16,int8]
-                            [--new-tokens 64] [--repeats 1] [--compile] [--json out.json] [--plot speedup.png]
+    python scripts/bench_speculate.py [--policies sink,snapkv,tova,keydiff,rocketkv] [--budgets 256,512]
+                                      [--ks 2,4,6] [--contexts 2048,4096,8000] [--weights float32,bfloat16,int8]
+                                      [--new-tokens 64] [--repeats 1] [--compile] [--json out.json] [--plot speedup.png]
 
 For each weight format (one model per format, in memory: int8 by quantize.quantize_model, as bench.py --quant
 does with random weights) and each context (a prompt of that many tokens: --text prose, a window of the
@@ -49,13 +49,14 @@ from cli import Parser, check_writable, run_cli  # noqa: E402
 from errors import UserError  # noqa: E402
 from config import parse_config  # noqa: E402
 from engine import set_layer_regions  # noqa: E402
+from scripts.benchlib import int_list, make_document  # noqa: E402
 from scripts.outputs import save_png, write_atomic  # noqa: E402
 
 WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}
 
 
 def parser() -> Parser:
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, prog="bench.py --speculate")
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default="smollm2-135m")
     ap.add_argument("--random-weights", action="store_true",
                     help="--checkpoint's shapes with seeded random weights and random prompt ids (acceptance then "
@@ -81,11 +82,6 @@ def parser() -> Parser:
     ap.add_argument("--json", type=Path, help="write the settings and every row here")
     ap.add_argument("--plot", type=Path, help="write the speedup-vs-context plot (PNG) here")
     return ap
-
-
-def int_list(text: str, flag: str) -> list[int]:
-    from scripts.bench import int_list as parse
-    return parse(text, flag)
 
 
 def check_args(a) -> dict:
@@ -144,7 +140,6 @@ def prompt_ids(tokenizer, config: dict, n: int, text: str) -> list[int]:
     if text == "prose":
         from scripts.eval import fidelity_texts
         return fidelity_texts(tokenizer, 1, n, seed=0)[0]
-    from scripts.bench import make_document
     return make_document(tokenizer, n)[1]
 
 

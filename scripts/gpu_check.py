@@ -186,7 +186,7 @@ def tiny_checkpoint(out: Path) -> Path:
         raise EnvironmentFailure(f"--graph-model tiny needs {', '.join(missing)}: bash scripts/setup.sh test")
     sys.path.insert(0, str(REPO / "tests"))
     from conftest import make_hf_checkpoint, with_tiny_tokenizer
-    from scripts.bench import make_document
+    from scripts.benchlib import make_document
     src = out.with_name(out.name + "_tiny_src")
     make_hf_checkpoint("llama", src)
     return with_tiny_tokenizer(src, out.with_name(out.name + "_tiny"), inspect.getsource(make_document))
@@ -194,7 +194,7 @@ def tiny_checkpoint(out: Path) -> Path:
 
 def run_graphs(args) -> list[dict]:
     from checkpoint import resolve_checkpoint
-    from scripts.bench import make_document
+    from scripts.benchlib import make_document
     from tokenizer import load_tokenizer
     ckpt = tiny_checkpoint(args.out) if args.graph_model == "tiny" else resolve_checkpoint(args.graph_model)
     model = load_model(ckpt, torch.float32, args.device)
@@ -343,7 +343,7 @@ def run(args) -> int:
     header = (f"budgetkv GPU check on {name}, torch {torch.__version__}; figure and bench: {args.shapes} shapes, "
               f"random {args.dtype} weights, {'compiled' if args.compile else 'eager'}")
     print(header, file=sys.stderr)
-    from scripts.bench import read_bandwidth_gb_s
+    from scripts.benchlib import read_bandwidth_gb_s
     meta = {"device": name, "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()},
             "read_gb_s": read_bandwidth_gb_s(args.device), "wall_s": {}}
     runs = {"tests": lambda: run_tests(args.out), "graphs": lambda: run_graphs(args),

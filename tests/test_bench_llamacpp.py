@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from scripts import bench
+from scripts import bench, benchlib
 
 LLAMA_PY = REPO / ".venv-llamacpp" / "bin" / "python"
 SCRIPT = REPO / "scripts" / "bench_llamacpp.py"
@@ -47,8 +47,8 @@ def test_settings_name_the_flag_only_when_given(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
-    without = bench.bench_settings(bench.parser().parse_args([]), ckpt, "table")
-    with_it = bench.bench_settings(bench.parser().parse_args(["--llamacpp"]), ckpt, "table")
+    without = benchlib.bench_settings(bench.parser().parse_args([]), ckpt, "table")
+    with_it = benchlib.bench_settings(bench.parser().parse_args(["--llamacpp"]), ckpt, "table")
     assert "llamacpp" not in without and with_it["llamacpp"] is True
     assert {k: v for k, v in with_it.items() if k != "llamacpp"} == without
 
@@ -91,7 +91,7 @@ def test_resume_keeps_llamacpp_rows(tmp_path):
 
     def prev(out):
         (tmp_path / "b.json").write_text(json.dumps({"settings": settings, **out}))
-        return bench.previous(args.json, settings, args, "llamacpp", dict, bench.LLAMACPP_FIELDS, missing_ok=True)
+        return benchlib.previous(args.json, settings, args, "llamacpp", dict, bench.LLAMACPP_FIELDS, missing_ok=True)
     assert prev({"results": {}}) == {}
     assert prev({"llamacpp": {"shipped": row}}) == {"shipped": row}
     with pytest.raises(UserError, match="has no llamacpp as this script writes them"):

@@ -1,4 +1,4 @@
-"""scripts/bench.py --speculate end to end on tiny random-weight shapes (eager): one row per weight format, context,
+"""scripts/bench_speculate.py end to end on tiny random-weight shapes (eager): one row per weight format, context,
 draft policy, budget and K, each with plain decode's tokens (greedy identity), the acceptance, the measured and the
 predicted speedup; the JSON and the plot are written; bad input is one line and exit 2."""
 import json
@@ -46,8 +46,8 @@ def test_bad_input_one_line_exit_2(tiny_config_dir, capsys, extra, message):
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
 
 
-def test_bench_dispatches_speculate(tiny_config_dir):
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--speculate", "--checkpoint",
+def test_bench_speculate_runs_as_a_script(tiny_config_dir):
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_speculate.py"), "--checkpoint",
                         str(tiny_config_dir), "--random-weights", "--policies", "sink", "--budgets", "16", "--ks",
                         "2", "--contexts", "40", "--weights", "float32", "--new-tokens", "4", "--block-size", "8",
                         "--threads", "1"], capture_output=True, text=True, timeout=300)

@@ -16,7 +16,7 @@ from conftest import REPO
 
 import cli
 from errors import UserError
-from scripts import bench
+from scripts import bench, benchlib
 from scripts import eval as ev
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -235,10 +235,10 @@ def test_bench_rows_not_written_by_bench_are_refused(tmp_path):
     for results in [[], {"sink": {"protocol": "block"}}, {"sink": dict(fake_row("table", "sink"), decode_tok_s="9")}]:
         path.write_text(json.dumps({"settings": settings, "results": results}))
         with pytest.raises(UserError, match="has no results as this script writes them"):
-            bench.previous(path, settings, args, "results", dict, bench.TABLE_FIELDS)
+            benchlib.previous(path, settings, args, "results", dict, bench.TABLE_FIELDS)
     good = {"sink": dict(fake_row("table", "sink"), bandwidth_fraction=0.5)}
     path.write_text(json.dumps({"settings": settings, "results": good}))
-    assert bench.previous(path, settings, args, "results", dict, bench.TABLE_FIELDS) == good
+    assert benchlib.previous(path, settings, args, "results", dict, bench.TABLE_FIELDS) == good
 
 
 def test_eval_disk_full_keeps_whole_lines_then_resumes(ckpt, uninterrupted, tmp_path):

