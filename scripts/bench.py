@@ -29,11 +29,6 @@ decode-phase peak memory. Speedup and memory saving are relative to `full` in th
 the bandwidth-model ideal: (weights + KV bytes read per step) of full over rocketkv's (t token-equivalents).
 Writes --out-dir/rocketkv_figure.{json,png}.
 
-    python scripts/bench.py --quant [float32,bfloat16,int8,int4-g64,int4-g32] --prompt-tokens 512
-
-`--quant`: weight-only quantization (quantize.py), each mode in a fresh process: decode tok/s with the `full` cache,
-bytes read per decode step (weights + KV), and the perplexity of the evaluation harness's fidelity text.
-
     python scripts/bench.py --paired --compile --policies keydiff [--decode-steps 96]
 
 `--paired`: a policy's decode-step overhead over `no-evict`, measured in ONE process: one model per configuration
@@ -54,7 +49,7 @@ decided before allocating) exceeds --memory-cap MiB; the largest batch under the
 machine's measured matrix-product rate, whichever takes longer). Each row a copy of one prefilled sequence: one batch-1 prefill
 per policy (its own process), its cache state copied into every row of each batch's process.
 
-Self-speculative decoding is measured by scripts/bench_speculate.py.
+Quantized weights are measured by scripts/bench_quant.py, self-speculative decoding by scripts/bench_speculate.py.
 """
 import argparse
 import dataclasses
@@ -76,20 +71,19 @@ check_python()  # one line, not a traceback, in a Python without the requirement
 import torch  # noqa: E402
 
 import policies  # noqa: E402
-from cache import KV_DTYPES, is_scorer, kv_bytes  # noqa: E402
-from checkpoint import resolve_checkpoint, shape_config  # noqa: E402
+from cache import KV_DTYPES, is_scorer  # noqa: E402
+from checkpoint import shape_config  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402
-from convert import read_config  # noqa: E402
-from engine import (AOT, PeakMemory, block_inputs, compile_steps, decode_bytes_per_step,  # noqa: E402
-                    default_compile_mode, kv_cache_estimate, load_model, model_step, prefill_one_shot,
-                    prefill_protocol, prefill_step, random_model, release_free_memory, setup, setup_batch,
-                    sync, use_layer_regions)
+from engine import (AOT, PeakMemory, decode_bytes_per_step, kv_cache_estimate, prefill_one_shot,  # noqa: E402
+                    prefill_protocol, prefill_step, setup, setup_batch, sync, use_layer_regions)
 from engine import prefill as engine_prefill  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
 from config import parse_config  # noqa: E402
 from scripts.eval import check_device  # noqa: E402
-from scripts.benchlib import (bench_settings, gemm_gflop_s, int_list, make_document, previous, random_prompt,  # noqa: E402
-                              json_result, read_bandwidth_gb_s, run_one, save, timed_read)
+from scripts.benchlib import (bench_model, bench_settings, bench_source, bench_steps, check_sizes,  # noqa: E402
+                              config_policy, gemm_gflop_s, int_list, json_result, kv_dtype, make_document, previous,
+                              random_prompt, read_bandwidth_gb_s, run_one, save, short_weights, steps_label,
+                              time_policy, timed_read, weights_label)
 from scripts.outputs import save_png, write_atomic  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -169,47 +163,6 @@ def figure_one(model, label: str, T: int, args) -> dict:
             "decode_peak_mib": max(peaks[1:]) / 2**20, "weights_mib": weights_b / 2**20,
             "cache_mib": cache_b / 2**20, "bytes_per_step": weights_b + kv_read_b,
             "params": dataclasses.asdict(c.policy.rp) if policy is not None else None}
-
-
-def bench_source(args) -> tuple:
-    """(checkpoint, config.json): the resolved checkpoint folder, or with --random-weights the name whose shapes
-    run (a short name's shipped config, or a folder holding only a config.json)."""
-    if args.random_weights:
-        return args.checkpoint, shape_config(args.checkpoint)[0]
-    ckpt = resolve_checkpoint(args.checkpoint)
-    return ckpt, read_config(ckpt)
-
-
-def bench_model(args, ckpt, config: dict, kv_slots: int = 0, dtype: torch.dtype | None = None):
-    """The model in --dtype (or `dtype`): the checkpoint's weights, or with --random-weights seeded random ones (seed
-    0, the same in every process and configuration), refused before allocating when they and kv_slots slots of KV
-    cache per layer would not fit the device's free memory."""
-    dtype = dtype or getattr(torch, args.dtype)
-    if not args.random_weights:
-        return load_model(ckpt, dtype, args.device, config)
-    kv_need = kv_cache_estimate(parse_config(config), kv_slots, kv_dtype(args) or dtype)
-    return random_model(config, dtype, args.device, 0, label=shape_config(args.checkpoint)[1], kv_bytes=kv_need)
-
-
-def kv_dtype(args) -> torch.dtype | None:
-    """--kv-dtype (int8, bfloat16): the cache's storage dtype; None: the compute dtype (the runs without the flag)."""
-    return KV_DTYPES.get(getattr(args, "kv_dtype", None))
-
-
-def weights_label(args, config: dict | None = None) -> str:
-    """The weights' format: the run's dtype, or a quantize.py checkpoint's mode, run in that dtype."""
-    if args.random_weights:
-        return f"random {args.dtype} weights (seed 0)"
-    quant = short_weights(args, config)
-    return f"{quant} weights, run in {args.dtype}" if quant != args.dtype else args.dtype
-
-
-def short_weights(args, config: dict | None) -> str:
-    """int8, int4-g32 (a quantize.py checkpoint), else the run's dtype."""
-    quant = (config or {}).get("budgetkv_quantization")
-    if not isinstance(quant, dict):
-        return args.dtype
-    return quant.get("mode", "?") + (f"-g{quant['groupsize']}" if quant.get("groupsize") else "")
 
 
 def run_figure(args) -> None:
@@ -296,183 +249,6 @@ def plot_figure(rows, budgets, path) -> None:
     fig.tight_layout()
     save_png(fig, path, dpi=120)
     plt.close(fig)
-
-
-def quant_one(mode: str, args) -> dict:
-    """One --quant row in this process: --checkpoint in fp32 / bf16, or its quantize.py checkpoint (int8; int4-gN =
-    group size N; written beside it on first use, as a user would) loaded by engine.load_model; decode tok/s and
-    bytes read per step with the `full` cache on the synthetic document (block-wise prefill, as the main table);
-    perplexity of the evaluation harness's fidelity text (teacher-forced continuations, scripts/eval.py)."""
-    import math
-    import quantize
-    from scripts import eval as ev
-    from scripts import quantize as quantize_cli
-    if args.random_weights:
-        return quant_random(mode, args)
-    ckpt = resolve_checkpoint(args.checkpoint)
-    tok = load_tokenizer(ckpt)
-    if mode.startswith("int"):
-        spec, qhead = mode.removesuffix("-qhead"), mode.endswith("-qhead")  # -qhead: int4 with a quantized head
-        kind, _, g = spec.partition("-g")
-        qdir = quantize.default_out(ckpt, kind, int(g) if g else None)
-        qdir = qdir.with_name(qdir.name + "-qhead") if qhead else qdir
-        if not (qdir / "config.json").is_file():
-            argv = ["--checkpoint", str(ckpt), "--mode", kind, "--out", str(qdir)] + (["--groupsize", g] if g else [])
-            argv += ["--head", "quantize"] if qhead else []
-            if quantize_cli.main(argv) != 0:
-                sys.exit(f"scripts/quantize.py {' '.join(argv)} failed")
-        ckpt = qdir
-    model = load_model(ckpt, torch.bfloat16 if mode == "bfloat16" else torch.float32, args.device)
-    _, ids = make_document(tok, args.prompt_tokens)
-    setup(model, None, len(ids) + args.decode_steps, len(ids), args.decode_steps, args.block_size)
-    steps = bench_steps(args)
-    r = time_policy(model, ids, steps, args, args.device)
-    texts = ev.fidelity_texts(tok, args.ppl_texts, args.ppl_prefix + args.ppl_tokens, seed=0)
-    records = ev.fidelity(model, texts, args.ppl_prefix, [("block", "full", None)], block_size=args.block_size,
-                          steps=steps)
-    r["nll"] = sum(x["nll"] for x in records) / len(records)
-    r["ppl"] = math.exp(r["nll"])
-    r["mode"] = mode
-    r["kernels"] = quantize.summary(model)["kernels"]
-    return r
-
-
-def quant_random(mode: str, args) -> dict:
-    """One --quant row with --random-weights: the shapes' random model (float32, or bfloat16 for that mode)
-    quantized in memory by quantize.quantize_model, the `full` cache on random prompt ids; no perplexity (random
-    weights have none worth reporting)."""
-    import quantize
-    ckpt, config = bench_source(args)
-    ids = random_prompt(config, args.prompt_tokens)
-    model = bench_model(args, ckpt, config, len(ids) + args.decode_steps + args.block_size,
-                        dtype=torch.bfloat16 if mode == "bfloat16" else torch.float32)
-    if mode.startswith("int"):
-        kind, _, g = mode.removesuffix("-qhead").partition("-g")
-        quantize.quantize_model(model, kind, int(g) if g else None, head=True if mode.endswith("-qhead") else None)
-    setup(model, None, len(ids) + args.decode_steps, len(ids), args.decode_steps, args.block_size)
-    r = time_policy(model, ids, bench_steps(args), args, args.device)
-    return r | {"mode": mode, "ppl": None, "kernels": quantize.summary(model)["kernels"]}
-
-
-def run_quant(args) -> None:
-    modes = [m for m in args.quant.split(",") if m]  # checked in check_args
-    ckpt, config = bench_source(args)
-    check_sizes(config, args)
-    settings = bench_settings(args, ckpt, "quant")
-    fields = QUANT_FIELDS if args.random_weights else QUANT_FIELDS | {"ppl": float}
-    old = {x["mode"]: x for x in previous(args.json, settings, args, "rows", list, fields)}
-    ppl = "no perplexity (random weights)" if args.random_weights else \
-        f"perplexity: {args.ppl_texts} fidelity texts, {args.ppl_tokens} tokens after {args.ppl_prefix}"
-    print(f"{args.checkpoint}: --quant {modes}; decode: full cache, prompt {args.prompt_tokens} tokens, "
-          f"{args.decode_steps} decode steps x {args.repeats} repeats; {ppl}; "
-          f"{'random weights (seed 0), ' if args.random_weights else ''}"
-          f"{args.device}, {steps_label(args)}, torch threads {torch.get_num_threads()}", file=sys.stderr)
-    rows = []
-    for mode in modes:
-        if mode in old:  # --resume: measured by an earlier run with the same settings
-            rows.append(old[mode])
-            print(f"  {mode:10s} (from {args.json})", file=sys.stderr)
-            continue
-        rows.append(run_one(__file__, ["--one-quant", mode], mode))
-        x = rows[-1]
-        print(f"  {mode:10s} decode {x['decode_tok_s']:5.1f} tok/s  prefill {x['prefill_tok_s']:6.1f} tok/s  "
-              f"ppl {ppl_text(x['ppl'])}  [{x['kernels']}, total {x['wall_s']:.0f} s]", file=sys.stderr)
-        if args.json:  # after every configuration: a stopped run keeps what it measured (--resume goes on)
-            save(args.json, args, settings, rows=rows)
-    if args.json:  # with the kept rows after the last one measured
-        save(args.json, args, settings, rows=rows)
-    base = next((x for x in rows if x["mode"] == "float32"), rows[0])
-    print(f"\n| mode | bytes read / decode step (MiB) | decode tok/s | vs {base['mode']} | prefill tok/s | "
-          f"perplexity | vs {base['mode']} | peak MiB decode |")
-    print("|---|---|---|---|---|---|---|---|")
-    for x in rows:
-        print(f"| {x['mode']} | {x['bytes_per_step'] / 2**20:.0f} | {x['decode_tok_s']:.1f} | "
-              f"{x['decode_tok_s'] / base['decode_tok_s']:.2f}x | {x['prefill_tok_s']:.0f} | {ppl_text(x['ppl'])} | "
-              f"{'–' if x['ppl'] is None else format(x['ppl'] / base['ppl'] - 1, '+.2%')} | "
-              f"{x['decode_peak_mib']:.0f} |")
-
-
-def ppl_text(ppl: float | None) -> str:
-    return "–" if ppl is None else f"{ppl:.4f}"
-
-
-def bench_steps(args, freeze: bool | None = None, mode: str | None = None):
-    """(prefill, decode) steps: eager, or compiled (the prefill step too unless --no-compile-prefill; frozen with
-    --freeze, or as `freeze` says; in --compile-mode, or `mode`)."""
-    if not args.compile:
-        return prefill_step, model_step
-    freeze = args.freeze if freeze is None else freeze
-    mode = mode or args.compile_mode or default_compile_mode(args.device, torch.float32, False, freeze)  # generate.py's
-    return compile_steps(args.device, mode, prefill=not args.no_compile_prefill, freeze=freeze)
-
-
-def steps_label(args) -> str:
-    return ("compiled (decode only)" if args.no_compile_prefill else "compiled") if args.compile else "eager"
-
-
-def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
-    """Median prefill time (block-wise, or one-shot: dense layer-major prefill then one compression, eager even with
-    --compile, as in generate.py; it ends with the first token's argmax, so it is also the TTFT) and median decode
-    step time over repeats (and per repeat), per-phase peak memory, and the greedy tokens (the first + one per
-    decode step) of the last repeat."""
-    prefill_fn, decode_fn = steps
-    prompt = torch.tensor(ids, device=device)
-    mem = PeakMemory(device)
-    prefill_s, step_s, prefill_peak, decode_peak, per_repeat = [], [], [], [], []
-
-    def prefill():
-        return engine_prefill(model, prompt, args.block_size, prefill_fn, one_shot)
-
-    with torch.inference_mode():
-        t = time.perf_counter()  # warm-up: compiles both steps when compiled, so no repeat pays for it
-        # one-shot prefill is eager (nothing to compile): warm up with the whole prompt; block-wise, one block
-        logits = prefill() if one_shot else prefill_fn(model, *block_inputs(prompt, 0, args.block_size))
-        next_pos = len(ids) if one_shot else args.block_size
-        decode_fn(model, logits.argmax(-1).view(1, 1), torch.tensor([next_pos], device=device))
-        sync(device)
-        warmup_s = time.perf_counter() - t
-        release_free_memory()  # as engine.warm_up and engine.generate do
-        dynamo = args.compile and "torch._dynamo" in sys.modules  # not imported: eager, or the AOT decode step alone
-        if dynamo:  # a recompile inside the timed loop would be a bug
-            torch._dynamo.config.error_on_recompile = True
-        for _ in range(args.repeats):
-            for layer in model.layers:
-                layer.attention.kv_cache.reset()
-            mem.reset()
-            sync(device)
-            t0 = time.perf_counter()
-            logits = prefill()
-            tok = logits.argmax(-1).view(1, 1)
-            sync(device)
-            prefill_s.append(time.perf_counter() - t0)
-            prefill_peak.append(mem.peak())
-            release_free_memory()
-            mem.reset()
-            toks, mine = [tok], []
-            for i in range(args.decode_steps):
-                t = time.perf_counter()
-                logits = decode_fn(model, tok, torch.tensor([len(ids) + i], device=device))
-                tok = logits.argmax(-1).view(1, 1)
-                sync(device)
-                mine.append(time.perf_counter() - t)
-                toks.append(tok)
-            decode_peak.append(mem.peak())
-            step_s += mine
-            per_repeat.append(1 / statistics.median(mine))
-        if dynamo:
-            torch._dynamo.config.error_on_recompile = False
-    weights_b, kv_read_b = decode_bytes_per_step(model)
-    return {"warmup_s": warmup_s, "prefill_s": statistics.median(prefill_s), "ttft_s": statistics.median(prefill_s),
-            "prefill_tok_s": len(ids) / statistics.median(prefill_s),
-            "decode_step_ms": 1e3 * statistics.median(step_s), "decode_tok_s": 1 / statistics.median(step_s),
-            "decode_tok_s_repeats": per_repeat, "tokens": [int(t) for t in toks],  # the last repeat's greedy tokens
-            "prefill_peak_mib": max(prefill_peak) / 2**20, "decode_peak_mib": max(decode_peak) / 2**20,
-            "kv_cache_mib": kv_bytes(model) / 2**20, "bytes_per_step": weights_b + kv_read_b}
-
-
-def config_policy(label: str):
-    """The policy of a configuration (a spec): `no-evict` is KeyDiff's buffer with eviction off, `full` None."""
-    return policies.make("keydiff" if label == "no-evict" else label)
 
 
 def run_paired(args) -> None:
@@ -979,24 +755,17 @@ def parser() -> Parser:
     ap.add_argument("--random-weights", action="store_true",
                     help="the table, --paired or --figure without weights: --checkpoint's shapes (a short name's "
                          "configs/<name>.json, or a folder with only a config.json) with seeded random weights "
-                         "(seed 0) and random prompt ids (not --quant, which quantizes a checkpoint's weights)")
+                         "(seed 0) and random prompt ids")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                    help="weights and KV cache of the policy table, --paired and --figure (--quant has its modes)")
-    ap.add_argument("--json", type=Path, help="also write all results here (the table, --paired and --quant)")
+                    help="weights and KV cache of the policy table, --paired and --figure")
+    ap.add_argument("--json", type=Path, help="also write all results here (the table, --paired)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one configuration, print JSON
     ap.add_argument("--figure", choices=["rocketkv"], help="RocketKV's efficiency experiment (paper Figure 5)")
     ap.add_argument("--contexts", default="4096,8192,16384", help="--figure: prompt lengths")
     ap.add_argument("--budgets", default="256,512,1024", help="--figure: RocketKV token budgets")
     ap.add_argument("--out-dir", type=Path, default=REPO / "build", help="--figure: where the JSON and PNG go")
     ap.add_argument("--one-figure", help=argparse.SUPPRESS)  # internal: one --figure configuration, "label@T"
-    ap.add_argument("--quant", nargs="?", const="float32,bfloat16,int8,int4-g32,int4-g64,int4-g32-qhead",
-                    help="weight quantization table (modes: float32, bfloat16, int8, int4-gN; -qhead = int4 with a "
-                         "quantized output head; default all of these)")
-    ap.add_argument("--ppl-texts", type=int, default=4, help="--quant: fidelity texts for the perplexity")
-    ap.add_argument("--ppl-prefix", type=int, default=256, help="--quant: context tokens before each scored span")
-    ap.add_argument("--ppl-tokens", type=int, default=128, help="--quant: scored tokens per text")
-    ap.add_argument("--one-quant", help=argparse.SUPPRESS)  # internal: one --quant row
     ap.add_argument("--batch", action="store_true",
                     help="decode tok/s and peak memory of full and --policies (default keydiff,snapkv) as the batch "
                          "grows (1, 2, 4, ...) until --memory-cap; each row a copy of one prefilled sequence")
@@ -1022,32 +791,14 @@ def main():
     return run_cli(run, parser().parse_args())
 
 
-def check_sizes(config: dict, args) -> dict:
-    """config (returned), after checking the prompt, decode steps, block and budget and each policy against it."""
-    model_args = parse_config(config)
-    ctx = model_args.max_seq_len
-    if args.block_size > ctx:
-        raise UserError(f"--block-size {args.block_size} is larger than the model's context ({ctx})")
-    if args.prompt_tokens + args.decode_steps > ctx or args.budget > ctx:
-        raise UserError(f"--prompt-tokens + --decode-steps ({args.prompt_tokens} + {args.decode_steps}) and --budget "
-                        f"({args.budget}) must fit the model's context ({ctx})")
-    run = policies.Run(args.budget, args.prompt_tokens, args.decode_steps, args.block_size, model_args)
-    for name in policies.spec_list(args.policies):  # each policy against the budget, before any run
-        policy = config_policy(name)
-        if is_scorer(policy):
-            policy.plan(run)
-    return config
-
-
 # the flags that apply to some kinds of run only (the others refuse them)
-ONLY = {"contexts": ["figure"], "budgets": ["figure"], "out_dir": ["figure"], "ppl_texts": ["quant"],
-        "ppl_prefix": ["quant"], "ppl_tokens": ["quant"], "kvpress": ["table"], "hf_model": ["table"],
+ONLY = {"contexts": ["figure"], "budgets": ["figure"], "out_dir": ["figure"], "kvpress": ["table"], "hf_model": ["table"],
         "llamacpp": ["table"], "kv_dtype": ["table"], "freezing_twins": ["paired"], "aot_twins": ["paired"],
         "profile": ["paired"], "policies": ["table", "paired", "batch"], "budget": ["table", "paired", "batch"],
-        "prompt_tokens": ["table", "paired", "quant", "batch"], "json": ["table", "quant", "paired", "batch"],
-        "resume": ["table", "quant", "figure"], "dtype": ["table", "paired", "figure", "batch"],
+        "prompt_tokens": ["table", "paired", "batch"], "json": ["table", "paired", "batch"],
+        "resume": ["table", "figure"], "dtype": ["table", "paired", "figure", "batch"],
         "memory_cap": ["batch"], "batch_sizes": ["batch"], "plot": ["batch"]}
-RUNS = {"table": "the policy table", "paired": "--paired", "figure": "--figure", "quant": "--quant",
+RUNS = {"table": "the policy table", "paired": "--paired", "figure": "--figure",
         "batch": "--batch"}
 
 
@@ -1055,7 +806,7 @@ def check_args(args) -> None:
     """Bad input fails here, before any model is loaded or any configuration has run."""
     defaults = vars(parser().parse_args([]))
     given = {k for k, v in vars(args).items() if v != defaults[k]}
-    if len(runs := [k for k in ("paired", "figure", "quant", "batch") if k in given]) > 1:
+    if len(runs := [k for k in ("paired", "figure", "batch") if k in given]) > 1:
         raise UserError(f"--{runs[0]} and --{runs[1]} are separate runs: give one")
     kind = runs[0] if runs else "table"
     for k in sorted(given & set(ONLY)):
@@ -1115,18 +866,6 @@ def check_args(args) -> None:
         check_writable(args.out_dir / "rocketkv_figure.json", "--out-dir")
     if args.json is not None:
         check_writable(args.json, "--json")
-    if args.quant is not None:
-        modes = [m for m in args.quant.split(",") if m]
-        if not modes:
-            raise UserError("--quant is empty")
-        for m in modes:
-            check_quant_mode(m)
-        if twice := [m for i, m in enumerate(modes) if m in modes[:i]]:
-            raise UserError(f"--quant lists {twice[0]} twice")
-        if min(args.ppl_texts, args.ppl_prefix, args.ppl_tokens) < 1:
-            raise UserError("--ppl-texts, --ppl-prefix and --ppl-tokens must be >= 1")
-    if args.one_quant:
-        check_quant_mode(args.one_quant)
     if args.batch:
         if not args.memory_cap > 0:
             raise UserError(f"--memory-cap must be > 0 MiB, got {args.memory_cap:g}")
@@ -1138,12 +877,6 @@ def check_args(args) -> None:
             args.policies = BATCH_POLICIES
     if args.one_figure and not re.fullmatch(r"(full|rocketkv-[1-9]\d*)@[1-9]\d*", args.one_figure):
         raise UserError(f"--one-figure {args.one_figure!r}: full@T or rocketkv-t@T")
-
-
-def check_quant_mode(m: str) -> None:
-    kind, _, g = m.removesuffix("-qhead").partition("-g")
-    if not (m in ("float32", "bfloat16", "int8") or kind == "int4" and g.isdigit() and int(g) > 0):
-        raise UserError(f"unknown --quant mode {m!r} (float32, bfloat16, int8, int4-gN, int4-gN-qhead)")
 
 
 def run(args) -> None:
@@ -1174,14 +907,6 @@ def run(args) -> None:
         return run_batch(args)
     if args.figure:
         return run_figure(args)
-    if args.one_quant:
-        t = time.perf_counter()
-        r = quant_one(args.one_quant, args)
-        r["wall_s"] = time.perf_counter() - t
-        print(json.dumps(r))
-        return
-    if args.quant:
-        return run_quant(args)
     if args.paired:
         return run_paired(args)
 
@@ -1411,8 +1136,6 @@ def print_peer_table(results: dict, llama: dict, args, config: dict) -> None:
 # what a resumed row must hold (the table and the ratios use them): str, int or any number
 TABLE_FIELDS = {"protocol": str, "prefill_s": float, "prefill_tok_s": float, "decode_step_ms": float,
                 "decode_tok_s": float, "bandwidth_fraction": float, "prefill_peak_mib": float, "decode_peak_mib": float}
-QUANT_FIELDS = {"mode": str, "decode_tok_s": float, "bytes_per_step": float, "prefill_tok_s": float,
-                "decode_peak_mib": float}  # and "ppl": float, except with --random-weights
 FIGURE_FIELDS = {"label": str, "T": int, "cache_slots": float, "decode_step_ms": float, "decode_peak_mib": float,
                  "bytes_per_step": float, "weights_mib": float, "cache_mib": float}
 

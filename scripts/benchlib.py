@@ -1,6 +1,8 @@
-"""What the benchmark scripts share: the prompt document, random prompt ids, comma-separated integer lists, the
-bandwidth and matrix-product probes, the settings an output is resumable under, outputs that survive interruption
-(--resume), and one configuration run in a fresh process."""
+"""What the benchmark scripts share: the flags every one takes, the prompt document, random prompt ids,
+comma-separated integer lists, a configuration's model, steps and timed run, the bandwidth and matrix-product probes,
+the settings an output is resumable under, outputs that survive interruption (--resume), and one configuration run
+in a fresh process."""
+import argparse
 import json
 import math
 import os
@@ -13,11 +15,77 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import shape_config
+import policies
+from cache import KV_DTYPES, is_scorer, kv_bytes
+from checkpoint import resolve_checkpoint, shape_config
+from cli import Parser, check_writable
 from config import parse_config
-from engine import sync
+from convert import read_config
+from engine import (AOT, PeakMemory, block_inputs, compile_steps, decode_bytes_per_step, default_compile_mode,
+                    kv_cache_estimate, load_model, model_step, prefill_step, random_model, release_free_memory, sync)
+from engine import prefill as engine_prefill
 from errors import EnvironmentFailure, UserError
+from scripts.eval import check_device
 from scripts.outputs import check_settings, checkpoint_identity, read_json, write_atomic
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parser(doc: str, decode_steps: int = 32) -> Parser:
+    """The flags every benchmark script takes; each script adds its own."""
+    ap = Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default="smollm2-135m")
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--decode-steps", type=int, default=decode_steps)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="compile the prefill-block and decode steps")
+    ap.add_argument("--compile-mode", default=None, choices=[AOT, "default", "reduce-overhead", "max-autotune",
+                                                             "max-autotune-no-cudagraphs"],
+                    help="default: generate.py's (on CPU aot, the decode step compiled ahead of time, or "
+                         "max-autotune-no-cudagraphs for frozen graphs; on CUDA decode under CUDA graphs); the others "
+                         "are torch.compile modes")
+    ap.add_argument("--no-compile-prefill", action="store_true",
+                    help="with --compile: compile the decode step only, prefill stays eager (what generate.py "
+                         "--compile does on CPU)")
+    ap.add_argument("--freeze", action="store_true",
+                    help="with --compile: fold the weights into the compiled graphs (generate.py --freeze)")
+    ap.add_argument("--cpp-wrapper", action="store_true",
+                    help="inductor's C++ wrapper (torch._inductor.config.cpp_wrapper): no Python between kernels")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="--checkpoint's shapes (a short name's configs/<name>.json, or a folder with only a "
+                         "config.json) with seeded random weights (seed 0) and random prompt ids")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is steadier on a shared machine)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one configuration, print JSON
+    return ap
+
+
+def check_common(args) -> None:
+    """The shared flags' bad input, before any model is loaded."""
+    for k in ("compile_mode", "cpp_wrapper", "no_compile_prefill", "freeze"):
+        if getattr(args, k) not in (None, False) and not args.compile:
+            raise UserError(f"--{k.replace('_', '-')} needs --compile")
+    if args.compile_mode == AOT and (args.freeze or args.device != "cpu"):
+        raise UserError("--compile-mode aot compiles the CPU decode step, unfrozen: not with --freeze, "
+                        "--freezing-twins or a CUDA device")
+    if args.decode_steps < 2:
+        raise UserError(f"--decode-steps must be >= 2, got {args.decode_steps}")
+    for k in ("repeats", "block_size"):
+        if getattr(args, k) < 1:
+            raise UserError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    check_device(args.device)
+    if getattr(args, "json", None) is not None:
+        check_writable(args.json, "--json")
+
+
+def start(args) -> None:
+    """The process-wide settings a run asks for: torch threads, inductor's C++ wrapper."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cpp_wrapper:
+        torch._inductor.config.cpp_wrapper = True
 
 
 def make_document(tokenizer, n_tokens: int, seed: int = 0) -> tuple[str, list[int]]:
@@ -100,7 +168,7 @@ def gemm_gflop_s(device: str, dtype: torch.dtype) -> float:
 
 # vars(args) that are not settings: the configurations (--policies, --quant's modes, --figure's contexts and
 # budgets), where the outputs go, the checkpoint's name (checkpoint_identity instead) and the internal flags
-NOT_SETTINGS = {"policies", "quant", "contexts", "budgets", "checkpoint", "json", "out_dir", "resume", "one",
+NOT_SETTINGS = {"policies", "quant", "modes", "contexts", "budgets", "checkpoint", "json", "out_dir", "resume", "one",
                 "one_figure", "one_quant", "plot", "one_batch", "one_batch_prefill"}
 
 
@@ -189,3 +257,138 @@ def json_result(r: subprocess.CompletedProcess, what: str, log_name: str) -> dic
     raise EnvironmentFailure(f"{what} failed (exit {r.returncode}): {last} (whole output: {log})")
 
 
+def bench_source(args) -> tuple:
+    """(checkpoint, config.json): the resolved checkpoint folder, or with --random-weights the name whose shapes
+    run (a short name's shipped config, or a folder holding only a config.json)."""
+    if args.random_weights:
+        return args.checkpoint, shape_config(args.checkpoint)[0]
+    ckpt = resolve_checkpoint(args.checkpoint)
+    return ckpt, read_config(ckpt)
+
+
+def bench_model(args, ckpt, config: dict, kv_slots: int = 0, dtype: torch.dtype | None = None):
+    """The model in --dtype (or `dtype`): the checkpoint's weights, or with --random-weights seeded random ones (seed
+    0, the same in every process and configuration), refused before allocating when they and kv_slots slots of KV
+    cache per layer would not fit the device's free memory."""
+    dtype = dtype or getattr(torch, args.dtype)
+    if not args.random_weights:
+        return load_model(ckpt, dtype, args.device, config)
+    kv_need = kv_cache_estimate(parse_config(config), kv_slots, kv_dtype(args) or dtype)
+    return random_model(config, dtype, args.device, 0, label=shape_config(args.checkpoint)[1], kv_bytes=kv_need)
+
+
+def kv_dtype(args) -> torch.dtype | None:
+    """--kv-dtype (int8, bfloat16): the cache's storage dtype; None: the compute dtype (the runs without the flag)."""
+    return KV_DTYPES.get(getattr(args, "kv_dtype", None))
+
+
+def weights_label(args, config: dict | None = None) -> str:
+    """The weights' format: the run's dtype, or a quantize.py checkpoint's mode, run in that dtype."""
+    if args.random_weights:
+        return f"random {args.dtype} weights (seed 0)"
+    quant = short_weights(args, config)
+    return f"{quant} weights, run in {args.dtype}" if quant != args.dtype else args.dtype
+
+
+def short_weights(args, config: dict | None) -> str:
+    """int8, int4-g32 (a quantize.py checkpoint), else the run's dtype."""
+    quant = (config or {}).get("budgetkv_quantization")
+    if not isinstance(quant, dict):
+        return args.dtype
+    return quant.get("mode", "?") + (f"-g{quant['groupsize']}" if quant.get("groupsize") else "")
+
+
+def config_policy(label: str):
+    """The policy of a configuration (a spec): `no-evict` is KeyDiff's buffer with eviction off, `full` None."""
+    return policies.make("keydiff" if label == "no-evict" else label)
+
+
+def check_sizes(config: dict, args) -> dict:
+    """config (returned), after checking the prompt, decode steps, block and budget and each policy against it."""
+    model_args = parse_config(config)
+    ctx = model_args.max_seq_len
+    if args.block_size > ctx:
+        raise UserError(f"--block-size {args.block_size} is larger than the model's context ({ctx})")
+    if args.prompt_tokens + args.decode_steps > ctx or args.budget > ctx:
+        raise UserError(f"--prompt-tokens + --decode-steps ({args.prompt_tokens} + {args.decode_steps}) and --budget "
+                        f"({args.budget}) must fit the model's context ({ctx})")
+    run = policies.Run(args.budget, args.prompt_tokens, args.decode_steps, args.block_size, model_args)
+    for name in policies.spec_list(args.policies):  # each policy against the budget, before any run
+        policy = config_policy(name)
+        if is_scorer(policy):
+            policy.plan(run)
+    return config
+
+
+def bench_steps(args, freeze: bool | None = None, mode: str | None = None):
+    """(prefill, decode) steps: eager, or compiled (the prefill step too unless --no-compile-prefill; frozen with
+    --freeze, or as `freeze` says; in --compile-mode, or `mode`)."""
+    if not args.compile:
+        return prefill_step, model_step
+    freeze = args.freeze if freeze is None else freeze
+    mode = mode or args.compile_mode or default_compile_mode(args.device, torch.float32, False, freeze)  # generate.py's
+    return compile_steps(args.device, mode, prefill=not args.no_compile_prefill, freeze=freeze)
+
+
+def steps_label(args) -> str:
+    return ("compiled (decode only)" if args.no_compile_prefill else "compiled") if args.compile else "eager"
+
+
+def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
+    """Median prefill time (block-wise, or one-shot: dense layer-major prefill then one compression, eager even with
+    --compile, as in generate.py; it ends with the first token's argmax, so it is also the TTFT) and median decode
+    step time over repeats (and per repeat), per-phase peak memory, and the greedy tokens (the first + one per
+    decode step) of the last repeat."""
+    prefill_fn, decode_fn = steps
+    prompt = torch.tensor(ids, device=device)
+    mem = PeakMemory(device)
+    prefill_s, step_s, prefill_peak, decode_peak, per_repeat = [], [], [], [], []
+
+    def prefill():
+        return engine_prefill(model, prompt, args.block_size, prefill_fn, one_shot)
+
+    with torch.inference_mode():
+        t = time.perf_counter()  # warm-up: compiles both steps when compiled, so no repeat pays for it
+        # one-shot prefill is eager (nothing to compile): warm up with the whole prompt; block-wise, one block
+        logits = prefill() if one_shot else prefill_fn(model, *block_inputs(prompt, 0, args.block_size))
+        next_pos = len(ids) if one_shot else args.block_size
+        decode_fn(model, logits.argmax(-1).view(1, 1), torch.tensor([next_pos], device=device))
+        sync(device)
+        warmup_s = time.perf_counter() - t
+        release_free_memory()  # as engine.warm_up and engine.generate do
+        dynamo = args.compile and "torch._dynamo" in sys.modules  # not imported: eager, or the AOT decode step alone
+        if dynamo:  # a recompile inside the timed loop would be a bug
+            torch._dynamo.config.error_on_recompile = True
+        for _ in range(args.repeats):
+            for layer in model.layers:
+                layer.attention.kv_cache.reset()
+            mem.reset()
+            sync(device)
+            t0 = time.perf_counter()
+            logits = prefill()
+            tok = logits.argmax(-1).view(1, 1)
+            sync(device)
+            prefill_s.append(time.perf_counter() - t0)
+            prefill_peak.append(mem.peak())
+            release_free_memory()
+            mem.reset()
+            toks, mine = [tok], []
+            for i in range(args.decode_steps):
+                t = time.perf_counter()
+                logits = decode_fn(model, tok, torch.tensor([len(ids) + i], device=device))
+                tok = logits.argmax(-1).view(1, 1)
+                sync(device)
+                mine.append(time.perf_counter() - t)
+                toks.append(tok)
+            decode_peak.append(mem.peak())
+            step_s += mine
+            per_repeat.append(1 / statistics.median(mine))
+        if dynamo:
+            torch._dynamo.config.error_on_recompile = False
+    weights_b, kv_read_b = decode_bytes_per_step(model)
+    return {"warmup_s": warmup_s, "prefill_s": statistics.median(prefill_s), "ttft_s": statistics.median(prefill_s),
+            "prefill_tok_s": len(ids) / statistics.median(prefill_s),
+            "decode_step_ms": 1e3 * statistics.median(step_s), "decode_tok_s": 1 / statistics.median(step_s),
+            "decode_tok_s_repeats": per_repeat, "tokens": [int(t) for t in toks],  # the last repeat's greedy tokens
+            "prefill_peak_mib": max(prefill_peak) / 2**20, "decode_peak_mib": max(decode_peak) / 2**20,
+            "kv_cache_mib": kv_bytes(model) / 2**20, "bytes_per_step": weights_b + kv_read_b}

@@ -127,9 +127,9 @@ def test_llamacpp_source_follows_a_quantized_checkpoint(tmp_path):
     with pytest.raises(UserError, match="is not a GGUF's conversion"):
         bench.llamacpp_source(hf_quant, args)
     quantized = {"budgetkv_quantization": {"mode": "int4", "groupsize": 32}}
-    assert bench.weights_label(args, quantized) == "int4-g32 weights, run in float32"  # the tables' header
-    assert bench.short_weights(args, quantized) == "int4-g32"  # the peer table's rows
-    assert bench.weights_label(args, {}) == "float32"
+    assert benchlib.weights_label(args, quantized) == "int4-g32 weights, run in float32"  # the tables' header
+    assert benchlib.short_weights(args, quantized) == "int4-g32"  # the peer table's rows
+    assert benchlib.weights_label(args, {}) == "float32"
 
 
 def run_script(py, *argv):

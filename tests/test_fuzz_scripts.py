@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from scripts import bench, bench_kvpress, bench_llamacpp
+from scripts import bench, bench_kvpress, bench_llamacpp, bench_quant, benchlib
 from scripts import eval as ev
 
 BASE = {
@@ -19,6 +19,7 @@ BASE = {
                 "--budgets", "32", "--lengths", "200", "--fid-prefix", "64", "--fid-tokens", "8", "--block-size", "16",
                 "--max-new-tokens", "4", "--device", "cpu"],
     "bench.py": ["--checkpoint", "{ckpt}", "--decode-steps", "8", "--device", "cpu"],
+    "bench_quant.py": ["--checkpoint", "{ckpt}", "--decode-steps", "8", "--device", "cpu"],
     "bench_kvpress.py": ["--model", "{tmp}/hf", "--press", "none", "--budget", "8", "--ids-file", "{tmp}/ids.json"],
     "bench_llamacpp.py": ["--ids-file", "{tmp}/ids.json"],
 }
@@ -26,6 +27,7 @@ GGUF = {"m.gguf": b"GGUF" + bytes(28), "ids.json": "[1, 2]"}  # bench_llamacpp.p
 LB = ["--tasks", "", "--longbench", "hotpotqa", "--longbench-source", "{tmp}/lb.jsonl"]  # eval.py: one LongBench file
 SMALL = ["--prompt-tokens", "100"]  # bench.py: a prompt the tiny model's context holds
 FIGURE = ["--figure", "rocketkv", "--contexts", "64", "--budgets", "16", "--out-dir", "{tmp}/fig"]
+BENCH = {"bench.py": bench, "bench_quant.py": bench_quant}  # the scripts whose main() reads sys.argv
 GOOD = {"input": "Who jumps?", "context": "The quick brown fox jumps.", "answers": ["the fox"], "all_classes": None}
 
 
@@ -144,12 +146,12 @@ CASES = [
     (["bench.py", "--checkpoint", "no-such-model"], {}, 2, "unknown checkpoint 'no-such-model'"),
     (["bench.py", "--paired", "--figure", "rocketkv"], {}, 2, "--paired and --figure are separate runs"),
     (["bench.py", "--figure", "nope"], {}, 2, "invalid choice: 'nope'"),
-    (["bench.py", "--quant", "int3"], {}, 2, "unknown --quant mode 'int3'"),
-    (["bench.py", "--quant", "int4-g0"], {}, 2, "unknown --quant mode 'int4-g0'"),
-    (["bench.py", "--quant", ","], {}, 2, "--quant is empty"),
-    (["bench.py", "--quant", "int8,int8"], {}, 2, "--quant lists int8 twice"),
-    (["bench.py", "--quant", "int8", "--ppl-texts", "0"], {}, 2, "--ppl-texts, --ppl-prefix and --ppl-tokens"),
-    (["bench.py", "--ppl-texts", "2"], {}, 2, "--ppl-texts needs --quant"),
+    (["bench_quant.py", "--modes", "int3"], {}, 2, "unknown --modes entry 'int3'"),
+    (["bench_quant.py", "--modes", "int4-g0"], {}, 2, "unknown --modes entry 'int4-g0'"),
+    (["bench_quant.py", "--modes", ","], {}, 2, "--modes is empty"),
+    (["bench_quant.py", "--modes", "int8,int8"], {}, 2, "--modes lists int8 twice"),
+    (["bench_quant.py", "--modes", "int8", "--ppl-texts", "0"], {}, 2, "--ppl-texts, --ppl-prefix and --ppl-tokens"),
+    (["bench.py", "--ppl-texts", "2"], {}, 2, "unrecognized arguments: --ppl-texts"),
     (["bench.py", "--contexts", "1024"], {}, 2, "--contexts needs --figure"),
     (["bench.py", *FIGURE, "--contexts", "abc"], {}, 2, "--contexts takes comma-separated integers"),
     (["bench.py", *FIGURE, "--contexts", "0"], {}, 2, "--contexts needs integers >= 1"),
@@ -162,7 +164,7 @@ CASES = [
     (["bench.py", "--kvpress", "--paired"], {}, 2, "--kvpress does not apply to --paired"),
     (["bench.py", "--hf-model", "{tmp}/hf"], {}, 2, "--hf-model is the model --kvpress runs"),
     (["bench.py", "--llamacpp", "--paired"], {}, 2, "--llamacpp does not apply to --paired"),
-    (["bench.py", "--llamacpp", "--quant", "int8"], {}, 2, "--llamacpp does not apply to --quant"),
+    (["bench_quant.py", "--llamacpp"], {}, 2, "unrecognized arguments: --llamacpp"),
     (["bench.py", "--compile-mode", "default"], {}, 2, "--compile-mode needs --compile"),
     (["bench.py", "--compile", "--compile-mode", "fast"], {}, 2, "invalid choice: 'fast'"),
     (["bench.py", "--cpp-wrapper"], {}, 2, "--cpp-wrapper needs --compile"),
@@ -173,11 +175,11 @@ CASES = [
     (["bench.py", "--json", "{tmp}/no-dir/x.json"], {}, 2, "x.json: cannot write there (No such file or directory)"),
     (["bench.py", "--json", "{tmp}/d"], {"d/": None}, 2, "cannot write there (Is a directory)"),
     (["bench.py", "--one-figure", "x"], {}, 2, "--one-figure 'x'"),
-    (["bench.py", "--one-quant", "int3"], {}, 2, "unknown --quant mode 'int3'"),
+    (["bench_quant.py", "--one", "int3"], {}, 2, "unknown --modes entry 'int3'"),
     # ---- bench.py --batch
     (["bench.py", "--batch", "--paired"], {}, 2, "--paired and --batch are separate runs"),
     (["bench.py", "--batch", "--figure", "rocketkv"], {}, 2, "--figure and --batch are separate runs"),
-    (["bench.py", "--batch", "--quant", "int8"], {}, 2, "--quant and --batch are separate runs"),
+    (["bench.py", "--batch", "--quant", "int8"], {}, 2, "unrecognized arguments: --quant int8"),
     (["bench.py", "--batch", "--kvpress"], {}, 2, "--kvpress does not apply to --batch"),
     (["bench.py", "--batch", "--resume", "--json", "{tmp}/b.json"], {}, 2, "--resume does not apply to --batch"),
     (["bench.py", "--memory-cap", "100"], {}, 2, "--memory-cap needs --batch"),
@@ -200,8 +202,8 @@ CASES = [
     (["bench.py", *SMALL, "--resume", "--json", "{tmp}/b.json"], {"b.json": "[1]"}, 2, "b.json records no settings"),
     (["bench.py", *SMALL, "--resume", "--json", "{tmp}/b.json"], {"b.json": '{"settings": {}}'}, 2, "other settings"),
     (["bench.py", *FIGURE, "--resume"], {"fig/rocketkv_figure.json": ""}, 2, "rocketkv_figure.json is not JSON"),
-    (["bench.py", *SMALL, "--quant", "int8", "--resume", "--json", "{tmp}/q.json"], {"q.json": '{"settings": 1}'}, 2,
-     "q.json records no settings"),
+    (["bench_quant.py", *SMALL, "--modes", "int8", "--resume", "--json", "{tmp}/q.json"], {"q.json": '{"settings": 1}'},
+     2, "q.json records no settings"),
     # ---- bench_kvpress.py (HF + kvpress side; runs in .venv-kv)
     (["bench_kvpress.py"], {}, 2, "ids.json: No such file or directory"),
     (["bench_kvpress.py", "--budget", "0"], {"ids.json": "[1]"}, 2, "--budget must be >= 1"),
@@ -264,15 +266,16 @@ def run(script, argv, monkeypatch):
     def never(*a, **k):
         raise AssertionError("bad input got as far as loading a model or starting a configuration")
     monkeypatch.setattr(ev, "load_model", never)
-    monkeypatch.setattr(bench, "load_model", never)
-    monkeypatch.setattr(bench, "run_one", never)
-    monkeypatch.setattr(bench, "read_bandwidth_gb_s", never)
+    for module in (benchlib, *BENCH.values()):  # each name where a script looks it up
+        for name in ("load_model", "run_one", "read_bandwidth_gb_s"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, never)
     try:
         if script == "eval.py":
             return ev.main(argv)
-        if script == "bench.py":
-            monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
-            return bench.main()
+        if script in BENCH:
+            monkeypatch.setattr(sys, "argv", [script, *argv])
+            return BENCH[script].main()
         if script == "bench_llamacpp.py":
             monkeypatch.setattr(bench_llamacpp, "import_llama_cpp", never)
             return bench_llamacpp.main(argv)

@@ -16,7 +16,7 @@ from conftest import REPO
 
 import cli
 from errors import UserError
-from scripts import bench, benchlib
+from scripts import bench, bench_quant, benchlib
 from scripts import eval as ev
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -298,15 +298,16 @@ def fake_row(kind, what):
 
 BENCH_RUNS = {  # kind -> (argv, the configurations in order, the flag naming one in a child's argv)
     "table": (["--policies", "sink,tova", "--json", "{out}"], ["no-evict", "full", "sink", "tova"], "--one"),
-    "quant": (["--quant", "float32,bfloat16,int8", "--json", "{out}"], ["float32", "bfloat16", "int8"],
-              "--one-quant"),
+    "quant": (["--modes", "float32,bfloat16,int8", "--json", "{out}"], ["float32", "bfloat16", "int8"], "--one"),
     "figure": (["--figure", "rocketkv", "--contexts", "64,128", "--budgets", "16", "--out-dir", "{dir}"],
                ["full@64", "rocketkv-16@64", "full@128", "rocketkv-16@128"], "--one-figure"),
 }
 
 
 def run_bench(monkeypatch, capsys, tmp_path, ckpt, argv, flag, kind, fail_on=None):
-    """bench.main() in this process; each configuration's child faked. (exit code, children started, stderr)"""
+    """The script's main() in this process (bench.py, bench_quant.py for quant); each configuration's child faked.
+    (exit code, children started, stderr)"""
+    module = bench_quant if kind == "quant" else bench
     started = []
 
     def fake_run(cmd, capture_output, text):
@@ -317,14 +318,14 @@ def run_bench(monkeypatch, capsys, tmp_path, ckpt, argv, flag, kind, fail_on=Non
                                    "RuntimeError: boom\n")
         return SimpleNamespace(returncode=0, stdout=json.dumps(fake_row(kind, what)) + "\n", stderr="")
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
-    monkeypatch.setattr(bench, "read_bandwidth_gb_s", lambda device: 10.0)
+    monkeypatch.setattr(module, "read_bandwidth_gb_s", lambda device: 10.0, raising=False)
     monkeypatch.setattr(bench.tempfile, "gettempdir", lambda: str(tmp_path))  # a failed child's log
     sizes = {"table": ["--prompt-tokens", "100", "--budget", "32"], "quant": ["--prompt-tokens", "100"], "figure": []}
-    monkeypatch.setattr(sys, "argv", ["bench.py", "--checkpoint", str(ckpt), "--decode-steps", "8", "--threads", "1",
+    monkeypatch.setattr(sys, "argv", [module.__file__, "--checkpoint", str(ckpt), "--decode-steps", "8", "--threads", "1",
                                       "--device", "cpu",
                                       *sizes[kind], *argv])
     try:
-        code = bench.main()
+        code = module.main()
     except SystemExit as e:
         code = e.code
     return code, started, capsys.readouterr().err
