@@ -29,16 +29,6 @@ decode-phase peak memory. Speedup and memory saving are relative to `full` in th
 the bandwidth-model ideal: (weights + KV bytes read per step) of full over rocketkv's (t token-equivalents).
 Writes --out-dir/rocketkv_figure.{json,png}.
 
-    python scripts/bench.py --paired --compile --policies keydiff [--decode-steps 96]
-
-`--paired`: a policy's decode-step overhead over `no-evict`, measured in ONE process: one model per configuration
-(the weights are the same mmapped file), each prefilled block-wise (eager), then their decode steps alternate, one
-step of each in turn, and the overhead is the median over steps of (policy step / no-evict step) - 1. On a shared
-VM whose speed drifts by 10% and more between processes, configurations timed in separate processes (the table
-above) cannot resolve a few percent; alternating steps puts both under the same conditions. The bandwidth-bound
-fraction is paired the same way: a 256 MiB read probe is timed before each round of steps, and each step's bytes
-are costed at the bandwidth of its own round. `--profile [ROWS]` then prints each configuration's top kernels.
-
     python scripts/bench.py --batch --prompt-tokens 8176 --budget 512 --memory-cap 4096 [--policies keydiff,snapkv]
                             [--batch-sizes 1,2,4,...] [--plot docs/batch_throughput.png] [--compile]
 
@@ -49,7 +39,8 @@ decided before allocating) exceeds --memory-cap MiB; the largest batch under the
 machine's measured matrix-product rate, whichever takes longer). Each row a copy of one prefilled sequence: one batch-1 prefill
 per policy (its own process), its cache state copied into every row of each batch's process.
 
-Quantized weights are measured by scripts/bench_quant.py, self-speculative decoding by scripts/bench_speculate.py.
+A policy's overhead in alternating steps is measured by scripts/bench_paired.py, quantized weights by
+scripts/bench_quant.py, self-speculative decoding by scripts/bench_speculate.py.
 """
 import argparse
 import dataclasses
@@ -75,7 +66,7 @@ from cache import KV_DTYPES, is_scorer  # noqa: E402
 from checkpoint import shape_config  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402
 from engine import (AOT, PeakMemory, decode_bytes_per_step, kv_cache_estimate, prefill_one_shot,  # noqa: E402
-                    prefill_protocol, prefill_step, setup, setup_batch, sync, use_layer_regions)
+                    prefill_protocol, prefill_step, setup, setup_batch, sync)
 from engine import prefill as engine_prefill  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
 from config import parse_config  # noqa: E402
@@ -83,7 +74,7 @@ from scripts.eval import check_device  # noqa: E402
 from scripts.benchlib import (bench_model, bench_settings, bench_source, bench_steps, check_sizes,  # noqa: E402
                               config_policy, gemm_gflop_s, int_list, json_result, kv_dtype, make_document, previous,
                               random_prompt, read_bandwidth_gb_s, run_one, save, short_weights, steps_label,
-                              time_policy, timed_read, weights_label)
+                              time_policy, weights_label)
 from scripts.outputs import save_png, write_atomic  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -249,109 +240,6 @@ def plot_figure(rows, budgets, path) -> None:
     fig.tight_layout()
     save_png(fig, path, dpi=120)
     plt.close(fig)
-
-
-def run_paired(args) -> None:
-    """--paired: decode-step overhead of each policy over no-evict, steps alternating in one process."""
-    labels = ["no-evict", *policies.spec_list(args.policies)]
-    pols = [config_policy(label) for label in labels]
-    for label, policy in zip(labels, pols):
-        if not is_scorer(policy) or policy.protocol == "one-shot" or policy.decode != "evict":
-            raise policies.PolicyError(f"--paired measures block-wise evicting policies, not {label}")
-    ckpt, config = bench_source(args)
-    check_sizes(config, args)
-    ids = random_prompt(config, args.prompt_tokens) if args.random_weights else \
-        make_document(load_tokenizer(ckpt), args.prompt_tokens)[1]
-    prompt = torch.tensor(ids, device=args.device)
-    models, frozen, modes = {}, {}, {}
-    twins = ["", " (frozen)"] if args.freezing_twins else ["", " (aot)"] if args.aot_twins else [""]
-    for label, policy in zip(labels, pols):
-        for twin in twins:
-            name = label + twin
-            model = models[name] = bench_model(args, ckpt, config, args.budget + args.block_size)
-            frozen[name] = twin == " (frozen)"
-            modes[name] = AOT if twin == " (aot)" else "default" if args.aot_twins else args.compile_mode
-            setup(model, policy, args.budget, len(ids), args.decode_steps, args.block_size, evict=label != "no-evict")
-    if args.profile:  # name each compiled kernel in the profile (inductor's CPU kernels are anonymous otherwise)
-        torch._inductor.config.cpp.enable_kernel_profile = True
-    # one compiled step per configuration: dynamo treats a module's weights as inputs, so configurations that trace
-    # alike would share one graph, and a frozen twin would run its unfrozen sibling's
-    decode_fns = {label: bench_steps(args, freeze=frozen[label], mode=modes[label])[1] for label in models}
-    # Bandwidth probe, timed once per round of steps: each step's bandwidth-bound fraction is taken against the
-    # read bandwidth measured next to it, since both drift together on a shared VM. The probe also flushes the
-    # caches before each round, which a model smaller than the last-level cache would otherwise sit in.
-    probe = torch.ones(2**26, device=args.device)
-    toks, first_s, probe_s = {}, {}, []
-    with torch.inference_mode():
-        for label, model in models.items():
-            logits = engine_prefill(model, prompt, args.block_size)
-            t = time.perf_counter()  # the first decode step (with --compile: compiles this model's graph)
-            use_layer_regions(args.device, frozen[label])  # both read when dynamo traces
-            with torch._inductor.config.patch(freezing=frozen[label]):
-                toks[label] = decode_fns[label](model, logits.argmax(-1).view(1, 1),
-                                                torch.tensor([len(ids)], device=args.device))
-            sync(args.device)
-            first_s[label] = time.perf_counter() - t
-        step_s = {label: [] for label in models}
-        with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile inside the timed loop would be a bug
-            for i in range(args.decode_steps):
-                probe_s.append(timed_read(probe, args.device))
-                order = list(models) if i % 2 == 0 else list(models)[::-1]  # neither side always goes first
-                for label in order:
-                    tok = toks[label].argmax(-1).view(1, 1)
-                    t = time.perf_counter()
-                    toks[label] = decode_fns[label](models[label], tok,
-                                                    torch.tensor([len(ids) + 1 + i], device=args.device))
-                    sync(args.device)
-                    step_s[label].append(time.perf_counter() - t)
-    bw = [probe.nbytes / t / 1e9 for t in probe_s]
-    bw_q = statistics.quantiles(bw, n=4)
-    mode = (args.compile_mode or "generate.py's mode") + (" + cpp_wrapper" if args.cpp_wrapper else "") \
-        if args.compile else "eager"
-    print(f"\n{args.checkpoint}, prompt {len(ids)} tokens, budget {args.budget}, {args.decode_steps} alternating decode "
-          f"steps, {weights_label(args, config)} on {args.device}, {mode}, torch threads {torch.get_num_threads()}, read bandwidth "
-          f"(probe next to each round) median {statistics.median(bw):.1f} GB/s, quartiles {bw_q[0]:.1f} .. "
-          f"{bw_q[2]:.1f}\n")
-    print("| policy | decode ms/step (median) | overhead vs no-evict (median of per-step ratios) | "
-          "quartiles of the ratio | MB read / step | decode / bandwidth bound (median of per-step ratios) | "
-          "quartiles | first step s (incl. compile) |")
-    print("|---|---|---|---|---|---|---|---|")
-    base, rows = step_s["no-evict"], []
-    for label, s in step_s.items():
-        ratios = sorted(a / b - 1 for a, b in zip(s, base))
-        q = statistics.quantiles(ratios, n=4)
-        step_bytes = sum(decode_bytes_per_step(models[label]))
-        # the time reading this step's bytes at the bandwidth probed in its round, over the step's time
-        fractions = [step_bytes / (g * 1e9) / t for g, t in zip(bw, s)]
-        f = statistics.quantiles(fractions, n=4)
-        print(f"| {label} | {1e3 * statistics.median(s):.2f} | {statistics.median(ratios):+.1%} | "
-              f"{q[0]:+.1%} .. {q[2]:+.1%} | {step_bytes / 1e6:.4g} | {statistics.median(fractions):.1%} | "
-              f"{f[0]:.1%} .. {f[2]:.1%} | {first_s[label]:.1f} |")
-        rows.append({"label": label, "decode_step_ms": 1e3 * statistics.median(s),
-                     "overhead": statistics.median(ratios), "overhead_quartiles": [q[0], q[2]],
-                     "bytes_per_step": step_bytes, "bandwidth_fraction": statistics.median(fractions),
-                     "first_step_s": first_s[label]})
-    if args.json:
-        save(args.json, args, bench_settings(args, ckpt, "paired"), read_gb_s=statistics.median(bw), rows=rows)
-    if args.profile:
-        with torch._dynamo.config.patch(error_on_recompile=True):  # profile the graphs just timed, not new ones
-            profile_steps(models, toks, len(ids) + 1 + args.decode_steps, decode_fns, args)
-
-
-def profile_steps(models, toks, next_pos, decode_fns, args, n_steps: int = 10) -> None:
-    """--profile: torch.profiler over n_steps decode steps of each configuration, the top kernels by self time."""
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
-    sort_by = "self_device_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
-    for label, model in models.items():
-        with torch.inference_mode(), profile(activities=activities) as prof:
-            tok = toks[label].argmax(-1).view(1, 1)  # an inference tensor, as when the step was compiled
-            for i in range(n_steps):
-                tok = decode_fns[label](model, tok, torch.tensor([next_pos + i], device=args.device))
-                tok = tok.argmax(-1).view(1, 1)
-            sync(args.device)
-        print(f"\n{label}: {n_steps} decode steps, top kernels by self time\n")
-        print(prof.key_averages().table(sort_by=sort_by, row_limit=args.profile, max_name_column_width=60))
 
 
 # ------------------------------------------------------------------------- --batch: throughput at a memory cap
@@ -726,24 +614,12 @@ def parser() -> Parser:
                          "are torch.compile modes")
     ap.add_argument("--no-compile-prefill", action="store_true",
                     help="with --compile: compile the decode step only, prefill stays eager (what generate.py "
-                         "--compile does on CPU; bench's --compile compiles both unless this is given; --paired and "
+                         "--compile does on CPU; bench's --compile compiles both unless this is given; "
                          "--figure time compiled decode steps only anyway)")
     ap.add_argument("--cpp-wrapper", action="store_true",
                     help="inductor's C++ wrapper (torch._inductor.config.cpp_wrapper): no Python between kernels")
-    ap.add_argument("--paired", action="store_true",
-                    help="decode-step overhead of --policies over no-evict, steps alternating in one process")
     ap.add_argument("--freeze", action="store_true",
                     help="with --compile: fold the weights into the compiled graphs (generate.py --freeze)")
-    ap.add_argument("--freezing-twins", action="store_true",
-                    help="with --paired --compile: each configuration twice, its graph compiled without (generate.py's "
-                         "choice) and with inductor's freezing (weights folded into the graph: '<policy> (frozen)')")
-    ap.add_argument("--aot-twins", action="store_true",
-                    help="with --paired --compile on CPU: each configuration twice, its decode step compiled by "
-                         "torch.compile (default mode, unfrozen) and ahead of time ('<policy> (aot)', generate.py's)")
-    ap.add_argument("--profile", type=int, nargs="?", const=15, metavar="ROWS",
-                    help="with --paired: after the timed steps, profile 10 decode steps of each configuration and "
-                         "print the top ROWS (15) kernels by self time (with --compile: inductor's named kernels, "
-                         "whose record hooks then run in the timed steps too)")
     ap.add_argument("--kvpress", action="store_true", help="also run HF transformers + kvpress (in .venv-kv)")
     ap.add_argument("--hf-model", type=Path, default=REPO / "build" / "smollm2-hf",
                     help="HF-format copy of the model for kvpress (made from the GGUF if missing)")
@@ -753,13 +629,13 @@ def parser() -> Parser:
                          "on and off: TTFT, prefill and decode tok/s, peak memory, whether its greedy tokens are "
                          "full's, and budgetkv against llama.cpp's best setting for each measure")
     ap.add_argument("--random-weights", action="store_true",
-                    help="the table, --paired or --figure without weights: --checkpoint's shapes (a short name's "
+                    help="the table or --figure without weights: --checkpoint's shapes (a short name's "
                          "configs/<name>.json, or a folder with only a config.json) with seeded random weights "
                          "(seed 0) and random prompt ids")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                    help="weights and KV cache of the policy table, --paired and --figure")
-    ap.add_argument("--json", type=Path, help="also write all results here (the table, --paired)")
+                    help="weights and KV cache of the policy table and --figure")
+    ap.add_argument("--json", type=Path, help="also write all results here (the table)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one configuration, print JSON
     ap.add_argument("--figure", choices=["rocketkv"], help="RocketKV's efficiency experiment (paper Figure 5)")
     ap.add_argument("--contexts", default="4096,8192,16384", help="--figure: prompt lengths")
@@ -793,12 +669,11 @@ def main():
 
 # the flags that apply to some kinds of run only (the others refuse them)
 ONLY = {"contexts": ["figure"], "budgets": ["figure"], "out_dir": ["figure"], "kvpress": ["table"], "hf_model": ["table"],
-        "llamacpp": ["table"], "kv_dtype": ["table"], "freezing_twins": ["paired"], "aot_twins": ["paired"],
-        "profile": ["paired"], "policies": ["table", "paired", "batch"], "budget": ["table", "paired", "batch"],
-        "prompt_tokens": ["table", "paired", "batch"], "json": ["table", "paired", "batch"],
-        "resume": ["table", "figure"], "dtype": ["table", "paired", "figure", "batch"],
+        "llamacpp": ["table"], "kv_dtype": ["table"], "policies": ["table", "batch"],
+        "budget": ["table", "batch"], "prompt_tokens": ["table", "batch"], "json": ["table", "batch"],
+        "resume": ["table", "figure"], "dtype": ["table", "figure", "batch"],
         "memory_cap": ["batch"], "batch_sizes": ["batch"], "plot": ["batch"]}
-RUNS = {"table": "the policy table", "paired": "--paired", "figure": "--figure",
+RUNS = {"table": "the policy table", "figure": "--figure",
         "batch": "--batch"}
 
 
@@ -806,7 +681,7 @@ def check_args(args) -> None:
     """Bad input fails here, before any model is loaded or any configuration has run."""
     defaults = vars(parser().parse_args([]))
     given = {k for k, v in vars(args).items() if v != defaults[k]}
-    if len(runs := [k for k in ("paired", "figure", "batch") if k in given]) > 1:
+    if len(runs := [k for k in ("figure", "batch") if k in given]) > 1:
         raise UserError(f"--{runs[0]} and --{runs[1]} are separate runs: give one")
     kind = runs[0] if runs else "table"
     for k in sorted(given & set(ONLY)):
@@ -829,14 +704,10 @@ def check_args(args) -> None:
     if args.llamacpp and not LLAMACPP_PY.is_file():  # strict: a skipped peer must not look like a result
         raise EnvironmentFailure(f"--llamacpp needs {LLAMACPP_PY.parent.parent.name}, which is missing: make it with "
                                  "`bash scripts/setup.sh llamacpp` (builds llama-cpp-python, several minutes)")
-    if args.compile_mode == AOT and (args.freeze or args.device != "cpu" or args.freezing_twins):
-        raise UserError("--compile-mode aot compiles the CPU decode step, unfrozen: not with --freeze, "
-                        "--freezing-twins or a CUDA device")
-    if args.aot_twins and args.device != "cpu":
-        raise UserError("--aot-twins compares the CPU decode step's two compilers: not on a CUDA device")
-    if args.freezing_twins and args.aot_twins:
-        raise UserError("--freezing-twins and --aot-twins: one pair of twins per run")
-    for k in ("compile_mode", "cpp_wrapper", "no_compile_prefill", "freeze", "freezing_twins", "aot_twins"):
+    if args.compile_mode == AOT and (args.freeze or args.device != "cpu"):
+        raise UserError("--compile-mode aot compiles the CPU decode step, unfrozen: not with --freeze or a CUDA "
+                        "device")
+    for k in ("compile_mode", "cpp_wrapper", "no_compile_prefill", "freeze"):
         if k in given and not args.compile:
             raise UserError(f"--{k.replace('_', '-')} needs --compile")
     if args.resume and kind != "figure" and args.json is None:
@@ -850,8 +721,6 @@ def check_args(args) -> None:
             raise UserError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be >= 1, got {args.threads}")
-    if args.profile is not None and args.profile < 1:
-        raise UserError(f"--profile needs --paired and >= 1 rows, got {args.profile}")
     check_device(args.device)
     names = policies.spec_list(args.policies)
     if twice := [n for i, n in enumerate(names) if n in names[:i]]:
@@ -907,8 +776,6 @@ def run(args) -> None:
         return run_batch(args)
     if args.figure:
         return run_figure(args)
-    if args.paired:
-        return run_paired(args)
 
     names = policies.spec_list(args.policies)
     for n in names:  # each policy's name and parameters, before any configuration runs

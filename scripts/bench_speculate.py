@@ -5,7 +5,7 @@ target with its full cache, measured in the same process.
                                       [--ks 2,4,6] [--contexts 2048,4096,8000] [--weights float32,bfloat16,int8]
                                       [--new-tokens 64] [--repeats 1] [--compile] [--json out.json] [--plot speedup.png]
 
-For each weight format (one model per format, in memory: int8 by quantize.quantize_model, as bench.py --quant
+For each weight format (one model per format, in memory: int8 by quantize.quantize_model, as bench_quant.py
 does with random weights) and each context (a prompt of that many tokens: --text prose, a window of the
 evaluation's fidelity text to continue, or needle, bench.py's document and question; random ids with
 --random-weights), the target's full cache is prefilled ONCE; each draft (policy, budget) cache is prefilled once

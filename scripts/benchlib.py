@@ -60,6 +60,26 @@ def parser(doc: str, decode_steps: int = 32) -> Parser:
     return ap
 
 
+def policy_flags(ap: Parser, policies_default: str) -> None:
+    """The flags of the scripts that run policies at a budget on a prompt: the prompt's length, the budget, the
+    policies, the dtype."""
+    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--policies", default=policies_default)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the weights' and the KV cache's dtype")
+
+
+def check_policy_flags(args) -> None:
+    """policy_flags' bad input, before any model is loaded."""
+    for k in ("prompt_tokens", "budget"):
+        if getattr(args, k) < 1:
+            raise UserError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
+    names = policies.spec_list(args.policies)
+    if twice := [n for i, n in enumerate(names) if n in names[:i]]:
+        raise UserError(f"--policies lists {twice[0]} twice")
+
+
 def check_common(args) -> None:
     """The shared flags' bad input, before any model is loaded."""
     for k in ("compile_mode", "cpp_wrapper", "no_compile_prefill", "freeze"):

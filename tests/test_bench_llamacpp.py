@@ -31,8 +31,10 @@ def test_bench_without_the_venv_stops_first(tmp_path, monkeypatch, capsys):
     def never(*a, **k):
         raise AssertionError("--llamacpp without its venv got as far as a configuration")
     monkeypatch.setattr(bench, "LLAMACPP_PY", tmp_path / ".venv-llamacpp" / "bin" / "python")
-    for name in ("load_model", "run_one", "read_bandwidth_gb_s", "run_llamacpp", "resolve_checkpoint"):
+    for name in ("run_one", "read_bandwidth_gb_s", "run_llamacpp"):
         monkeypatch.setattr(bench, name, never)
+    for name in ("load_model", "resolve_checkpoint"):  # where bench_source and bench_model look them up
+        monkeypatch.setattr(benchlib, name, never)
     monkeypatch.setattr(sys, "argv", ["bench.py", "--prompt-tokens", "100", "--llamacpp"])
     assert bench.main() == 1
     captured = capsys.readouterr()

@@ -424,25 +424,27 @@ def test_eager_run_never_imports_the_compiler(tiny_ckpt, policy, control):
     assert f"exit 0 dynamo {control}" in r.stdout, r.stdout + r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("extra, message", [(["--policies", "nope"], "unknown policy 'nope'"),
-                                            (["--paired", "--policies", "nope"], "unknown policy 'nope'"),
-                                            (["--paired", "--decode-steps", "1"], "--decode-steps must be >= 2"),
-                                            (["--no-compile-prefill"], "--no-compile-prefill needs --compile"),
-                                            (["--budget", "abc"], "invalid int value"),
-                                            (["--profile"], "--profile needs --paired"),
-                                            (["--paired", "--profile", "0"], "--profile needs --paired and >= 1"),
-                                            (["--threads", "0"], "--threads must be >= 1"),
-                                            (["--block-size", "0"], "--block-size must be >= 1"),
-                                            (["--quant", ","], "--quant is empty"),
-                                            (["--quant", "int3"], "unknown --quant mode 'int3'"),
-                                            (["--figure", "rocketkv", "--contexts", "abc"], "comma-separated"),
-                                            (["--json", "/proc/x.json"], "--json /proc/x.json: cannot write"),
-                                            (["--policies", "sink", "--budget", "2"], "must exceed the 4 sink"),
-                                            (["--prompt-tokens", "9000"], "must fit the model's context (8192)"),
-                                            (["--prompt-tokens", "10", "--policies", ""], "is too small")])
-def test_bench_bad_policy_one_line_exit_2(extra, message):
-    """scripts/bench.py checks its policy names before loading anything: one line, exit 2, no traceback."""
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), *extra], capture_output=True, text=True)
+@pytest.mark.parametrize("script, extra, message", [
+    ("bench.py", ["--policies", "nope"], "unknown policy 'nope'"),
+    ("bench_paired.py", ["--policies", "nope"], "unknown policy 'nope'"),
+    ("bench_paired.py", ["--decode-steps", "1"], "--decode-steps must be >= 2"),
+    ("bench.py", ["--no-compile-prefill"], "--no-compile-prefill needs --compile"),
+    ("bench.py", ["--budget", "abc"], "invalid int value"),
+    ("bench.py", ["--profile"], "unrecognized arguments: --profile"),
+    ("bench_paired.py", ["--profile", "0"], "--profile needs >= 1"),
+    ("bench.py", ["--threads", "0"], "--threads must be >= 1"),
+    ("bench.py", ["--block-size", "0"], "--block-size must be >= 1"),
+    ("bench_quant.py", ["--modes", ","], "--modes is empty"),
+    ("bench_quant.py", ["--modes", "int3"], "unknown --modes entry 'int3'"),
+    ("bench.py", ["--figure", "rocketkv", "--contexts", "abc"], "comma-separated"),
+    ("bench.py", ["--json", "/proc/x.json"], "--json /proc/x.json: cannot write"),
+    ("bench.py", ["--policies", "sink", "--budget", "2"], "must exceed the 4 sink"),
+    ("bench.py", ["--prompt-tokens", "9000"], "must fit the model's context (8192)"),
+    ("bench.py", ["--prompt-tokens", "10", "--policies", ""], "is too small")])
+def test_bench_bad_policy_one_line_exit_2(script, extra, message):
+    """The benchmark scripts check their policy names and flags before loading anything: one line, exit 2, no
+    traceback."""
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / script), *extra], capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
     # a fresh checkout converts the embedded model on first use, which says so on its own line
     lines = [line for line in r.stderr.strip().splitlines() if not line.startswith("converting ")]
@@ -450,10 +452,10 @@ def test_bench_bad_policy_one_line_exit_2(extra, message):
 
 
 def test_bench_paired_table_and_profile(tiny_ckpt):
-    """bench.py --paired --compile on the tiny model: a row per configuration whose bandwidth-bound fraction is the
+    """bench_paired.py --compile on the tiny model: a row per configuration whose bandwidth-bound fraction is the
     step's bytes at the probed bandwidth over its step time, then --profile's kernel table of each configuration's
     compiled step: inductor's kernels by name, and no recompile (the profile runs under error_on_recompile)."""
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--checkpoint", str(tiny_ckpt), "--paired",
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_paired.py"), "--checkpoint", str(tiny_ckpt),
                         "--compile", "--prompt-tokens", "120", "--budget", "32", "--block-size", "16",
                         "--decode-steps", "8", "--policies", "keydiff,tova", "--profile", "40", "--threads", "1"],
                        capture_output=True, text=True)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from scripts import bench, bench_kvpress, bench_llamacpp, bench_quant, benchlib
+from scripts import bench, bench_kvpress, bench_llamacpp, bench_paired, bench_quant, benchlib
 from scripts import eval as ev
 
 BASE = {
@@ -20,6 +20,7 @@ BASE = {
                 "--max-new-tokens", "4", "--device", "cpu"],
     "bench.py": ["--checkpoint", "{ckpt}", "--decode-steps", "8", "--device", "cpu"],
     "bench_quant.py": ["--checkpoint", "{ckpt}", "--decode-steps", "8", "--device", "cpu"],
+    "bench_paired.py": ["--checkpoint", "{ckpt}", "--decode-steps", "8", "--device", "cpu"],
     "bench_kvpress.py": ["--model", "{tmp}/hf", "--press", "none", "--budget", "8", "--ids-file", "{tmp}/ids.json"],
     "bench_llamacpp.py": ["--ids-file", "{tmp}/ids.json"],
 }
@@ -27,7 +28,7 @@ GGUF = {"m.gguf": b"GGUF" + bytes(28), "ids.json": "[1, 2]"}  # bench_llamacpp.p
 LB = ["--tasks", "", "--longbench", "hotpotqa", "--longbench-source", "{tmp}/lb.jsonl"]  # eval.py: one LongBench file
 SMALL = ["--prompt-tokens", "100"]  # bench.py: a prompt the tiny model's context holds
 FIGURE = ["--figure", "rocketkv", "--contexts", "64", "--budgets", "16", "--out-dir", "{tmp}/fig"]
-BENCH = {"bench.py": bench, "bench_quant.py": bench_quant}  # the scripts whose main() reads sys.argv
+BENCH = {"bench.py": bench, "bench_quant.py": bench_quant, "bench_paired.py": bench_paired}  # the scripts whose main() reads sys.argv
 GOOD = {"input": "Who jumps?", "context": "The quick brown fox jumps.", "answers": ["the fox"], "all_classes": None}
 
 
@@ -144,7 +145,7 @@ CASES = [
     (["bench.py", "--prompt-tokens", "5000"], {}, 2, "must fit the model's context (2048)"),
     (["bench.py", "--device", "xla"], {}, 2, "--device 'xla'"),
     (["bench.py", "--checkpoint", "no-such-model"], {}, 2, "unknown checkpoint 'no-such-model'"),
-    (["bench.py", "--paired", "--figure", "rocketkv"], {}, 2, "--paired and --figure are separate runs"),
+    (["bench.py", "--paired", "--figure", "rocketkv"], {}, 2, "unrecognized arguments: --paired"),
     (["bench.py", "--figure", "nope"], {}, 2, "invalid choice: 'nope'"),
     (["bench_quant.py", "--modes", "int3"], {}, 2, "unknown --modes entry 'int3'"),
     (["bench_quant.py", "--modes", "int4-g0"], {}, 2, "unknown --modes entry 'int4-g0'"),
@@ -161,23 +162,23 @@ CASES = [
     (["bench.py", *FIGURE, "--out-dir", "/proc/x"], {}, 2, "--out-dir /proc/x"),
     (["bench.py", *FIGURE, "--json", "{tmp}/x.json"], {}, 2, "--json does not apply to --figure"),
     (["bench.py", *FIGURE, "--policies", "sink"], {}, 2, "--policies does not apply to --figure"),
-    (["bench.py", "--kvpress", "--paired"], {}, 2, "--kvpress does not apply to --paired"),
+    (["bench_paired.py", "--kvpress"], {}, 2, "unrecognized arguments: --kvpress"),
     (["bench.py", "--hf-model", "{tmp}/hf"], {}, 2, "--hf-model is the model --kvpress runs"),
-    (["bench.py", "--llamacpp", "--paired"], {}, 2, "--llamacpp does not apply to --paired"),
+    (["bench_paired.py", "--llamacpp"], {}, 2, "unrecognized arguments: --llamacpp"),
     (["bench_quant.py", "--llamacpp"], {}, 2, "unrecognized arguments: --llamacpp"),
     (["bench.py", "--compile-mode", "default"], {}, 2, "--compile-mode needs --compile"),
     (["bench.py", "--compile", "--compile-mode", "fast"], {}, 2, "invalid choice: 'fast'"),
     (["bench.py", "--cpp-wrapper"], {}, 2, "--cpp-wrapper needs --compile"),
     (["bench.py", "--no-compile-prefill"], {}, 2, "--no-compile-prefill needs --compile"),
-    (["bench.py", "--profile"], {}, 2, "--profile needs --paired"),
-    (["bench.py", "--paired", "--profile", "0"], {}, 2, "--profile needs --paired and >= 1 rows"),
+    (["bench.py", "--profile"], {}, 2, "unrecognized arguments: --profile"),
+    (["bench_paired.py", "--profile", "0"], {}, 2, "--profile needs >= 1 rows"),
     (["bench.py", "--json", "/proc/x.json"], {}, 2, "--json /proc/x.json: cannot write"),
     (["bench.py", "--json", "{tmp}/no-dir/x.json"], {}, 2, "x.json: cannot write there (No such file or directory)"),
     (["bench.py", "--json", "{tmp}/d"], {"d/": None}, 2, "cannot write there (Is a directory)"),
     (["bench.py", "--one-figure", "x"], {}, 2, "--one-figure 'x'"),
     (["bench_quant.py", "--one", "int3"], {}, 2, "unknown --modes entry 'int3'"),
     # ---- bench.py --batch
-    (["bench.py", "--batch", "--paired"], {}, 2, "--paired and --batch are separate runs"),
+    (["bench.py", "--batch", "--paired"], {}, 2, "unrecognized arguments: --paired"),
     (["bench.py", "--batch", "--figure", "rocketkv"], {}, 2, "--figure and --batch are separate runs"),
     (["bench.py", "--batch", "--quant", "int8"], {}, 2, "unrecognized arguments: --quant int8"),
     (["bench.py", "--batch", "--kvpress"], {}, 2, "--kvpress does not apply to --batch"),
@@ -196,7 +197,7 @@ CASES = [
     (["bench.py", "--batch", "--plot", "/proc/x.png"], {}, 2, "--plot /proc/x.png: cannot write"),
     # ---- bench.py --resume
     (["bench.py", "--resume"], {}, 2, "--resume needs --json"),
-    (["bench.py", "--resume", "--paired"], {}, 2, "--resume does not apply to --paired"),
+    (["bench_paired.py", "--resume"], {}, 2, "unrecognized arguments: --resume"),
     (["bench.py", *SMALL, "--resume", "--json", "{tmp}/b.json"], {"b.json": "{oops"}, 2, "b.json is not JSON"),
     (["bench.py", *SMALL, "--resume", "--json", "{tmp}/b.json"], {"b.json": b"\xff"}, 2, "b.json is not JSON"),
     (["bench.py", *SMALL, "--resume", "--json", "{tmp}/b.json"], {"b.json": "[1]"}, 2, "b.json records no settings"),

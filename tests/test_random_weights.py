@@ -221,7 +221,8 @@ def test_bench_with_random_weights(tiny_config_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     rows = json.loads((tmp_path / "fig" / "rocketkv_figure.json").read_text())["rows"]
     assert sorted(x["label"] for x in rows) == ["full", "rocketkv-16"]
-    r = subprocess.run(bench + ["--paired", "--policies", "keydiff", "--prompt-tokens", "64", "--budget", "32",
+    paired = [sys.executable, str(REPO / "scripts" / "bench_paired.py"), *bench[2:]]
+    r = subprocess.run(paired + ["--policies", "keydiff", "--prompt-tokens", "64", "--budget", "32",
                                 "--block-size", "16", "--json", str(tmp_path / "paired.json")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -230,11 +231,11 @@ def test_bench_with_random_weights(tiny_config_dir, tmp_path):
 
 
 def test_bench_quant_with_random_weights(tiny_config_dir, tmp_path):
-    """--quant on shapes alone: the random model quantized in memory, decode rows, no perplexity; int8 and int4
+    """bench_quant.py on shapes alone: the random model quantized in memory, decode rows, no perplexity; int8 and int4
     read fewer bytes per step than float32 (int4 keeps this tiny model's large head in float32 by default)."""
     out = tmp_path / "quant.json"
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--checkpoint", str(tiny_config_dir),
-                        "--random-weights", "--decode-steps", "4", "--repeats", "1", "--threads", "1", "--quant",
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_quant.py"), "--checkpoint", str(tiny_config_dir),
+                        "--random-weights", "--decode-steps", "4", "--repeats", "1", "--threads", "1", "--modes",
                         "float32,int8,int4-g32", "--prompt-tokens", "64", "--block-size", "16", "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -321,9 +321,8 @@ def run_bench(monkeypatch, capsys, tmp_path, ckpt, argv, flag, kind, fail_on=Non
     monkeypatch.setattr(module, "read_bandwidth_gb_s", lambda device: 10.0, raising=False)
     monkeypatch.setattr(bench.tempfile, "gettempdir", lambda: str(tmp_path))  # a failed child's log
     sizes = {"table": ["--prompt-tokens", "100", "--budget", "32"], "quant": ["--prompt-tokens", "100"], "figure": []}
-    monkeypatch.setattr(sys, "argv", [module.__file__, "--checkpoint", str(ckpt), "--decode-steps", "8", "--threads", "1",
-                                      "--device", "cpu",
-                                      *sizes[kind], *argv])
+    monkeypatch.setattr(sys, "argv", [module.__file__, "--checkpoint", str(ckpt), "--decode-steps", "8", "--threads",
+                                      "1", "--device", "cpu", *sizes[kind], *argv])
     try:
         code = module.main()
     except SystemExit as e:
