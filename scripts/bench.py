@@ -65,15 +65,15 @@ import policies  # noqa: E402
 from cache import KV_DTYPES, is_scorer  # noqa: E402
 from checkpoint import shape_config  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402
-from engine import (AOT, PeakMemory, decode_bytes_per_step, kv_cache_estimate, prefill_one_shot,  # noqa: E402
+from engine import (PeakMemory, decode_bytes_per_step, kv_cache_estimate, prefill_one_shot,  # noqa: E402
                     prefill_protocol, prefill_step, setup, setup_batch, sync)
 from engine import prefill as engine_prefill  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
 from config import parse_config  # noqa: E402
-from scripts.eval import check_device  # noqa: E402
-from scripts.benchlib import (bench_model, bench_settings, bench_source, bench_steps, check_sizes,  # noqa: E402
-                              config_policy, gemm_gflop_s, int_list, json_result, kv_dtype, make_document, previous,
-                              random_prompt, read_bandwidth_gb_s, run_one, save, short_weights, steps_label,
+from scripts.benchlib import (bench_model, bench_settings, bench_source, bench_steps, check_common,  # noqa: E402
+                              check_policy_flags, check_sizes, config_policy, gemm_gflop_s, int_list, json_result,
+                              kv_dtype, make_document, parser as common_parser, policy_flags, previous,
+                              random_prompt, read_bandwidth_gb_s, run_one, save, short_weights, start, steps_label,
                               time_policy, weights_label)
 from scripts.outputs import save_png, write_atomic  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -598,28 +598,8 @@ def run_kvpress(ckpt_dir: Path, ids: list[int], policy: str, budget: int, args) 
 
 
 def parser() -> Parser:
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default="smollm2-135m")
-    ap.add_argument("--prompt-tokens", type=int, default=4096)
-    ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--decode-steps", type=int, default=None, help="default 32; 50 (the paper's N) with --figure")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--policies", default="keydiff,sink,tova,snapkv,h2o,keynorm,random")
-    ap.add_argument("--compile", action="store_true", help="compile prefill-block and decode steps per policy")
-    ap.add_argument("--compile-mode", default=None, choices=[AOT, "default", "reduce-overhead", "max-autotune",
-                                                             "max-autotune-no-cudagraphs"],
-                    help="default: generate.py's (on CPU aot, the decode step compiled ahead of time, or "
-                         "max-autotune-no-cudagraphs for frozen graphs; on CUDA decode under CUDA graphs); the others "
-                         "are torch.compile modes")
-    ap.add_argument("--no-compile-prefill", action="store_true",
-                    help="with --compile: compile the decode step only, prefill stays eager (what generate.py "
-                         "--compile does on CPU; bench's --compile compiles both unless this is given; "
-                         "--figure time compiled decode steps only anyway)")
-    ap.add_argument("--cpp-wrapper", action="store_true",
-                    help="inductor's C++ wrapper (torch._inductor.config.cpp_wrapper): no Python between kernels")
-    ap.add_argument("--freeze", action="store_true",
-                    help="with --compile: fold the weights into the compiled graphs (generate.py --freeze)")
+    ap = common_parser(__doc__, decode_steps=None, steps_help="default 32; 50 (the paper's N) with --figure")
+    policy_flags(ap, "keydiff,sink,tova,snapkv,h2o,keynorm,random")
     ap.add_argument("--kvpress", action="store_true", help="also run HF transformers + kvpress (in .venv-kv)")
     ap.add_argument("--hf-model", type=Path, default=REPO / "build" / "smollm2-hf",
                     help="HF-format copy of the model for kvpress (made from the GGUF if missing)")
@@ -628,15 +608,7 @@ def parser() -> Parser:
                          "checkpoint was converted from, as shipped and dequantized to F32, each with flash attention "
                          "on and off: TTFT, prefill and decode tok/s, peak memory, whether its greedy tokens are "
                          "full's, and budgetkv against llama.cpp's best setting for each measure")
-    ap.add_argument("--random-weights", action="store_true",
-                    help="the table or --figure without weights: --checkpoint's shapes (a short name's "
-                         "configs/<name>.json, or a folder with only a config.json) with seeded random weights "
-                         "(seed 0) and random prompt ids")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                    help="weights and KV cache of the policy table and --figure")
     ap.add_argument("--json", type=Path, help="also write all results here (the table)")
-    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one configuration, print JSON
     ap.add_argument("--figure", choices=["rocketkv"], help="RocketKV's efficiency experiment (paper Figure 5)")
     ap.add_argument("--contexts", default="4096,8192,16384", help="--figure: prompt lengths")
     ap.add_argument("--budgets", default="256,512,1024", help="--figure: RocketKV token budgets")
@@ -654,7 +626,6 @@ def parser() -> Parser:
     ap.add_argument("--one-batch", help=argparse.SUPPRESS)  # internal: "label@B@state-file"
     ap.add_argument("--kv-dtype", choices=list(KV_DTYPES), help="the policy table: budgetkv's KV cache stored so "
                     "(generate.py's --kv-dtype; the peers keep theirs)")
-    ap.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is steadier on a shared machine)")
     ap.add_argument("--resume", action="store_true",
                     help="skip the configurations already measured in the output (--json; --figure: --out-dir's "
                          "rocketkv_figure.json), which is rewritten whole after every configuration; refused if it "
@@ -704,27 +675,12 @@ def check_args(args) -> None:
     if args.llamacpp and not LLAMACPP_PY.is_file():  # strict: a skipped peer must not look like a result
         raise EnvironmentFailure(f"--llamacpp needs {LLAMACPP_PY.parent.parent.name}, which is missing: make it with "
                                  "`bash scripts/setup.sh llamacpp` (builds llama-cpp-python, several minutes)")
-    if args.compile_mode == AOT and (args.freeze or args.device != "cpu"):
-        raise UserError("--compile-mode aot compiles the CPU decode step, unfrozen: not with --freeze or a CUDA "
-                        "device")
-    for k in ("compile_mode", "cpp_wrapper", "no_compile_prefill", "freeze"):
-        if k in given and not args.compile:
-            raise UserError(f"--{k.replace('_', '-')} needs --compile")
     if args.resume and kind != "figure" and args.json is None:
         raise UserError("--resume needs --json: the file the finished configurations are kept in")
     if args.decode_steps is None:
         args.decode_steps = 50 if args.figure else 32
-    if args.decode_steps < 2:
-        raise UserError(f"--decode-steps must be >= 2, got {args.decode_steps}")
-    for k in ("repeats", "prompt_tokens", "budget", "block_size"):
-        if getattr(args, k) < 1:
-            raise UserError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
-    if args.threads is not None and args.threads < 1:
-        raise UserError(f"--threads must be >= 1, got {args.threads}")
-    check_device(args.device)
-    names = policies.spec_list(args.policies)
-    if twice := [n for i, n in enumerate(names) if n in names[:i]]:
-        raise UserError(f"--policies lists {twice[0]} twice")
+    check_common(args)
+    check_policy_flags(args)
     if args.figure:
         int_list(args.contexts, "--contexts")
         int_list(args.budgets, "--budgets")
@@ -733,8 +689,6 @@ def check_args(args) -> None:
         except OSError as e:
             raise UserError(f"--out-dir {args.out_dir}: {e.strerror}") from None
         check_writable(args.out_dir / "rocketkv_figure.json", "--out-dir")
-    if args.json is not None:
-        check_writable(args.json, "--json")
     if args.batch:
         if not args.memory_cap > 0:
             raise UserError(f"--memory-cap must be > 0 MiB, got {args.memory_cap:g}")
@@ -750,10 +704,7 @@ def check_args(args) -> None:
 
 def run(args) -> None:
     check_args(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.cpp_wrapper:
-        torch._inductor.config.cpp_wrapper = True
+    start(args)
     if args.one_figure:
         label, T = args.one_figure.split("@")
         ckpt, config = bench_source(args)

@@ -57,8 +57,7 @@ def check_args(args) -> None:
         if getattr(args, k) and not args.compile:
             raise UserError(f"--{k.replace('_', '-')} needs --compile")
     if args.compile_mode == AOT and args.freezing_twins:
-        raise UserError("--compile-mode aot compiles the CPU decode step, unfrozen: not with --freeze, "
-                        "--freezing-twins or a CUDA device")
+        raise UserError("--compile-mode aot compiles the CPU decode step, unfrozen: not with --freezing-twins")
     if args.aot_twins and args.device != "cpu":
         raise UserError("--aot-twins compares the CPU decode step's two compilers: not on a CUDA device")
     if args.freezing_twins and args.aot_twins:

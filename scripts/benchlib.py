@@ -31,12 +31,12 @@ from scripts.outputs import check_settings, checkpoint_identity, read_json, writ
 REPO = Path(__file__).resolve().parent.parent
 
 
-def parser(doc: str, decode_steps: int = 32) -> Parser:
+def parser(doc: str, decode_steps: int | None = 32, steps_help: str | None = None) -> Parser:
     """The flags every benchmark script takes; each script adds its own."""
     ap = Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default="smollm2-135m")
     ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--decode-steps", type=int, default=decode_steps)
+    ap.add_argument("--decode-steps", type=int, default=decode_steps, help=steps_help)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="compile the prefill-block and decode steps")
     ap.add_argument("--compile-mode", default=None, choices=[AOT, "default", "reduce-overhead", "max-autotune",
@@ -86,8 +86,8 @@ def check_common(args) -> None:
         if getattr(args, k) not in (None, False) and not args.compile:
             raise UserError(f"--{k.replace('_', '-')} needs --compile")
     if args.compile_mode == AOT and (args.freeze or args.device != "cpu"):
-        raise UserError("--compile-mode aot compiles the CPU decode step, unfrozen: not with --freeze, "
-                        "--freezing-twins or a CUDA device")
+        raise UserError("--compile-mode aot compiles the CPU decode step, unfrozen: not with --freeze or a CUDA "
+                        "device")
     if args.decode_steps < 2:
         raise UserError(f"--decode-steps must be >= 2, got {args.decode_steps}")
     for k in ("repeats", "block_size"):
