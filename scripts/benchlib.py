@@ -189,7 +189,7 @@ def gemm_gflop_s(device: str, dtype: torch.dtype) -> float:
 # vars(args) that are not settings: the configurations (--policies, --quant's modes, --figure's contexts and
 # budgets), where the outputs go, the checkpoint's name (checkpoint_identity instead) and the internal flags
 NOT_SETTINGS = {"policies", "quant", "modes", "contexts", "budgets", "checkpoint", "json", "out_dir", "resume", "one",
-                "one_figure", "one_quant", "plot", "one_batch", "one_batch_prefill"}
+                "one_figure", "one_quant", "plot", "one_batch", "one_batch_prefill", "one_prefill"}
 
 
 def bench_settings(args, ckpt, mode: str) -> dict:

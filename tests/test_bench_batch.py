@@ -1,4 +1,4 @@
-"""scripts/bench.py --batch (throughput at a memory cap): a batch whose every row is a copy of one prefilled
+"""scripts/bench_batch.py (throughput at a memory cap): a batch whose every row is a copy of one prefilled
 sequence's cache state decodes, greedily, each row exactly as that sequence does alone (batch-1 generate()); the
 end-to-end run on tiny random-weight shapes writes one row per (policy, batch), stops at the first batch whose
 estimate (weights + whole cache) exceeds --memory-cap, and names the largest batch that fits."""
@@ -12,7 +12,7 @@ import torch
 
 import policies
 from engine import generate, load_model, model_step, prefill, prefill_protocol, prefill_step, setup, setup_batch
-from scripts import bench
+from scripts import bench_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REPO = Path(__file__).resolve().parent.parent
@@ -40,10 +40,10 @@ def test_copied_rows_decode_as_the_batch_one_sequence(hf_tiny, spec, budget):
         # what bench --batch does: one batch-1 prefill, its cache state copied into every row of a fresh batch
         setup_batch(model, policies.make(spec), budget, [L], NEW, BLOCK, prefill=protocol)
         first = int(prefill(model, torch.tensor(PROMPT), BLOCK, one_shot=one_shot).argmax(-1)[0])
-        state = bench.cache_state(model)
+        state = bench_batch.cache_state(model)
         setup_batch(model, policies.make(spec), budget, [L] * 3, NEW, BLOCK, prefill=protocol)
-        bench.copy_rows(model, state)
-        _, rows = bench.decode_rows(model, first, L, 3, NEW - 1, model_step, "cpu")
+        bench_batch.copy_rows(model, state)
+        _, rows = bench_batch.decode_rows(model, first, L, 3, NEW - 1, model_step, "cpu")
     assert len(want) == NEW and len(set(want)) > 1  # a real sequence, not one token repeated
     assert rows == [want] * 3
     # the cases with policy state beyond K, V and positions (per slot, per layer): it travelled with the rows
@@ -54,19 +54,19 @@ def test_copy_rows_refuses_a_cache_of_another_shape(hf_tiny):
     _, ckpt = hf_tiny("llama")
     model = load_model(ckpt, torch.float32, "cpu")
     setup(model, policies.make("h2o"), 16, 20, 4, BLOCK)
-    state = bench.cache_state(model)
+    state = bench_batch.cache_state(model)
     setup_batch(model, policies.make("h2o"), 24, [20, 20], 4, BLOCK)  # 24 slots, not 16
     with pytest.raises(ValueError, match="is not one row of"):
-        bench.copy_rows(model, state)
+        bench_batch.copy_rows(model, state)
     setup_batch(model, None, 16, [8, 8], 4, BLOCK)  # full: the same slots, no policy state
     with pytest.raises(ValueError, match="cache buffers differ"):
-        bench.copy_rows(model, state)
+        bench_batch.copy_rows(model, state)
 
 
 def test_batch_run_stops_at_the_cap(tiny_config_dir, tmp_path):
     out, png, cap = tmp_path / "batch.json", tmp_path / "batch.png", 1.2
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--checkpoint", str(tiny_config_dir),
-                        "--random-weights", "--batch", "--policies", "keydiff", "--prompt-tokens", "256", "--budget",
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_batch.py"), "--checkpoint", str(tiny_config_dir),
+                        "--random-weights", "--policies", "keydiff", "--prompt-tokens", "256", "--budget",
                         "48", "--block-size", "16", "--decode-steps", "3", "--threads", "1", "--memory-cap", str(cap),
                         "--json", str(out), "--plot", str(png)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -112,5 +112,5 @@ def test_step_flops_by_hand(hf_tiny):
         + a.intermediate_size * a.dim
     products = a.n_layers * per_layer + a.dim * a.vocab_size
     slots = model.layers[0].attention.kv_cache.read_tokens()
-    assert bench.step_flops(model, 3) == 3 * (2 * products + a.n_layers * 4 * hq * d * slots)
-    assert bench.products_ms(model, 3, "cpu") > 0
+    assert bench_batch.step_flops(model, 3) == 3 * (2 * products + a.n_layers * 4 * hq * d * slots)
+    assert bench_batch.products_ms(model, 3, "cpu") > 0

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from scripts import bench, bench_kvpress, bench_llamacpp, bench_paired, bench_quant, benchlib
+from scripts import bench, bench_batch, bench_kvpress, bench_llamacpp, bench_paired, bench_quant, benchlib
 from scripts import eval as ev
 
 BASE = {
@@ -21,6 +21,7 @@ BASE = {
     "bench.py": ["--checkpoint", "{ckpt}", "--decode-steps", "8", "--device", "cpu"],
     "bench_quant.py": ["--checkpoint", "{ckpt}", "--decode-steps", "8", "--device", "cpu"],
     "bench_paired.py": ["--checkpoint", "{ckpt}", "--decode-steps", "8", "--device", "cpu"],
+    "bench_batch.py": ["--checkpoint", "{ckpt}", "--decode-steps", "8", "--device", "cpu"],
     "bench_kvpress.py": ["--model", "{tmp}/hf", "--press", "none", "--budget", "8", "--ids-file", "{tmp}/ids.json"],
     "bench_llamacpp.py": ["--ids-file", "{tmp}/ids.json"],
 }
@@ -28,7 +29,8 @@ GGUF = {"m.gguf": b"GGUF" + bytes(28), "ids.json": "[1, 2]"}  # bench_llamacpp.p
 LB = ["--tasks", "", "--longbench", "hotpotqa", "--longbench-source", "{tmp}/lb.jsonl"]  # eval.py: one LongBench file
 SMALL = ["--prompt-tokens", "100"]  # bench.py: a prompt the tiny model's context holds
 FIGURE = ["--figure", "rocketkv", "--contexts", "64", "--budgets", "16", "--out-dir", "{tmp}/fig"]
-BENCH = {"bench.py": bench, "bench_quant.py": bench_quant, "bench_paired.py": bench_paired}  # the scripts whose main() reads sys.argv
+BENCH = {"bench.py": bench, "bench_quant.py": bench_quant, "bench_paired.py": bench_paired,
+         "bench_batch.py": bench_batch}  # the scripts whose main() reads sys.argv
 GOOD = {"input": "Who jumps?", "context": "The quick brown fox jumps.", "answers": ["the fox"], "all_classes": None}
 
 
@@ -177,24 +179,24 @@ CASES = [
     (["bench.py", "--json", "{tmp}/d"], {"d/": None}, 2, "cannot write there (Is a directory)"),
     (["bench.py", "--one-figure", "x"], {}, 2, "--one-figure 'x'"),
     (["bench_quant.py", "--one", "int3"], {}, 2, "unknown --modes entry 'int3'"),
-    # ---- bench.py --batch
-    (["bench.py", "--batch", "--paired"], {}, 2, "unrecognized arguments: --paired"),
-    (["bench.py", "--batch", "--figure", "rocketkv"], {}, 2, "--figure and --batch are separate runs"),
-    (["bench.py", "--batch", "--quant", "int8"], {}, 2, "unrecognized arguments: --quant int8"),
-    (["bench.py", "--batch", "--kvpress"], {}, 2, "--kvpress does not apply to --batch"),
-    (["bench.py", "--batch", "--resume", "--json", "{tmp}/b.json"], {}, 2, "--resume does not apply to --batch"),
-    (["bench.py", "--memory-cap", "100"], {}, 2, "--memory-cap needs --batch"),
-    (["bench.py", "--batch-sizes", "1,2"], {}, 2, "--batch-sizes needs --batch"),
-    (["bench.py", "--plot", "{tmp}/p.png"], {}, 2, "--plot needs --batch"),
-    (["bench.py", "--batch", "--batch-sizes", "0,2"], {}, 2, "--batch-sizes needs integers >= 1"),
-    (["bench.py", "--batch", "--batch-sizes=-4"], {}, 2, "--batch-sizes needs integers >= 1"),
-    (["bench.py", "--batch", "--batch-sizes", "1,x"], {}, 2, "--batch-sizes takes comma-separated integers"),
-    (["bench.py", "--batch", "--batch-sizes", "2,2"], {}, 2, "--batch-sizes lists 2 twice"),
-    (["bench.py", "--batch", "--memory-cap", "0"], {}, 2, "--memory-cap must be > 0 MiB"),
-    (["bench.py", "--batch", "--memory-cap", "nan"], {}, 2, "--memory-cap must be > 0 MiB"),
-    (["bench.py", "--batch", "--memory-cap", "abc"], {}, 2, "invalid float value: 'abc'"),
-    (["bench.py", *SMALL, "--batch", "--memory-cap", "0.01"], {}, 2, "--memory-cap 0.01 MiB is below the weights"),
-    (["bench.py", "--batch", "--plot", "/proc/x.png"], {}, 2, "--plot /proc/x.png: cannot write"),
+    # ---- bench_batch.py
+    (["bench_batch.py", "--paired"], {}, 2, "unrecognized arguments: --paired"),
+    (["bench_batch.py", "--figure", "rocketkv"], {}, 2, "unrecognized arguments: --figure rocketkv"),
+    (["bench_batch.py", "--quant", "int8"], {}, 2, "unrecognized arguments: --quant int8"),
+    (["bench_batch.py", "--kvpress"], {}, 2, "unrecognized arguments: --kvpress"),
+    (["bench_batch.py", "--resume", "--json", "{tmp}/b.json"], {}, 2, "unrecognized arguments: --resume"),
+    (["bench.py", "--memory-cap", "100"], {}, 2, "unrecognized arguments: --memory-cap 100"),
+    (["bench.py", "--batch-sizes", "1,2"], {}, 2, "unrecognized arguments: --batch-sizes 1,2"),
+    (["bench.py", "--plot", "{tmp}/p.png"], {}, 2, "unrecognized arguments: --plot"),
+    (["bench_batch.py", "--batch-sizes", "0,2"], {}, 2, "--batch-sizes needs integers >= 1"),
+    (["bench_batch.py", "--batch-sizes=-4"], {}, 2, "--batch-sizes needs integers >= 1"),
+    (["bench_batch.py", "--batch-sizes", "1,x"], {}, 2, "--batch-sizes takes comma-separated integers"),
+    (["bench_batch.py", "--batch-sizes", "2,2"], {}, 2, "--batch-sizes lists 2 twice"),
+    (["bench_batch.py", "--memory-cap", "0"], {}, 2, "--memory-cap must be > 0 MiB"),
+    (["bench_batch.py", "--memory-cap", "nan"], {}, 2, "--memory-cap must be > 0 MiB"),
+    (["bench_batch.py", "--memory-cap", "abc"], {}, 2, "invalid float value: 'abc'"),
+    (["bench_batch.py", *SMALL, "--memory-cap", "0.01"], {}, 2, "--memory-cap 0.01 MiB is below the weights"),
+    (["bench_batch.py", "--plot", "/proc/x.png"], {}, 2, "--plot /proc/x.png: cannot write"),
     # ---- bench.py --resume
     (["bench.py", "--resume"], {}, 2, "--resume needs --json"),
     (["bench_paired.py", "--resume"], {}, 2, "unrecognized arguments: --resume"),
