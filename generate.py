@@ -696,7 +696,7 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, kv_dtype, wei
         print(f"note: the bandwidth model predicts up to {best:.2f}x, but on a CPU a K+1 verification block costs "
               "1.0-2.4 decode steps eager, 1.45-2.4 compiled (its attention grows with the queries): in "
               "docs/speculative.md speculation lost at 8K in every configuration, eager and compiled (0.67-0.98x), "
-              "even with a draft that kept every token (0.97x); time yours with scripts/bench.py --speculate",
+              "even with a draft that kept every token (0.97x); time yours with scripts/bench_speculate.py",
               file=sys.stderr)
     steps, compile_s = speculative.EAGER, 0.0
     if a.compile:

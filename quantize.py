@@ -9,7 +9,7 @@ What is quantized: every Linear of the transformer (attention.wqkv, attention.wo
 and the output head. Biases, embeddings and norms stay float. A tied head (SmolLM2, Qwen2.5 <= 3B, Llama 3.2) gets
 its own quantized copy of the embedding matrix: decode reads the whole head every step but only one embedding row,
 so the head is where the bytes are (21% of SmolLM2's weights). `--head auto` (default) quantizes it with int8 and
-keeps it float (and tied) with int4: measured on SmolLM2-135M (scripts/bench.py --quant), a 4-bit head alone costs
+keeps it float (and tied) with int4: measured on SmolLM2-135M (scripts/bench_quant.py), a 4-bit head alone costs
 +6.4% perplexity where the int4 g32 body costs +0.02%, and an int8 head -0.2%. `--head quantize|float` overrides.
 
 The checkpoint is a new directory (default `<checkpoint>-int8`, `<checkpoint>-int4-g32`): config.json with a

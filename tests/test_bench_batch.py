@@ -37,7 +37,7 @@ def test_copied_rows_decode_as_the_batch_one_sequence(hf_tiny, spec, budget):
         setup(model, policies.make(spec), budget, L, NEW, BLOCK, prefill=protocol)
         want = generate(model, PROMPT, NEW, block_size=BLOCK, steps=(prefill_step, model_step),
                         one_shot=one_shot)[0]
-        # what bench --batch does: one batch-1 prefill, its cache state copied into every row of a fresh batch
+        # what bench_batch.py does: one batch-1 prefill, its cache state copied into every row of a fresh batch
         setup_batch(model, policies.make(spec), budget, [L], NEW, BLOCK, prefill=protocol)
         first = int(prefill(model, torch.tensor(PROMPT), BLOCK, one_shot=one_shot).argmax(-1)[0])
         state = bench_batch.cache_state(model)
