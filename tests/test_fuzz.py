@@ -462,7 +462,7 @@ CASES += [
     ("download-out-proc", "download", ["--repo-id", "org/model", "--out-dir", "/proc/d"], None, 2, "not writable"),
     ("download-token-empty", "download", ["--repo-id", "org/model", "--hf-token", ""], None, 2, "--hf-token"),
     ("download-token-space", "download", ["--repo-id", "org/model", "--hf-token", "hf x"], None, 2, "--hf-token"),
-    ("download-offline", "download", ["--repo-id", "org/model", "--out-dir", "{tmp}/d"], None, 2, "HF_HUB_OFFLINE"),
+    ("download-offline", "download", ["--repo-id", "org/model", "--out-dir", "{tmp}/d"], None, 1, "HF_HUB_OFFLINE"),
     ("download-unknown-flag", "download", ["--repo-id", "org/model", "--resume"], None, 2, "unrecognized"),
 
     ("convert-no-checkpoint", "convert", [], None, 2, "--checkpoint"),
