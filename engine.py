@@ -10,6 +10,7 @@ from pathlib import Path
 import threads  # noqa: F401  (before torch: how its OpenMP threads wait, for the Python API too)
 import torch
 
+import kernels
 from cache import compress_into, eager_blocks, is_scorer, row_cache, scratch_cache, setup_caches
 from config import parse_config
 from convert import ENGINE_FILE, CheckpointError, read_config, read_hf_dir
@@ -217,9 +218,10 @@ def compile_steps(device: str, mode: str | None = None, prefill: bool = True, fr
 
 def use_layer_regions(device: str, freeze: bool) -> None:
     """Whether the next traced step takes one layer for all (block_region; read when dynamo traces): not for frozen
-    weights (a region cannot hold constants), and on CPU only: on CUDA a region's step runs slower under CUDA graphs
+    weights (a region cannot hold constants), not with the flex attention form (kernels.FORM: a region's
+    functionalization fails on its block mask), and on CPU only: on CUDA a region's step runs slower under CUDA graphs
     and TOVA's tokens differ from eager's (docs/performance.md)."""
-    set_layer_regions(not freeze and device == "cpu")
+    set_layer_regions(not freeze and device == "cpu" and kernels.FORM != "flex")
 
 
 # Layer regions: a compiled step traces one layer and stamps its graph out for every later layer whose inputs and

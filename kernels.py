@@ -3,7 +3,14 @@
 Two choices, each made in one place: `Linear.forward` for the weight products (CPU steps of a few rows stream the
 weight) and `attention` for attention (SDPA, or on CUDA two batched products, or on CPU row-wise scores). Plus
 `tp_sum`, the tensor-parallel sum of a row-parallel product. Why each form wins where it does: docs/performance.md.
+
+The environment's BUDGETKV_ATTENTION overrides the attention choice for a whole process, for scripts/gpu_check.py to
+measure forms against the default choice: `flex` takes `flex_attention_form` (torch's flex_attention, a candidate
+for CUDA steps) for every attention, `sdpa` takes SDPA for every attention (gpt-fast's decode: masked SDPA over
+the static buffer). Unset (the default), `attention` chooses.
 """
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -13,6 +20,7 @@ ROWWISE_MAX_ROWS = 8  # past ~8 rows the row-wise loop becomes compute-bound and
 ROWWISE_MAX_QUERY_ROWS = 16  # past ~20 query rows SDPA's kernel catches up (docs/performance.md)
 MATMUL_MAX_QUERY_ROWS = 64  # CUDA: up to a verification block of a few tokens times the GQA group
 MATMUL_EAGER_MIN_SLOTS = 8192  # CUDA eager: SDPA's one kernel wins at 2K slots, the products at 16K (performance.md)
+FORM = os.environ.get("BUDGETKV_ATTENTION", "")  # "flex" or "sdpa": every attention in that form; "": chosen
 
 
 class Linear(nn.Linear):
@@ -77,7 +85,11 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, evicting: b
     evicting: the caller's cache scores these same keys later in the step (an evicting policy): inductor would fuse
     that scoring's per-head reductions with the row-wise loop into one kernel parallel over the KV heads only,
     slower than SDPA, so the CPU row-wise form is not taken then. The caller computes it from its cache; the
-    choice reads nothing else but shapes, dtype and device."""
+    choice reads nothing else but shapes, dtype and device.
+
+    FORM "flex": every call takes flex_attention_form; "sdpa": SDPA."""
+    if FORM == "flex":
+        return flex_attention_form(q, keys, values, mask)
     B, hq, T, d = q.shape
     h, S = keys.shape[1], keys.shape[2]
     g = hq // h
@@ -87,7 +99,9 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, evicting: b
     q = q.reshape(B, h, g * T, d)
     mask = mask[:, :, None].expand(B, h, g, T, S).reshape(B, h, g * T, S)
     R = g * T
-    if q.device.type == "cuda" and R <= MATMUL_MAX_QUERY_ROWS and (
+    if FORM == "sdpa":
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
+    elif q.device.type == "cuda" and R <= MATMUL_MAX_QUERY_ROWS and (
             torch.compiler.is_compiling() or S >= MATMUL_EAGER_MIN_SLOTS):
         out = matmul_attention(q, keys.to(q.dtype), values.to(q.dtype), mask)
     elif (not evicting and q.device.type == "cpu" and torch.compiler.is_compiling()
@@ -96,6 +110,31 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, evicting: b
     else:
         out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
     return out.reshape(B, hq, T, d)
+
+
+def flex_attention_form(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """attention's result by torch.nn.attention.flex_attention, for the same arguments: the grouped query heads by
+    its enable_gqa, and a mask_mod that reads the cache's mask (built from the slots' positions: a valid slot at or
+    before the query's position, within the model's sliding window) at the query head's KV head, or at the one
+    mask of every head. Eager it runs flex's unfused reference; compiled, one fused kernel (on CUDA its decoding
+    kernel splits the slots for a few query rows). The mask is written to a buffer of its own (a no-op as_strided,
+    which inductor cannot inline), and on CPU the query, keys and values are copied too: compiled there (torch
+    2.13), a mask or query computed in the step finds no kernel and keys sliced from the cache's buffer give wrong
+    results."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if q.device.type == "cpu":
+        q, keys, values = (t.clone(memory_format=torch.contiguous_format) for t in (q, keys, values))
+        q, keys, values = (t.as_strided(t.shape, t.stride()) for t in (q, keys, values))
+    mask = mask.contiguous()
+    mask = mask.as_strided(mask.shape, mask.stride())
+    B, hq, T, _ = q.shape
+    h, S = keys.shape[1], keys.shape[2]
+    g = hq // h if mask.shape[1] > 1 else hq  # query heads per mask head
+
+    def mask_mod(b, head, q_idx, kv_idx):
+        return mask[b, head // g, q_idx, kv_idx]
+    block_mask = create_block_mask(mask_mod, B, hq, T, S, device=q.device)
+    return flex_attention(q, keys.to(q.dtype), values.to(q.dtype), block_mask=block_mask, enable_gqa=hq > h)
 
 
 def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:

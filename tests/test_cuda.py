@@ -75,3 +75,19 @@ def test_attention_on_cuda_takes_the_products_for_few_rows(rows, slots, matmul, 
     assert bool(calls) == matmul
     ref = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_flex_form_compiled_on_cuda_gives_the_default_tokens(hf_tiny, monkeypatch):
+    """kernels.FORM "flex" (what gpu_check's attention section times): KeyDiff's decode step compiled under CUDA
+    graphs with flex_attention over the cache's sliced buffers gives the eager default attention's greedy tokens."""
+    import kernels
+    from scripts import gpu_check as gc
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompt = torch.randint(0, 512, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    default = gc.graph_check(model, "keydiff", prompt, 16, 32, "cuda")
+    monkeypatch.setattr(kernels, "FORM", "flex")
+    flex = gc.graph_check(model, "keydiff", prompt, 16, 32, "cuda")
+    assert gc.graph_row(flex)["ok"], gc.graph_row(flex)
+    assert flex["compiled"] == default["eager"]
