@@ -36,6 +36,7 @@ Memory stays flat: the caches are allocated once per conversation (budget + bloc
 turn allocates only its token ids, its prefill's activations and, re-compressing, one layer's history + turn
 scratch. The transcript's token ids (4 bytes each) are the one thing that grows.
 """
+import contextlib
 import json
 import signal
 import sys
@@ -46,12 +47,12 @@ from contextlib import contextmanager
 
 import torch
 
-from cache import KV_DTYPES, compress_into, eager_blocks, is_scorer, scratch_cache
-from engine import (PeakMemory, block_inputs, check_finite, model_step, prefill_one_shot, prefill_protocol,
-                    prefill_step, sample_finite, setup, sync)
+from cache import compress_into, eager_blocks, is_scorer, scratch_cache
+import engine
+from engine import (PeakMemory, block_inputs, first_tokens, model_step, prefill_one_shot, prefill_protocol,
+                    prefill_step, setup, sync)
 from errors import UserError
 
-DEFAULT_BUDGET = 2048  # as generate.py's; clamped to the model's context
 MAX_TURN_BYTES = 64 << 20  # one line of stdin, capped as a prompt file is (generate.MAX_PROMPT_BYTES)
 MARKER = "<<budgetkv:assistant-answer>>"  # stands for the previous answer when the template renders a new turn
 COMMANDS = {"/reset": "forget the conversation (positions restart at 0)", "/stats": "the conversation's summary",
@@ -79,7 +80,7 @@ class Chat:
         if isinstance(policy, str):
             policy = policies.make(policy)
         ctx = model.args.max_seq_len
-        budget = min(DEFAULT_BUDGET, ctx) if budget is None else budget
+        budget = min(engine.DEFAULT_BUDGET, ctx) if budget is None else budget
         for name, v in (("max_new_tokens", max_new_tokens), ("block_size", block_size), ("budget", budget)):
             if v < 1:
                 raise UserError(f"{name} must be >= 1, got {v}")
@@ -217,22 +218,13 @@ class Chat:
         return prefill_at(self.model, prompt, self.position, self.block_size, self.steps[0])
 
     def answer(self, logits: torch.Tensor, n_new: int, on_text) -> list[int]:
-        """Sample the answer from the prompt's last logits, feeding each token at the next position (engine.generate's
-        decode loop), until EOS, n_new tokens or stop(). The last token is returned, not written."""
-        decode, s = self.steps[1], self.sampling
-        token = sample_finite(logits, s["temperature"], s["top_k"], s["top_p"])
-        tok = int(token.item())
-        check_finite(tok, 0)
-        out, shown, p = [tok], [""], self.position
+        """Sample the answer from the prompt's last logits, feeding each token at the next position (engine.decode),
+        until EOS, n_new tokens or stop(). The last token is returned, not written."""
+        token, outs = first_tokens(logits, **self.sampling)
+        out, shown = outs[0], [""]
         self.stream(out, shown, on_text)
-        while len(out) < n_new and tok not in self.eos_ids and not self._stop:
-            logits = decode(self.model, token.view(1, 1), torch.tensor([p], device=self.device))
-            token = sample_finite(logits, s["temperature"], s["top_k"], s["top_p"])
-            tok = int(token.item())
-            check_finite(tok, len(out))
-            out.append(tok)
-            p += 1
-            self.stream(out, shown, on_text)
+        engine.decode(self.model, self.steps[1], token, outs, [self.position], n_new, eos_ids=self.eos_ids,
+                      on_token=lambda b, ids: self.stream(ids, shown, on_text), stop=lambda: self._stop, **self.sampling)
         if on_text is not None and self.decode(out) != shown[0]:
             on_text(self.decode(out)[len(shown[0]):])
         return out
@@ -250,18 +242,22 @@ class Chat:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
+    def compile(self, mode: str | None = None, prefill: bool | None = None, freeze: bool = False,
+                around=None) -> None:
+        """Compile both steps (engine.compile_settings: --compile-mode, --compile-prefill, --freeze) and warm them
+        up before the first turn; around(mode, compiled_prefill): a context manager for the warm-up."""
+        mode, compiled_prefill = engine.compile_settings(self.model, self.protocol, mode, prefill, freeze)
+        self.steps = engine.compile_steps(self.device, mode, prefill=compiled_prefill, freeze=freeze)
+        label = mode or ("reduce-overhead" if self.device.startswith("cuda") else "default")
+        with around(label, compiled_prefill) if around is not None else contextlib.nullcontext():
+            self.warm_up()
+
     def warm_up(self) -> None:
         """Run both steps once on a one-token prompt (a compiled step compiles here, not in the first turn), then
         start an empty conversation; the caches are set up again at the first turn, with the same shapes."""
         if self.protocol == "one-shot" and is_scorer(self.policy):  # plans that depend on the prompt's length
             return
-        with torch.inference_mode():
-            idx, pos = block_inputs(torch.zeros(1, dtype=torch.long, device=self.device), 0, self.block_size)
-            self.steps[0](self.model, idx, pos)
-            for _ in range(2):  # CUDA graph trees record on the second call
-                self.steps[1](self.model, torch.zeros(1, 1, dtype=torch.long, device=self.device),
-                              torch.tensor([1], device=self.device))
-        sync(self.device)
+        engine.warm_up(self.model, self.steps, 0, self.block_size, self.device)
         self.reset()
 
     # ------------------------------------------------------------------------------------------------ the numbers
@@ -431,36 +427,3 @@ def repl(chat: Chat, *, json_mode: bool = False, stdin=None, out=None, err=None)
         else:
             print(file=out, flush=True)
     return 0
-
-
-def run_interactive(a, model, tokenizer, policy, dtype) -> int:
-    """generate.py --interactive once the model and tokenizer are loaded: the flags' defaults against the model's
-    context (--max-new-tokens 200, --block-size 128, --budget 2048 for every policy, each clamped to the context; a
-    value given must fit), --compile's steps compiled before the first turn, then the REPL."""
-    from cli import COMPILE_LOG, is_verbose, stderr_to_log
-    from engine import compile_steps, default_compile_mode
-    from progress import Ticker
-    ctx = model.args.max_seq_len
-    for flag, v in (("--block-size", a.block_size), ("--budget", a.budget), ("--max-new-tokens", a.max_new_tokens)):
-        if v is not None and v > ctx:
-            raise UserError(f"{flag} {v} is larger than the model's context ({ctx})")
-    if a.top_k is not None and a.top_k > model.args.vocab_size:
-        raise UserError(f"--top-k {a.top_k} exceeds the model's vocabulary ({model.args.vocab_size} tokens)")
-    steps = (prefill_step, model_step)
-    if a.compile:
-        quantized = "budgetkv_quantization" in model.config
-        mode = default_compile_mode(a.device, dtype, quantized, a.freeze) if a.compile_mode in (None, "auto") \
-            else a.compile_mode
-        compile_prefill = (a.device != "cpu" if a.compile_prefill is None else a.compile_prefill) and \
-            prefill_protocol(policy, a.prefill) == "block"
-        steps = compile_steps(a.device, mode, prefill=compile_prefill, freeze=a.freeze)
-    chat = Chat(model, tokenizer, policy, a.budget, max_new_tokens=a.max_new_tokens or min(200, ctx - 1),
-                block_size=a.block_size or min(128, ctx), prefill=a.prefill, temperature=a.temperature,
-                top_k=a.top_k or 0, top_p=1.0 if a.top_p is None else a.top_p,
-                kv_dtype=KV_DTYPES.get(a.kv_dtype), chat_template=not a.no_chat, steps=steps,
-                evict_before_attend=a.evict_before_attend)
-    if a.compile:
-        with stderr_to_log(COMPILE_LOG, is_verbose(a)) as terminal, \
-                Ticker("compiling the steps", stream=terminal, enabled=not a.quiet):
-            chat.warm_up()
-    return repl(chat, json_mode=a.json)

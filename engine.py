@@ -1,6 +1,7 @@
 """The engine: build a model from a checkpoint directory and run it with a fixed-budget KV cache (block-wise or
 one-shot prefill, then decode), plus what the command lines share to time and measure it. generate.py is its
 command line."""
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -11,7 +12,8 @@ import threads  # noqa: F401  (before torch: how its OpenMP threads wait, for th
 import torch
 
 import kernels
-from cache import compress_into, eager_blocks, is_scorer, row_cache, scratch_cache, setup_caches
+from cache import (KV_DTYPES, Storage, compress_into, eager_blocks, is_scorer, kv_bytes, row_cache, scratch_cache,
+                   setup_caches)
 from config import parse_config
 from convert import ENGINE_FILE, CheckpointError, read_config, read_hf_dir
 from errors import UserError
@@ -105,10 +107,11 @@ def free_memory(device: str) -> int | None:
     return None
 
 
-def kv_cache_estimate(args: ModelArgs, slots: int, kv_dtype: torch.dtype) -> int:
-    """Bytes of K and V for `slots` slots in every layer (int8: plus one fp32 scale per token, head, K and V)."""
-    per_slot = 2 * args.n_kv_heads * (args.head_dim * kv_dtype.itemsize + (4 if kv_dtype == torch.int8 else 0))
-    return args.n_layers * slots * per_slot
+def kv_cache_estimate(args: ModelArgs, slots: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> int:
+    """Bytes of the K and V buffers of `slots` slots in every layer, for one sequence: what cache.Storage allocates
+    for them, allocated on the meta device (nothing is)."""
+    buffers = Storage(dtype, kv_dtype).allocate((1, args.n_kv_heads, slots, args.head_dim), "meta")
+    return args.n_layers * sum(t.nbytes for t in buffers.values())
 
 
 def check_fits(label: str, n_params: int, dtype: torch.dtype, device: str, kv_bytes: int = 0) -> None:
@@ -272,20 +275,17 @@ def compile_step(fn, mode: str | None, freeze: bool = False):
 @torch.inference_mode()
 def warm_up(model, steps, first_id: int, block_size: int, device: str, batch: int = 1) -> None:
     """Compile (or load) both steps before anything is timed, in the order a run calls them: the prefill step on one
-    padded block, then the decode step twice with its inputs made as decode makes them (batch 1: fresh [1, 1] and
-    [1] tensors; a batch: [B, 1] views of fresh [B] tensors; other strides would recompile). Twice, since CUDA graph
-    trees warm up on a graph's first call and record it on the second; the third call, the first timed one,
-    replays. Leaves the caches dirty: reset before use."""
+    padded block (a batch: each sequence at its own positions), then the decode step twice with its inputs made as
+    decode() makes them (decode_inputs: other shapes or strides would recompile). Twice, since CUDA graph trees
+    warm up on a graph's first call and record it on the second; the third call, the first timed one, replays.
+    Leaves the caches dirty: reset before use."""
     first = torch.tensor([first_id], device=device)
     idx, pos = block_inputs(first, 0, block_size) if batch == 1 else \
         batch_block_inputs([first] * batch, 0, block_size)
     steps[0](model, idx, pos)
     for _ in range(2):
-        if batch == 1:
-            steps[1](model, torch.tensor([[first_id]], device=device), torch.tensor([1], device=device))
-        else:
-            steps[1](model, torch.full((batch,), first_id, device=device).view(-1, 1),
-                     torch.ones(batch, dtype=torch.long, device=device).view(-1, 1))
+        steps[1](model, *decode_inputs(torch.full((batch,), first_id, device=device),
+                                       torch.ones(batch, dtype=torch.long, device=device)))
     sync(device)
     release_free_memory()
 
@@ -489,69 +489,25 @@ def check_finite(tok: int, step: int) -> None:
 
 
 @torch.inference_mode()
-def generate(model, prompt_ids: list[int], max_new_tokens: int, *, block_size: int, steps, eos_ids=(),
-             temperature=0.0, top_k=0, top_p=1.0, on_token=None, device="cpu", profiler=None,
-             one_shot=False, shared: dict | None = None, on_prefill=None) -> tuple[list, dict]:
-    """Block-wise (or one-shot) prefill then decode; returns (generated ids, stats). steps = (prefill, decode);
-    shared: receives a one-shot prefill's cross-layer state (K-VEC's coverage counter); on_prefill(done, total):
-    the prefill's progress in prompt tokens (see prefill), inside the timed prefill."""
-    prefill_fn, decode_fn = steps
-    for layer in model.layers:
-        layer.attention.kv_cache.reset()
-    prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-    L = len(prompt_ids)
-    check_capacity(model, L, max_new_tokens, one_shot)
-    mem = PeakMemory(device)
-    # the peak so far: loading and compiling (before the first reset; on CPU the process's peak RSS since it began)
-    stats = {"prompt_tokens": L, "memory_measure": mem.measure, "startup_peak_bytes": mem.peak()}
-
-    release_free_memory()  # what loading (a first run's conversion) freed is not the prefill's
-    mem.reset()
-    sync(device)
-    t0 = time.perf_counter()
-    logits = prefill(model, prompt, block_size, prefill_fn, one_shot, shared, on_prefill=on_prefill)
-    token = sample_finite(logits, temperature, top_k, top_p)
-    tok = int(token.item())  # the first token is needed on the host anyway (streaming, EOS)
-    check_finite(tok, 0)
-    t1 = time.perf_counter()
-    stats.update(ttft_s=t1 - t0, prefill_tok_s=L / (t1 - t0), prefill_peak_bytes=mem.peak())
-    if profiler is not None:
-        profiler.step()
-
-    out = [tok]
-    if on_token:
-        on_token(out)
-    release_free_memory()
-    mem.reset()
-    t2 = time.perf_counter()
-    p = L
-    while len(out) < max_new_tokens and tok not in eos_ids:
-        logits = decode_fn(model, token.view(1, 1), torch.tensor([p], device=device))
-        token = sample_finite(logits, temperature, top_k, top_p)
-        tok = int(token.item())
-        check_finite(tok, len(out))
-        out.append(tok)
-        p += 1
-        if on_token:
-            on_token(out)
-        if profiler is not None:
-            profiler.step()
-    sync(device)
-    t3 = time.perf_counter()
-    n_decode = len(out) - 1
-    stats.update(decode_tokens=n_decode, decode_s=t3 - t2, decode_tok_s=n_decode / (t3 - t2) if n_decode else 0.0,
-                 decode_peak_bytes=mem.peak(), generated_tokens=len(out))
-    return out, stats
+def generate(model, prompt_ids: list[int], max_new_tokens: int, *, on_token=None, **kw) -> tuple[list, dict]:
+    """One prompt: generate_batch() of a batch of one; returns (generated ids, stats) with the counts as numbers.
+    on_token(ids): after every token, with the ids so far."""
+    outs, stats = generate_batch(model, [prompt_ids], max_new_tokens,
+                                 on_token=None if on_token is None else lambda b, out: on_token(out), **kw)
+    return outs[0], one_sequence(stats)
 
 
 def prefill_batch(model, prompts: list[torch.Tensor], block_size: int, step=prefill_step, one_shot: bool = False,
-                  *, on_prefill=None) -> torch.Tensor:
+                  shared: dict | None = None, *, on_prefill=None) -> torch.Tensor:
     """Every prompt of a batch into its row of the caches; returns each sequence's last-position logits [B, vocab].
+    One prompt: prefill() (shared: a one-shot prefill's cross-layer state, K-VEC's coverage counter).
     Block-wise: one step per block index for the whole batch (batch_block_inputs: each sequence at its own
     positions, so its blocks are exactly its batch-1 blocks; a sequence whose prompt has ended gets padding, which
     changes nothing it keeps), its logits taken from the block holding its last token. One-shot: each sequence
     alone through prefill_one_shot into its row, with the policy planned for that prompt's length (replan).
-    on_prefill(done, total) in prompt tokens of the whole batch."""
+    on_prefill(done, total) in prompt tokens of the whole batch (one prompt: see prefill)."""
+    if len(prompts) == 1:
+        return prefill(model, prompts[0], block_size, step, one_shot, shared, on_prefill=on_prefill)
     total, done = sum(p.numel() for p in prompts), 0
     if one_shot:
         policy = model.layers[0].attention.kv_cache.policy
@@ -592,15 +548,61 @@ def replan(model, prompt_len: int) -> None:
     c.policy.plan(dataclasses.replace(c.run, prompt_len=prompt_len))
 
 
+def first_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, list]:
+    """Each sequence's first token from its prompt's last logits [B, vocab]: (the tokens [B], [[id], ...])."""
+    token = sample_finite(logits, temperature, top_k, top_p)
+    outs = [[tok] for tok in token.tolist()]  # the first tokens are needed on the host anyway (streaming, EOS)
+    for out in outs:
+        check_finite(out[0], 0)
+    return token, outs
+
+
+def decode_inputs(token: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's inputs for a batch of any size: ids and positions [B, 1], views of the [B] tensors (what
+    warm_up passes too: other shapes or strides would recompile)."""
+    return token.view(-1, 1), positions.view(-1, 1)
+
+
+def decode(model, step, token: torch.Tensor, outs: list[list[int]], positions: list[int], max_new_tokens: int, *,
+           eos_ids=(), temperature=0.0, top_k=0, top_p=1.0, on_token=None, on_done=None, stop=None) -> int:
+    """The decode loop, for a batch of one or more: feeds each sequence's last sampled token (token [B]) at its next
+    position (positions[b], then one more each step) and samples the next, until every sequence has its EOS
+    (included) or max_new_tokens ids, or stop() says so (checked before each step). outs: each sequence's ids so
+    far, appended in place; a finished sequence keeps stepping with the others (the batch is a static shape) but
+    nothing more is recorded for it. on_token(b, ids) after each token appended to sequence b, on_done(b, ids) once
+    it is complete. Returns the steps run."""
+    live = [out[-1] not in eos_ids and len(out) < max_new_tokens for out in outs]
+    for b, out in enumerate(outs):
+        if not live[b] and on_done:
+            on_done(b, out)
+    pos, n_steps = torch.tensor(positions, device=token.device), 0
+    while any(live) and not (stop is not None and stop()):
+        n_steps += 1
+        logits = step(model, *decode_inputs(token.clamp_min(0), pos))
+        token = sample_finite(logits, temperature, top_k, top_p)
+        for b, tok in enumerate(token.tolist()):
+            if live[b]:
+                check_finite(tok, len(outs[b]))
+                outs[b].append(tok)
+                if on_token:
+                    on_token(b, outs[b])
+                live[b] = tok not in eos_ids and len(outs[b]) < max_new_tokens
+                if not live[b] and on_done:
+                    on_done(b, outs[b])
+        pos = pos + 1
+    return n_steps
+
+
 @torch.inference_mode()
 def generate_batch(model, prompts_ids: list[list[int]], max_new_tokens: int, *, block_size: int, steps,
                    eos_ids=(), temperature=0.0, top_k=0, top_p=1.0, device="cpu", one_shot=False,
-                   on_prefill=None, on_done=None) -> tuple[list[list[int]], dict]:
-    """Generate a batch of prompts of any lengths at once (caches from setup_batch, one row per prompt); returns
-    (each sequence's generated ids, stats). Each sequence keeps its own positions and kept set; greedy, each one's
-    tokens are its batch-1 generate() tokens. A sequence stops at its first EOS (included, as generate() does) or
-    at max_new_tokens; it keeps stepping with the others (the batch is a static shape) but nothing more is
-    recorded for it. on_done(b, ids) once sequence b is complete. Stats count decode tokens over all sequences."""
+                   shared: dict | None = None, on_prefill=None, on_token=None, on_done=None
+                   ) -> tuple[list[list[int]], dict]:
+    """Prefill then decode a batch of one or more prompts of any lengths (caches from setup or setup_batch, one row
+    per prompt); returns (each sequence's generated ids, stats). steps = (prefill, decode). Each sequence keeps its
+    own positions and kept set; greedy, each one's tokens are its batch-1 tokens. A sequence stops at its first EOS
+    (included) or at max_new_tokens (see decode). shared, on_prefill: see prefill_batch; on_token(b, ids) after
+    each token of sequence b, on_done(b, ids) once it is complete. Stats count decode tokens over all sequences."""
     prefill_fn, decode_fn = steps
     for layer in model.layers:
         layer.attention.kv_cache.reset()
@@ -610,41 +612,28 @@ def generate_batch(model, prompts_ids: list[list[int]], max_new_tokens: int, *, 
     prompts = [torch.tensor(ids, dtype=torch.long, device=device) for ids in prompts_ids]
     check_capacity(model, max(lens), max_new_tokens, one_shot)
     mem = PeakMemory(device)
+    # the peak so far: loading and compiling (before the first reset; on CPU the process's peak RSS since it began)
     stats = {"batch_size": len(prompts), "prompt_tokens": lens, "memory_measure": mem.measure,
              "startup_peak_bytes": mem.peak()}
 
-    release_free_memory()
+    release_free_memory()  # what loading (a first run's conversion) freed is not the prefill's
     mem.reset()
     sync(device)
     t0 = time.perf_counter()
-    logits = prefill_batch(model, prompts, block_size, prefill_fn, one_shot, on_prefill=on_prefill)
-    token = sample_finite(logits, temperature, top_k, top_p)
-    outs = [[tok] for tok in token.tolist()]
-    for out in outs:
-        check_finite(out[0], 0)
+    logits = prefill_batch(model, prompts, block_size, prefill_fn, one_shot, shared, on_prefill=on_prefill)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    token, outs = first_tokens(logits, **sampling)
     t1 = time.perf_counter()
     stats.update(ttft_s=t1 - t0, prefill_tok_s=sum(lens) / (t1 - t0), prefill_peak_bytes=mem.peak())
+    if on_token:
+        for b, out in enumerate(outs):
+            on_token(b, out)
 
-    live = [out[0] not in eos_ids and max_new_tokens > 1 for out in outs]
-    for b, out in enumerate(outs):
-        if not live[b] and on_done:
-            on_done(b, out)
     release_free_memory()
     mem.reset()
     t2 = time.perf_counter()
-    positions, n_steps = list(lens), 0
-    while any(live):
-        n_steps += 1
-        logits = decode_fn(model, token.clamp_min(0).view(-1, 1), torch.tensor(positions, device=device).view(-1, 1))
-        token = sample_finite(logits, temperature, top_k, top_p)
-        for b, tok in enumerate(token.tolist()):
-            if live[b]:
-                check_finite(tok, len(outs[b]))
-                outs[b].append(tok)
-                live[b] = tok not in eos_ids and len(outs[b]) < max_new_tokens
-                if not live[b] and on_done:
-                    on_done(b, outs[b])
-        positions = [p + 1 for p in positions]
+    n_steps = decode(model, decode_fn, token, outs, lens, max_new_tokens, eos_ids=eos_ids, on_token=on_token,
+                     on_done=on_done, **sampling)
     sync(device)
     t3 = time.perf_counter()
     n_decode = sum(len(out) - 1 for out in outs)
@@ -744,3 +733,206 @@ def decode_bytes_per_step(model) -> tuple[int, int]:
         per_token = sum(t[:, :, :1].nbytes for t in c.kv_buffers())  # K+V (+scales)
         kv += int(per_token * c.read_tokens())
     return weights, kv
+
+
+# -------------------------------------------------------------------------------------------------------- the run
+
+DEFAULT_NEW_TOKENS, DEFAULT_BLOCK, DEFAULT_BUDGET = 200, 128, 2048  # each clamped to the model's context
+CACHE_NOTES = {"hit": "from the compile cache", "miss": "now cached for the next run",
+               "bypass": "not cacheable: compiles again next run", "off": "cache off"}
+
+
+class Generation:
+    """One run of a model over one prompt or a batch: the settings resolved against the model's context and the
+    prompts' lengths, then setup() (the caches), compile() (the steps compiled and warmed up) and generate()
+    (prefill, the decode loop, the stats). generate.py, chat.py, bench, eval and generate_text run through it.
+
+    None is the default: max_new_tokens 200 (fewer where the context ends first), block_size 128, budget
+    prompt + max_new_tokens for the policies that hold every token (full, exact-topk) and 2048 for the others, each
+    clamped to the model's context (`clamped`: {flag: (default, used)}); a value given must fit (UserError).
+    prefill: "block" or "one-shot" (None: the policy's default)."""
+
+    def __init__(self, args: ModelArgs, policy, prompt_lens: list[int], *, budget: int | None = None,
+                 max_new_tokens: int | None = None, block_size: int | None = None, prefill: str | None = None,
+                 evict_before_attend: bool = False, kv_dtype: torch.dtype | None = None, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, device: str = "cpu"):
+        self.args, self.policy, self.lens, self.device = args, policy, list(prompt_lens), device
+        self.protocol = prefill_protocol(policy, prefill)
+        self.evict_before_attend, self.kv_dtype = evict_before_attend, kv_dtype
+        if top_k > args.vocab_size:
+            raise UserError(f"--top-k {top_k} exceeds the model's vocabulary ({args.vocab_size} tokens)")
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.clamped = {}
+        self.max_new_tokens, self.block_size = self.fit(max_new_tokens, block_size, budget)
+        ctx, L = args.max_seq_len, max(self.lens)
+        if not is_scorer(policy):  # full, exact-topk: every token is held
+            self.budget = budget or L + self.max_new_tokens
+        else:
+            self.budget = budget or min(DEFAULT_BUDGET, ctx)
+            if budget is None and self.budget < DEFAULT_BUDGET:
+                self.clamped["--budget"] = (DEFAULT_BUDGET, self.budget)
+        self.steps, self.slots = (prefill_step, model_step), None
+        self.compile_mode, self.compiled_prefill, self.frozen, self.compile_s, self.compile_cache = \
+            None, False, False, 0.0, None
+
+    def fit(self, max_new_tokens, block_size, budget) -> tuple[int, int]:
+        """(max_new_tokens, block_size) against the context: a default clamped, a value given checked."""
+        ctx, L, n = self.args.max_seq_len, max(self.lens), len(self.lens)
+        longest = self.lens.index(L) + 1
+        what = "the prompt" if n == 1 else f"prompt {longest} of the batch"
+        total = f"prompt ({L})" if n == 1 else f"the longest prompt (prompt {longest} of the batch, {L} tokens)"
+        if L > ctx:
+            raise UserError(f"{what} has {L} tokens, longer than the model's context of {ctx}")
+        if max_new_tokens is None:
+            if L >= ctx:
+                raise UserError(f"{what} ({L} tokens) fills the model's context ({ctx}): no room for new tokens")
+            max_new_tokens = min(DEFAULT_NEW_TOKENS, ctx - L)
+            if max_new_tokens < DEFAULT_NEW_TOKENS:
+                self.clamped["--max-new-tokens"] = (DEFAULT_NEW_TOKENS, max_new_tokens)
+        elif L + max_new_tokens > ctx:
+            raise UserError(f"{total} + --max-new-tokens ({max_new_tokens}) exceeds the model's context ({ctx})")
+        if block_size is None:
+            block_size = min(DEFAULT_BLOCK, ctx)
+            if block_size < DEFAULT_BLOCK:
+                self.clamped["--block-size"] = (DEFAULT_BLOCK, block_size)
+        elif block_size > ctx:
+            raise UserError(f"--block-size {block_size} is larger than the model's context ({ctx})")
+        if budget is not None and budget > ctx:
+            raise UserError(f"--budget {budget} is larger than the model's context ({ctx})")
+        return max_new_tokens, block_size
+
+    def kv_bytes_needed(self, dtype: torch.dtype) -> int:
+        """Bytes the caches setup() allocates (every layer's, one row per prompt), plus a one-shot prefill's
+        scratch (one layer's K/V of the whole padded prompt): what a model built for this run must leave free."""
+        block, kv_dtype = self.block_size, self.kv_dtype
+        need = len(self.lens) * kv_cache_estimate(self.args, self.budget + block, dtype, kv_dtype)
+        if self.protocol == "one-shot":
+            scratch = -(-max(self.lens) // block) * block
+            need += kv_cache_estimate(self.args, scratch, dtype, kv_dtype) // self.args.n_layers
+        return need
+
+    def setup(self, model) -> int:
+        """Every layer's cache for this run (setup_batch); returns the slots per layer and KV head."""
+        self.slots = setup_batch(model, self.policy, self.budget, self.lens, self.max_new_tokens, self.block_size,
+                                 prefill=self.protocol, evict_before_attend=self.evict_before_attend,
+                                 kv_dtype=self.kv_dtype)
+        return self.slots
+
+    def compile(self, model, first_id: int, mode: str | None = None, prefill: bool | None = None,
+                freeze: bool = False, around=None) -> None:
+        """Compile both steps (compile_settings) and warm them up on first_id (the caches are left dirty: generate()
+        resets them). around(self): a context manager for the warm-up (generate.py's compiler log and ticker),
+        entered once the mode is settled, whose value is the terminal's stream (None: stderr). Sets compile_mode, compiled_prefill, frozen, compile_s, compile_cache."""
+        mode, self.compiled_prefill = compile_settings(model, self.protocol, mode, prefill, freeze)
+        self.frozen = freeze
+        self.compile_mode = mode or ("reduce-overhead" if self.device.startswith("cuda") else "default")
+        self.steps = compile_steps(self.device, mode, prefill=self.compiled_prefill, freeze=freeze)
+        dynamo = mode != AOT or self.compiled_prefill
+        if dynamo:  # imported here: an eager or AOT run never imports the compiler (~115 MiB, ~1.3 s)
+            from torch._dynamo.utils import counters
+            counters["inductor"].clear()
+        t = time.perf_counter()
+        with around(self) if around is not None else contextlib.nullcontext() as terminal:
+            if mode == AOT and terminal is not None:
+                self.steps[1].stream = terminal  # a package not loaded or not saved: its line there, not in a log
+            warm_up(model, self.steps, first_id, self.block_size, self.device, batch=len(self.lens))
+        self.compile_s = time.perf_counter() - t
+        self.compile_cache = cache_state(counters["inductor"] if dynamo else None,
+                                         self.steps[1] if mode == AOT else None)
+
+    def generate(self, model, prompts: list[list[int]], *, eos_ids=(), on_token=None, on_done=None,
+                 on_prefill=None) -> tuple[list[list[int]], dict]:
+        """generate_batch() with this run's settings and steps; returns (each sequence's ids, stats): the timings
+        and per-phase peaks, the bytes a decode step reads (weights once for the batch, and KV) and the bandwidth
+        they make at the measured steps per second, the cache's size and the compile's record."""
+        outs, stats = generate_batch(model, prompts, self.max_new_tokens, block_size=self.block_size,
+                                     steps=self.steps, eos_ids=eos_ids, device=self.device,
+                                     one_shot=self.protocol == "one-shot", on_prefill=on_prefill, on_token=on_token,
+                                     on_done=on_done, **self.sampling)
+        weight_b, kv_read_b = decode_bytes_per_step(model)
+        steps_per_s = stats["decode_steps"] / stats["decode_s"] if stats["decode_steps"] else 0.0
+        stats.update(budget=self.budget, slots_held=self.slots,
+                     tokens_read_per_step=model.layers[0].attention.kv_cache.read_tokens(),
+                     block_size=self.block_size, prefill=self.protocol, threads=torch.get_num_threads(),
+                     compiled=self.steps[1] is not model_step, compiled_prefill=self.compiled_prefill,
+                     frozen=self.frozen, compile_mode=self.compile_mode, compile_s=round(self.compile_s, 2),
+                     compile_cache=self.compile_cache, kv_cache_bytes=kv_bytes(model), weight_bytes=weight_b,
+                     kv_read_bytes_per_step=kv_read_b,
+                     process_peak_bytes=max(stats["startup_peak_bytes"], stats["prefill_peak_bytes"],
+                                            stats["decode_peak_bytes"]),
+                     bandwidth_gb_s=(weight_b + kv_read_b) * steps_per_s / 1e9,  # bytes of a step x steps per second
+                     max_new_tokens=self.max_new_tokens,
+                     clamped_to_context={flag[2:]: {"default": d, "used": v} for flag, (d, v) in self.clamped.items()})
+        if len(outs) == 1:
+            one_sequence(stats)
+        return outs, stats
+
+
+def one_sequence(stats: dict) -> dict:
+    """A batch of one's stats as one sequence's: its prompt and generated token counts as numbers, no batch keys."""
+    del stats["batch_size"], stats["decode_steps"]
+    stats.update(prompt_tokens=stats["prompt_tokens"][0], generated_tokens=stats["generated_tokens"][0])
+    return stats
+
+
+def compile_settings(model, protocol: str, mode: str | None, prefill: bool | None, freeze: bool
+                     ) -> tuple[str | None, bool]:
+    """(torch.compile mode or AOT, whether the prefill step is compiled) for --compile-mode (None or "auto":
+    default_compile_mode; AOT becomes None under tensor parallel, whose steps' collectives need torch.compile) and
+    --compile-prefill (None: on CUDA only; never for a one-shot prefill, which does not run the block step)."""
+    device = str(model.tok_embeddings.weight.device)
+    if mode in (None, "auto"):
+        quantized = "budgetkv_quantization" in getattr(model, "config", {})
+        mode = default_compile_mode(device, model.tok_embeddings.weight.dtype, quantized, freeze)
+        if mode == AOT and getattr(model, "tp_group", None) is not None:
+            mode = None
+    prefill = device != "cpu" if prefill is None else prefill
+    return mode, prefill and protocol == "block"
+
+
+def cache_state(inductor_counters, aot_step=None) -> str:
+    """What the caches did for the steps just compiled: every one found ("hit"), some compiled and saved ("miss"),
+    some not cacheable ("bypass"), or no lookup at all ("off": inductor's cache disabled). inductor_counters: its
+    FX graph cache's (None: no torch.compile'd step); aot_step: an aoti.AotStep just bound."""
+    counts = inductor_counters or {}
+    if counts.get("fxgraph_cache_bypass"):
+        return "bypass"
+    if counts.get("fxgraph_cache_miss") or (aot_step is not None and aot_step.compiled):
+        return "miss"
+    return "hit" if counts.get("fxgraph_cache_hit") or aot_step is not None else "off"
+
+
+def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", policy="full",
+                  budget: int | None = None, max_new_tokens: int | None = None, block_size: int | None = None,
+                  prefill: str | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  seed: int = 0, kv_dtype: str = "auto", dtype: str = "auto", device: str | None = None,
+                  chat_template: bool = True, compile: bool = False) -> dict:
+    """The Python API in one call, with generate.py's defaults: load `checkpoint` (its forms: a short name, an HF
+    or budgetkv directory, a .gguf file), set the caches up for `policy` (a spec string, e.g. "snapkv:window=32",
+    or a policy object) at `budget`, compile when asked, and generate. One prompt returns {"text", "token_ids",
+    **stats}; a list of prompts, one batch, {"texts", "token_ids" (one list per prompt), **stats}."""
+    import policies
+    from checkpoint import resolve_checkpoint
+    from tokenizer import load_tokenizer
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    compute = (torch.bfloat16 if device.startswith("cuda") else torch.float32) if dtype == "auto" else \
+        getattr(torch, dtype)
+    texts = [prompt] if isinstance(prompt, str) else list(prompt)
+    policy = policies.make(policy) if isinstance(policy, str) else policy
+    ckpt = resolve_checkpoint(checkpoint)
+    tokenizer = load_tokenizer(ckpt)
+    model = load_model(ckpt, compute, device)
+    template = chat_template and tokenizer.chat_template is not None
+    ids = [tokenizer.chat_prompt_ids(t) if template else tokenizer.encode(t, add_bos=True) for t in texts]
+    gen = Generation(model.args, policy, [len(i) for i in ids], budget=budget, max_new_tokens=max_new_tokens,
+                     block_size=block_size, prefill=prefill, kv_dtype=KV_DTYPES.get(kv_dtype),
+                     temperature=temperature, top_k=top_k, top_p=top_p, device=device)
+    torch.manual_seed(seed)
+    gen.setup(model)
+    if compile:
+        gen.compile(model, ids[0][0])
+    outs, stats = gen.generate(model, ids, eos_ids=set(tokenizer.eos_ids))
+    decoded = [tokenizer.decode(out) for out in outs]
+    if isinstance(prompt, str):
+        return {"text": decoded[0], "token_ids": outs[0], **stats}
+    return {"texts": decoded, "token_ids": outs, **stats}

@@ -23,27 +23,25 @@ import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
-from contextlib import nullcontext  # noqa: E402
+from contextlib import contextmanager, nullcontext  # noqa: E402
 
 import threads  # noqa: E402,F401  (before torch: how its OpenMP threads wait)
 import torch  # noqa: E402
 
-from cache import KV_DTYPES, kv_bytes  # noqa: E402
+from cache import KV_DTYPES, is_scorer, kv_bytes  # noqa: E402
 from checkpoint import MODELS, resolve_checkpoint, shape_config  # noqa: E402
 from cli import COMPILE_LOG, Parser, check_writable, is_verbose, stderr_to_log  # noqa: E402
 from convert import read_config  # noqa: E402
 from files import jsonl_objects, tmp_path  # noqa: E402
-from cache import is_scorer  # noqa: E402
-from engine import (AOT, MIN_TEMPERATURE, check_fits, compile_steps, decode_bytes_per_step, default_compile_mode,  # noqa: E402
-                    generate, generate_batch, kv_cache_estimate, load_model, model_step, prefill_protocol,
-                    prefill_step, random_model, set_threads, setup, setup_batch, sync, warm_up)
+from engine import (AOT, CACHE_NOTES, DEFAULT_BLOCK, DEFAULT_BUDGET, DEFAULT_NEW_TOKENS, MIN_TEMPERATURE,  # noqa: E402
+                    Generation, check_fits, decode_bytes_per_step, load_model, prefill_protocol, random_model,
+                    set_threads, sync)
 from config import parse_config  # noqa: E402
 import progress  # noqa: E402
 import tp  # noqa: E402
 from progress import Progress, Ticker  # noqa: E402
 
 MAX_PROMPT_BYTES = 64 << 20  # far more text than any supported model's context holds
-DEFAULT_NEW_TOKENS, DEFAULT_BLOCK, DEFAULT_BUDGET = 200, 128, 2048  # each clamped to the model's context
 DEFAULT_DRAFT_BUDGET = 256  # --speculate's draft cache (MagicDec's StreamingLLM drafts hold a few hundred tokens)
 
 
@@ -424,58 +422,13 @@ def batch_of(a, prompts: list) -> list:
     return prompts * a.batch_size
 
 
-def fit_defaults(a, prompt_len: int, ctx: int, longest: int | None = None) -> dict:
-    """The prompt, --max-new-tokens, --block-size and --budget against the model's context: a value given must fit
-    (UserError otherwise); a default that does not is clamped to it. Returns {flag: (default, clamped value)} for
-    the summary (run() adds the default --budget of the evicting policies). A batch passes its longest prompt's
-    length and number (`longest`, from 1), which the messages name."""
-    what = "the prompt" if longest is None else f"prompt {longest} of the batch"
-    total = (f"prompt ({prompt_len})" if longest is None else
-             f"the longest prompt (prompt {longest} of the batch, {prompt_len} tokens)")
-    L, clamped = prompt_len, {}
-    if L > ctx:
-        raise UserError(f"{what} has {L} tokens, longer than the model's context of {ctx}")
-    if a.max_new_tokens is None:
-        if L >= ctx:
-            raise UserError(f"{what} ({L} tokens) fills the model's context ({ctx}): no room for new tokens")
-        a.max_new_tokens = min(DEFAULT_NEW_TOKENS, ctx - L)
-        if a.max_new_tokens < DEFAULT_NEW_TOKENS:
-            clamped["--max-new-tokens"] = (DEFAULT_NEW_TOKENS, a.max_new_tokens)
-    elif L + a.max_new_tokens > ctx:
-        raise UserError(f"{total} + --max-new-tokens ({a.max_new_tokens}) exceeds the model's context ({ctx})")
-    if a.block_size is None:
-        a.block_size = min(DEFAULT_BLOCK, ctx)
-        if a.block_size < DEFAULT_BLOCK:
-            clamped["--block-size"] = (DEFAULT_BLOCK, a.block_size)
-    elif a.block_size > ctx:
-        raise UserError(f"--block-size {a.block_size} is larger than the model's context ({ctx})")
-    if a.budget is not None and a.budget > ctx:
-        raise UserError(f"--budget {a.budget} is larger than the model's context ({ctx})")
-    return clamped
-
-
 def run(a) -> int:
     import policies
-    from tokenizer import load_tokenizer
-
     check_args(a)
     progress.quiet = a.quiet  # for every line of this run: a conversion's too
     policy = policies.make(a.policy)  # unknown names and parameters fail before any loading
-    mesh = tp.start(a.tp, a.device, policy)  # under torchrun: every rank validates, then joins; only rank 0 prints
-    a.device = tp.rank_device(a.device, mesh)
-    if mesh.world > 1 and a.interactive:
-        raise UserError("--interactive reads its turns on one process; it does not run under tensor parallel")
-    if mesh.world > 1 and a.speculate:
-        raise UserError("--speculate runs on one device; it does not run under tensor parallel yet")
-    if mesh.world > 1 and a.compile_mode == AOT:
-        raise UserError("--compile-mode aot runs on one process: under tensor parallel the steps' collectives "
-                        "need torch.compile (leave --compile-mode auto)")
-    if a.speculate:  # the target is full; --prefill is the draft's
-        import speculative
-        speculative.check_target(policy)
-        a.draft_policy = a.draft_policy or ("full" if a.draft_checkpoint else "sink")
-        draft_policy = policies.make(a.draft_policy)
-        a.draft_prefill = prefill_protocol(draft_policy, a.prefill)
+    mesh = start_mesh(a, policy)
+    draft_policy = speculate_policy(a, policy)
     a.prefill = prefill_protocol(policy, a.prefill)
     if a.prefill == "one-shot" and a.compile_prefill is not None:
         raise UserError("--compile-prefill / --no-compile-prefill apply to --prefill block: a one-shot prefill never "
@@ -484,188 +437,185 @@ def run(a) -> int:
     dtype = compute_dtype(a)
     torch.manual_seed(a.seed or 0)
     set_threads(a.threads)
+    if a.interactive:
+        return run_interactive(a, policy, dtype, mesh)
+    ckpt, config, tokenizer, model, prompts = load(a, texts, dtype, mesh)
+    gen = Generation(parse_config(config) if model is None else model.args, policy,
+                     [len(p) for p in prompts], budget=a.budget, max_new_tokens=a.max_new_tokens,
+                     block_size=a.block_size, prefill=a.prefill, evict_before_attend=a.evict_before_attend,
+                     kv_dtype=KV_DTYPES.get(a.kv_dtype), temperature=a.temperature, top_k=a.top_k or 0,
+                     top_p=1.0 if a.top_p is None else a.top_p, device=a.device)
+    a.max_new_tokens, a.block_size = gen.max_new_tokens, gen.block_size
+    if model is None:  # random weights: built once the KV cache it must leave room for is known
+        model = tp.random_model(config, dtype, a.device, a.seed or 0, mesh, label=a.shapes,
+                                kv_bytes=gen.kv_bytes_needed(dtype))
+    else:  # the weights are in memory already: the caches must fit in what is left (a rank holds 1/N of them)
+        check_fits(f"the KV cache of {len(prompts)} sequence{'s' if len(prompts) > 1 else ''}", 0,
+                   gen.kv_dtype or dtype, a.device, gen.kv_bytes_needed(dtype) // mesh.world)
+    dtype_name = str(dtype).removeprefix("torch.")
+    weights = (f"random {dtype_name} weights ({a.shapes} shapes, seed {a.seed or 0})" if a.random_weights else
+               weights_format(model.config, dtype_name))
+    if a.speculate:
+        return run_speculative(a, model, tokenizer, prompts[0], draft_policy, dtype, gen, weights)
+    gen.setup(model)
+    if a.compile:
+        gen.compile(model, prompts[0][0], a.compile_mode, a.compile_prefill, a.freeze,
+                    around=lambda g: compile_log(a, g.compile_mode, g.compiled_prefill))
+    outs, stats, stream = generate_streamed(a, gen, model, tokenizer, prompts)
+    stats.update(checkpoint=str(ckpt), policy=a.policy, kv_dtype=a.kv_dtype, dtype=dtype_name, weights=weights,
+                 random_weights=a.random_weights, device=a.device)
+    tp_line = tp.report(mesh, model, stats) if mesh.world > 1 else None  # every rank's KV bytes and peaks
+    print_result(a, gen, stats, outs, stream, tp_line)
+    return 0
 
-    if a.random_weights:  # the model is built below, once the KV cache it needs is known
-        config, shapes = shape_config(a.checkpoint)
-        ckpt, tokenizer, model = a.checkpoint, None, None
+
+def run_interactive(a, policy, dtype, mesh) -> int:
+    """--interactive: a chat.Chat with the flags' settings (each default clamped to the model's context, a value
+    given must fit), --compile's steps compiled before the first turn, then the REPL."""
+    import chat
+    _, _, tokenizer, model, _ = load(a, [], dtype, mesh)
+    ctx = model.args.max_seq_len
+    for flag, v in (("--block-size", a.block_size), ("--budget", a.budget), ("--max-new-tokens", a.max_new_tokens)):
+        if v is not None and v > ctx:
+            raise UserError(f"{flag} {v} is larger than the model's context ({ctx})")
+    if a.top_k is not None and a.top_k > model.args.vocab_size:
+        raise UserError(f"--top-k {a.top_k} exceeds the model's vocabulary ({model.args.vocab_size} tokens)")
+    conversation = chat.Chat(model, tokenizer, policy, a.budget,
+                             max_new_tokens=a.max_new_tokens or min(DEFAULT_NEW_TOKENS, ctx - 1),
+                             block_size=a.block_size or min(DEFAULT_BLOCK, ctx), prefill=a.prefill,
+                             temperature=a.temperature, top_k=a.top_k or 0, top_p=1.0 if a.top_p is None else a.top_p,
+                             kv_dtype=KV_DTYPES.get(a.kv_dtype), chat_template=not a.no_chat,
+                             evict_before_attend=a.evict_before_attend)
+    if a.compile:
+        conversation.compile(a.compile_mode, a.compile_prefill, a.freeze,
+                             around=lambda mode, prefill: compile_log(a, mode, prefill))
+    return chat.repl(conversation, json_mode=a.json)
+
+
+def start_mesh(a, policy):
+    """Tensor parallel: under torchrun every rank validates, then joins; only rank 0 prints."""
+    mesh = tp.start(a.tp, a.device, policy)
+    a.device = tp.rank_device(a.device, mesh)
+    if mesh.world > 1 and a.interactive:
+        raise UserError("--interactive reads its turns on one process; it does not run under tensor parallel")
+    if mesh.world > 1 and a.speculate:
+        raise UserError("--speculate runs on one device; it does not run under tensor parallel yet")
+    if mesh.world > 1 and a.compile_mode == AOT:
+        raise UserError("--compile-mode aot runs on one process: under tensor parallel the steps' collectives "
+                        "need torch.compile (leave --compile-mode auto)")
+    return mesh
+
+
+def speculate_policy(a, policy):
+    """--speculate: the draft's policy (default sink, full with --draft-checkpoint); --prefill is the draft's, the
+    target is full."""
+    if not a.speculate:
+        return None
+    import policies
+    import speculative
+    speculative.check_target(policy)
+    a.draft_policy = a.draft_policy or ("full" if a.draft_checkpoint else "sink")
+    draft_policy = policies.make(a.draft_policy)
+    a.draft_prefill = prefill_protocol(draft_policy, a.prefill)
+    return draft_policy
+
+
+def load(a, texts, dtype, mesh):
+    """(checkpoint, config.json, tokenizer, model, the prompts' token ids): with --random-weights the shapes' config,
+    no tokenizer and no model yet (run() builds it), and the prompts' ids from the flags."""
+    from tokenizer import load_tokenizer
+    if a.random_weights:
+        config, a.shapes = shape_config(a.checkpoint)
         args = parse_config(config)
         tp.check_shapes(args, mesh.world)
-        prompts = batch_of(a, prompt_ids(a, args.vocab_size, args.max_seq_len))
-    else:
-        ckpt = resolve_checkpoint(a.checkpoint)
-        config = read_config(ckpt)  # read once: the architecture check, the model and the quantization marker
-        tp.check_shapes(parse_config(config), mesh.world)  # an unsupported architecture: before anything
-        tokenizer = load_tokenizer(ckpt)
-        model = tp.load_model(ckpt, dtype, a.device, mesh, config)
-        args = model.args
-        if a.interactive:
-            import chat
-            return chat.run_interactive(a, model, tokenizer, policy, dtype)
-        prompts = batch_of(a, [tokenize(a, tokenizer, text, i, len(texts), ckpt, args.vocab_size)
-                               for i, text in enumerate(texts)])
-    ids, batched = prompts[0], len(prompts) > 1
-    lens = [len(p) for p in prompts]
-    L, ctx = max(lens), args.max_seq_len
-    clamped = fit_defaults(a, L, ctx, lens.index(L) + 1 if batched else None)
-    if a.top_k is not None and a.top_k > args.vocab_size:
-        raise UserError(f"--top-k {a.top_k} exceeds the model's vocabulary ({args.vocab_size} tokens)")
-    if policy is None or not is_scorer(policy):  # full, exact-topk: every token is held
-        token_budget = a.budget or L + a.max_new_tokens
-    else:
-        token_budget = a.budget or min(DEFAULT_BUDGET, ctx)
-        if a.budget is None and token_budget < DEFAULT_BUDGET:
-            clamped["--budget"] = (DEFAULT_BUDGET, token_budget)
-    kv_dtype = KV_DTYPES.get(a.kv_dtype)
-    kv_need = len(prompts) * kv_cache_estimate(args, token_budget + a.block_size, kv_dtype or dtype)  # every layer's
-    if a.prefill == "one-shot":  # and one layer's scratch of the whole (padded) prompt
-        kv_need += kv_cache_estimate(args, -(-L // a.block_size) * a.block_size, kv_dtype or dtype) // args.n_layers
-    if model is None:
-        model = tp.random_model(config, dtype, a.device, a.seed or 0, mesh, label=shapes, kv_bytes=kv_need)
-    else:  # the weights are in memory already: the caches must fit in what is left (a rank holds 1/N of them)
-        check_fits(f"the KV cache of {len(prompts)} sequence{'s' if batched else ''}", 0, kv_dtype or dtype,
-                   a.device, kv_need // mesh.world)
-    if a.speculate:
-        weights = (f"random {str(dtype).replace('torch.', '')} weights ({shapes} shapes, seed {a.seed or 0})"
-                   if a.random_weights else weights_format(model.config, str(dtype).replace("torch.", "")))
-        return run_speculative(a, model, tokenizer, ids, draft_policy, dtype, kv_dtype, weights, clamped)
-    plan = dict(prefill=a.prefill, evict_before_attend=a.evict_before_attend, kv_dtype=kv_dtype)
-    if batched:
-        budget = setup_batch(model, policy, token_budget, lens, a.max_new_tokens, a.block_size, **plan)
-    else:
-        budget = setup(model, policy, token_budget, L, a.max_new_tokens, a.block_size, **plan)
+        return a.checkpoint, config, None, None, batch_of(a, prompt_ids(a, args.vocab_size, args.max_seq_len))
+    ckpt = resolve_checkpoint(a.checkpoint)
+    config = read_config(ckpt)  # read once: the architecture check, the model and the quantization marker
+    tp.check_shapes(parse_config(config), mesh.world)  # an unsupported architecture: before anything
+    tokenizer = load_tokenizer(ckpt)
+    model = tp.load_model(ckpt, dtype, a.device, mesh, config)
+    ids = [tokenize(a, tokenizer, text, i, len(texts), ckpt, model.args.vocab_size) for i, text in enumerate(texts)]
+    return ckpt, config, tokenizer, model, batch_of(a, ids)
 
-    steps = (prefill_step, model_step)
-    compile_s, compile_cache = 0.0, None
-    if a.compile:
-        quantized = "budgetkv_quantization" in model.config
-        if a.compile_mode in (None, "auto"):
-            a.compile_mode = default_compile_mode(a.device, dtype, quantized, a.freeze)
-            if a.compile_mode == AOT and mesh.world > 1:  # the collectives of a tensor-parallel step
-                a.compile_mode = None
-        if a.compile_prefill is None:
-            a.compile_prefill = a.device != "cpu"
-        a.compile_prefill = a.compile_prefill and a.prefill == "block"  # one-shot prefill never runs the block step
-        steps = compile_steps(a.device, a.compile_mode, prefill=a.compile_prefill, freeze=a.freeze)
-        dynamo = a.compile_mode != AOT or a.compile_prefill
-        if dynamo:  # here: an eager or AOT run never imports the compiler (~115 MiB, ~1.3 s)
-            from torch._dynamo.utils import counters
-            counters["inductor"].clear()
-        t = time.perf_counter()
-        # inductor's autotune tables and compiler warnings go to a log (-v shows them); the terminal gets one line
-        with stderr_to_log(COMPILE_LOG, is_verbose(a)) as terminal, compile_ticker(a, terminal), torch.inference_mode():
-            if a.compile_mode == AOT:
-                steps[1].stream = terminal  # a package not loaded or not saved: its line on the terminal, not the log
-            warm_up(model, steps, ids[0], a.block_size, a.device, batch=len(prompts))  # generate starts empty
-        compile_s = time.perf_counter() - t
-        compile_cache = cache_state(counters["inductor"] if dynamo else None,
-                                    steps[1] if a.compile_mode == AOT else None)
 
-    stream = TextStream(tokenizer)
+def generate_streamed(a, gen, model, tokenizer, prompts):
+    """gen.generate with the prefill's progress line, one prompt's text streamed as it comes (a batch's sequences
+    printed each once complete) and --profile's trace."""
+    stream, n = TextStream(tokenizer), len(prompts)
+
+    def on_done(b, out_ids):
+        bar.close()
+        if not a.json and n > 1:
+            print(f"[{b + 1}/{n}] {stream.decoded(out_ids)}", flush=True)
+
+    def on_token(b, out_ids):
+        if not a.json and n == 1:
+            stream(out_ids)
 
     prof = None
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda") else [])
         prof = profile(activities=acts, record_shapes=True)
-    decoded = stream.decoded
-
-    def print_sequence(b, out_ids):  # a batch prints each sequence once it is complete
-        bar.close()
-        if not a.json:
-            print(f"[{b + 1}/{len(prompts)}] {decoded(out_ids)}", flush=True)
-
     with prof or nullcontext():
-        bar, on_prefill = prefill_progress(a, sum(lens), args.n_layers, per_layer=not batched)
+        bar, on_prefill = prefill_progress(a, sum(gen.lens), model.args.n_layers, per_layer=n == 1)
         stream.bar = bar
         with bar:
-            if batched:
-                outs, stats = generate_batch(
-                    model, prompts, a.max_new_tokens, block_size=a.block_size, steps=steps,
-                    eos_ids=set(tokenizer.eos_ids) if tokenizer else set(), temperature=a.temperature,
-                    top_k=a.top_k or 0, top_p=1.0 if a.top_p is None else a.top_p, device=a.device,
-                    one_shot=a.prefill == "one-shot", on_prefill=on_prefill, on_done=print_sequence)
-            else:
-                out, stats = generate(model, ids, a.max_new_tokens, block_size=a.block_size, steps=steps,
-                                      eos_ids=set(tokenizer.eos_ids) if tokenizer else set(),  # random: no EOS
-                                      temperature=a.temperature, top_k=a.top_k or 0,
-                                      top_p=1.0 if a.top_p is None else a.top_p,
-                                      on_token=None if a.json else stream, device=a.device,
-                                      one_shot=a.prefill == "one-shot", on_prefill=on_prefill)
+            outs, stats = gen.generate(model, prompts, eos_ids=set(tokenizer.eos_ids) if tokenizer else set(),
+                                       on_token=on_token, on_done=on_done, on_prefill=on_prefill)
     if prof is not None:
         export_trace(prof, a.profile)
+    return outs, stats, stream
 
-    weight_b, kv_read_b = decode_bytes_per_step(model)
-    read = model.layers[0].attention.kv_cache.read_tokens()
-    stats.update(checkpoint=str(ckpt), policy=a.policy, budget=token_budget, slots_held=budget,
-                 tokens_read_per_step=read,
-                 block_size=a.block_size, prefill=a.prefill, kv_dtype=a.kv_dtype,
-                 dtype=str(dtype).replace("torch.", ""),
-                 weights=(f"random {str(dtype).replace('torch.', '')} weights ({shapes} shapes, seed {a.seed or 0})"
-                          if a.random_weights else weights_format(model.config, str(dtype).replace("torch.", ""))),
-                 random_weights=a.random_weights, device=a.device,
-                 threads=torch.get_num_threads(),
-                 compiled=a.compile,
-                 compiled_prefill=bool(a.compile and a.compile_prefill), frozen=bool(a.compile and a.freeze),
-                 compile_mode=(a.compile_mode or ("reduce-overhead" if a.device.startswith("cuda") else "default"))
-                 if a.compile else None,
-                 compile_s=round(compile_s, 2), compile_cache=compile_cache, kv_cache_bytes=kv_bytes(model),
-                 weight_bytes=weight_b,
-                 kv_read_bytes_per_step=kv_read_b,
-                 process_peak_bytes=max(stats["startup_peak_bytes"], stats["prefill_peak_bytes"],
-                                        stats["decode_peak_bytes"]),
-                 # bytes of one step (the weights once for the whole batch) x steps per second
-                 bandwidth_gb_s=(weight_b + kv_read_b) * decode_steps_per_s(stats) / 1e9,
-                 max_new_tokens=a.max_new_tokens,
-                 clamped_to_context={flag[2:]: {"default": d, "used": v} for flag, (d, v) in clamped.items()})
-    tp_line = tp.report(mesh, model, stats) if mesh.world > 1 else None  # every rank's KV bytes and peaks
+
+def print_result(a, gen, stats, outs, stream, tp_line) -> None:
+    """The text (JSON: one object with it and the stats) and the summary on stderr."""
+    decoded, batched = stream.decoded, len(outs) > 1
     sys.stdout.flush()
     if batched:
+        lens = gen.lens
         seqs = [{"text": None if a.random_weights else decoded(o), "token_ids": o, "prompt_tokens": n,
                  "generated_tokens": len(o)} for o, n in zip(outs, lens)]
-        counts = (f"batch of {len(prompts)}: {sum(lens)} prompt tokens, {sum(map(len, outs))} generated "
+        counts = (f"batch of {len(outs)}: {sum(lens)} prompt tokens, {sum(map(len, outs))} generated "
                   f"(decode tok/s over all sequences)")
     else:
-        text_out = decoded(out)
+        text_out = decoded(outs[0])
         counts = f"{stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated"
     if a.json:
-        if batched:
-            print(json.dumps({"sequences": seqs, **stats}))
-        else:
-            print(json.dumps({"text": None if a.random_weights else text_out, "token_ids": out, **stats}))
-    else:
-        if not batched:
-            if not stream.printed == text_out:
-                sys.stdout.write(text_out[len(stream.printed):])
-            print(flush=True)
-        mib = 2 ** 20
-        scope = "" if stats["compiled_prefill"] else ", decode only"
-        scope += ", frozen" if a.freeze else ""
-        compiled_note = (f", compiled ({stats['compile_mode']}{scope}) in {compile_s:.1f} s "
-                         f"({CACHE_NOTES[compile_cache]})" if a.compile else "")
-        slots = f" ({budget} used by its layout)" if budget != token_budget else ""
-        print(f"--- {counts} | "
-              f"policy {a.policy} ({a.prefill} prefill), budget {token_budget} slots{slots}, {read:.1f} tokens read "
-              f"per decode step | block {a.block_size}, {stats['weights']} on {a.device} "
-              f"({stats['threads']} thread{'s' if stats['threads'] > 1 else ''})"
-              f"{compiled_note}\n"
-              f"TTFT {stats['ttft_s']:.3f} s | prefill {stats['prefill_tok_s']:.1f} tok/s | "
-              f"decode {stats['decode_tok_s']:.2f} tok/s | bandwidth {stats['bandwidth_gb_s']:.2f} GB/s "
-              f"(weights + KV read per step)\n"
-              f"peak memory ({stats['memory_measure']}): process {stats['process_peak_bytes'] / mib:.1f} MiB "
-              f"(loading{' and compiling' if a.compile else ''} included) | prefill "
-              f"{stats['prefill_peak_bytes'] / mib:.1f} MiB, decode {stats['decode_peak_bytes'] / mib:.1f} MiB "
-              f"(each phase's own) | KV cache {stats['kv_cache_bytes'] / mib:.2f} MiB"
-              f"{f' ({a.kv_dtype})' if a.kv_dtype != 'auto' else ''}",
-              file=sys.stderr)
-        if tp_line:
-            print(tp_line, file=sys.stderr)
-        if clamped:
-            print("defaults clamped to the model's context (" + str(args.max_seq_len) + "): " +
-                  ", ".join(f"{flag} {d} -> {v}" for flag, (d, v) in clamped.items()), file=sys.stderr)
-    return 0
+        print(json.dumps({"sequences": seqs, **stats} if batched else
+                         {"text": None if a.random_weights else text_out, "token_ids": outs[0], **stats}))
+        return
+    if not batched:
+        if not stream.printed == text_out:
+            sys.stdout.write(text_out[len(stream.printed):])
+        print(flush=True)
+    mib = 2 ** 20
+    scope = ("" if stats["compiled_prefill"] else ", decode only") + (", frozen" if a.freeze else "")
+    compiled_note = (f", compiled ({stats['compile_mode']}{scope}) in {stats['compile_s']:.1f} s "
+                     f"({CACHE_NOTES[stats['compile_cache']]})" if a.compile else "")
+    slots = f" ({gen.slots} used by its layout)" if gen.slots != gen.budget else ""
+    print(f"--- {counts} | "
+          f"policy {a.policy} ({a.prefill} prefill), budget {gen.budget} slots{slots}, "
+          f"{stats['tokens_read_per_step']:.1f} tokens read per decode step | block {a.block_size}, "
+          f"{stats['weights']} on {a.device} ({stats['threads']} thread{'s' if stats['threads'] > 1 else ''})"
+          f"{compiled_note}\n"
+          f"TTFT {stats['ttft_s']:.3f} s | prefill {stats['prefill_tok_s']:.1f} tok/s | "
+          f"decode {stats['decode_tok_s']:.2f} tok/s | bandwidth {stats['bandwidth_gb_s']:.2f} GB/s "
+          f"(weights + KV read per step)\n"
+          f"peak memory ({stats['memory_measure']}): process {stats['process_peak_bytes'] / mib:.1f} MiB "
+          f"(loading{' and compiling' if a.compile else ''} included) | prefill "
+          f"{stats['prefill_peak_bytes'] / mib:.1f} MiB, decode {stats['decode_peak_bytes'] / mib:.1f} MiB "
+          f"(each phase's own) | KV cache {stats['kv_cache_bytes'] / mib:.2f} MiB"
+          f"{f' ({a.kv_dtype})' if a.kv_dtype != 'auto' else ''}",
+          file=sys.stderr)
+    if tp_line:
+        print(tp_line, file=sys.stderr)
+    if gen.clamped:
+        print(f"defaults clamped to the model's context ({gen.args.max_seq_len}): " +
+              ", ".join(f"{flag} {d} -> {v}" for flag, (d, v) in gen.clamped.items()), file=sys.stderr)
 
 
-def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, kv_dtype, weights: str, clamped: dict) -> int:
+def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, gen, weights: str) -> int:
     """--speculate K: the draft (the model's own weights over a --draft-budget cache, or --draft-checkpoint), both
     caches, compiled steps, speculative.generate, and a summary with the acceptance and the bandwidth model's
     predicted speedup; says so in one line when even a round that keeps every draft would read more per token
@@ -678,13 +628,14 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, kv_dtype, wei
         draft = random_model(config, dtype, a.device, a.seed or 0, label=f"the draft ({shapes})")
     else:
         draft = load_model(resolve_checkpoint(a.draft_checkpoint, "--draft-checkpoint"), dtype, a.device)
-    L, N, K = len(ids), a.max_new_tokens, a.speculate
+    L, N, K = len(ids), gen.max_new_tokens, a.speculate
     capacity = a.budget or L + N + K
     draft_budget = a.draft_budget or (min(DEFAULT_DRAFT_BUDGET, capacity // 2) if is_scorer(draft_policy) else
                                       capacity)
     one_shot = a.draft_prefill == "one-shot"
-    slots, draft_slots = speculative.setup(model, draft, draft_policy, draft_budget, L, N, a.block_size, K,
-                                           target_budget=capacity, draft_prefill=a.draft_prefill, kv_dtype=kv_dtype)
+    slots, draft_slots = speculative.setup(model, draft, draft_policy, draft_budget, L, N, gen.block_size, K,
+                                           target_budget=capacity, draft_prefill=a.draft_prefill,
+                                           kv_dtype=gen.kv_dtype)
     best = speculative.predicted_speedup(model, draft, K)
     if best < 1:
         (rb, _), tb = speculative.round_bytes(model, draft, K, K, 1), sum(decode_bytes_per_step(model))
@@ -694,47 +645,43 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, kv_dtype, wei
               file=sys.stderr)
     elif a.device == "cpu":  # the bandwidth model counts bytes; on a CPU the K+1 block's compute decides
         print(f"note: the bandwidth model predicts up to {best:.2f}x, but on a CPU a K+1 verification block costs "
-              "1.0-2.4 decode steps eager, 1.45-2.4 compiled (its attention grows with the queries): in "
-              "docs/speculative.md speculation lost at 8K in every configuration, eager and compiled (0.67-0.98x), "
-              "even with a draft that kept every token (0.97x); time yours with scripts/bench_speculate.py",
-              file=sys.stderr)
+              "more than a decode step (its attention grows with the queries): docs/speculative.md has the CPU "
+              "measurements; time yours with scripts/bench_speculate.py", file=sys.stderr)
     steps, compile_s = speculative.EAGER, 0.0
     if a.compile:
-        if a.compile_mode in (None, "auto"):
-            a.compile_mode = None
-        a.compile_prefill = a.device != "cpu" if a.compile_prefill is None else a.compile_prefill
-        steps = speculative.compile_steps(a.device, a.compile_mode, prefill=a.compile_prefill)
+        mode = None if a.compile_mode in (None, "auto") else a.compile_mode
+        compile_prefill = a.device != "cpu" if a.compile_prefill is None else a.compile_prefill
+        steps = speculative.compile_steps(a.device, mode, prefill=compile_prefill)
         t = time.perf_counter()
-        with stderr_to_log(COMPILE_LOG, is_verbose(a)) as terminal, compile_ticker(a, terminal):
-            speculative.warm_up(model, draft, steps, ids[0], a.block_size, K, a.device, one_shot)
+        with compile_log(a, mode or ("reduce-overhead" if a.device.startswith("cuda") else "default"),
+                         compile_prefill):
+            speculative.warm_up(model, draft, steps, ids[0], gen.block_size, K, a.device, one_shot)
         compile_s = time.perf_counter() - t
     stream = TextStream(tokenizer)
-    decoded = stream.decoded
     bar, on_prefill = prefill_progress(a, L, model.args.n_layers, per_layer=False)
     stream.bar = bar
     with bar:
         out, stats = speculative.generate(
-            model, draft, ids, N, k=K, block_size=a.block_size, steps=steps,
-            eos_ids=set(tokenizer.eos_ids) if tokenizer else set(), temperature=a.temperature, top_k=a.top_k or 0,
-            top_p=1.0 if a.top_p is None else a.top_p, on_token=None if a.json else stream, device=a.device,
-            draft_one_shot=one_shot, on_prefill=on_prefill)
+            model, draft, ids, N, k=K, block_size=gen.block_size, steps=steps,
+            eos_ids=set(tokenizer.eos_ids) if tokenizer else set(), on_token=None if a.json else stream,
+            device=a.device, draft_one_shot=one_shot, on_prefill=on_prefill, **gen.sampling)
     read = draft.layers[0].attention.kv_cache.read_tokens()
     stats.update(policy="full", budget=slots, draft_policy=a.draft_policy, draft_budget=draft_slots,
                  draft_checkpoint=a.draft_checkpoint, draft_prefill=a.draft_prefill,
-                 draft_tokens_read_per_step=read, block_size=a.block_size, weights=weights, device=a.device,
+                 draft_tokens_read_per_step=read, block_size=gen.block_size, weights=weights, device=a.device,
                  threads=torch.get_num_threads(), compiled=a.compile, compile_s=round(compile_s, 2),
                  kv_cache_bytes=kv_bytes(model) + (kv_bytes(draft)), max_new_tokens=N,
                  best_case_speedup=best,
-                 clamped_to_context={flag[2:]: {"default": d, "used": v} for flag, (d, v) in clamped.items()})
+                 clamped_to_context={flag[2:]: {"default": d, "used": v} for flag, (d, v) in gen.clamped.items()})
     if a.json:
-        print(json.dumps({"text": None if a.random_weights else decoded(out), "token_ids": out, **stats}))
+        print(json.dumps({"text": None if a.random_weights else stream.decoded(out), "token_ids": out, **stats}))
         return 0
     print(flush=True)
     mib = 2 ** 20
     print(f"--- {stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated | speculate "
           f"K={K}: draft {a.draft_policy} ({a.draft_prefill} prefill) {draft_slots} slots, {read:.1f} tokens read "
           f"per draft step{', ' + a.draft_checkpoint if a.draft_checkpoint else ''}; target full, {slots} slots | "
-          f"block {a.block_size}, {weights} on {a.device}"
+          f"block {gen.block_size}, {weights} on {a.device}"
           f"{f', compiled in {compile_s:.1f} s' if a.compile else ''}\n"
           f"{stats['rounds']} rounds: {stats['accepted_per_round']:.2f} of {K} drafts kept per round (acceptance "
           f"{stats['acceptance_rate']:.0%}) | bandwidth model: {stats['predicted_speedup']:.2f}x decode speedup "
@@ -768,12 +715,6 @@ class TextStream:
         self.printed = s
 
 
-def decode_steps_per_s(stats: dict) -> float:
-    """Decode steps per second: a batch's step makes one token per live sequence (stats decode_steps)."""
-    steps = stats.get("decode_steps", stats["decode_tokens"])
-    return steps / stats["decode_s"] if steps else 0.0
-
-
 def prefill_progress(a, prompt_len: int, n_layers: int, per_layer: bool = True):
     """The prefill's progress line and generate()'s on_prefill for it: "prefill 1,024/4,000 tokens  312 tok/s  3.3 s",
     one-shot "prefill (one-shot) 4,000 tokens: 12/30 layers  850 tok/s  5.1 s" (every token goes through a layer at
@@ -800,30 +741,14 @@ def prefill_progress(a, prompt_len: int, n_layers: int, per_layer: bool = True):
     return bar, on_prefill
 
 
-CACHE_NOTES = {"hit": "from the compile cache", "miss": "now cached for the next run",
-               "bypass": "not cacheable: compiles again next run", "off": "cache off"}
-
-
-def cache_state(inductor_counters, aot_step=None) -> str:
-    """What the caches did for the steps just compiled: every one found ("hit"), some compiled and saved ("miss"),
-    some not cacheable ("bypass"), or no lookup at all ("off": inductor's cache disabled). inductor_counters: its
-    FX graph cache's (None: no torch.compile'd step); aot_step: an aoti.AotStep just bound."""
-    counts = inductor_counters or {}
-    if counts.get("fxgraph_cache_bypass"):
-        return "bypass"
-    if counts.get("fxgraph_cache_miss") or (aot_step is not None and aot_step.compiled):
-        return "miss"
-    return "hit" if counts.get("fxgraph_cache_hit") or aot_step is not None else "off"
-
-
-def compile_ticker(a, stream=None) -> Ticker:
-    """The line to show while --compile compiles (on a terminal, without --quiet; erased at the end of the `with`):
-    "compiling the decode step (max-autotune-no-cudagraphs) ... 12 s". Call it once a.compile_mode and
-    a.compile_prefill are settled."""
-    what = ("the prefill and decode steps" if a.compile_prefill else "the decode step") + \
-        (" (frozen)" if a.freeze else "")
-    mode = a.compile_mode or ("reduce-overhead" if a.device.startswith("cuda") else "default")
-    return Ticker(f"compiling {what} ({mode})", stream=stream)
+@contextmanager
+def compile_log(a, mode: str, compile_prefill: bool):
+    """Around --compile's warm-up: inductor's autotune tables and compiler warnings go to a log (-v shows them), and
+    the terminal gets one line while it compiles (erased at the end): "compiling the decode step (aot) ... 12 s".
+    Yields the terminal's stream (what must not go to the log)."""
+    what = ("the prefill and decode steps" if compile_prefill else "the decode step") + (" (frozen)" if a.freeze else "")
+    with stderr_to_log(COMPILE_LOG, is_verbose(a)) as terminal, Ticker(f"compiling {what} ({mode})", stream=terminal):
+        yield terminal
 
 
 def export_trace(prof, path: Path) -> None:

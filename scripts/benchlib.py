@@ -293,7 +293,7 @@ def bench_model(args, ckpt, config: dict, kv_slots: int = 0, dtype: torch.dtype 
     dtype = dtype or getattr(torch, args.dtype)
     if not args.random_weights:
         return load_model(ckpt, dtype, args.device, config)
-    kv_need = kv_cache_estimate(parse_config(config), kv_slots, kv_dtype(args) or dtype)
+    kv_need = kv_cache_estimate(parse_config(config), kv_slots, dtype, kv_dtype(args))
     return random_model(config, dtype, args.device, 0, label=shape_config(args.checkpoint)[1], kv_bytes=kv_need)
 
 

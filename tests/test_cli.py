@@ -591,3 +591,28 @@ def test_bench_compile_measures_eager_cold_and_warm(tiny_ckpt, tmp_path, random_
     r = subprocess.run(argv + ["--prompt-tokens", "10"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: need --prompt-tokens >= 64, --new-tokens >= 2, --repeats >= 1 and --budget >= 1"]
+
+
+def test_python_api_generates_what_the_command_line_does(tiny_ckpt, tmp_path, capsys):
+    """engine.generate_text, one call from any working directory (PYTHONPATH = the repository): the command line's
+    defaults (the budget's 2048 clamped to the context of 256) and its tokens, for one prompt and in a batch."""
+    import engine
+    prompt = "the quick brown fox jumps over the lazy dog, " * 3
+    code, out, err = run_main(["--checkpoint", str(tiny_ckpt), "--prompt", prompt, "--json", "--policy", "keydiff",
+                               "--max-new-tokens", "6", "--block-size", "4"], capsys)
+    assert code == 0, err
+    cli = json.loads(out)
+    api = engine.generate_text(prompt, checkpoint=str(tiny_ckpt), policy="keydiff", max_new_tokens=6, block_size=4)
+    assert (api["text"], api["token_ids"]) == (cli["text"], cli["token_ids"]) and len(api["token_ids"]) == 6
+    assert api["budget"] == cli["budget"] == 256 and api["clamped_to_context"] == cli["clamped_to_context"]
+    batch = engine.generate_text([prompt, "the lazy dog"], checkpoint=str(tiny_ckpt), policy="keydiff:window=2",
+                                 budget=8, max_new_tokens=6, block_size=4)
+    alone = engine.generate_text("the lazy dog", checkpoint=str(tiny_ckpt), policy="keydiff:window=2", budget=8,
+                                 max_new_tokens=6, block_size=4)
+    assert batch["batch_size"] == 2 and batch["token_ids"][1] == alone["token_ids"]
+    code = f"import engine; print(engine.generate_text({prompt!r}, checkpoint={str(tiny_ckpt)!r}, " \
+           "policy='keydiff', max_new_tokens=6, block_size=4)['token_ids'])"
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == cli["token_ids"]

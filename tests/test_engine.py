@@ -351,3 +351,14 @@ def test_non_finite_logits_stop_generation(hf_tiny):
         generate(model, ids_of(20), 10, block_size=8, steps=(prefill_step, decode), temperature=0.7,
                  on_token=lambda out: seen.append(list(out)))
     assert len(seen[-1]) == 3  # the first token and two decode steps, nothing from the bad step
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.bfloat16])
+def test_kv_estimate_is_what_setup_allocates(hf_tiny, kv_dtype):
+    """engine.kv_cache_estimate (what a random model must leave free) counts the bytes the caches then hold."""
+    from cache import kv_bytes
+    from engine import kv_cache_estimate
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    setup_caches(model, 3, 40, 8, RandomScores(), kv_dtype=kv_dtype)
+    assert kv_bytes(model) == 3 * kv_cache_estimate(model.args, 48, torch.float32, kv_dtype) > 0

@@ -76,21 +76,22 @@ def test_graph_budget_evicts_or_refuses():
 
 def test_warm_up_calls_prefill_once_then_decode_twice_with_fresh_tensors(hf_tiny):
     """CUDA graph trees warm up on a graph's first call and record on its second: warm_up makes both before any
-    timed step, each decode input a fresh contiguous [1, 1] tensor (a view would have other strides: a recompile)."""
+    timed step, each decode input [B, 1] as engine.decode makes it (decode_inputs: other strides would recompile)."""
     calls = []
 
     def prefill(model, idx, pos):
         calls.append(("prefill", tuple(idx.shape), pos[..., :2].tolist()[:2], torch.is_inference_mode_enabled()))
 
     def decode(model, idx, pos):
-        calls.append(("decode", tuple(idx.shape), idx.is_contiguous() and idx._base is None, pos.tolist()))
+        calls.append(("decode", tuple(idx.shape), idx.stride() == pos.stride() == (1, 1), pos.tolist()))
 
     warm_up(None, (prefill, decode), 7, 16, "cpu")
-    assert calls == [("prefill", (1, 16), [0, -1], True), ("decode", (1, 1), True, [1]), ("decode", (1, 1), True, [1])]
-    calls.clear()  # a batch of 3: positions per sequence, decode inputs as generate_batch makes them ([B, 1] views)
+    assert calls == [("prefill", (1, 16), [0, -1], True), ("decode", (1, 1), True, [[1]]),
+                     ("decode", (1, 1), True, [[1]])]
+    calls.clear()  # a batch of 3: positions per sequence
     warm_up(None, (prefill, decode), 7, 16, "cpu", batch=3)
     assert calls[0] == ("prefill", (3, 16), [[0, -1], [0, -1]], True)
-    assert [c[:2] for c in calls[1:]] == [("decode", (3, 1))] * 2 and calls[1][3] == [[1], [1], [1]]
+    assert calls[1:] == [("decode", (3, 1), True, [[1], [1], [1]])] * 2
 
 
 def test_compile_modes_put_decode_under_cuda_graphs_and_prefill_never():
