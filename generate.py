@@ -445,7 +445,6 @@ def run(a) -> int:
                      block_size=a.block_size, prefill=a.prefill, evict_before_attend=a.evict_before_attend,
                      kv_dtype=KV_DTYPES.get(a.kv_dtype), temperature=a.temperature, top_k=a.top_k or 0,
                      top_p=1.0 if a.top_p is None else a.top_p, device=a.device)
-    a.max_new_tokens, a.block_size = gen.max_new_tokens, gen.block_size
     if model is None:  # random weights: built once the KV cache it must leave room for is known
         model = tp.random_model(config, dtype, a.device, a.seed or 0, mesh, label=a.shapes,
                                 kv_bytes=gen.kv_bytes_needed(dtype))
@@ -453,8 +452,7 @@ def run(a) -> int:
         check_fits(f"the KV cache of {len(prompts)} sequence{'s' if len(prompts) > 1 else ''}", 0,
                    gen.kv_dtype or dtype, a.device, gen.kv_bytes_needed(dtype) // mesh.world)
     dtype_name = str(dtype).removeprefix("torch.")
-    weights = (f"random {dtype_name} weights ({a.shapes} shapes, seed {a.seed or 0})" if a.random_weights else
-               weights_format(model.config, dtype_name))
+    weights = weights_format(model.config, dtype_name, a.shapes if a.random_weights else None, a.seed or 0)
     if a.speculate:
         return run_speculative(a, model, tokenizer, prompts[0], draft_policy, dtype, gen, weights)
     gen.setup(model)
@@ -596,7 +594,7 @@ def print_result(a, gen, stats, outs, stream, tp_line) -> None:
     slots = f" ({gen.slots} used by its layout)" if gen.slots != gen.budget else ""
     print(f"--- {counts} | "
           f"policy {a.policy} ({a.prefill} prefill), budget {gen.budget} slots{slots}, "
-          f"{stats['tokens_read_per_step']:.1f} tokens read per decode step | block {a.block_size}, "
+          f"{stats['tokens_read_per_step']:.1f} tokens read per decode step | block {gen.block_size}, "
           f"{stats['weights']} on {a.device} ({stats['threads']} thread{'s' if stats['threads'] > 1 else ''})"
           f"{compiled_note}\n"
           f"TTFT {stats['ttft_s']:.3f} s | prefill {stats['prefill_tok_s']:.1f} tok/s | "
@@ -767,8 +765,11 @@ def export_trace(prof, path: Path) -> None:
         tmp.with_name(tmp.name + ".tmp").unlink(missing_ok=True)
 
 
-def weights_format(config: dict, dtype: str) -> str:
-    """'int4 (group 32) weights, bfloat16 activations' or 'float32', and where the weights came from when known."""
+def weights_format(config: dict, dtype: str, random_shapes: str | None = None, seed: int = 0) -> str:
+    """'int4 (group 32) weights, bfloat16 activations' or 'float32', and where the weights came from when known;
+    random_shapes: --random-weights of those shapes."""
+    if random_shapes is not None:
+        return f"random {dtype} weights ({random_shapes} shapes, seed {seed})"
     q = config.get("budgetkv_quantization")
     fmt = dtype
     if isinstance(q, dict):

@@ -54,7 +54,8 @@ from cache import is_scorer  # noqa: E402
 from checkpoint import resolve_checkpoint  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
-from engine import compile_steps, load_model, model_step, prefill_step, setup  # noqa: E402
+from engine import (compile_steps, decode, decode_inputs, first_tokens, load_model, model_step,  # noqa: E402
+                    prefill_step, setup)
 from engine import prefill as engine_prefill  # noqa: E402
 from errors import UserError  # noqa: E402
 from config import parse_config  # noqa: E402
@@ -102,19 +103,17 @@ def teacher_force(model, logits, pos: int, targets: list[int], steps) -> torch.T
     from position `pos` (the policy evicts at every step). `logits`: the prefill's."""
     rows = [logits.float().log_softmax(-1)]
     for i, token in enumerate(targets[:-1]):
-        out = steps[1](model, torch.tensor([[token]], device=logits.device),
-                       torch.tensor([pos + i], device=logits.device))
+        out = steps[1](model, *decode_inputs(torch.tensor([token], device=logits.device),
+                                             torch.tensor([pos + i], device=logits.device)))
         rows.append(out.float().log_softmax(-1))  # a new tensor: under CUDA graphs `out` is overwritten next step
     return torch.cat(rows)
 
 
 def greedy(model, logits, pos: int, max_new: int, eos: set, steps) -> list[int]:
-    out = [int(logits.argmax(-1))]
-    while len(out) < max_new and out[-1] not in eos:
-        logits = steps[1](model, torch.tensor([[out[-1]]], device=logits.device),
-                          torch.tensor([pos + len(out) - 1], device=logits.device))
-        out.append(int(logits.argmax(-1)))
-    return out
+    """The greedy continuation of the prompt whose last logits are `logits`, from position `pos` (engine.decode)."""
+    token, outs = first_tokens(logits, 0.0, 0, 1.0)
+    decode(model, steps[1], token, outs, [pos], max_new, eos_ids=eos)
+    return outs[0]
 
 
 def snapshot(model) -> list[dict]:
