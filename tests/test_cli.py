@@ -605,9 +605,9 @@ def test_python_api_generates_what_the_command_line_does(tiny_ckpt, tmp_path, ca
     api = engine.generate_text(prompt, checkpoint=str(tiny_ckpt), policy="keydiff", max_new_tokens=6, block_size=4)
     assert (api["text"], api["token_ids"]) == (cli["text"], cli["token_ids"]) and len(api["token_ids"]) == 6
     assert api["budget"] == cli["budget"] == 256 and api["clamped_to_context"] == cli["clamped_to_context"]
-    batch = engine.generate_text([prompt, "the lazy dog"], checkpoint=str(tiny_ckpt), policy="keydiff:window=2",
+    batch = engine.generate_text([prompt, "the lazy dog"], checkpoint=str(tiny_ckpt), policy="keydiff",
                                  budget=8, max_new_tokens=6, block_size=4)
-    alone = engine.generate_text("the lazy dog", checkpoint=str(tiny_ckpt), policy="keydiff:window=2", budget=8,
+    alone = engine.generate_text("the lazy dog", checkpoint=str(tiny_ckpt), policy="keydiff", budget=8,
                                  max_new_tokens=6, block_size=4)
     assert batch["batch_size"] == 2 and batch["token_ids"][1] == alone["token_ids"]
     code = f"import engine; print(engine.generate_text({prompt!r}, checkpoint={str(tiny_ckpt)!r}, " \
