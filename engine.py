@@ -4,6 +4,7 @@ command line."""
 import contextlib
 import ctypes
 import dataclasses
+import math
 import os
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from convert import ENGINE_FILE, CheckpointError, read_config, read_hf_dir
 from errors import UserError
 from model import ModelArgs, RMSNorm, Transformer, TransformerBlock, on_meta, rope_inv_freq
 from policies import Run
+from sampling import RepetitionPenalty, StopStrings
 
 INDUCTOR_CACHE = Path(__file__).resolve().parent / "build" / "inductor-cache"  # compiled steps, kept across runs
 
@@ -477,9 +479,16 @@ class PeakMemory:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def sample_finite(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """sample(), or -1 where a row's logits are not all finite: the check rides on the token's own host sync."""
-    return torch.where(torch.isfinite(logits).all(-1), sample(logits, temperature, top_k, top_p), -1)
+def sample_finite(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                  penalty: RepetitionPenalty | None = None) -> torch.Tensor:
+    """sample(), or -1 where a row's logits are not all finite: the check rides on the token's own host sync.
+    penalty: applied to the logits first, and told the tokens drawn."""
+    if penalty is not None:
+        logits = penalty(logits)
+    token = torch.where(torch.isfinite(logits).all(-1), sample(logits, temperature, top_k, top_p), -1)
+    if penalty is not None:
+        penalty.push(token)
+    return token
 
 
 def check_finite(tok: int, step: int) -> None:
@@ -548,9 +557,10 @@ def replan(model, prompt_len: int) -> None:
     c.policy.plan(dataclasses.replace(c.run, prompt_len=prompt_len))
 
 
-def first_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, list]:
+def first_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                 penalty: RepetitionPenalty | None = None) -> tuple[torch.Tensor, list]:
     """Each sequence's first token from its prompt's last logits [B, vocab]: (the tokens [B], [[id], ...])."""
-    token = sample_finite(logits, temperature, top_k, top_p)
+    token = sample_finite(logits, temperature, top_k, top_p, penalty)
     outs = [[tok] for tok in token.tolist()]  # the first tokens are needed on the host anyway (streaming, EOS)
     for out in outs:
         check_finite(out[0], 0)
@@ -564,14 +574,19 @@ def decode_inputs(token: torch.Tensor, positions: torch.Tensor) -> tuple[torch.T
 
 
 def decode(model, step, token: torch.Tensor, outs: list[list[int]], positions: list[int], max_new_tokens: int, *,
-           eos_ids=(), temperature=0.0, top_k=0, top_p=1.0, on_token=None, on_done=None, stop=None) -> int:
+           eos_ids=(), temperature=0.0, top_k=0, top_p=1.0, penalty=None, finished=None, on_token=None, on_done=None,
+           stop=None) -> int:
     """The decode loop, for a batch of one or more: feeds each sequence's last sampled token (token [B]) at its next
     position (positions[b], then one more each step) and samples the next, until every sequence has its EOS
-    (included) or max_new_tokens ids, or stop() says so (checked before each step). outs: each sequence's ids so
+    (included) or max_new_tokens ids or finished(b, ids) says it is complete (a stop string), or stop() says so
+    (checked before each step); penalty: a sampling.RepetitionPenalty. outs: each sequence's ids so
     far, appended in place; a finished sequence keeps stepping with the others (the batch is a static shape) but
     nothing more is recorded for it. on_token(b, ids) after each token appended to sequence b, on_done(b, ids) once
     it is complete. Returns the steps run."""
-    live = [out[-1] not in eos_ids and len(out) < max_new_tokens for out in outs]
+    def more(b: int) -> bool:
+        ids = outs[b]
+        return ids[-1] not in eos_ids and len(ids) < max_new_tokens and not (finished and finished(b, ids))
+    live = [more(b) for b in range(len(outs))]
     for b, out in enumerate(outs):
         if not live[b] and on_done:
             on_done(b, out)
@@ -579,14 +594,14 @@ def decode(model, step, token: torch.Tensor, outs: list[list[int]], positions: l
     while any(live) and not (stop is not None and stop()):
         n_steps += 1
         logits = step(model, *decode_inputs(token.clamp_min(0), pos))
-        token = sample_finite(logits, temperature, top_k, top_p)
+        token = sample_finite(logits, temperature, top_k, top_p, penalty)
         for b, tok in enumerate(token.tolist()):
             if live[b]:
                 check_finite(tok, len(outs[b]))
                 outs[b].append(tok)
                 if on_token:
                     on_token(b, outs[b])
-                live[b] = tok not in eos_ids and len(outs[b]) < max_new_tokens
+                live[b] = more(b)
                 if not live[b] and on_done:
                     on_done(b, outs[b])
         pos = pos + 1
@@ -595,13 +610,14 @@ def decode(model, step, token: torch.Tensor, outs: list[list[int]], positions: l
 
 @torch.inference_mode()
 def generate_batch(model, prompts_ids: list[list[int]], max_new_tokens: int, *, block_size: int, steps,
-                   eos_ids=(), temperature=0.0, top_k=0, top_p=1.0, device="cpu", one_shot=False,
-                   shared: dict | None = None, on_prefill=None, on_token=None, on_done=None
+                   eos_ids=(), temperature=0.0, top_k=0, top_p=1.0, penalty=None, finished=None, device="cpu",
+                   one_shot=False, shared: dict | None = None, on_prefill=None, on_token=None, on_done=None
                    ) -> tuple[list[list[int]], dict]:
     """Prefill then decode a batch of one or more prompts of any lengths (caches from setup or setup_batch, one row
     per prompt); returns (each sequence's generated ids, stats). steps = (prefill, decode). Each sequence keeps its
     own positions and kept set; greedy, each one's tokens are its batch-1 tokens. A sequence stops at its first EOS
-    (included) or at max_new_tokens (see decode). shared, on_prefill: see prefill_batch; on_token(b, ids) after
+    (included), at max_new_tokens or where finished(b, ids) says (see decode, and its penalty: started here on
+    the prompts). shared, on_prefill: see prefill_batch; on_token(b, ids) after
     each token of sequence b, on_done(b, ids) once it is complete. Stats count decode tokens over all sequences."""
     prefill_fn, decode_fn = steps
     for layer in model.layers:
@@ -621,7 +637,9 @@ def generate_batch(model, prompts_ids: list[list[int]], max_new_tokens: int, *, 
     sync(device)
     t0 = time.perf_counter()
     logits = prefill_batch(model, prompts, block_size, prefill_fn, one_shot, shared, on_prefill=on_prefill)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    if penalty is not None:
+        penalty.start(prompts_ids)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, penalty=penalty)
     token, outs = first_tokens(logits, **sampling)
     t1 = time.perf_counter()
     stats.update(ttft_s=t1 - t0, prefill_tok_s=sum(lens) / (t1 - t0), prefill_peak_bytes=mem.peak())
@@ -633,7 +651,7 @@ def generate_batch(model, prompts_ids: list[list[int]], max_new_tokens: int, *, 
     mem.reset()
     t2 = time.perf_counter()
     n_steps = decode(model, decode_fn, token, outs, lens, max_new_tokens, eos_ids=eos_ids, on_token=on_token,
-                     on_done=on_done, **sampling)
+                     on_done=on_done, finished=finished, **sampling)
     sync(device)
     t3 = time.perf_counter()
     n_decode = sum(len(out) - 1 for out in outs)
@@ -755,13 +773,18 @@ class Generation:
     def __init__(self, args: ModelArgs, policy, prompt_lens: list[int], *, budget: int | None = None,
                  max_new_tokens: int | None = None, block_size: int | None = None, prefill: str | None = None,
                  evict_before_attend: bool = False, kv_dtype: torch.dtype | None = None, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, device: str = "cpu"):
+                 top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, repeat_last_n: int = 64,
+                 device: str = "cpu"):
         self.args, self.policy, self.lens, self.device = args, policy, list(prompt_lens), device
         self.protocol = prefill_protocol(policy, prefill)
         self.evict_before_attend, self.kv_dtype = evict_before_attend, kv_dtype
         if top_k > args.vocab_size:
             raise UserError(f"--top-k {top_k} exceeds the model's vocabulary ({args.vocab_size} tokens)")
+        if not 0 < repetition_penalty < math.inf or repeat_last_n < -1:
+            raise UserError("need a finite --repetition-penalty > 0 and --repeat-last-n >= -1 (-1: the whole "
+                            "sequence)")
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.penalty = (repetition_penalty, repeat_last_n)
         self.clamped = {}
         self.max_new_tokens, self.block_size = self.fit(max_new_tokens, block_size, budget)
         ctx, L = args.max_seq_len, max(self.lens)
@@ -840,13 +863,16 @@ class Generation:
         self.compile_cache = cache_state(counters["inductor"] if dynamo else None,
                                          self.steps[1] if mode == AOT else None)
 
-    def generate(self, model, prompts: list[list[int]], *, eos_ids=(), on_token=None, on_done=None,
+    def generate(self, model, prompts: list[list[int]], *, eos_ids=(), finished=None, on_token=None, on_done=None,
                  on_prefill=None) -> tuple[list[list[int]], dict]:
         """generate_batch() with this run's settings and steps; returns (each sequence's ids, stats): the timings
         and per-phase peaks, the bytes a decode step reads (weights once for the batch, and KV) and the bandwidth
         they make at the measured steps per second, the cache's size and the compile's record."""
+        penalty = None if self.penalty[0] == 1.0 else RepetitionPenalty(
+            *self.penalty, len(prompts), model.args.vocab_size, self.device)
         outs, stats = generate_batch(model, prompts, self.max_new_tokens, block_size=self.block_size,
-                                     steps=self.steps, eos_ids=eos_ids, device=self.device,
+                                     steps=self.steps, eos_ids=eos_ids, penalty=penalty, finished=finished,
+                                     device=self.device,
                                      one_shot=self.protocol == "one-shot", on_prefill=on_prefill, on_token=on_token,
                                      on_done=on_done, **self.sampling)
         weight_b, kv_read_b = decode_bytes_per_step(model)
@@ -905,12 +931,15 @@ def cache_state(inductor_counters, aot_step=None) -> str:
 def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", policy="full",
                   budget: int | None = None, max_new_tokens: int | None = None, block_size: int | None = None,
                   prefill: str | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                  seed: int = 0, kv_dtype: str = "auto", dtype: str = "auto", device: str | None = None,
-                  chat_template: bool = True, compile: bool = False) -> dict:
+                  repetition_penalty: float = 1.0, repeat_last_n: int = 64, stop: list[str] = (),
+                  document: str | None = None, seed: int = 0, kv_dtype: str = "auto", dtype: str = "auto",
+                  device: str | None = None, chat_template: bool = True, compile: bool = False) -> dict:
     """The Python API in one call, with generate.py's defaults: load `checkpoint` (its forms: a short name, an HF
     or budgetkv directory, a .gguf file), set the caches up for `policy` (a spec string, e.g. "snapkv:window=32",
     or a policy object) at `budget`, compile when asked, and generate. One prompt returns {"text", "token_ids",
-    **stats}; a list of prompts, one batch, {"texts", "token_ids" (one list per prompt), **stats}."""
+    **stats}; a list of prompts, one batch, {"texts", "token_ids" (one list per prompt), **stats}. document: put
+    before the prompt (the question goes last, as the one-shot policies assume); stop: strings that end a sequence,
+    cut from its text."""
     import policies
     from checkpoint import resolve_checkpoint
     from tokenizer import load_tokenizer
@@ -918,6 +947,8 @@ def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", 
     compute = (torch.bfloat16 if device.startswith("cuda") else torch.float32) if dtype == "auto" else \
         getattr(torch, dtype)
     texts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if document is not None:
+        texts = [f"{document.rstrip()}\n\n{t}" for t in texts]
     policy = policies.make(policy) if isinstance(policy, str) else policy
     ckpt = resolve_checkpoint(checkpoint)
     tokenizer = load_tokenizer(ckpt)
@@ -926,13 +957,17 @@ def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", 
     ids = [tokenizer.chat_prompt_ids(t) if template else tokenizer.encode(t, add_bos=True) for t in texts]
     gen = Generation(model.args, policy, [len(i) for i in ids], budget=budget, max_new_tokens=max_new_tokens,
                      block_size=block_size, prefill=prefill, kv_dtype=KV_DTYPES.get(kv_dtype),
-                     temperature=temperature, top_k=top_k, top_p=top_p, device=device)
+                     temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                     repeat_last_n=repeat_last_n, device=device)
     torch.manual_seed(seed)
     gen.setup(model)
     if compile:
         gen.compile(model, ids[0][0])
-    outs, stats = gen.generate(model, ids, eos_ids=set(tokenizer.eos_ids))
+    stops = StopStrings(list(stop))
+    outs, stats = gen.generate(model, ids, eos_ids=set(tokenizer.eos_ids),
+                               finished=(lambda b, out: stops.cut(tokenizer.decode(out)) is not None) if stop else None)
     decoded = [tokenizer.decode(out) for out in outs]
+    decoded = [text[:stops.cut(text)] if stops.cut(text) is not None else text for text in decoded]
     if isinstance(prompt, str):
         return {"text": decoded[0], "token_ids": outs[0], **stats}
     return {"texts": decoded, "token_ids": outs, **stats}

@@ -33,6 +33,7 @@ from checkpoint import MODELS, resolve_checkpoint, shape_config  # noqa: E402
 from cli import COMPILE_LOG, Parser, check_writable, is_verbose, stderr_to_log  # noqa: E402
 from convert import read_config  # noqa: E402
 from files import jsonl_objects, tmp_path  # noqa: E402
+from sampling import StopStrings  # noqa: E402
 from engine import (AOT, CACHE_NOTES, DEFAULT_BLOCK, DEFAULT_BUDGET, DEFAULT_NEW_TOKENS, MIN_TEMPERATURE,  # noqa: E402
                     Generation, check_fits, decode_bytes_per_step, load_model, prefill_protocol, random_model,
                     set_threads, sync)
@@ -113,6 +114,15 @@ def parse_args(argv=None):
                     help="sample from the k most likely tokens (default 0 = off; sampling only; at most the "
                          "vocabulary)")
     ap.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1 = off; sampling only)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="divide a positive logit (multiply a negative one) of each token among the last "
+                         "--repeat-last-n tokens of the sequence, prompt included, as llama.cpp and HF generate do "
+                         "(default 1 = off; 1.1-1.3 against loops)")
+    ap.add_argument("--repeat-last-n", type=int, default=64,
+                    help="the tokens --repetition-penalty looks back over (default 64, llama.cpp's; -1: the whole "
+                         "sequence, HF's)")
+    ap.add_argument("--stop", action="append", metavar="TEXT",
+                    help="end a sequence where its text first contains TEXT, which is not printed (repeatable)")
     ap.add_argument("--seed", type=int,
                     help="seed of sampling (default 0; sampling only: the random policy has its own, random:seed=N)")
     ap.add_argument("--compile", action="store_true",
@@ -193,9 +203,17 @@ def parse_args(argv=None):
 
 def read_prompts(a) -> list[str]:
     """The prompt texts: each --prompt, the lines of a .jsonl --prompt-file (one object with a "prompt" string per
-    line; blank lines skipped), or a plain --prompt-file as one prompt. Empty ones are refused, naming which."""
-    if a.prompt is not None and a.prompt_file is not None:
-        raise UserError("give --prompt or --prompt-file, not both")
+    line; blank lines skipped), or a plain --prompt-file as one prompt; a plain --prompt-file and one --prompt: the
+    document, then the question (the order the one-shot policies assume: the question is what they read last).
+    Empty ones are refused, naming which."""
+    if a.prompt is not None and a.prompt_file is not None:  # a document and a question about it
+        if len(a.prompt) > 1 or is_jsonl(a.prompt_file):
+            raise UserError("--prompt with --prompt-file is one question after one document: give one --prompt "
+                            "and a plain-text --prompt-file")
+        question = checked_utf8(a.prompt[0])
+        if not question.strip():
+            raise UserError("the question (--prompt) is empty")
+        return [f"{read_prompt(a).rstrip()}\n\n{question}"]
     if a.prompt is not None and len(a.prompt) > 1:
         texts = [checked_utf8(t) for t in a.prompt]
     elif is_jsonl(a.prompt_file):
@@ -270,6 +288,14 @@ def check_args(a) -> None:
     top_k, top_p = 0 if a.top_k is None else a.top_k, 1.0 if a.top_p is None else a.top_p
     if not 0 <= a.temperature < math.inf or top_k < 0 or not 0 < top_p <= 1:  # NaN fails every comparison
         raise UserError("need a finite --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
+    if not 0 < a.repetition_penalty < math.inf or a.repeat_last_n < -1:
+        raise UserError("need a finite --repetition-penalty > 0 and --repeat-last-n >= -1 (-1: the whole sequence)")
+    extras = [f for f, on in (("--repetition-penalty", a.repetition_penalty != 1.0), ("--stop", a.stop)) if on]
+    if extras and (a.interactive or a.speculate):
+        raise UserError(f"{extras[0]} applies to a plain generation, not to "
+                        f"{'--interactive' if a.interactive else '--speculate'}")
+    if a.stop and a.random_weights:
+        raise UserError("--stop matches text, and --random-weights runs without a tokenizer")
     if a.seed is not None and not 0 <= a.seed < 2 ** 63:
         raise UserError(f"--seed must be in [0, 2**63), got {a.seed}")
     check_interactive_flags(a)
@@ -444,7 +470,8 @@ def run(a) -> int:
                      [len(p) for p in prompts], budget=a.budget, max_new_tokens=a.max_new_tokens,
                      block_size=a.block_size, prefill=a.prefill, evict_before_attend=a.evict_before_attend,
                      kv_dtype=KV_DTYPES.get(a.kv_dtype), temperature=a.temperature, top_k=a.top_k or 0,
-                     top_p=1.0 if a.top_p is None else a.top_p, device=a.device)
+                     top_p=1.0 if a.top_p is None else a.top_p, repetition_penalty=a.repetition_penalty,
+                     repeat_last_n=a.repeat_last_n, device=a.device)
     if model is None:  # random weights: built once the KV cache it must leave room for is known
         model = tp.random_model(config, dtype, a.device, a.seed or 0, mesh, label=a.shapes,
                                 kv_bytes=gen.kv_bytes_needed(dtype))
@@ -539,12 +566,13 @@ def load(a, texts, dtype, mesh):
 def generate_streamed(a, gen, model, tokenizer, prompts):
     """gen.generate with the prefill's progress line, one prompt's text streamed as it comes (a batch's sequences
     printed each once complete) and --profile's trace."""
-    stream, n = TextStream(tokenizer), len(prompts)
+    stream, n = TextStream(tokenizer, StopStrings(a.stop or [])), len(prompts)
+    in_order = InOrder(lambda b, text: print(f"[{b + 1}/{n}] {text}", flush=True))
 
     def on_done(b, out_ids):
         bar.close()
         if not a.json and n > 1:
-            print(f"[{b + 1}/{n}] {stream.decoded(out_ids)}", flush=True)
+            in_order(b, stream.decoded(out_ids))
 
     def on_token(b, out_ids):
         if not a.json and n == 1:
@@ -560,7 +588,8 @@ def generate_streamed(a, gen, model, tokenizer, prompts):
         stream.bar = bar
         with bar:
             outs, stats = gen.generate(model, prompts, eos_ids=set(tokenizer.eos_ids) if tokenizer else set(),
-                                       on_token=on_token, on_done=on_done, on_prefill=on_prefill)
+                                       finished=stream.finished if a.stop else None, on_token=on_token,
+                                       on_done=on_done, on_prefill=on_prefill)
     if prof is not None:
         export_trace(prof, a.profile)
     return outs, stats, stream
@@ -691,16 +720,36 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, gen, weights:
     return 0
 
 
+class InOrder:
+    """A batch's sequences shown in input order: show(b, text) for each once it and those before it are done."""
+
+    def __init__(self, show):
+        self.show, self.done, self.next = show, {}, 0
+
+    def __call__(self, b: int, text: str) -> None:
+        self.done[b] = text
+        while self.next in self.done:
+            self.show(self.next, self.done.pop(self.next))
+            self.next += 1
+
+
 class TextStream:
     """on_token for a generation: prints what is new of the decoded text since the last call (complete characters
     only; token ids, space-separated, without a tokenizer), after erasing the progress line `bar` (set before the
-    first token). `printed` is what it has written."""
+    first token). `printed` is what it has written. Stop strings: a text is cut before the first one, and a tail
+    that may still become one is held back; finished(b, ids) says whether a sequence reached one."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stops: StopStrings | None = None):
         self.tokenizer, self.printed, self.bar = tokenizer, "", None
+        self.stops = stops or StopStrings([])
 
     def decoded(self, out_ids: list[int]) -> str:
-        return self.tokenizer.decode(out_ids) if self.tokenizer else " ".join(map(str, out_ids))
+        text = self.tokenizer.decode(out_ids) if self.tokenizer else " ".join(map(str, out_ids))
+        at = self.stops.cut(text)
+        return text if at is None else text[:at]
+
+    def finished(self, b: int, out_ids: list[int]) -> bool:
+        return self.stops.cut(self.tokenizer.decode(out_ids)) is not None
 
     def __call__(self, out_ids: list[int]) -> None:
         if self.bar is not None:
@@ -708,6 +757,7 @@ class TextStream:
         s = self.decoded(out_ids)
         if s.endswith("\ufffd"):  # an incomplete character: wait for the next token
             return
+        s = self.stops.shown(s)
         sys.stdout.write(s[len(self.printed):] if s.startswith(self.printed) else "\n" + s)
         sys.stdout.flush()
         self.printed = s

@@ -220,7 +220,7 @@ BAD = [
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--prompt", "the fox", "--prompt", "  "], "prompt 2 of the batch is empty"),
     (["--prompt", "the fox", "--prompt", "the dog", "--prompt-file", "/nonexistent/p.jsonl"],
-     "give --prompt or --prompt-file, not both"),
+     "--prompt with --prompt-file is one question after one document"),
     (["--prompt", "the fox", "--prompt", "the quick brown fox jumps over the lazy dog " * 3, "--max-new-tokens", "250"],
      "the longest prompt (prompt 2 of the batch, "),
     (["--prompt", "the fox", "--prompt", "the dog", "--policy", "sink", "--budget", "3"], "must exceed the 4 sink"),

@@ -1,0 +1,102 @@
+"""What a user sets beside the policy: the repetition penalty (against HF generate's, every policy batched as alone,
+compiled without a recompile), stop strings, a document and a question, a batch printed in input order."""
+import json
+
+import pytest
+import torch
+
+import engine
+import generate
+import policies
+from engine import Generation, load_model
+
+PROMPTS = [[(7 * i + 3) % 500 + 1 for i in range(72)], [(11 * i + 5) % 500 + 1 for i in range(72)]]
+
+
+@pytest.fixture(scope="module")
+def tiny(hf_tiny):
+    hf, src = hf_tiny("llama")
+    return hf, load_model(src, torch.float32, "cpu")
+
+
+def run(model, policy, prompts, penalty=1.3, last_n=8, steps=None, budget=48):
+    holds_all = policy is None or not policy.scores  # full, exact-topk: the budget is every token
+    gen = Generation(model.args, policy, [len(p) for p in prompts], budget=None if holds_all else budget,
+                     max_new_tokens=16, block_size=8, repetition_penalty=penalty, repeat_last_n=last_n)
+    gen.setup(model)
+    if steps is not None:
+        gen.steps = steps
+    return gen.generate(model, prompts)[0]
+
+
+def test_whole_sequence_penalty_is_hf_generates(tiny):
+    hf, model = tiny
+    ids = torch.tensor([PROMPTS[0]])
+    expected = hf.generate(ids, max_new_tokens=16, do_sample=False, repetition_penalty=1.5, eos_token_id=None,
+                           pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert run(model, None, PROMPTS[:1], penalty=1.5, last_n=-1)[0] == expected
+    assert run(model, None, PROMPTS[:1], penalty=1.0)[0] != expected  # the penalty changed these tokens
+
+
+@pytest.mark.parametrize("name", sorted(policies.REGISTRY))
+def test_penalty_per_sequence_with_every_policy(tiny, name):
+    """Each sequence's window is its own: a batch of two gives each prompt's tokens alone."""
+    _, model = tiny
+    policy = policies.make(name)
+    together = run(model, policy, PROMPTS)
+    assert together == [run(model, policy, [p])[0] for p in PROMPTS]
+
+
+def test_penalty_compiled_without_recompile(tiny):
+    """The penalty is static-shaped tensor work around the compiled step: the same tokens as eager, no recompile."""
+    _, model = tiny
+    policy = policies.make("keydiff")
+    eager = run(model, policy, PROMPTS)
+    steps = engine.compile_steps("cpu", None)
+    run(model, policy, PROMPTS, steps=steps)  # compiles
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert run(model, policy, PROMPTS, steps=steps) == eager
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(hf_tiny, tmp_path_factory):
+    from conftest import with_tiny_tokenizer
+    _, src = hf_tiny("llama")
+    return with_tiny_tokenizer(src, tmp_path_factory.mktemp("tiny_options"),
+                               "the quick brown fox jumps over the lazy dog 0123456789")
+
+
+def cli(ckpt, capsys, *args):
+    code = generate.main(["--checkpoint", str(ckpt), "--max-new-tokens", "24", "--json", "--no-chat", *args])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_stop_string_ends_the_sequence_and_is_cut(tiny_ckpt, capsys):
+    plain = cli(tiny_ckpt, capsys, "--prompt", "the quick brown fox")
+    text = plain["text"]
+    stop = text[6:9]
+    assert stop.strip() and len(plain["token_ids"]) == 24
+    stopped = cli(tiny_ckpt, capsys, "--prompt", "the quick brown fox", "--stop", stop, "--stop", "never-there")
+    assert stopped["text"] == text[:text.index(stop)]
+    assert stopped["token_ids"] == plain["token_ids"][:len(stopped["token_ids"])] and len(stopped["token_ids"]) < 24
+
+
+def test_document_then_question(tiny_ckpt, tmp_path, capsys):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the lazy dog sleeps. the quick fox runs.\n")
+    asked = cli(tiny_ckpt, capsys, "--prompt-file", str(doc), "--prompt", "who runs?")
+    assert asked == cli(tiny_ckpt, capsys, "--prompt", "the lazy dog sleeps. the quick fox runs.\n\nwho runs?") | {
+        k: asked[k] for k in asked if k.endswith(("_s", "tok_s", "bytes", "gb_s"))}
+    api = engine.generate_text("who runs?", document=doc.read_text(), checkpoint=str(tiny_ckpt), max_new_tokens=24,
+                               chat_template=False, repetition_penalty=1.0)
+    assert api["token_ids"] == asked["token_ids"]
+
+
+def test_batch_prints_in_input_order():
+    shown = []
+    in_order = generate.InOrder(lambda b, text: shown.append((b, text)))
+    for b in (2, 0, 3, 1):
+        in_order(b, f"t{b}")
+    assert shown == [(0, "t0"), (1, "t1"), (2, "t2"), (3, "t3")]
