@@ -775,6 +775,7 @@ class Generation:
                  evict_before_attend: bool = False, kv_dtype: torch.dtype | None = None, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, repeat_last_n: int = 64,
                  device: str = "cpu"):
+        kernels.check_form()
         self.args, self.policy, self.lens, self.device = args, policy, list(prompt_lens), device
         self.protocol = prefill_protocol(policy, prefill)
         self.evict_before_attend, self.kv_dtype = evict_before_attend, kv_dtype

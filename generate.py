@@ -33,6 +33,7 @@ from checkpoint import MODELS, resolve_checkpoint, shape_config  # noqa: E402
 from cli import COMPILE_LOG, Parser, check_writable, is_verbose, stderr_to_log  # noqa: E402
 from convert import read_config  # noqa: E402
 from files import jsonl_objects, tmp_path  # noqa: E402
+import kernels  # noqa: E402
 from sampling import StopStrings  # noqa: E402
 from engine import (AOT, CACHE_NOTES, DEFAULT_BLOCK, DEFAULT_BUDGET, DEFAULT_NEW_TOKENS, MIN_TEMPERATURE,  # noqa: E402
                     Generation, check_fits, decode_bytes_per_step, load_model, prefill_protocol, random_model,
@@ -277,6 +278,7 @@ def read_prompt(a, check_empty: bool = True) -> str:
 
 
 def check_args(a) -> None:
+    kernels.check_form()
     if a.batch_size is not None and a.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {a.batch_size}")
     if a.max_new_tokens is not None and a.max_new_tokens < 1:

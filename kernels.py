@@ -16,11 +16,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from errors import UserError
+
 ROWWISE_MAX_ROWS = 8  # past ~8 rows the row-wise loop becomes compute-bound and MKL's GEMM catches up
 ROWWISE_MAX_QUERY_ROWS = 16  # past ~20 query rows SDPA's kernel catches up (docs/performance.md)
 MATMUL_MAX_QUERY_ROWS = 64  # CUDA: up to a verification block of a few tokens times the GQA group
 MATMUL_EAGER_MIN_SLOTS = 8192  # CUDA eager: SDPA's one kernel wins at 2K slots, the products at 16K (performance.md)
 FORM = os.environ.get("BUDGETKV_ATTENTION", "")  # "flex" or "sdpa": every attention in that form; "": chosen
+
+
+def check_form() -> None:
+    """UserError for a BUDGETKV_ATTENTION that names no form (checked by every run before its first step)."""
+    if FORM not in ("", "flex", "sdpa"):
+        raise UserError(f"BUDGETKV_ATTENTION={FORM!r} names no attention form: flex, sdpa, or leave it unset")
 
 
 class Linear(nn.Linear):

@@ -100,3 +100,11 @@ def test_batch_prints_in_input_order():
     for b in (2, 0, 3, 1):
         in_order(b, f"t{b}")
     assert shown == [(0, "t0"), (1, "t1"), (2, "t2"), (3, "t3")]
+
+
+def test_an_attention_form_that_is_none_is_one_line(tiny, monkeypatch):
+    import kernels
+    from errors import UserError
+    monkeypatch.setattr(kernels, "FORM", "flexx")
+    with pytest.raises(UserError, match="BUDGETKV_ATTENTION='flexx' names no attention form"):
+        Generation(tiny[1].args, None, [4])
