@@ -576,7 +576,8 @@ def test_nan_logits_mid_generation(tiny_ckpt, capfd, monkeypatch):
         calls.append(1)
         logits = model(idx, pos)
         return logits if len(calls) < 3 else torch.full_like(logits, NAN)
-    monkeypatch.setattr(generate, "model_step", step)
+    import engine
+    monkeypatch.setattr(engine, "model_step", step)  # the eager decode step engine.Generation runs
     code = generate.main(["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox", "--max-new-tokens", "8",
                           "--json"])
     out, err = capfd.readouterr()
@@ -806,8 +807,7 @@ def test_caches_larger_than_the_free_memory_are_one_line_before_they_are_allocat
     import engine
     monkeypatch.setattr(engine, "free_memory", lambda device: 1000)
     allocated = []
-    monkeypatch.setattr(generate, "setup", lambda *a, **k: allocated.append(a))
-    monkeypatch.setattr(generate, "setup_batch", lambda *a, **k: allocated.append(a))
+    monkeypatch.setattr(engine, "setup_batch", lambda *a, **k: allocated.append(a))  # Generation.setup's allocation
     code = run_entry("generate", ["--checkpoint", str(tiny_ckpt), *PROMPT, "--batch-size", str(batch)])
     err = capfd.readouterr().err
     assert code == 2 and allocated == [] and len(err.strip().splitlines()) == 1, err
