@@ -781,9 +781,14 @@ class Generation:
         self.evict_before_attend, self.kv_dtype = evict_before_attend, kv_dtype
         if top_k > args.vocab_size:
             raise UserError(f"--top-k {top_k} exceeds the model's vocabulary ({args.vocab_size} tokens)")
-        if not 0 < repetition_penalty < math.inf or repeat_last_n < -1:
-            raise UserError("need a finite --repetition-penalty > 0 and --repeat-last-n >= -1 (-1: the whole "
-                            "sequence)")
+        if not 0.01 <= repetition_penalty <= 100 or not -1 <= repeat_last_n <= args.max_seq_len:
+            raise UserError(f"need --repetition-penalty between 0.01 and 100 and --repeat-last-n from -1 (the whole "
+                            f"sequence) to the model's context ({args.max_seq_len})")
+        for name, value in (("--max-new-tokens", max_new_tokens), ("--budget", budget), ("--block-size", block_size)):
+            if value is not None and value < 1:
+                raise UserError(f"{name} must be >= 1, got {value}")
+        if not (0 <= temperature < math.inf and top_k >= 0 and 0 < top_p <= 1):
+            raise UserError("need a finite --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         self.penalty = (repetition_penalty, repeat_last_n)
         self.clamped = {}
@@ -948,6 +953,11 @@ def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", 
     compute = (torch.bfloat16 if device.startswith("cuda") else torch.float32) if dtype == "auto" else \
         getattr(torch, dtype)
     texts = [prompt] if isinstance(prompt, str) else list(prompt)
+    stop = [stop] if isinstance(stop, str) else list(stop)
+    if not texts or not all(isinstance(t, str) and t.strip() for t in texts) or not all(stop) or not (
+            document is None or isinstance(document, str)):
+        raise UserError("generate_text takes a non-empty prompt text (or a list of them), a document text and "
+                        "non-empty stop strings")
     if document is not None:
         texts = [f"{document.rstrip()}\n\n{t}" for t in texts]
     policy = policies.make(policy) if isinstance(policy, str) else policy

@@ -119,7 +119,7 @@ def parse_args(argv=None):
                     help="divide a positive logit (multiply a negative one) of each token among the last "
                          "--repeat-last-n tokens of the sequence, prompt included, as llama.cpp and HF generate do "
                          "(default 1 = off; 1.1-1.3 against loops)")
-    ap.add_argument("--repeat-last-n", type=int, default=64,
+    ap.add_argument("--repeat-last-n", type=int,
                     help="the tokens --repetition-penalty looks back over (default 64, llama.cpp's; -1: the whole "
                          "sequence, HF's)")
     ap.add_argument("--stop", action="append", metavar="TEXT",
@@ -290,8 +290,11 @@ def check_args(a) -> None:
     top_k, top_p = 0 if a.top_k is None else a.top_k, 1.0 if a.top_p is None else a.top_p
     if not 0 <= a.temperature < math.inf or top_k < 0 or not 0 < top_p <= 1:  # NaN fails every comparison
         raise UserError("need a finite --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
-    if not 0 < a.repetition_penalty < math.inf or a.repeat_last_n < -1:
-        raise UserError("need a finite --repetition-penalty > 0 and --repeat-last-n >= -1 (-1: the whole sequence)")
+    if a.repeat_last_n is not None and a.repetition_penalty == 1.0:
+        raise UserError("--repeat-last-n applies to --repetition-penalty, which is 1 (off)")
+    a.repeat_last_n = 64 if a.repeat_last_n is None else a.repeat_last_n
+    if a.stop is not None and not all(a.stop):
+        raise UserError("--stop takes a non-empty text")
     extras = [f for f, on in (("--repetition-penalty", a.repetition_penalty != 1.0), ("--stop", a.stop)) if on]
     if extras and (a.interactive or a.speculate):
         raise UserError(f"{extras[0]} applies to a plain generation, not to "

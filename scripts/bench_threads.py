@@ -36,7 +36,7 @@ def run_generate(setting: str, mode: str, prompt: Path, a) -> dict:
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise UserError(f"{setting} {mode}: generate.py exited {r.returncode}: {r.stderr.strip()[-300:]}")
-    return json.loads(r.stdout)["stats"]
+    return json.loads(r.stdout)
 
 
 def main(argv=None) -> int:
@@ -48,6 +48,9 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default=",".join(SETTINGS))
     a = ap.parse_args(argv)
     modes, settings = a.modes.split(","), a.settings.split(",")
+    if a.repeats < 1 or a.prompt_bytes < 1 or a.new_tokens < 1:
+        print("error: --repeats, --prompt-bytes and --new-tokens must be >= 1", file=sys.stderr)
+        return 2
     if bad := [m for m in modes if m not in MODES] + [s for s in settings if s not in SETTINGS]:
         print(f"error: unknown mode or setting {bad[0]!r} (modes {list(MODES)}, settings {list(SETTINGS)})",
               file=sys.stderr)

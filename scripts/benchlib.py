@@ -93,8 +93,8 @@ def check_common(args) -> None:
     for k in ("repeats", "block_size"):
         if getattr(args, k) < 1:
             raise UserError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
-    if args.threads is not None and args.threads < 1:
-        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    if args.threads is not None and not 1 <= args.threads <= 1024:
+        raise UserError(f"--threads must be between 1 and 1024, got {args.threads}")
     check_device(args.device)
     if getattr(args, "json", None) is not None:
         check_writable(args.json, "--json")

@@ -626,6 +626,8 @@ def check_args(a) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
     if a.accept_k < 1 or "fidelity" in a.tasks and a.accept_k > a.fid_tokens:
         raise UserError(f"--accept-k must be between 1 and --fid-tokens ({a.fid_tokens})")
+    if a.threads > 1024:
+        raise UserError(f"--threads must be at most 1024, got {a.threads}")
     if a.threads < 0 or a.max_new_tokens < 0 or a.longbench_limit < 0 or a.longbench_max_tokens < 0:
         raise UserError("--threads, --max-new-tokens, --longbench-limit and --longbench-max-tokens must be >= 0")
     if not all(0 <= d <= 1 for d in a.depths):

@@ -432,7 +432,7 @@ def test_eager_run_never_imports_the_compiler(tiny_ckpt, policy, control):
     ("bench.py", ["--budget", "abc"], "invalid int value"),
     ("bench.py", ["--profile"], "unrecognized arguments: --profile"),
     ("bench_paired.py", ["--profile", "0"], "--profile needs >= 1"),
-    ("bench.py", ["--threads", "0"], "--threads must be >= 1"),
+    ("bench.py", ["--threads", "0"], "--threads must be between 1 and 1024"),
     ("bench.py", ["--block-size", "0"], "--block-size must be >= 1"),
     ("bench_quant.py", ["--modes", ","], "--modes is empty"),
     ("bench_quant.py", ["--modes", "int3"], "unknown --modes entry 'int3'"),

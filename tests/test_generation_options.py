@@ -108,3 +108,19 @@ def test_an_attention_form_that_is_none_is_one_line(tiny, monkeypatch):
     monkeypatch.setattr(kernels, "FORM", "flexx")
     with pytest.raises(UserError, match="BUDGETKV_ATTENTION='flexx' names no attention form"):
         Generation(tiny[1].args, None, [4])
+
+
+def test_the_api_refuses_what_the_cli_refuses(tiny_ckpt):
+    from errors import UserError
+    for kw in (dict(max_new_tokens=0), dict(budget=-5, policy="keydiff"), dict(temperature=float("nan")),
+               dict(top_p=0.0), dict(stop=[""]), dict(repetition_penalty=1e-300)):
+        with pytest.raises(UserError):
+            engine.generate_text("the fox", checkpoint=str(tiny_ckpt), chat_template=False, **kw)
+    with pytest.raises(UserError):
+        engine.generate_text([], checkpoint=str(tiny_ckpt))
+    one = engine.generate_text("the quick brown fox", checkpoint=str(tiny_ckpt), chat_template=False,
+                               max_new_tokens=24)
+    stop = one["text"][6:9]
+    cut = engine.generate_text("the quick brown fox", checkpoint=str(tiny_ckpt), chat_template=False,
+                               max_new_tokens=24, stop=stop)  # one string, not its characters
+    assert cut["text"] == one["text"][:one["text"].index(stop)]
