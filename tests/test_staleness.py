@@ -466,9 +466,10 @@ def test_unfinished_download_says_how_to_resume(hf_src, tmp_path, ckpts, monkeyp
     monkeypatch.setitem(checkpoint.MODELS, "tiny", "acme/tiny")
     shutil.copytree(d, ckpts / "acme" / "tiny")
     capfd.readouterr()
-    with pytest.raises(UserError, match=r"acme/tiny holds an unfinished download of acme/tiny \(1 of 2 weight files "
-                                        r"missing, e.g. model-00002-of-00002.safetensors\): run again where the hub "
-                                        r"is reachable to resume it, or delete"):
+    # the hub could not finish it: an environment failure (exit 1), not bad input
+    with pytest.raises(checkpoint.DownloadError, match=r"acme/tiny holds an unfinished download of acme/tiny \(1 of 2 "
+                                                       r"weight files missing, e.g. model-00002-of-00002.safetensors\): "
+                                                       r"run again where the hub is reachable to resume it, or delete"):
         checkpoint.resolve_checkpoint("tiny")
     assert capfd.readouterr().err == ""  # huggingface_hub's own "Returning existing local_dir" warning is not shown
 
