@@ -111,11 +111,15 @@ class _Step(torch.nn.Module):
         return torch.func.functional_call(self.model, dict(zip(self.names, tensors)), (idx, input_pos), strict=True)
 
 
+def before_export() -> None:
+    """Called before a step is exported; engine.py, which imports this module (never the other way round), sets it
+    to switch its compile regions off: a region is a dynamo construct, an exported step is flat."""
+
+
 def export_step(model, idx: Tensor, input_pos: Tensor):
     """The decode step model(idx, input_pos) as an ExportedProgram over (tensors, idx, input_pos)."""
-    from engine import set_layer_regions
     names, tensors = step_inputs(model)
-    set_layer_regions(False)  # a region is a dynamo construct: the exported step is flat
+    before_export()
     with torch.no_grad():
         ep = torch.export.export(_Step(model, names), (tensors, idx, input_pos), strict=False)
     own = {t.untyped_storage().data_ptr() for t in tensors}

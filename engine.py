@@ -12,6 +12,7 @@ from pathlib import Path
 import threads  # noqa: F401  (before torch: how its OpenMP threads wait, for the Python API too)
 import torch
 
+import aoti
 import kernels
 from cache import (KV_DTYPES, Storage, compress_into, eager_blocks, is_scorer, kv_bytes, row_cache, scratch_cache,
                    setup_caches)
@@ -208,8 +209,7 @@ def compile_steps(device: str, mode: str | None = None, prefill: bool = True, fr
     if os.access(INDUCTOR_CACHE.parent.parent, os.W_OK):
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE))
     if mode == AOT:  # the decode step from a package (aoti.py): no dynamo unless the prefill step is compiled too
-        from aoti import AotStep
-        return (compile_steps(device, None, freeze=freeze)[0] if prefill else prefill_step), AotStep()
+        return (compile_steps(device, None, freeze=freeze)[0] if prefill else prefill_step), aoti.AotStep()
 
     # Dynamo reads the global flag when it traces (frozen, the weights are constants, not graph inputs): it holds
     # until another compile_steps. In the options too, so that a frozen and an unfrozen step never share a graph.
@@ -264,6 +264,9 @@ def regions_on() -> bool:
     """layer_regions, read when dynamo traces a step and not guarded (as inductor's freezing flag is): a frozen
     and an unfrozen step traced one after the other in one process both keep running without a recompile."""
     return layer_regions
+
+
+aoti.before_export = lambda: set_layer_regions(False)  # an exported step is flat
 
 
 def compile_step(fn, mode: str | None, freeze: bool = False):
