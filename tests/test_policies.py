@@ -36,7 +36,7 @@ def keydiff(**kw):
 
 
 @pytest.mark.parametrize("anchor,expect", [("raw", [2, 3, 4]), ("normalized", [2, 3, 4])])
-def test_A1(anchor, expect):
+def test_keydiff_keeps_the_keys_least_similar_to_the_anchor(anchor, expect):
     keys = [(1, 0), (1, 0.2), (0, 1), (1, -0.5), (-1, 0.3)]
     assert stream(keydiff(anchor=anchor), keys, 3, 5)[0][-1] == expect
 
@@ -55,7 +55,7 @@ def test_keydiff_raw_and_normalized_anchor_differ(anchor, expect):
     assert stream(keydiff(anchor=anchor), [(10, 0), (0, 1), (0.1, 1)], 2, 3)[0][-1] == expect
 
 
-def test_A3():
+def test_keydiff_evicts_repeated_keys_before_distinct_ones():
     e = torch.eye(4)
     assert stream(keydiff(), torch.stack([e[0], e[0], e[0], e[1], e[2]]), 2, 5)[0][-1] == [3, 4]
 
