@@ -2,7 +2,8 @@
 attention (and BUDGETKV_ATTENTION=sdpa, gpt-fast's form): it equals the default choice's result to float tolerance
 on this CPU, by itself (grouped heads, a mask per KV head, one mask for all heads, keys per query head) and inside
 the engine: every policy of test_batch's cases
-(each under its protocol: block-wise and one-shot), those cases batched, a chat continuation, eager; compiled
+(each under its protocol: block-wise and one-shot), those cases batched, a chat continuation, self-speculation (the
+draft and the K+1 verification block), eager; compiled
 (fullgraph, error_on_recompile) for one block-wise and one one-shot policy."""
 import warnings
 
@@ -200,3 +201,21 @@ def test_compiled_decode_equals_eager_default_attention(hf_tiny, flex, spec, pre
     assert calls  # the eager prefill's
     for g, w in zip(got, want):
         assert_same_run(g, w)
+
+
+@pytest.mark.parametrize("spec", ["keydiff", "snapkv++:window=4"])
+def test_speculation_equals_plain_greedy_default_attention(hf_tiny, flex, spec):
+    """Self-speculation with the flex form in the draft and in the K+1 verification block: token for token plain
+    greedy's with the default attention (a draft past its budget, so the draft evicts)."""
+    from test_speculative import draft_budget_for, ids_of, plain, speculate
+    import speculative
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    prompt, n, k, block = ids_of(60), 12, 3, 16
+    with torch.inference_mode():
+        flex(False)
+        want = plain(model, prompt, n, block, 60 + n)
+        calls = flex(True)
+        draft = speculative.draft_model(model)
+        (got, _), _ = speculate(model, draft, prompt, n, block, k, spec, draft_budget_for(spec, n, k, budget=24))
+    assert calls and got == want
