@@ -578,14 +578,16 @@ def decode_inputs(token: torch.Tensor, positions: torch.Tensor) -> tuple[torch.T
 
 def decode(model, step, token: torch.Tensor, outs: list[list[int]], positions: list[int], max_new_tokens: int, *,
            eos_ids=(), temperature=0.0, top_k=0, top_p=1.0, penalty=None, finished=None, on_token=None, on_done=None,
-           stop=None) -> int:
+           stop=None, on_step=None) -> int:
     """The decode loop, for a batch of one or more: feeds each sequence's last sampled token (token [B]) at its next
     position (positions[b], then one more each step) and samples the next, until every sequence has its EOS
     (included) or max_new_tokens ids or finished(b, ids) says it is complete (a stop string), or stop() says so
     (checked before each step); penalty: a sampling.RepetitionPenalty. outs: each sequence's ids so
     far, appended in place; a finished sequence keeps stepping with the others (the batch is a static shape) but
     nothing more is recorded for it. on_token(b, ids) after each token appended to sequence b, on_done(b, ids) once
-    it is complete. Returns the steps run."""
+    it is complete. on_step(logits, seconds) after each step: its logits [B, vocab] and its time, the clock read once
+    its tokens reached the host (which waits for the device); the benchmarks time steps by it. Returns the steps
+    run."""
     def more(b: int) -> bool:
         ids = outs[b]
         return ids[-1] not in eos_ids and len(ids) < max_new_tokens and not (finished and finished(b, ids))
@@ -596,9 +598,13 @@ def decode(model, step, token: torch.Tensor, outs: list[list[int]], positions: l
     pos, n_steps = torch.tensor(positions, device=token.device), 0
     while any(live) and not (stop is not None and stop()):
         n_steps += 1
+        t = time.perf_counter()
         logits = step(model, *decode_inputs(token.clamp_min(0), pos))
         token = sample_finite(logits, temperature, top_k, top_p, penalty)
-        for b, tok in enumerate(token.tolist()):
+        tokens = token.tolist()
+        if on_step is not None:
+            on_step(logits, time.perf_counter() - t)
+        for b, tok in enumerate(tokens):
             if live[b]:
                 check_finite(tok, len(outs[b]))
                 outs[b].append(tok)

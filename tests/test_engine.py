@@ -37,6 +37,26 @@ def test_block_size_invariance(hf_tiny):
     assert len(set(map(tuple, outs.values()))) == 1, outs
 
 
+def test_decode_on_step_sees_each_steps_logits_and_time(hf_tiny):
+    """engine.decode's on_step (the benchmarks' per-step clock): called once per step, after its tokens, with the
+    logits that chose them and a positive time; the tokens are those of a decode without it."""
+    from engine import decode, first_tokens, prefill
+    _, ckpt = hf_tiny("llama")
+    model = load_model(ckpt, torch.float32, "cpu")
+    prompt = ids_of(40)
+    runs = []
+    for hook in (False, True):
+        seen = []
+        setup(model, None, 40 + 8, 40, 8, 16)
+        with torch.inference_mode():
+            token, outs = first_tokens(prefill(model, torch.tensor(prompt), 16), 0.0, 0, 1.0)
+            n = decode(model, model_step, token, outs, [40], 8,
+                       on_step=(lambda logits, s: seen.append((logits.argmax(-1).tolist(), s))) if hook else None)
+        runs.append(outs[0])
+    assert n == 7 and runs[0] == runs[1] and len(runs[1]) == 8
+    assert [tok for (tok,), _ in seen] == runs[1][1:] and all(s > 0 for _, s in seen)
+
+
 @pytest.mark.parametrize("spec", ["full", "exact-topk:k=64", "keydiff"])
 def test_eager_prefill_without_eviction_takes_unpadded_chunks(hf_tiny, spec):
     """engine.prefill's eager step over caches that hold every token at slot == position takes the prompt in
