@@ -76,6 +76,17 @@ def check_writable(path: Path, flag: str) -> None:
         path.unlink()
 
 
+def check_device(device: str) -> None:
+    """--device: cpu, cuda or cuda:N, one that is there."""
+    import torch  # (cli.py itself imports no torch)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise UserError(f"--device {device!r}: cpu, cuda or cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but CUDA is not available (use --device cpu)")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise UserError(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices")
+
+
 def check_out_dir(path: Path, flag: str) -> None:
     """An output directory: a directory or nothing yet, under a folder this process can write in. Creates nothing."""
     if path.exists() and not path.is_dir():

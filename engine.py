@@ -967,14 +967,11 @@ def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", 
             document is None or isinstance(document, str)):
         raise UserError("generate_text takes a non-empty prompt text (or a list of them), a document text and "
                         "non-empty stop strings")
-    if document is not None:
-        texts = [f"{document.rstrip()}\n\n{t}" for t in texts]
     policy = policies.make(policy) if isinstance(policy, str) else policy
     ckpt = resolve_checkpoint(checkpoint)
     tokenizer = load_tokenizer(ckpt)
     model = load_model(ckpt, compute, device)
-    template = chat_template and tokenizer.chat_template is not None
-    ids = [tokenizer.chat_prompt_ids(t) if template else tokenizer.encode(t, add_bos=True) for t in texts]
+    ids = [tokenizer.prompt_ids(t, document, chat_template) for t in texts]
     gen = Generation(model.args, policy, [len(i) for i in ids], budget=budget, max_new_tokens=max_new_tokens,
                      block_size=block_size, prefill=prefill, kv_dtype=KV_DTYPES.get(kv_dtype),
                      temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,

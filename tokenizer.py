@@ -20,6 +20,12 @@ class TokenizerError(UserError):
     """Missing / corrupt tokenizer files; the message is one line meant for the user."""
 
 
+def with_document(question: str, document: str | None = None) -> str:
+    """A question about a document as one prompt text: the document, a blank line, then the question (the order the
+    one-shot policies assume: the question is what they read last)."""
+    return question if document is None else f"{document.rstrip()}\n\n{question}"
+
+
 class Tokenizer:
     bos_id: int | None = None
     eos_ids: list[int]
@@ -50,6 +56,12 @@ class Tokenizer:
             line = f" line {e.lineno}" if isinstance(e, jinja2.TemplateSyntaxError) and e.lineno else ""
             raise TokenizerError(f"the chat template in {self.chat_template_file or 'the tokenizer files'}{line} "
                                  f"fails: {type(e).__name__}: {_oneline(e)} (--no-chat skips it)") from None
+
+    def prompt_ids(self, question: str, document: str | None = None, chat: bool = True) -> list[int]:
+        """A prompt's token ids: with_document(question, document) in the chat template when `chat` and the
+        checkpoint has one, else the plain text after the BOS."""
+        text = with_document(question, document)
+        return self.chat_prompt_ids(text) if chat and self.chat_template is not None else self.encode(text, True)
 
     def chat_prompt_ids(self, user_message: str) -> list[int]:
         # Templates write the BOS string themselves; HF apply_chat_template does not add another.

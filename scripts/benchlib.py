@@ -18,14 +18,13 @@ import torch
 import policies
 from cache import KV_DTYPES, is_scorer, kv_bytes
 from checkpoint import resolve_checkpoint, shape_config
-from cli import Parser, check_writable
+from cli import Parser, check_device, check_writable
 from config import parse_config
 from convert import read_config
 from engine import (AOT, PeakMemory, block_inputs, compile_steps, decode_bytes_per_step, default_compile_mode,
                     kv_cache_estimate, load_model, model_step, prefill_step, random_model, release_free_memory, sync)
 from engine import prefill as engine_prefill
 from errors import EnvironmentFailure, UserError
-from scripts.eval import check_device
 from scripts.outputs import check_settings, checkpoint_identity, read_json, write_atomic
 
 REPO = Path(__file__).resolve().parent.parent

@@ -31,11 +31,8 @@ then at the end results.json (config, every sample, summaries), results.md (one 
 niah_heatmap_<policy>_<budget>[_one-shot].png. An interrupted run goes on with the same command and --resume.
 """
 import argparse
-import importlib.util
 import json
-import math
 import random
-import re
 import sys
 import time
 from collections import defaultdict
@@ -52,7 +49,7 @@ from tqdm import tqdm  # noqa: E402
 import policies  # noqa: E402
 from cache import is_scorer  # noqa: E402
 from checkpoint import resolve_checkpoint  # noqa: E402
-from cli import Parser, check_writable, run_cli  # noqa: E402
+from cli import Parser, check_device, check_writable, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
 from engine import (compile_steps, decode, decode_inputs, first_tokens, load_model, model_step,  # noqa: E402
                     prefill_step, setup)
@@ -60,8 +57,10 @@ from engine import prefill as engine_prefill  # noqa: E402
 from errors import UserError  # noqa: E402
 from config import parse_config  # noqa: E402
 from scripts import eval_tasks  # noqa: E402
-from scripts.outputs import (append_line, check_settings, checkpoint_identity, digest, read_lines,  # noqa: E402
-                             save_png, write_atomic)
+from scripts.eval_journal import JOURNAL, read_journal, run_settings  # noqa: E402
+from scripts.eval_report import (NOT_APPLICABLE, first_divergence, label, mean_accepted,  # noqa: E402
+                                 repeated_ngrams, token_overlap, write_outputs)
+from scripts.outputs import append_line, digest, write_atomic  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 POLICIES = "full,random,sink,h2o,tova,snapkv,keydiff,keynorm"
@@ -139,13 +138,6 @@ def configs(a) -> list[tuple[str, str, int | None]]:
     return [("block", "full", None)] + sorted(out, key=lambda c: order.index(c[0]))  # stable: policy order kept
 
 
-def label(protocol: str, policy: str) -> str:
-    return policy if protocol == "block" or policy == "full" else f"{policy} ({protocol})"
-
-
-NOT_APPLICABLE = {}  # (task, row label, budget) -> why: a policy that cannot run this prompt at this budget
-
-
 def fits(task, protocol, policy, budget, bar, use_args) -> bool:
     """Set up the caches (`use`); False, noted in NOT_APPLICABLE and shown as n/a in the table, when the policy
     cannot run this prompt at this budget (e.g. SnapKV++ keeps budget - new tokens < its window: the paper's N/A)."""
@@ -199,30 +191,6 @@ def each_config(task: str, cfgs, n_texts: int, use_args, measure, bar=None, done
     return records
 
 
-def draft_rounds(agree: list[bool], k: int) -> list[int]:
-    """Tokens accepted in each round of greedy speculative decoding with k draft tokens per round, where agree[t] says
-    whether the draft's next token equals the target's at position t. A round starting at t accepts the leading
-    agreements among agree[t:t + k] (n <= k); the target then supplies position t + n itself (its correction, or its
-    bonus token after k accepted), so the next round starts at t + n + 1. A last round that the end of `agree` cuts
-    short before a disagreement or k agreements is not counted (its outcome is unknown)."""
-    rounds, t = [], 0
-    while t < len(agree):
-        n = 0
-        while n < k and t + n < len(agree) and agree[t + n]:
-            n += 1
-        if n < k and t + n == len(agree):  # cut short by the end
-            break
-        rounds.append(n)
-        t += n + 1
-    return rounds
-
-
-def mean_accepted(agree: list[bool], k: int) -> float:
-    """Mean draft tokens accepted per round (draft_rounds); 0 when no round is complete."""
-    rounds = draft_rounds(agree, k)
-    return sum(rounds) / len(rounds) if rounds else 0.0
-
-
 @torch.inference_mode()
 def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: int, steps, accept_k: int = 4,
              bar=None, done=None) -> list[dict]:
@@ -251,25 +219,6 @@ def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: in
 
 # ---------------------------------------------------------------------------------------------- free generation
 
-def repeated_ngrams(tokens: list[int], n: int = 4) -> float:
-    """The fraction of `tokens`' n-grams that repeat an earlier one: 0 for text that never repeats itself, near 1 for
-    a loop ("TheTheThe...")."""
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
-    return 1 - len(set(grams)) / len(grams) if grams else 0.0
-
-
-def first_divergence(tokens: list[int], ref: list[int]) -> int:
-    """How many tokens agree with `ref` before the first that differs."""
-    return next((i for i, (x, y) in enumerate(zip(tokens, ref)) if x != y), min(len(tokens), len(ref)))
-
-
-def token_overlap(tokens: list[int], ref: list[int]) -> float:
-    """Bag-of-tokens F1 of two continuations (ROUGE-1 over token ids): 1 for the same tokens in any order."""
-    from collections import Counter
-    common = sum((Counter(tokens) & Counter(ref)).values())
-    return 2 * common / (len(tokens) + len(ref)) if tokens or ref else 1.0
-
-
 @torch.inference_mode()
 def freegen(model, texts: list[list[int]], prefix: int, n_new: int, cfgs, *, block_size: int, steps, bar=None,
             done=None) -> list[dict]:
@@ -294,18 +243,20 @@ def freegen(model, texts: list[list[int]], prefix: int, n_new: int, cfgs, *, blo
 # ----------------------------------------------------------------------------------------- tasks with answers
 
 def make_items(tok, a, ctx: int) -> dict[str, list[dict]]:
-    """task -> prompts to score: {ids, answer_ids, max_new, sample, length, depth}. A synthetic prompt ends with
+    """task -> prompts to score: {ids, answer_ids, max_new, sample, length, depth}. A synthetic prompt is its
+    document, then its question (tokenizer.prompt_ids, as generate.py and engine.generate_text build one), then
     RULER's answer prefix ("The pass key is"), after the chat template; the true answer follows it."""
     count = lambda s: len(tok.encode(s, add_bos=False))  # noqa: E731
     items = defaultdict(list)
 
-    def add(task, sample, text, chat, max_new, length):
+    def add(task, sample, question, document, chat, max_new, length):
         chat = chat and tok.chat_template is not None
         prefix = sample.meta.get("answer_prefix", "")
-        if chat:
-            ids = tok.chat_prompt_ids(text) + (tok.encode(prefix, add_bos=False) if prefix else [])
-        else:
-            ids = tok.encode(text + ("\n\n" + prefix if prefix else ""), add_bos=True)
+        if prefix and not chat:  # plain text: the prefix ends the prompt's text
+            question += "\n\n" + prefix
+        ids = tok.prompt_ids(question, document, chat)
+        if prefix and chat:  # the chat template's assistant turn starts with it
+            ids += tok.encode(prefix, add_bos=False)
         answer = ", ".join(sample.answers)
         answer_ids = tok.encode(answer if chat and not prefix else " " + answer, add_bos=False)
         if len(ids) + max(max_new, len(answer_ids)) > ctx:
@@ -326,7 +277,7 @@ def make_items(tok, a, ctx: int) -> dict[str, list[dict]]:
                 except ValueError as e:  # e.g. a length too short for the task's fixed text
                     raise UserError(f"{task} at --lengths {length}: {e}") from None
                 for s in samples:
-                    add(task, s, s.prompt(), True, a.max_new_tokens or MAX_NEW[task], length)
+                    add(task, s, s.question, s.context, True, a.max_new_tokens or MAX_NEW[task], length)
     for task in a.longbench:
         max_new = eval_tasks.LONGBENCH_MAXGEN[task]
         limit = max(1, min(a.longbench_max_tokens or ctx, ctx - max_new - 64))  # 64: room for the chat template
@@ -340,8 +291,8 @@ def make_items(tok, a, ctx: int) -> dict[str, list[dict]]:
             ids = tok.encode(s.prompt(), add_bos=False)
             text = s.prompt() if len(ids) <= limit else (  # LongBench truncates the middle of a long prompt
                 tok.decode(ids[:limit // 2]) + tok.decode(ids[len(ids) - (limit - limit // 2):]))
-            add(f"longbench/{task}", s, text, s.meta.get("chat", task not in eval_tasks.LONGBENCH_NO_CHAT), max_new,
-                len(ids))
+            add(f"longbench/{task}", s, text, None, s.meta.get("chat", task not in eval_tasks.LONGBENCH_NO_CHAT),
+                max_new, len(ids))
     return items
 
 
@@ -387,150 +338,6 @@ def run_task(model, tok, task: str, items: list[dict], cfgs, *, block_size: int,
         if done is not None:
             done((protocol, policy, budget), records[first:])
     return records
-
-
-# ---------------------------------------------------------------------------------------------------- reports
-
-def summarize(records: list[dict]) -> dict:
-    """task -> row label -> budget ('all' for the full cache) -> mean of each measure (ppl = exp of mean NLL)."""
-    groups = defaultdict(list)
-    for r in records:
-        groups[r["task"], label(r["protocol"], r["policy"]), "all" if r["budget"] is None else r["budget"]].append(r)
-    out = defaultdict(lambda: defaultdict(dict))
-    for (task, row, budget), rs in groups.items():
-        m = {k: sum(r[k] for r in rs) / len(rs) for k in measures(task)}
-        if task == "fidelity":
-            m["ppl"] = math.exp(m.pop("nll"))
-        out[task][row][budget] = m | {"n": len(rs)}
-    en16 = [t for t in out if t.startswith("longbench/") and t.split("/", 1)[1] in eval_tasks.LONGBENCH_EN16]
-    if en16:  # the average over the English-16 tasks that were run, per row and budget
-        avg = out["longbench"]
-        for row in out[en16[0]]:
-            for budget in out[en16[0]][row]:
-                scores = [out[t][row][budget]["score"] for t in en16 if budget in out[t].get(row, {})]
-                avg[row][budget] = {"score": sum(scores) / len(scores), "tasks": len(scores)}
-    return json.loads(json.dumps(out))  # plain dicts, budget keys as strings
-
-
-def measures(task: str) -> list[str]:
-    """What summarize averages over a task's records."""
-    return (["kl", "agree", "accept", "nll"] if task == "fidelity" else ["match", "overlap", "rep"]
-            if task == "freegen" else ["score"] if task.startswith("longbench/") else ["score", "partial", "logp"])
-
-
-def cell(task: str, m: dict) -> str:
-    if task == "fidelity":
-        return f"{m['kl']:.3f} / {100 * m['agree']:.1f} / {m['accept']:.2f} / {m['ppl']:.2f}"
-    if task == "freegen":
-        return f"{m['match']:.1f} / {100 * m['overlap']:.1f} / {100 * m['rep']:.1f}"
-    if task.startswith("longbench"):
-        return f"{100 * m['score']:.1f}"
-    return f"{100 * m['score']:.1f} / {100 * m['partial']:.1f} / {m['logp']:.2f}"
-
-
-def legend(task: str, rows: dict) -> str:
-    if task == "fidelity":
-        return ("KL(full ‖ policy) nats / top-1 agreement with full % / draft tokens accepted per round (of K, as a "
-                "draft for full) / perplexity")
-    if task == "freegen":
-        return ("greedy continuation: tokens until the first divergence from full / token overlap with full % / "
-                "repeated 4-grams % (near 100: a loop)")
-    if task == "longbench":
-        return f"English-16 average score % ({rows['full']['all']['tasks']} of 16 tasks run)"
-    if task.startswith("longbench/"):
-        return "LongBench score %"
-    return "task metric % / partial credit % / log p(true answer), nats"
-
-
-def markdown(summary: dict, budgets: list[int], header: str) -> str:
-    lines = [header]
-    for task, rows in summary.items():
-        lines += ["", f"## {task}: {legend(task, rows)}", "", "| policy | " + " | ".join(map(str, budgets)) + " |",
-                  "|---|" + "---:|" * len(budgets)]
-        for row, by_budget in rows.items():
-            ms = [by_budget.get("all") or by_budget.get(str(b)) for b in budgets]
-            cells = [cell(task, m) if m else "n/a" if (task, row, b) in NOT_APPLICABLE else ""
-                     for m, b in zip(ms, budgets)]
-            lines.append(f"| {row if row != 'full' else 'full (no eviction)'} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(summary: dict, records: list[dict], budgets: list[int], out_dir: Path) -> list[str]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    written = []
-
-    colors = {}  # one color per policy, solid for the block protocol, dashed for one-shot
-
-    def lines(ax, rows, key, ylabel, scale=1.0):
-        for row, by_budget in rows.items():
-            if "all" in by_budget:
-                full = row.startswith("full")
-                ax.axhline(scale * by_budget["all"][key], color="black" if full else colors.setdefault(
-                    row.split(" ")[0], f"C{len(colors) % 10}"), ls=":", lw=1.5, label=row)
-            else:
-                xs = [b for b in budgets if str(b) in by_budget]
-                color = colors.setdefault(row.split(" ")[0], f"C{len(colors) % 10}")
-                ax.plot(xs, [scale * by_budget[str(b)][key] for b in xs], marker="o", color=color,
-                        ls="--" if "(one-shot)" in row else "-", label=row)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.set_xlabel("budget (tokens per layer and KV head)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-
-    for task, rows in summary.items():
-        if task == "fidelity":
-            fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
-            lines(axes[0], {r: v for r, v in rows.items() if r != "full"}, "kl", "KL(full || policy), nats")
-            axes[0].set_yscale("log")
-            lines(axes[1], rows, "agree", "top-1 agreement with full, %", 100)
-            lines(axes[2], rows, "accept", "draft tokens accepted per round (of K)")
-            lines(axes[3], rows, "ppl", "perplexity")
-        elif task == "freegen":
-            fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-            lines(axes[0], rows, "match", "tokens until the first divergence from full")
-            lines(axes[1], rows, "overlap", "token overlap with full, %", 100)
-            lines(axes[2], rows, "rep", "repeated 4-grams, % (loops near 100)", 100)
-        else:
-            fig, axes = plt.subplots(1, 1, figsize=(7, 4.5))
-            lines(axes, rows, "score", "score, %", 100)
-            axes = [axes]
-        axes[-1].legend(fontsize=8, loc="best")
-        fig.suptitle(f"{task} vs budget")
-        fig.tight_layout()
-        name = task.replace("/", "_") + ".png"
-        save_png(fig, out_dir / name)
-        plt.close(fig)
-        written.append(name)
-
-    grids = defaultdict(lambda: defaultdict(list))  # needle: (row, budget) -> (depth, length) -> scores
-    for r in records:
-        if r["task"] == "needle":
-            grids[label(r["protocol"], r["policy"]), r["budget"]][r["depth"], r["length"]].append(r["score"])
-    for (row, budget), grid in grids.items():
-        depths, lengths = sorted({d for d, _ in grid}), sorted({n for _, n in grid})
-        z = [[100 * sum(grid[d, n]) / len(grid[d, n]) for n in lengths] for d in depths]
-        fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 0.5 * len(depths) + 2))
-        im = ax.imshow(z, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
-        for i, zr in enumerate(z):
-            for j, v in enumerate(zr):
-                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=8)
-        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
-        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("needle depth")
-        ax.set_title(f"needle: {row}" + ("" if budget is None else f", budget {budget}"), fontsize=10)
-        fig.colorbar(im, ax=ax, label="score %")
-        fig.tight_layout()
-        policy = row.split(" ")[0]
-        name = f"niah_heatmap_{policy}" + ("" if budget is None else f"_{budget}") + \
-            ("_one-shot" if "(one-shot)" in row else "") + ".png"
-        save_png(fig, out_dir / name)
-        plt.close(fig)
-        written.append(name)
-    return written
 
 
 # -------------------------------------------------------------------------------------------------------- CLI
@@ -645,16 +452,6 @@ def check_args(a) -> None:
                             "of <task>.jsonl files")
 
 
-def check_device(device: str) -> None:
-    """--device: cpu, cuda or cuda:N, one that is there."""
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise UserError(f"--device {device!r}: cpu, cuda or cuda:N")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but CUDA is not available (use --device cpu)")
-    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
-        raise UserError(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices")
-
-
 def run(a) -> int:
     t_start = time.perf_counter()
     NOT_APPLICABLE.clear()
@@ -749,85 +546,6 @@ def run(a) -> int:
     records = [r for t in tasks for c in cfgs for r in results[t, c]]
     resumed = sum(k in done for k in keys.values())
     return write_outputs(a, ckpt, dtype, records, timings, time.perf_counter() - t_start, resumed, len(keys))
-
-
-# ------------------------------------------------------------------------------------------ the journal (--resume)
-
-JOURNAL = "results.jsonl"
-# vars(a) that are not settings: the configurations themselves, what is identified by content instead (the
-# checkpoint, LongBench's files: by the prompts' hash), and what has no bearing on the results
-NOT_SETTINGS = {"policies", "budgets", "prefill", "tasks", "longbench", "checkpoint", "longbench_source", "out_dir",
-                "threads", "quick", "resume"}
-ENTRY = {"run": str, "task": str, "protocol": str, "policy": str, "budget": (int, type(None)), "data": str,
-         "records": list, "na": (str, type(None))}
-
-
-def run_settings(a, ckpt, dtype) -> dict:
-    """What the results of every configuration depend on besides the configuration itself: the journal's header."""
-    return {k: v for k, v in vars(a).items() if k not in NOT_SETTINGS} | dict(
-        checkpoint=checkpoint_identity(ckpt), dtype=str(dtype), torch=torch.__version__)
-
-
-def read_journal(path: Path, settings: dict) -> dict:
-    """--resume: the configurations `path` holds from a run with these settings, by (task, protocol, policy,
-    budget, prompts' hash); a journal written with other settings is refused."""
-    if not path.exists():
-        print(f"--resume: no {path} yet: running every configuration", file=sys.stderr)
-        return {}
-    lines = read_lines(path)
-    if not lines:
-        return {}
-    head = lines[0][1]
-    check_settings(path, head.get("settings") if isinstance(head, dict) else None, settings)
-    done, run_id = {}, digest(settings)
-    for n, e in lines[1:]:
-        bad = next((f"{k} is missing or of the wrong type" for k, kind in ENTRY.items()
-                    if not isinstance(e.get(k), kind)), None) if isinstance(e, dict) else "not a JSON object"
-        if bad is None and not all(isinstance(r, dict) and r.get("task") == e["task"] and all(
-                isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) for k in measures(e["task"]))
-                for r in e["records"]):
-            bad = "a record is malformed or holds a measure that is not a finite number"
-        stray = next((r for r in e["records"] if any(r.get(k) != e[k] for k in ("protocol", "policy", "budget"))),
-                     None) if bad is None else None
-        if stray is not None:
-            bad = (f"a record of {stray.get('policy')} ({stray.get('protocol')}, budget {stray.get('budget')}) under "
-                   f"{e['policy']} ({e['protocol']}, budget {e['budget']})")
-        if bad is None and not e["records"] and e["na"] is None:
-            bad = "no records, and not marked n/a"
-        if bad is not None:
-            raise UserError(f"--resume: {path} line {n}: {bad} (run without --resume to replace the file)")
-        if e["run"] == run_id:  # (another run's line only where two runs wrote at once)
-            done[e["task"], e["protocol"], e["policy"], e["budget"], e["data"]] = e
-    return done
-
-
-def write_outputs(a, ckpt, dtype, records, timings, wall_s, resumed=0, n_configs=0) -> int:
-    """results.md, results.json and the PNGs, each replaced whole (write_atomic)."""
-    summary = summarize(records)
-    header = (f"# budgetkv eval: {a.checkpoint}\n\n{a.device}, {str(dtype).replace('torch.', '')}, block "
-              f"{a.block_size}, prefill {','.join(a.prefill)}, lengths {','.join(map(str, a.lengths))}, "
-              f"{a.samples} sample(s) per task/length/depth, fidelity {a.fid_texts} x ({a.fid_prefix} + "
-              f"{a.fid_tokens}) tokens, draft rounds of K={a.accept_k}, free generation {a.gen_tokens} tokens, seed "
-              f"{a.seed}; {wall_s:.0f} s")
-    if resumed:
-        header += f" ({resumed} of {n_configs} configurations from an earlier run, --resume)"
-    reasons = sorted({why for why in NOT_APPLICABLE.values()})
-    if reasons:
-        header += "\n\nn/a: " + "; ".join(reasons)
-    md = markdown(summary, a.budgets, header)
-    write_atomic(a.out_dir / "results.md", md)
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}
-    write_atomic(a.out_dir / "results.json", json.dumps(
-        dict(config=config | {"checkpoint_dir": str(ckpt), "dtype": str(dtype), "torch": torch.__version__},
-             wall_s=round(wall_s, 1), task_s=timings, resumed=resumed, summary=summary, records=records), indent=1))
-    plots = importlib.util.find_spec("matplotlib") is not None
-    pngs = plot(summary, records, a.budgets, a.out_dir) if plots else []
-    print(md)
-    print(f"wrote {a.out_dir}/results.json, results.md and {len(pngs)} PNGs in {wall_s:.0f} s", file=sys.stderr)
-    if not plots:
-        print(f"no plots: matplotlib is not installed ({sys.executable} -m pip install -r requirements-eval.txt)",
-              file=sys.stderr)
-    return 0
 
 
 def main(argv=None) -> int:

@@ -5,9 +5,10 @@
     samples = load_longbench("hotpotqa", "data/hotpotqa.jsonl")                     # or None: the HF hub
     score = longbench_score("hotpotqa", prediction, sample)
 
-Synthetic prompts are `context + "\\n\\n" + question`; the context starts with RULER's one-line instruction, then the
-haystack (meta["haystack_start"] is where it begins). `depth` is the share of the filler (the haystack without
-needles, as in RULER) before the needle asked about, whose offset is meta["needle_offsets"][0].
+Synthetic prompts are the context, then the question (tokenizer.with_document); the context starts with RULER's
+one-line instruction, then the haystack (meta["haystack_start"] is where it begins). `depth` is the share of the
+filler (the haystack without needles, as in RULER) before the needle asked about, whose offset is
+meta["needle_offsets"][0].
 meta["answer_prefix"] is RULER's answer prefix, for a runner that appends it after the chat template, and
 meta["max_new_tokens"] RULER's generation length for the task.
 LongBench prompts use LongBench's own per-task template (meta["template"]); its metrics follow LongBench's
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from files import json_type, jsonl_objects
+from tokenizer import with_document
 
 
 @dataclass
@@ -34,11 +36,12 @@ class Sample:
     meta: dict = field(default_factory=dict)
 
     def prompt(self) -> str:
-        # LongBench samples carry their task's template ({context}, {input}); synthetic ones are context then question
+        # LongBench samples carry their task's template ({context}, {input}); synthetic ones are context then
+        # question, as every prompt with a document (tokenizer.with_document)
         template = self.meta.get("template")
         if template:
             return template.format(context=self.context, input=self.question)
-        return self.context + "\n\n" + self.question
+        return with_document(self.question, self.context)
 
 
 # ---------------------------------------------------------------------------------------------------------------

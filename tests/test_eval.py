@@ -10,6 +10,7 @@ import torch
 
 from engine import generate, load_model, model_step, prefill_step
 from scripts import eval as ev
+from scripts import eval_report
 
 PREFIX, CONT, BLOCK = 40, 12, 16
 
@@ -71,15 +72,15 @@ def test_draft_rounds_by_hand():
     target supplies the next position, and a round the text's end cuts short is not counted."""
     a = [1, 1, 0, 1, 1, 1, 1, 0]
     # K=4: t=0 accepts 2 (a[2] = 0; the target supplies 2), t=3 accepts 4 (a[3:7]; the target's bonus token is 7)
-    assert ev.draft_rounds(a, 4) == [2, 4] and ev.mean_accepted(a, 4) == 3.0
+    assert eval_report.draft_rounds(a, 4) == [2, 4] and eval_report.mean_accepted(a, 4) == 3.0
     # K=2: t=0 accepts 2 (bonus 2), t=3 accepts 2 (bonus 5), t=6 accepts 1 (a[7] = 0)
-    assert ev.draft_rounds(a, 2) == [2, 2, 1] and ev.mean_accepted(a, 2) == pytest.approx(5 / 3)
+    assert eval_report.draft_rounds(a, 2) == [2, 2, 1] and eval_report.mean_accepted(a, 2) == pytest.approx(5 / 3)
     # K=1: t=0 1, t=2 0, t=3 1, t=5 1, t=7 0
-    assert ev.draft_rounds(a, 1) == [1, 0, 1, 1, 0]
-    assert ev.draft_rounds([1, 1, 0, 1, 1], 4) == [2]  # the round at t=3 is cut short after 2 agreements
-    assert ev.draft_rounds([1] * 10, 4) == [4, 4] and ev.draft_rounds([1] * 8, 4) == [4]  # t=5: 3 left, cut short
-    assert ev.draft_rounds([0, 0, 0], 4) == [0, 0, 0] and ev.draft_rounds([], 4) == []
-    assert ev.mean_accepted([1, 1], 4) == 0.0  # no complete round
+    assert eval_report.draft_rounds(a, 1) == [1, 0, 1, 1, 0]
+    assert eval_report.draft_rounds([1, 1, 0, 1, 1], 4) == [2]  # the round at t=3 is cut short after 2 agreements
+    assert eval_report.draft_rounds([1] * 10, 4) == [4, 4] and eval_report.draft_rounds([1] * 8, 4) == [4]  # t=5: 3 left, cut short
+    assert eval_report.draft_rounds([0, 0, 0], 4) == [0, 0, 0] and eval_report.draft_rounds([], 4) == []
+    assert eval_report.mean_accepted([1, 1], 4) == 0.0  # no complete round
 
 
 def test_perplexity_matches_hf(tiny):
@@ -91,7 +92,7 @@ def test_perplexity_matches_hf(tiny):
             logits = hf(torch.tensor([text])).logits[0, PREFIX - 1:-1].double()
         nll = -logits.log_softmax(-1).gather(-1, torch.tensor(text[PREFIX:])[:, None]).mean().item()
         assert math.exp(r["nll"]) == pytest.approx(math.exp(nll), rel=1e-4)
-    summary = ev.summarize(records)
+    summary = eval_report.summarize(records)
     assert summary["fidelity"]["full"]["all"]["ppl"] == pytest.approx(math.exp(sum(r["nll"] for r in records) / 2))
 
 
@@ -120,15 +121,36 @@ def tiny_tok_ckpt(hf_tiny, tmp_path_factory):
                                "the quick brown fox jumps over the lazy dog 0123456789")
 
 
+def test_question_after_the_document_in_the_chat_template(tiny_tok_ckpt):
+    """A task's prompt is its document, then its question, in the chat template when the checkpoint has one (the
+    order the one-shot policies assume, and the ids generate.py --prompt-file --prompt and generate_text(document=)
+    build: tokenizer.prompt_ids), then the answer prefix; without a template, plain text after the BOS."""
+    from tokenizer import load_tokenizer
+    tok = load_tokenizer(tiny_tok_ckpt)
+    a = ev.parse_args(["--tasks", "passkey,niah_single", "--lengths", "300"])
+    tok.chat_template = "<s>{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+    chat = ev.make_items(tok, a, 2048)
+    tok.chat_template = None
+    plain = ev.make_items(tok, a, 2048)
+    for task in ("passkey", "niah_single"):
+        (it,), (bare,) = chat[task], plain[task]
+        s = it["sample"]
+        doc, question, prefix = s.context, s.question, s.meta["answer_prefix"]
+        assert doc and question and prefix and question not in doc
+        assert it["ids"] == tok.encode(f"<s>[user] {doc}\n\n{question}\n[assistant] ", add_bos=False) + tok.encode(
+            prefix, add_bos=False)
+        assert bare["ids"] == tok.encode(f"{doc}\n\n{question}\n\n{prefix}", add_bos=True)
+
+
 def test_free_generation_measures_flag_a_loop():
     """Hand-checked cases: a loop repeats nearly every 4-gram, text that never repeats none; divergence counts the
     agreeing head; overlap is a bag-of-tokens F1."""
     loop = [7, 8] * 32  # "TheTheThe..."
-    assert ev.repeated_ngrams(loop) == pytest.approx(1 - 2 / 61)  # 61 4-grams, 2 distinct
-    assert ev.repeated_ngrams(list(range(64))) == 0.0
-    assert ev.repeated_ngrams([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 / 5)  # 5 4-grams, (1,2,3,4) twice
-    assert ev.first_divergence([1, 2, 3, 9], [1, 2, 3, 4]) == 3 and ev.first_divergence([1, 2], [1, 2]) == 2
-    assert ev.token_overlap([1, 2, 3, 4], [4, 3, 2, 1]) == 1.0 and ev.token_overlap([1, 1], [1, 2]) == 0.5
+    assert eval_report.repeated_ngrams(loop) == pytest.approx(1 - 2 / 61)  # 61 4-grams, 2 distinct
+    assert eval_report.repeated_ngrams(list(range(64))) == 0.0
+    assert eval_report.repeated_ngrams([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 / 5)  # 5 4-grams, (1,2,3,4) twice
+    assert eval_report.first_divergence([1, 2, 3, 9], [1, 2, 3, 4]) == 3 and eval_report.first_divergence([1, 2], [1, 2]) == 2
+    assert eval_report.token_overlap([1, 2, 3, 4], [4, 3, 2, 1]) == 1.0 and eval_report.token_overlap([1, 1], [1, 2]) == 0.5
 
 
 def test_freegen_exact_without_eviction_and_flags_divergence(tiny):
@@ -175,8 +197,8 @@ def test_quick_cli_writes_outputs(tiny_tok_ckpt, tmp_path, capsys):
 
 
 def test_no_matplotlib_writes_tables_without_plots(tiny_tok_ckpt, tmp_path, monkeypatch, capsys):
-    real = ev.importlib.util.find_spec
-    monkeypatch.setattr(ev.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    real = eval_report.importlib.util.find_spec
+    monkeypatch.setattr(eval_report.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     out = tmp_path / "eval"
     argv = ["--checkpoint", str(tiny_tok_ckpt), "--quick", "--out-dir", str(out), "--tasks", "fidelity",
             "--policies", "full", "--fid-prefix", "64", "--fid-tokens", "4", "--block-size", "32"]
@@ -239,7 +261,7 @@ def test_policy_that_cannot_fit_is_not_applicable(tiny):
     records = run_fidelity(model, texts, [("one-shot", "snapkv++", 20), ("one-shot", "snapkv++", 50)])
     assert {r["budget"] for r in records} == {50} and len(records) == len(texts)
     assert ("fidelity", "snapkv++ (one-shot)", 20) in ev.NOT_APPLICABLE
-    table = ev.markdown(ev.summarize(records), [20, 50], "header")
+    table = eval_report.markdown(eval_report.summarize(records), [20, 50], "header")
     assert "| snapkv++ (one-shot) | n/a |" in table
     ev.NOT_APPLICABLE.clear()
 

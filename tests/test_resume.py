@@ -18,6 +18,7 @@ import cli
 from errors import UserError
 from scripts import bench, bench_quant, benchlib
 from scripts import eval as ev
+from scripts import eval_journal, eval_report
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -169,7 +170,7 @@ def test_eval_resume_refuses_a_damaged_record(ckpt, uninterrupted, tmp_path, cap
     if damage == "no-records":
         entry["records"] = []
     else:
-        measure = ev.measures(entry["task"])[0]
+        measure = eval_report.measures(entry["task"])[0]
         entry["records"][0][measure] = float(damage)  # json.dumps writes NaN / Infinity
     lines[2] = json.dumps(entry)
     (out / "results.jsonl").write_text("\n".join(lines) + "\n")
@@ -224,9 +225,9 @@ def test_journal_lines_not_written_by_eval_are_refused(tmp_path):
                            "line 2: a record is malformed")]:
         path.write_text(head + line + "\n")
         with pytest.raises(UserError, match=message):
-            ev.read_journal(path, settings)
+            eval_journal.read_journal(path, settings)
     path.write_text(head + "{")  # a line cut short: dropped, not refused
-    assert ev.read_journal(path, settings) == {}
+    assert eval_journal.read_journal(path, settings) == {}
 
 
 def test_bench_rows_not_written_by_bench_are_refused(tmp_path):
