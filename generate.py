@@ -22,13 +22,12 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
-import time  # noqa: E402
 from contextlib import contextmanager, nullcontext  # noqa: E402
 
 import threads  # noqa: E402,F401  (before torch: how its OpenMP threads wait)
 import torch  # noqa: E402
 
-from cache import KV_DTYPES, is_scorer, kv_bytes  # noqa: E402
+from cache import KV_DTYPES  # noqa: E402
 from checkpoint import MODELS, resolve_checkpoint, shape_config  # noqa: E402
 from cli import COMPILE_LOG, Parser, check_writable, is_verbose, stderr_to_log  # noqa: E402
 from convert import read_config  # noqa: E402
@@ -36,15 +35,14 @@ from files import jsonl_objects, tmp_path  # noqa: E402
 import kernels  # noqa: E402
 from sampling import StopStrings  # noqa: E402
 from engine import (AOT, CACHE_NOTES, DEFAULT_BLOCK, DEFAULT_BUDGET, DEFAULT_NEW_TOKENS, MIN_TEMPERATURE,  # noqa: E402
-                    Generation, check_fits, decode_bytes_per_step, load_model, prefill_protocol, random_model,
-                    set_threads, sync)
+                    Generation, check_fits, prefill_protocol, set_threads, sync)
 from config import parse_config  # noqa: E402
 import progress  # noqa: E402
+import speculative  # noqa: E402
 import tp  # noqa: E402
 from progress import Progress, Ticker  # noqa: E402
 
 MAX_PROMPT_BYTES = 64 << 20  # far more text than any supported model's context holds
-DEFAULT_DRAFT_BUDGET = 256  # --speculate's draft cache (MagicDec's StreamingLLM drafts hold a few hundred tokens)
 
 
 def policy_help(argv) -> None:
@@ -189,8 +187,8 @@ def parse_args(argv=None):
                          "--draft-checkpoint). --prefill applies to the draft")
     ap.add_argument("--draft-budget", type=int, metavar="B",
                     help=f"--speculate: the draft cache's slots per layer and KV head, below the target's (default "
-                         f"{DEFAULT_DRAFT_BUDGET}, at most half the target's; a draft policy that keeps every token: "
-                         "the target's)")
+                         f"{speculative.DEFAULT_DRAFT_BUDGET}, at most half the target's; a draft policy that keeps "
+                         "every token: the target's)")
     ap.add_argument("--draft-checkpoint",
                     help="--speculate: draft with this model (same vocabulary; --checkpoint's forms) instead of the "
                          "target's own weights; its cache is --draft-policy at --draft-budget")
@@ -346,7 +344,6 @@ def check_speculate_flags(a) -> None:
         if given:
             raise UserError(f"{given[0]} applies to --speculate K (self-speculative decoding)")
         return
-    import speculative
     speculative.check_k(a.speculate)
     if a.compile_mode == AOT:
         raise UserError("--compile-mode aot compiles the one-token decode step; --speculate's steps are "
@@ -458,8 +455,13 @@ def run(a) -> int:
     check_args(a)
     progress.quiet = a.quiet  # for every line of this run: a conversion's too
     policy = policies.make(a.policy)  # unknown names and parameters fail before any loading
-    mesh = start_mesh(a, policy)
-    draft_policy = speculate_policy(a, policy)
+    mesh = tp.start(a.tp, a.device, policy, interactive=a.interactive, speculate=bool(a.speculate),
+                    aot=a.compile_mode == AOT)
+    a.device = tp.rank_device(a.device, mesh)
+    draft_policy = None
+    if a.speculate:  # --prefill is the draft's; the target is full
+        a.draft_policy, draft_policy, a.draft_prefill = speculative.draft_policy(policy, a.draft_policy,
+                                                                                 a.draft_checkpoint, a.prefill)
     a.prefill = prefill_protocol(policy, a.prefill)
     if a.prefill == "one-shot" and a.compile_prefill is not None:
         raise UserError("--compile-prefill / --no-compile-prefill apply to --prefill block: a one-shot prefill never "
@@ -520,34 +522,6 @@ def run_interactive(a, policy, dtype, mesh) -> int:
         conversation.compile(a.compile_mode, a.compile_prefill, a.freeze,
                              around=lambda mode, prefill: compile_log(a, mode, prefill))
     return chat.repl(conversation, json_mode=a.json)
-
-
-def start_mesh(a, policy):
-    """Tensor parallel: under torchrun every rank validates, then joins; only rank 0 prints."""
-    mesh = tp.start(a.tp, a.device, policy)
-    a.device = tp.rank_device(a.device, mesh)
-    if mesh.world > 1 and a.interactive:
-        raise UserError("--interactive reads its turns on one process; it does not run under tensor parallel")
-    if mesh.world > 1 and a.speculate:
-        raise UserError("--speculate runs on one device; it does not run under tensor parallel yet")
-    if mesh.world > 1 and a.compile_mode == AOT:
-        raise UserError("--compile-mode aot runs on one process: under tensor parallel the steps' collectives "
-                        "need torch.compile (leave --compile-mode auto)")
-    return mesh
-
-
-def speculate_policy(a, policy):
-    """--speculate: the draft's policy (default sink, full with --draft-checkpoint); --prefill is the draft's, the
-    target is full."""
-    if not a.speculate:
-        return None
-    import policies
-    import speculative
-    speculative.check_target(policy)
-    a.draft_policy = a.draft_policy or ("full" if a.draft_checkpoint else "sink")
-    draft_policy = policies.make(a.draft_policy)
-    a.draft_prefill = prefill_protocol(draft_policy, a.prefill)
-    return draft_policy
 
 
 def load(a, texts, dtype, mesh):
@@ -648,73 +622,47 @@ def print_result(a, gen, stats, outs, stream, tp_line) -> None:
 
 
 def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, gen, weights: str) -> int:
-    """--speculate K: the draft (the model's own weights over a --draft-budget cache, or --draft-checkpoint), both
-    caches, compiled steps, speculative.generate, and a summary with the acceptance and the bandwidth model's
-    predicted speedup; says so in one line when even a round that keeps every draft would read more per token
-    than plain decoding."""
-    import speculative
-    if a.draft_checkpoint is None:
-        draft = speculative.draft_model(model)
-    elif a.random_weights:
-        config, shapes = shape_config(a.draft_checkpoint)
-        draft = random_model(config, dtype, a.device, a.seed or 0, label=f"the draft ({shapes})")
-    else:
-        draft = load_model(resolve_checkpoint(a.draft_checkpoint, "--draft-checkpoint"), dtype, a.device)
+    """--speculate K: the draft and both caches (speculative.py), a note when the bandwidth model predicts a loss or
+    the device is a CPU, the generation streamed, and a summary with the acceptance and the predicted speedup."""
+    draft = speculative.load_draft(model, a.draft_checkpoint, dtype, a.device,
+                                   (a.seed or 0) if a.random_weights else None)
     L, N, K = len(ids), gen.max_new_tokens, a.speculate
-    capacity = a.budget or L + N + K
-    draft_budget = a.draft_budget or (min(DEFAULT_DRAFT_BUDGET, capacity // 2) if is_scorer(draft_policy) else
-                                      capacity)
-    one_shot = a.draft_prefill == "one-shot"
-    slots, draft_slots = speculative.setup(model, draft, draft_policy, draft_budget, L, N, gen.block_size, K,
-                                           target_budget=capacity, draft_prefill=a.draft_prefill,
+    slots, draft_slots = speculative.setup(model, draft, draft_policy, a.draft_budget, L, N, gen.block_size, K,
+                                           target_budget=a.budget, draft_prefill=a.draft_prefill,
                                            kv_dtype=gen.kv_dtype)
     best = speculative.predicted_speedup(model, draft, K)
     if best < 1:
-        (rb, _), tb = speculative.round_bytes(model, draft, K, K, 1), sum(decode_bytes_per_step(model))
-        print(f"note: speculation is predicted to lose here: even keeping every draft, a round reads {rb / 1e6:.0f} "
-              f"MB for {K + 1} tokens against {tb / 1e6:.0f} MB per token without it (bandwidth model: {best:.2f}x); "
-              "it pays when the full cache's KV dominates a step (a long context) and the draft budget is small",
-              file=sys.stderr)
+        print(f"note: speculation is predicted to lose here: even keeping every draft, the bandwidth model gives "
+              f"{best:.2f}x; it pays when the full cache's KV dominates a step (a long context) and the draft "
+              "budget is small", file=sys.stderr)
     elif a.device == "cpu":  # the bandwidth model counts bytes; on a CPU the K+1 block's compute decides
         print(f"note: the bandwidth model predicts up to {best:.2f}x, but on a CPU a K+1 verification block costs "
               "more than a decode step (its attention grows with the queries): docs/speculative.md has the CPU "
               "measurements; time yours with scripts/bench_speculate.py", file=sys.stderr)
-    steps, compile_s = speculative.EAGER, 0.0
-    if a.compile:
-        mode = None if a.compile_mode in (None, "auto") else a.compile_mode
-        compile_prefill = a.device != "cpu" if a.compile_prefill is None else a.compile_prefill
-        steps = speculative.compile_steps(a.device, mode, prefill=compile_prefill)
-        t = time.perf_counter()
-        with compile_log(a, mode or ("reduce-overhead" if a.device.startswith("cuda") else "default"),
-                         compile_prefill):
-            speculative.warm_up(model, draft, steps, ids[0], gen.block_size, K, a.device, one_shot)
-        compile_s = time.perf_counter() - t
     stream = TextStream(tokenizer)
     bar, on_prefill = prefill_progress(a, L, model.args.n_layers, per_layer=False)
     stream.bar = bar
     with bar:
-        out, stats = speculative.generate(
-            model, draft, ids, N, k=K, block_size=gen.block_size, steps=steps,
+        out, stats = speculative.run(
+            model, draft, ids, N, k=K, block_size=gen.block_size, device=a.device,
+            draft_one_shot=a.draft_prefill == "one-shot", compile=a.compile, mode=a.compile_mode,
+            compile_prefill=a.compile_prefill, around=lambda mode, prefill: compile_log(a, mode, prefill),
             eos_ids=set(tokenizer.eos_ids) if tokenizer else set(), on_token=None if a.json else stream,
-            device=a.device, draft_one_shot=one_shot, on_prefill=on_prefill, **gen.sampling)
-    read = draft.layers[0].attention.kv_cache.read_tokens()
+            on_prefill=on_prefill, **gen.sampling)
     stats.update(policy="full", budget=slots, draft_policy=a.draft_policy, draft_budget=draft_slots,
-                 draft_checkpoint=a.draft_checkpoint, draft_prefill=a.draft_prefill,
-                 draft_tokens_read_per_step=read, block_size=gen.block_size, weights=weights, device=a.device,
-                 threads=torch.get_num_threads(), compiled=a.compile, compile_s=round(compile_s, 2),
-                 kv_cache_bytes=kv_bytes(model) + (kv_bytes(draft)), max_new_tokens=N,
-                 best_case_speedup=best,
+                 draft_checkpoint=a.draft_checkpoint, draft_prefill=a.draft_prefill, weights=weights,
+                 device=a.device, max_new_tokens=N,
                  clamped_to_context={flag[2:]: {"default": d, "used": v} for flag, (d, v) in gen.clamped.items()})
     if a.json:
         print(json.dumps({"text": None if a.random_weights else stream.decoded(out), "token_ids": out, **stats}))
         return 0
     print(flush=True)
-    mib = 2 ** 20
+    mib, compiled = 2 ** 20, f", compiled in {stats['compile_s']:.1f} s" if a.compile else ""
     print(f"--- {stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated | speculate "
-          f"K={K}: draft {a.draft_policy} ({a.draft_prefill} prefill) {draft_slots} slots, {read:.1f} tokens read "
-          f"per draft step{', ' + a.draft_checkpoint if a.draft_checkpoint else ''}; target full, {slots} slots | "
-          f"block {gen.block_size}, {weights} on {a.device}"
-          f"{f', compiled in {compile_s:.1f} s' if a.compile else ''}\n"
+          f"K={K}: draft {a.draft_policy} ({a.draft_prefill} prefill) {draft_slots} slots, "
+          f"{stats['draft_tokens_read_per_step']:.1f} tokens read per draft step"
+          f"{', ' + a.draft_checkpoint if a.draft_checkpoint else ''}; target full, {slots} slots | "
+          f"block {gen.block_size}, {weights} on {a.device}{compiled}\n"
           f"{stats['rounds']} rounds: {stats['accepted_per_round']:.2f} of {K} drafts kept per round (acceptance "
           f"{stats['acceptance_rate']:.0%}) | bandwidth model: {stats['predicted_speedup']:.2f}x decode speedup "
           f"predicted at this acceptance ({best:.2f}x with every draft kept)\n"

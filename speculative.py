@@ -31,6 +31,7 @@ evict after each token and change what the next one sees, so an evicting target'
 the acceptances; Exact-TopK selects its top-k only in single-token decode steps (a block attends densely). Both are
 refused (check_target); the target is `full`.
 """
+import contextlib
 import copy
 import re
 import time
@@ -40,11 +41,12 @@ import torch
 import torch.nn as nn
 
 import engine
-from cache import is_scorer
+from cache import is_scorer, kv_bytes
 from errors import UserError
 
 MAX_K = 16  # drafts per round: each costs a draft step, and the chance that a round keeps them all falls
 # geometrically with K
+DEFAULT_DRAFT_BUDGET = 256  # the draft cache's slots (MagicDec's StreamingLLM drafts hold a few hundred tokens)
 
 Steps = namedtuple("Steps", "prefill draft_prefill draft verify")
 
@@ -126,13 +128,36 @@ def check_draft(policy, budget: int, target_capacity: int, same_weights: bool) -
                         "prompt + new tokens + K), else the draft reads as much as the target")
 
 
+def draft_policy(target_policy, spec: str | None, draft_checkpoint: str | None, prefill: str | None):
+    """(spec, policy, prefill protocol) of the draft cache: `spec` (default sink, full with a draft checkpoint)
+    with `prefill` (None: the policy's default); the target's policy must be full (check_target)."""
+    import policies
+    check_target(target_policy)
+    spec = spec or ("full" if draft_checkpoint else "sink")
+    policy = policies.make(spec)
+    return spec, policy, engine.prefill_protocol(policy, prefill)
+
+
+def load_draft(target, checkpoint: str | None, dtype: torch.dtype, device: str, random_seed: int | None = None):
+    """The draft model: the target's own weights over a second cache (checkpoint None: draft_model), or
+    `checkpoint` (a short name, a directory, a .gguf) loaded, or with random_seed its shapes with random weights."""
+    from checkpoint import resolve_checkpoint, shape_config
+    if checkpoint is None:
+        return draft_model(target)
+    if random_seed is not None:
+        config, shapes = shape_config(checkpoint)
+        return engine.random_model(config, dtype, device, random_seed, label=f"the draft ({shapes})")
+    return engine.load_model(resolve_checkpoint(checkpoint, "--draft-checkpoint"), dtype, device)
+
+
 def setup(target, draft, draft_policy, draft_budget: int | None, prompt_len: int, max_new_tokens: int,
           block_size: int, k: int, *, target_budget: int | None = None, draft_prefill: str | None = None,
           kv_dtype: torch.dtype | None = None) -> tuple[int, int]:
     """Caches for a speculative run: the target's `full` cache (target_budget, default prompt + new tokens + k:
     a round writes up to k tokens past the last one kept) and the draft's, policy `draft_policy` at
-    `draft_budget` (default: the target's, for a separate draft checkpoint that keeps everything), prefilled with
-    the policy's protocol (draft_prefill: --prefill). Returns (target slots, draft slots)."""
+    `draft_budget` (default: for an evicting policy DEFAULT_DRAFT_BUDGET, at most half the target's; for one that
+    keeps every token, a separate draft checkpoint's, the target's), prefilled with the policy's protocol
+    (draft_prefill: --prefill). Returns (target slots, draft slots)."""
     check_k(k)
     if draft.args.vocab_size != target.args.vocab_size:
         raise UserError(f"the draft checkpoint's vocabulary ({draft.args.vocab_size} tokens) is not the target's "
@@ -140,7 +165,7 @@ def setup(target, draft, draft_policy, draft_budget: int | None, prompt_len: int
     n = max_new_tokens + k
     capacity = target_budget or prompt_len + n
     if draft_budget is None:
-        draft_budget = capacity
+        draft_budget = min(DEFAULT_DRAFT_BUDGET, capacity // 2) if is_scorer(draft_policy) else capacity
     check_draft(draft_policy, draft_budget, capacity, draft.tok_embeddings is target.tok_embeddings)
     slots = engine.setup(target, None, capacity, prompt_len, n, block_size, kv_dtype=kv_dtype)
     protocol = engine.prefill_protocol(draft_policy, draft_prefill)
@@ -166,6 +191,32 @@ def warm_up(target, draft, steps: Steps, first_id: int, block_size: int, k: int,
         steps.verify(target, torch.full((1, k + 1), first_id, device=device),
                      torch.arange(1, k + 2, device=device))
     engine.sync(device)
+
+
+def run(target, draft, prompt_ids: list[int], max_new_tokens: int, *, k: int, block_size: int, device: str,
+        draft_one_shot: bool = False, compile: bool = False, mode: str | None = None,
+        compile_prefill: bool | None = None, around=None, **kw) -> tuple[list, dict]:
+    """A speculative generation once setup() gave both caches: with `compile`, the steps compiled (mode None: the
+    device's decode default; compile_prefill None: on CUDA only) and warmed up inside around(mode name, whether
+    the prefill is compiled) when given, then generate() (kw: its sampling, eos_ids, on_token, on_prefill). The
+    stats add the compile's seconds, the draft's tokens read per step, both caches' bytes and the bandwidth
+    model's best case (every draft kept)."""
+    steps, compile_s, mode = EAGER, 0.0, None if mode == "auto" else mode
+    if compile:
+        compile_prefill = device != "cpu" if compile_prefill is None else compile_prefill
+        steps = compile_steps(device, mode, prefill=compile_prefill)
+        t = time.perf_counter()
+        name = mode or ("reduce-overhead" if device.startswith("cuda") else "default")
+        with around(name, compile_prefill) if around is not None else contextlib.nullcontext():
+            warm_up(target, draft, steps, prompt_ids[0], block_size, k, device, draft_one_shot)
+        compile_s = time.perf_counter() - t
+    out, stats = generate(target, draft, prompt_ids, max_new_tokens, k=k, block_size=block_size, steps=steps,
+                          device=device, draft_one_shot=draft_one_shot, **kw)
+    stats.update(draft_tokens_read_per_step=draft.layers[0].attention.kv_cache.read_tokens(),
+                 block_size=block_size, threads=torch.get_num_threads(), compiled=compile,
+                 compile_s=round(compile_s, 2), kv_cache_bytes=kv_bytes(target) + kv_bytes(draft),
+                 best_case_speedup=predicted_speedup(target, draft, k))
+    return out, stats
 
 
 def normalized(probs: torch.Tensor) -> torch.Tensor:

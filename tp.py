@@ -175,13 +175,22 @@ def main(run, parse_args) -> int:
         finish()
 
 
-def start(requested: int | None, device: str, policy) -> Mesh:
+def start(requested: int | None, device: str, policy, *, interactive: bool = False, speculate: bool = False,
+          aot: bool = False) -> Mesh:
     """The command line's entry: validate (on every rank, before any collective, so that bad input fails
     everywhere at once: an explicit --tp that is not torchrun's world size, too few GPUs, a policy refused under
-    TP), then join the group. Without torchrun and without --tp: one device, nothing initialised."""
+    TP, a feature that runs on one process: a chat, speculation, a step compiled ahead of time), then join the
+    group. Without torchrun and without --tp: one device, nothing initialised."""
     world = env_world()
     check_world(world, requested, device)
     check_policy(policy, world)
+    if world > 1 and interactive:
+        raise UserError("--interactive reads its turns on one process; it does not run under tensor parallel")
+    if world > 1 and speculate:
+        raise UserError("--speculate runs on one device; it does not run under tensor parallel yet")
+    if world > 1 and aot:
+        raise UserError("--compile-mode aot runs on one process: under tensor parallel the steps' collectives "
+                        "need torch.compile (leave --compile-mode auto)")
     return init(device)
 
 
