@@ -1,7 +1,16 @@
-"""docs/architecture.md stays true to the code: its module table lists exactly the modules beside it, and the
+"""The docs stay true to the code: docs/architecture.md's module table lists exactly the modules beside it, the
 porter's path names line ranges that start where it says, within the issue's bounds (a scorer <= 500 lines, a
-selector <= 800, each in <= 3 files counting the page itself)."""
+selector <= 800, each in <= 3 files counting the page itself), and every command README.md and docs/*.md write is
+run here at tiny sizes or names where it runs instead."""
+import importlib.util
+import io
+import json
 import re
+import shlex
+import shutil
+import sys
+
+import pytest
 
 from conftest import REPO
 
@@ -32,3 +41,204 @@ def test_porters_path_ranges_start_where_they_say_and_fit():
         assert total <= bound and len({f for f, *_ in ranges}) + 1 <= 3, (title, total)
         stated = int(re.search(r"\((\d+) lines in", DOC[DOC.index(title):]).group(1))
         assert stated == total, (title, stated, total)
+
+
+# ------------------------------------------------------------------------------------ the commands the docs write
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+RUNNER = re.compile(r"(?:[A-Z_]+=\S+ )*(?:\.venv/bin/python|python3?|torchrun|bash) ")
+SCRIPT_WITH_FLAGS = re.compile(r"[\w/]+\.py(?: --[\w-]+(?: [^-\s]\S*)?){2,}$")  # an inline `generate.py --a x --b`
+
+
+def doc_commands() -> set[str]:
+    """Every command line the reference docs write: each line of a code block (continuations joined, comments
+    dropped) and each inline `...` that starts with a runner (python, torchrun, bash) or names a script with two
+    flags or more."""
+    found = set()
+    for doc in DOCS:
+        text = doc.read_text()
+        blocks = re.findall(r"```\w*\n(.*?)```", text, re.S) + re.findall(r"(?m)(?:^    \S.*\n)+", text)
+        lines = [line.strip() for b in blocks for line in re.sub(r"\\\n\s*", "", b).splitlines()]
+        prose = re.sub(r"```.*?```", "", text, flags=re.S)
+        lines += [re.sub(r"\s+", " ", span) for span in re.findall(r"`([^`]+)`", prose)]
+        for line in lines:
+            line = re.sub(r"\s+#.*", "", line)
+            if (RUNNER.match(line) or SCRIPT_WITH_FLAGS.match(line)) and not line.endswith(" ..."):
+                found.add(line)
+    return found
+
+
+RUN = "run here"
+PY = ".venv/bin/python "
+DOC_TXT = " ".join(["the quick brown fox jumps over the lazy dog."] * 90)  # ~900 tokens of the tiny tokenizer
+# command -> RUN (tiny_argv runs it on the tiny model) or where it runs instead, or why it cannot run on a CPU
+COMMANDS = {
+    # README.md
+    f'bash scripts/setup.sh && {PY}generate.py --policy keydiff --budget 256 --prompt "What is the capital of France?"':
+        RUN,
+    f"bash scripts/setup.sh test && {PY}-m pytest -q tests": "the suite itself (.ci/run)",
+    f"{PY}generate.py --checkpoint llama3.1-8b --policy keydiff --budget 2048 --prompt-file doc.txt --compile": RUN,
+    f'{PY}generate.py --policy snapkv:window=32,kernel=7 --budget 512 --prompt "..."': RUN,
+    f"{PY}generate.py --policy rocketkv:read=256 --budget 1024 --prompt-file doc.txt": RUN,
+    f'{PY}generate.py --policy snapkv --budget 512 --prompt-file doc.txt --prompt "Who wrote it?"': RUN,
+    f"{PY}generate.py --policy keydiff --budget 512 --prompt-file prompts.jsonl": RUN,
+    f"{PY}generate.py --interactive --policy keydiff --budget 512": RUN,
+    f"{PY}generate.py --policy kvec --help": RUN,
+    f"{PY}generate.py --help": RUN,
+    "TORCH_INDEX=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh": "installs CUDA torch",
+    "generate.py --checkpoint llama3.2-1b --random-weights --prompt-tokens 2048 --policy keydiff --budget 512": RUN,
+    # performance.md
+    "generate.py --policy keydiff --budget 512 --prompt-file doc.txt --no-chat --max-new-tokens 96 --compile --json":
+        RUN,
+    'python3 -c "while True: pass"': "the busy process beside a timing: it runs until killed",
+    "python scripts/bench_threads.py": "times the embedded model under each thread setting (no --checkpoint)",
+    f"{PY}scripts/bench_compile.py --policy keydiff --budget 512 --prompt-tokens 4096 --new-tokens 128 --threads 2 "
+    "--repeats 2": "tests/test_cli.py::test_bench_compile_measures_eager_cold_and_warm",
+    f"{PY}scripts/bench_paired.py --compile --aot-twins --policies keydiff --prompt-tokens 4096 --budget 512 --threads 2 "
+    "--decode-steps 64": "tests/test_cli.py::test_bench_paired_table_and_profile",
+    f"{PY}scripts/bench.py --prompt-tokens 4096 --budget 512 --decode-steps 32 --repeats 3 --kvpress":
+        "the kvpress peer's venv (.venv-kv): tests/test_kvpress.py",
+    f"{PY}scripts/bench.py --compile --no-compile-prefill --prompt-tokens 4096 --budget 512 --policies keydiff "
+    "--decode-steps 32 --repeats 3 --threads 2 --llamacpp --json build/bench-llamacpp-4k.json":
+        "tests/test_bench_llamacpp.py (.venv-llamacpp)",
+    f"{PY}scripts/bench.py --checkpoint checkpoints/smollm2-135m-int4-g32 --compile --no-compile-prefill "
+    "--prompt-tokens 4096 --budget 512 --policies keydiff --decode-steps 32 --repeats 3 --threads 2 --llamacpp "
+    "--kv-dtype bfloat16 --json build/bench-llamacpp-int4-4k-kvbf16.json": "tests/test_bench_llamacpp.py",
+    "bash scripts/setup.sh llamacpp": "installs llama.cpp's venv",
+    f"{PY}scripts/bench_batch.py --checkpoint smollm2-135m --prompt-tokens 8176 --budget 512 --memory-cap 4096 "
+    "--threads 2 --decode-steps 10 --compile --policies keydiff --json build/batch_8k.json "
+    "--plot docs/batch_throughput.png": "tests/test_bench_batch.py::test_batch_run_stops_at_the_cap",
+    f"{PY}scripts/bench.py --figure rocketkv --contexts 16384,8192,4096 --budgets 256,512,1024 --threads 1":
+        "tests/test_resume.py::test_bench_resume_runs_only_the_rest[figure]",
+    "python scripts/bench_compile.py --checkpoint llama3.1-8b --random-weights --device cuda --dtype bfloat16 "
+    "--policy keydiff --prompt-tokens 16384 --budget 2048 --new-tokens 512 --repeats 1": "GPU",
+    "bench.py --figure rocketkv --random-weights --checkpoint llama3.1-8b --dtype bfloat16 --compile --contexts 16384 "
+    "--budgets 256": "GPU",
+    # porting.md
+    "python scripts/check_port.py tests/vectors RESULTS [--case 'keydiff-*']": "a template: RESULTS is a port's output",
+    **{f"python examples/port_{p}.py tests/vectors /tmp/{p} && python scripts/check_port.py tests/vectors /tmp/{p}":
+       "tests/test_porting.py" for p in ("keydiff", "snapkv", "tova", "h2o")},
+    "python scripts/make_vectors.py": "tests/test_porting.py (regenerates the vectors, compared byte for byte)",
+    # quantization.md
+    f"{PY}scripts/quantize.py --checkpoint smollm2-135m --mode int8": RUN,
+    f"{PY}scripts/quantize.py --checkpoint smollm2-135m --mode int4": RUN,
+    f"{PY}generate.py --checkpoint checkpoints/smollm2-135m-int8 --policy keydiff --budget 256 --kv-dtype int8 "
+    "--prompt-file doc.txt": RUN,
+    f"{PY}scripts/bench_quant.py --prompt-tokens 512 --threads 1":
+        "tests/test_resume.py::test_bench_resume_runs_only_the_rest[quant]",
+    # results.md
+    "bash scripts/setup.sh test": "installs the test requirements",
+    f"{PY}scripts/eval.py --quick --threads 1": "tests/test_eval.py::test_quick_cli_writes_outputs",
+    f"{PY}scripts/eval.py --threads 1": RUN,
+    f"{PY}scripts/eval.py --checkpoint llama3.1-8b --budgets 512,1024,2048,4096 --lengths 4096,8192,16384 --tasks "
+    "fidelity,passkey,niah_single,niah_multikey,niah_multivalue,variable_tracking,common_words,needle --samples 20 "
+    "--prefill block,one-shot --compile --longbench en16 --longbench-source LongBench/data":
+        "GPU (LongBench: tests/test_eval.py::test_longbench_average)",
+    f"{PY}scripts/eval.py --threads 1 --tasks fidelity --budgets 256,1024": RUN,
+    f'{PY}scripts/eval.py --threads 1 --tasks fidelity --budgets 256,1024 --policies "caote:h2o,fastcaote:h2o,'
+    "caote:tova,fastcaote:tova,caote:snapkv,fastcaote:snapkv,caote:keydiff,fastcaote:keydiff,snapkv++,rocketkv,"
+    'exact-topk,sagekv,kvec"': RUN,
+    f'{PY}scripts/eval.py --tasks freegen --policies "full,keydiff,h2o,keynorm,caote:keydiff,caote:h2o,fastcaote:h2o,'
+    'caote:tova,caote:snapkv,sink,snapkv,tova,random,snapkv++,rocketkv,sagekv,kvec" --budgets 256,1024 --fid-prefix '
+    "2048 --gen-tokens 96 --fid-texts 2 --threads 1": RUN,
+    # speculative.md
+    f"{PY}generate.py --prompt-file doc.txt --speculate 4 --draft-policy snapkv --draft-budget 256": RUN,
+    f"{PY}generate.py --prompt-file doc.txt --speculate 4 --draft-policy sink:n_sink=4 --draft-budget 512 --compile":
+        RUN,
+    f"{PY}generate.py --prompt-file doc.txt --speculate 4 --draft-checkpoint checkpoints/smollm2-135m-int4-g32": RUN,
+    f"{PY}scripts/bench_speculate.py --policies sink,tova --budgets 256,1024 --ks 2,4 --contexts 8000 --weights int8 "
+    "--new-tokens 32 --repeats 2 --threads 2 --compile --json build/spec-int8-budgets.json":
+        "tests/test_bench_speculate.py::test_grid_end_to_end",
+    # tensor_parallel.md
+    "torchrun --nproc-per-node 8 generate.py --checkpoint /models/Llama-3.1-70B-Instruct --policy keydiff --budget 2048 "
+    "--prompt-file doc.txt --compile": "8 GPUs",
+    "torchrun --nproc-per-node 2 generate.py --random-weights --checkpoint qwen2.5-0.5b --prompt-tokens 512 --policy "
+    "keydiff --budget 256 --threads 1": "tests/test_tp.py::test_cli_under_torchrun",
+    "torchrun --nproc-per-node 2 scripts/bench_tp.py --checkpoint llama3.1-8b --policy keydiff --budget 2048 "
+    "--prompt-tokens 8192 --compile": "tests/test_tp.py::test_bench_tp",
+    f"""{PY}-c "import json, tp; print(tp.memory_table(json.load(open('configs/llama3.1-70b.json'))))\"""": RUN,
+    # testing.md
+    "TORCH_INDEX=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh test": "installs CUDA torch",
+    "bash scripts/gpu_check.sh": "GPU",
+    "PYTHON=python3 bash scripts/gpu_check.sh": "GPU",
+    "bench.py --random-weights --checkpoint llama3.1-8b --dtype bfloat16 --compile --kvpress --policies keydiff "
+    "--prompt-tokens 16384 --budget 2048": "GPU",
+}
+
+
+def test_every_command_in_the_docs_is_in_the_table():
+    """A command added to the docs or changed there is run here at tiny sizes or names where it runs."""
+    found = doc_commands()
+    assert found - set(COMMANDS) == set(), "add these to COMMANDS"
+    assert set(COMMANDS) - found == set(), "these are no longer in the docs"
+
+
+@pytest.fixture(scope="module")
+def tiny(hf_tiny, tmp_path_factory):
+    """The names the docs' commands use, mapped to tiny stand-ins: the tiny llama with a tokenizer for each
+    checkpoint, its config alone for --random-weights, its int8 and int4 quantizations; doc.txt and prompts.jsonl."""
+    from conftest import with_tiny_tokenizer
+    from scripts import quantize
+    _, src = hf_tiny("llama")
+    d = tmp_path_factory.mktemp("doc_commands")
+    ckpt = with_tiny_tokenizer(src, d / "tiny", "the quick brown fox jumps over the lazy dog 0123456789")
+    (d / "shapes").mkdir()
+    shutil.copy(ckpt / "config.json", d / "shapes" / "config.json")
+    for mode in ("int8", "int4"):
+        assert quantize.main(["--checkpoint", str(ckpt), "--mode", mode, "--out", str(d / mode)]) == 0
+    (d / "doc.txt").write_text(DOC_TXT)
+    (d / "prompts.jsonl").write_text('{"prompt": "the quick fox"}\n{"prompt": "the lazy dog jumps over"}\n')
+    return d, {"smollm2-135m": str(ckpt), "llama3.1-8b": str(ckpt), "llama3.2-1b": str(d / "shapes"),
+               "checkpoints/smollm2-135m-int8": str(d / "int8"), "checkpoints/smollm2-135m-int4-g32": str(d / "int4")}
+
+
+def tiny_argv(command: str, names: dict, out) -> tuple[str, list[str]]:
+    """The command's script and flags at tiny sizes: its checkpoints mapped to the tiny ones (the tiny llama where it
+    names none), fewer tokens and budgets, outputs under `out`, no --compile (compiled runs have tests of their own)."""
+    words = shlex.split(command.split(" && ")[-1])
+    words = words[1:] if "python" in words[0] else words
+    script, args = words[0], [names.get(w, w) for w in words[1:] if w != "--compile"]
+    if script == "-c":
+        return script, args
+    extra = [] if "--checkpoint" in args or "--help" in args else ["--checkpoint", names["smollm2-135m"]]
+    if script == "generate.py" and "--help" not in args:
+        extra += ["--max-new-tokens", "8"] + (["--prompt-tokens", "64"] if "--random-weights" in args else [])
+    if script == "scripts/quantize.py":
+        extra += ["--out", str(out / "quantized")]
+    if script == "scripts/eval.py":
+        extra += ["--budgets", "48,64", "--lengths", "300", "--depths", "0", "--fid-prefix", "64", "--fid-tokens",
+                  "8", "--gen-tokens", "8", "--max-new-tokens", "4", "--block-size", "16", "--out-dir", str(out / "eval")]
+    return script, args + extra
+
+
+@pytest.mark.parametrize("command", [c for c, how in COMMANDS.items() if how == RUN])
+def test_doc_command_runs_at_tiny_sizes(command, tiny, tmp_path, monkeypatch, capsys):
+    import generate
+    from scripts import eval as ev
+    from scripts import quantize
+    folder, names = tiny
+    monkeypatch.chdir(folder)  # doc.txt and prompts.jsonl, as the docs name them
+    script, argv = tiny_argv(command, names, tmp_path)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("the quick fox\n/stats\n"))  # --interactive: a turn, /stats
+    if script == "-c":
+        monkeypatch.chdir(REPO)
+        exec(argv[0], {})
+        assert "128K" in capsys.readouterr().out
+        return
+    main = {"generate.py": generate.main, "scripts/eval.py": ev.main, "scripts/quantize.py": quantize.main}[script]
+    real = importlib.util.find_spec  # eval's tables without its plots (those: tests/test_eval.py)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    try:
+        code = main(argv)
+    except SystemExit as e:  # --help
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    if script == "scripts/eval.py":
+        assert json.loads((tmp_path / "eval" / "results.json").read_text())["records"]
+    elif script == "scripts/quantize.py":
+        assert (tmp_path / "quantized" / "budgetkv.safetensors").is_file()
+    elif "--help" in argv:  # every flag, or the policy's own help
+        assert out.startswith(f"{argv[argv.index('--policy') + 1]}:") if "--policy" in argv else "--budget" in out
+    else:  # the summary (--json: its object; --interactive: a turn's)
+        assert re.search(r"\d+ generated|\"generated_tokens\"| held", out + err), out + err
