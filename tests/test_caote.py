@@ -182,7 +182,7 @@ def _id(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
-def test_engine_equals_reference_small(tiny_model, case):  # noqa: F811
+def test_engine_equals_reference_on_a_small_budget(tiny_model, case):  # noqa: F811
     name, params = case
     ids = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(37)).tolist()
     compare_run(tiny_model, name, params, ids, budget=8, block=5, n_decode=6)
@@ -191,7 +191,7 @@ def test_engine_equals_reference_small(tiny_model, case):  # noqa: F811
 @pytest.mark.parametrize("case", [("caote:h2o", {}), ("fastcaote:tova", {}), ("caote:snapkv", {}),
                                   ("caote:keydiff", {"window_frac": 0.2}), ("caote:tova", {"keep_last": True})],
                          ids=_id)
-def test_engine_equals_reference_1000(tiny_model, case):  # noqa: F811
+def test_engine_equals_reference_on_a_1000_token_prompt(tiny_model, case):  # noqa: F811
     name, params = case
     ids = torch.randint(0, 512, (1000,), generator=torch.Generator().manual_seed(1000)).tolist()
     ref = compare_run(tiny_model, name, params, ids, budget=96, block=32, n_decode=8)

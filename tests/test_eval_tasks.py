@@ -107,7 +107,7 @@ def test_partial_credit():
 # ---- synthetic generators -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("task", list(TASKS))
-def test_seeded(task):
+def test_a_seed_fixes_the_samples_and_another_changes_them(task):
     a = TASKS[task](words, 1024, 2, seed=7)
     assert a == TASKS[task](words, 1024, 2, seed=7)
     b = TASKS[task](words, 1024, 2, seed=8)

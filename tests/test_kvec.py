@@ -427,7 +427,7 @@ def test_bad_parameters(spec, budget, message):
         policies.make(spec).plan(Run(budget, 100, 1))
 
 
-def test_cli(tiny_ckpt, capsys):  # noqa: F811
+def test_cli_runs_kvec_one_shot_and_refuses_a_bad_parameter(tiny_ckpt, capsys):  # noqa: F811
     import generate as cli
     base = ["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps over the lazy dog, " * 6,
             "--max-new-tokens", "8", "--budget", "32", "--no-chat"]

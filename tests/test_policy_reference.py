@@ -324,7 +324,7 @@ def test_engine_equals_reference_on_a_small_budget(tiny_model, case):
 
 
 @pytest.mark.parametrize("case", POLICY_CASES, ids=_case_id)
-def test_engine_equals_reference_1000(tiny_model, case):
+def test_engine_equals_reference_on_a_1000_token_prompt(tiny_model, case):
     name, params = case
     ids, decode_ids = distinct_ids(1000, 8, 1000)
     ref = compare_run(tiny_model, name, params, ids, budget=96, block=32, n_decode=8, decode_ids=decode_ids)

@@ -321,7 +321,7 @@ def test_engine_equals_reference_tiny_llama(tiny, params, B, N, T):
     assert tiny.layers[0].attention.kv_cache.spec.budget == pol.layout.budget
 
 
-def test_engine_equals_reference_g3(tiny_g3):
+def test_engine_equals_reference_with_groups_of_3(tiny_g3):
     """G = 3: S = 12, k = 8 per query head, W = 12; 3 selection blocks per KV head."""
     pol, ref = compare_with_reference(tiny_g3, {}, 48, 90, 66, block=32, seed=1)
     assert (pol.layout.n_sink, pol.layout.kk, pol.layout.W) == (12, 8, 12)
