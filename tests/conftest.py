@@ -9,6 +9,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / "build" / "inductor-cache"))
+# `pytest -n 2` (the README's command): a core per worker. More torch threads would only contend, and so would
+# inductor's pool of C++ compile processes (each imports torch): kernels compile in the process that compiles (and in
+# its children, which inherit the variable).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (scripts/gpu_check.sh runs these: pytest -m cuda)")

@@ -89,6 +89,7 @@ def test_stderr_goes_to_the_compile_log_and_progress_to_the_terminal(tmp_path, c
 def test_threads_flag_sets_torch_threads(tiny_ckpt, capsys):
     import torch
     before = torch.get_num_threads()
+    torch.set_num_threads(2)  # not 1 already (as in a `pytest -n 2` worker): the flag must be what sets it
     try:
         code, out, err = run_main(["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox", "--json",
                                    "--max-new-tokens", "2", "--threads", "1"], capsys)

@@ -76,7 +76,7 @@ COMMANDS = {
     # README.md
     f'bash scripts/setup.sh && {PY}generate.py --policy keydiff --budget 256 --prompt "What is the capital of France?"':
         RUN,
-    f"bash scripts/setup.sh test && {PY}-m pytest -q tests": "the suite itself (.ci/run)",
+    f"bash scripts/setup.sh test && {PY}-m pytest -q -n 2 --dist loadfile tests": "the suite itself (.ci/run)",
     f"{PY}generate.py --checkpoint llama3.1-8b --policy keydiff --budget 2048 --prompt-file doc.txt --compile": RUN,
     f'{PY}generate.py --policy snapkv:window=32,kernel=7 --budget 512 --prompt "..."': RUN,
     f"{PY}generate.py --policy rocketkv:read=256 --budget 1024 --prompt-file doc.txt": RUN,
