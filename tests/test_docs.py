@@ -86,6 +86,9 @@ COMMANDS = {
     f"{PY}generate.py --policy kvec --help": RUN,
     f"{PY}generate.py --help": RUN,
     "TORCH_INDEX=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh": "installs CUDA torch",
+    f"{PY}scripts/make_vectors.py": "tests/test_porting.py (regenerates the vectors, compared byte for byte)",
+    f"{PY}-m pytest -q tests/test_conformance.py -k valuenorm":
+        "tests/test_conformance.py::test_readme_example_is_one_scorer_tested_here (the example, tested unregistered)",
     "generate.py --checkpoint llama3.2-1b --random-weights --prompt-tokens 2048 --policy keydiff --budget 512": RUN,
     # performance.md
     "generate.py --policy keydiff --budget 512 --prompt-file doc.txt --no-chat --max-new-tokens 96 --compile --json":
