@@ -19,25 +19,12 @@ Timings are medians over --repeats; prefill = the whole block-wise prompt, TTFT 
 argmax (the same time: the prefill's last logits give the first token); decode = median per-step time.
 Memory: process peak RSS (VmHWM, reset at the start of each phase) on CPU, max_memory_allocated on CUDA.
 
-    python scripts/bench.py --figure rocketkv [--contexts 4096,8192,16384] [--budgets 256,512,1024] [--compile]
-
-`--figure rocketkv` is RocketKV's efficiency experiment (paper 4.3 / Figure 5): per context, `full` and
-`rocketkv` at each token budget, each in a fresh process, one-shot prefill of a synthetic prompt (random ids < 1024,
-as the paper), then the decode phase only: N = --decode-steps (50 as the paper) tokens, N - 1 decode steps timed as
-one loop, 1 warm-up + --repeats samples (the cache is rewound to its post-prefill state between samples), and the
-decode-phase peak memory. Speedup and memory saving are relative to `full` in the same run; next to the speedup,
-the bandwidth-model ideal: (weights + KV bytes read per step) of full over rocketkv's (t token-equivalents).
-Writes --out-dir/rocketkv_figure.{json,png}.
-
-Throughput at a memory cap is measured by scripts/bench_batch.py, a policy's overhead in alternating steps by
-scripts/bench_paired.py, quantized weights by scripts/bench_quant.py, self-speculative decoding by scripts/bench_speculate.py.
+The experiments are scripts of their own: RocketKV's Figure 5 scripts/bench_figure.py, throughput at a memory cap
+scripts/bench_batch.py, a policy's overhead in alternating steps scripts/bench_paired.py, quantized weights
+scripts/bench_quant.py, self-speculative decoding scripts/bench_speculate.py.
 """
-import argparse
-import dataclasses
 import json
 import os
-import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,180 +41,21 @@ import torch  # noqa: E402
 import policies  # noqa: E402
 from cache import KV_DTYPES, is_scorer  # noqa: E402
 from checkpoint import shape_config  # noqa: E402
-from cli import Parser, check_writable, run_cli  # noqa: E402
-from engine import PeakMemory, decode_bytes_per_step, prefill_one_shot, prefill_protocol, setup, sync  # noqa: E402
+from cli import Parser, run_cli  # noqa: E402
+from engine import prefill_protocol, setup  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
-from config import parse_config  # noqa: E402
 from scripts.benchlib import (bench_model, bench_settings, bench_source, bench_steps, check_common,  # noqa: E402
-                              check_policy_flags, check_sizes, config_policy, int_list, json_result,
-                              kv_dtype, make_document, parser as common_parser, policy_flags, previous,
-                              random_prompt, read_bandwidth_gb_s, run_one, save, short_weights, start, steps_label,
-                              time_policy, weights_label)
-from scripts.outputs import save_png, write_atomic  # noqa: E402
+                              check_policy_flags, check_sizes, config_policy, json_result, kv_dtype, make_document,
+                              noise_note, parser as common_parser, policy_flags, previous, random_prompt,
+                              read_bandwidth_gb_s, run_one, save, short_weights, start, steps_label, time_policy,
+                              weights_label)
+from scripts.outputs import write_atomic  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 LLAMACPP_PY = REPO / ".venv-llamacpp" / "bin" / "python"  # bench_llamacpp.py's venv (bash scripts/setup.sh llamacpp)
+HF_MODEL = REPO / "build" / "smollm2-hf"  # --kvpress's copy of smollm2-135m (bench_kvpress.py makes it from the GGUF)
 KVPRESS = {"keydiff": "KeyDiffPress", "snapkv": "SnapKVPress", "tova": "TOVAPress", "sink": "StreamingLLMPress",
            "keynorm": "KnormPress"}
-
-
-def paper_peak_memory(T: int, N: int, t: int, n_params: int = 8_030_261_248, L: int = 32, Hkv: int = 8, D: int = 128,
-                      elt: int = 2, max_ctx: int = 131072, mask: bool = True, alpha="0.5") -> tuple[int, int]:
-    """RocketKV's decode-phase peak memory model (from the paper's section 4.3) of its gpt-fast harness, in bytes, (dense,
-    RocketKV): weights + the S_max^2 bool causal mask (gpt-fast allocates it for both; `mask=False` drops it) + K/V
-    slots (S_max dense, C RocketKV) + page min/max (2D x Np per KV head; K^T when p = 1) + freqs_cis (max_ctx x D).
-    S_max = T + N rounded up to a multiple of 8 as gpt-fast does. Defaults: Llama-3.1-8B in bf16."""
-    from policies import rocket_params
-    S = -(-(T + N) // 8) * 8
-    fixed = n_params * elt + (S * S if mask else 0) + max_ctx * D * elt
-    per_slot = L * Hkv * D * 2 * elt
-    rp = rocket_params(S, t, D, N, alpha)
-    aux = (rp.Np * 2 * D if rp.p >= 2 else rp.C * D) * L * Hkv * elt if rp.sparse else 0
-    return fixed + S * per_slot, fixed + rp.C * per_slot + aux
-
-
-def rewind(model, n0: list[int]) -> None:
-    """Back to the state right after prefill: slots past each layer's post-prefill count n0 emptied (`full` and the
-    policies that append after a one-shot compression fill slots in order), a selector's decode-time state rebuilt
-    (RocketKV's pages)."""
-    for layer, n in zip(model.layers, n0):
-        c = layer.attention.kv_cache
-        c.pos[:, :, n:] = -1
-        if c.selector is not None:
-            c.selector.prepare(c.view(c.spec.budget))
-
-
-def figure_one(model, label: str, T: int, args) -> dict:
-    """One configuration of --figure rocketkv ("full" or "rocketkv-<t>") at prompt length T, in this process."""
-    N = args.decode_steps
-    vocab = min(1024, model.args.vocab_size)  # the paper's ids < 1024 (fewer in a tiny test vocabulary)
-    ids = torch.randint(0, vocab, (T,), generator=torch.Generator().manual_seed(0)).to(args.device)
-    policy = None
-    if label == "full":
-        budget = T + N
-    else:  # the paper's token budget t: storage C from its even split, t tokens read per step
-        t = int(label.split("-")[1])
-        policy = policies.RocketKV(read=t)
-        budget = policies.rocket_params(T + N, t, model.args.head_dim, N).C
-    budget = setup(model, policy, budget, T, N, args.block_size, prefill="one-shot")
-    decode_fn = bench_steps(args)[1]  # one configuration per process: its own graph
-    mem = PeakMemory(args.device)
-    with torch.inference_mode():
-        t = time.perf_counter()
-        first = prefill_one_shot(model, ids, args.block_size).argmax(-1).view(1, 1)
-        sync(args.device)
-        prefill_s = time.perf_counter() - t
-        n0 = [int(layer.attention.kv_cache.n_valid().max()) for layer in model.layers]
-        times, peaks = [], []
-        for r in range(1 + args.repeats):  # sample 0 is the warm-up (and the compile)
-            rewind(model, n0)
-            if args.device.startswith("cuda"):
-                torch.cuda.empty_cache()
-            mem.reset()
-            tok = first
-            sync(args.device)
-            t = time.perf_counter()
-            for i in range(N - 1):
-                tok = decode_fn(model, tok, torch.tensor([T + i], device=args.device)).argmax(-1).view(1, 1)
-            sync(args.device)
-            times.append(time.perf_counter() - t)
-            peaks.append(mem.peak())
-            torch._dynamo.config.error_on_recompile = True  # a recompile inside the timed samples would be a bug
-    weights_b, kv_read_b = decode_bytes_per_step(model)
-    c = model.layers[0].attention.kv_cache
-    cache_b = sum(t.nbytes for l in model.layers for t in l.attention.kv_cache.buffers())
-    return {"label": label, "T": T, "N": N, "cache_slots": budget, "prefill_s": prefill_s,
-            "warmup_s": times[0], "decode_s": statistics.median(times[1:]),
-            "decode_step_ms": 1e3 * statistics.median(times[1:]) / (N - 1),
-            "decode_peak_mib": max(peaks[1:]) / 2**20, "weights_mib": weights_b / 2**20,
-            "cache_mib": cache_b / 2**20, "bytes_per_step": weights_b + kv_read_b,
-            "params": dataclasses.asdict(c.policy.rp) if policy is not None else None}
-
-
-def run_figure(args) -> None:
-    contexts, budgets = int_list(args.contexts, "--contexts"), int_list(args.budgets, "--budgets")
-    ckpt, config = bench_source(args)
-    ctx = parse_config(config).max_seq_len
-    if args.block_size > ctx:
-        raise UserError(f"--block-size {args.block_size} is larger than the model's context ({ctx})")
-    if max(contexts) + args.decode_steps > ctx:
-        raise UserError(f"--contexts {max(contexts)} + --decode-steps {args.decode_steps} exceed the model's context "
-                        f"({ctx})")
-    out = args.out_dir / "rocketkv_figure"
-    settings = bench_settings(args, ckpt, "figure")
-    old = {(x["label"], x["T"]): x for x in previous(out.with_suffix(".json"), settings, args, "rows", list,
-                                                     FIGURE_FIELDS)}
-    print(f"{args.checkpoint}: --figure rocketkv, contexts {contexts}, budgets {budgets}, N = {args.decode_steps}, "
-          f"1 warm-up + {args.repeats} samples, "
-          f"{weights_label(args, config)} on {args.device}, {'compiled' if args.compile else 'eager'}, "
-          f"torch threads {torch.get_num_threads()}", file=sys.stderr)
-    rows = []
-    for T in contexts:
-        for label in ["full"] + [f"rocketkv-{t}" for t in budgets]:
-            if (label, T) in old:  # --resume: measured by an earlier run with the same settings
-                rows.append(old[label, T])
-                print(f"  T={T:6d} {label:14s} (from {out}.json)", file=sys.stderr)
-                continue
-            rows.append(run_one(__file__, ["--one-figure", f"{label}@{T}"], f"{label} at {T}"))
-            x = rows[-1]
-            print(f"  T={T:6d} {label:14s} decode {x['decode_step_ms']:7.2f} ms/step  peak {x['decode_peak_mib']:6.0f}"
-                  f" MiB  [prefill {x['prefill_s']:.0f} s, warm-up {x['warmup_s']:.0f} s]", file=sys.stderr)
-            add_ratios(rows)  # JSON and plot after every configuration: a stopped run keeps what it measured
-            save(out.with_suffix(".json"), args, settings, rows=rows)
-            plot_figure(rows, budgets, out.with_suffix(".png"))
-    add_ratios(rows)
-    save(out.with_suffix(".json"), args, settings, rows=rows)  # with the kept rows after the last one measured
-    plot_figure(rows, budgets, out.with_suffix(".png"))
-    print("\n| context | policy | cache slots | decode ms/step | speedup vs full | ideal (bandwidth model) | "
-          "of ideal | decode peak MiB | peak saving | weights+cache saving |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for x in sorted(rows, key=lambda x: x["T"]):
-        print(f"| {x['T']} | {x['label']} | {x['cache_slots']} | {x['decode_step_ms']:.2f} | {x['speedup']:.2f}x | "
-              f"{x['ideal_speedup']:.2f}x | {x['speedup'] / x['ideal_speedup']:.0%} | {x['decode_peak_mib']:.0f} | "
-              f"{x['peak_saving']:.1%} | {x['tensor_saving']:.1%} |")
-    print(f"\nwrote {out}.json and {out}.png", file=sys.stderr)
-
-
-def add_ratios(rows) -> None:
-    """Speedup, bandwidth-model ideal and memory savings of each row against `full` at the same context."""
-    full = {x["T"]: x for x in rows if x["label"] == "full"}
-    for x in rows:
-        f = full[x["T"]]
-        x["speedup"] = f["decode_step_ms"] / x["decode_step_ms"]
-        x["ideal_speedup"] = f["bytes_per_step"] / x["bytes_per_step"]
-        x["peak_saving"] = 1 - x["decode_peak_mib"] / f["decode_peak_mib"]
-        x["tensor_saving"] = 1 - (x["weights_mib"] + x["cache_mib"]) / (f["weights_mib"] + f["cache_mib"])
-
-
-def plot_figure(rows, budgets, path) -> None:
-    """Like the paper's Figure 5: decode speedup (measured; bandwidth-model ideal dashed) and peak-memory saving
-    against context length, one line per token budget, both relative to full."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    contexts = sorted({x["T"] for x in rows})
-    for t in budgets:
-        xs = sorted((x for x in rows if x["label"] == f"rocketkv-{t}"), key=lambda x: x["T"])
-        if not xs:
-            continue
-        ts = [x["T"] for x in xs]
-        line, = a.plot(ts, [x["speedup"] for x in xs], "o-", label=f"t={t}")
-        a.plot(ts, [x["ideal_speedup"] for x in xs], "--", color=line.get_color(), alpha=0.6)
-        b.plot(ts, [100 * x["peak_saving"] for x in xs], "o-", label=f"t={t}")
-    a.set(xlabel="context (tokens)", ylabel="decode speedup vs full (x)", title="end-to-end decode speedup")
-    b.set(xlabel="context (tokens)", ylabel="decode peak memory saving (%)", title="peak memory saving")
-    for ax in (a, b):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(contexts, [f"{c // 1024}K" for c in contexts])
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend()
-    a.axhline(1, color="grey", lw=0.8)
-    fig.suptitle("RocketKV vs full (dashed: bandwidth-model ideal)")
-    fig.tight_layout()
-    save_png(fig, path, dpi=120)
-    plt.close(fig)
 
 
 # --------------------------------------------------------------------------------- HF transformers + kvpress
@@ -244,7 +72,7 @@ def run_kvpress(ckpt_dir: Path, ids: list[int], policy: str, budget: int, args) 
         model = ["--random-config", str(ids_file.with_name("bench_config.json"))]
         write_atomic(Path(model[1]), json.dumps(shape_config(args.checkpoint)[0]).encode())
     else:
-        model = ["--model", str(args.hf_model)]
+        model = ["--model", str(HF_MODEL)]
     cmd = [str(py), str(REPO / "scripts" / "bench_kvpress.py"), *model, "--press", KVPRESS.get(policy, "none"),
            "--budget", str(budget), "--ids-file", str(ids_file), "--decode-steps", str(args.decode_steps),
            "--repeats", str(args.repeats), "--dtype", args.dtype, "--device", args.device]
@@ -256,29 +84,22 @@ def run_kvpress(ckpt_dir: Path, ids: list[int], policy: str, budget: int, args) 
 
 
 def parser() -> Parser:
-    ap = common_parser(__doc__, decode_steps=None, steps_help="default 32; 50 (the paper's N) with --figure")
+    ap = common_parser(__doc__)
     policy_flags(ap, "keydiff,sink,tova,snapkv,h2o,keynorm,random")
     ap.add_argument("--kvpress", action="store_true", help="also run HF transformers + kvpress (in .venv-kv)")
-    ap.add_argument("--hf-model", type=Path, default=REPO / "build" / "smollm2-hf",
-                    help="HF-format copy of the model for kvpress (made from the GGUF if missing)")
     ap.add_argument("--llamacpp", action="store_true",
                     help="also run llama.cpp (in .venv-llamacpp: bash scripts/setup.sh llamacpp) on the GGUF the "
                          "checkpoint was converted from, as shipped and dequantized to F32, each with flash attention "
                          "on and off: TTFT, prefill and decode tok/s, peak memory, whether its greedy tokens are "
                          "full's, and budgetkv against llama.cpp's best setting for each measure")
     ap.add_argument("--json", type=Path, help="also write all results here (the table)")
-    ap.add_argument("--figure", choices=["rocketkv"], help="RocketKV's efficiency experiment (paper Figure 5)")
-    ap.add_argument("--contexts", default="4096,8192,16384", help="--figure: prompt lengths")
-    ap.add_argument("--budgets", default="256,512,1024", help="--figure: RocketKV token budgets")
-    ap.add_argument("--out-dir", type=Path, default=REPO / "build", help="--figure: where the JSON and PNG go")
-    ap.add_argument("--one-figure", help=argparse.SUPPRESS)  # internal: one --figure configuration, "label@T"
-    ap.add_argument("--kv-dtype", choices=list(KV_DTYPES), help="the policy table: budgetkv's KV cache stored so "
+    ap.add_argument("--kv-dtype", choices=list(KV_DTYPES), help="budgetkv's KV cache stored so "
                     "(generate.py's --kv-dtype; the peers keep theirs)")
     ap.add_argument("--resume", action="store_true",
-                    help="skip the configurations already measured in the output (--json; --figure: --out-dir's "
-                         "rocketkv_figure.json), which is rewritten whole after every configuration; refused if it "
-                         "was written with other settings (checkpoint, sizes, threads, compile, ...). Without "
-                         "--resume the output is replaced when the first configuration finishes")
+                    help="skip the configurations already measured in --json, which is rewritten whole after "
+                         "every configuration; refused if it was written with other settings (checkpoint, sizes, "
+                         "threads, compile, ...). Without --resume the output is replaced when the first "
+                         "configuration finishes")
     return ap
 
 
@@ -286,23 +107,8 @@ def main():
     return run_cli(run, parser().parse_args())
 
 
-# the flags that apply to some kinds of run only (the others refuse them)
-ONLY = {"contexts": ["figure"], "budgets": ["figure"], "out_dir": ["figure"], "kvpress": ["table"],
-        "hf_model": ["table"], "llamacpp": ["table"], "kv_dtype": ["table"], "policies": ["table"], "budget": ["table"],
-        "prompt_tokens": ["table"], "json": ["table"], "resume": ["table", "figure"], "dtype": ["table", "figure"]}
-RUNS = {"table": "the policy table", "figure": "--figure"}
-
-
 def check_args(args) -> None:
     """Bad input fails here, before any model is loaded or any configuration has run."""
-    defaults = vars(parser().parse_args([]))
-    given = {k for k, v in vars(args).items() if v != defaults[k]}
-    kind = "figure" if args.figure else "table"
-    for k in sorted(given & set(ONLY)):
-        if kind not in ONLY[k]:
-            flag, where = f"--{k.replace('_', '-')}", [RUNS[r] for r in ONLY[k]]
-            raise UserError(f"{flag} needs {' or '.join(where)}" if "table" not in ONLY[k] else
-                            f"{flag} does not apply to {RUNS[kind]} (only to {', '.join(where)})")
     if args.kv_dtype == "bfloat16" and args.dtype != "float32":
         raise UserError(f"--kv-dtype bfloat16 halves a float32 run's cache; --dtype {args.dtype}'s own cache is as "
                         "small: drop one of them")
@@ -311,47 +117,21 @@ def check_args(args) -> None:
                         "run them apart")
     if args.random_weights and args.llamacpp:
         raise UserError("--llamacpp runs the checkpoint's own GGUF, which --random-weights has not: drop one of them")
-    if args.random_weights and args.hf_model != defaults["hf_model"]:
-        raise UserError("--hf-model is a checkpoint; with --random-weights --kvpress builds the same shapes itself")
-    if args.hf_model != defaults["hf_model"] and not args.kvpress:
-        raise UserError("--hf-model is the model --kvpress runs: give --kvpress too")
+    if args.kvpress and not args.random_weights and args.checkpoint != "smollm2-135m":
+        raise UserError(f"--kvpress runs smollm2-135m's HF copy ({HF_MODEL}), or --random-weights of --checkpoint's "
+                        f"shapes: not --checkpoint {args.checkpoint}")
     if args.llamacpp and not LLAMACPP_PY.is_file():  # strict: a skipped peer must not look like a result
         raise EnvironmentFailure(f"--llamacpp needs {LLAMACPP_PY.parent.parent.name}, which is missing: make it with "
                                  "`bash scripts/setup.sh llamacpp` (builds llama-cpp-python, several minutes)")
-    if args.resume and kind != "figure" and args.json is None:
+    if args.resume and args.json is None:
         raise UserError("--resume needs --json: the file the finished configurations are kept in")
-    if args.decode_steps is None:
-        args.decode_steps = 50 if args.figure else 32
     check_common(args)
     check_policy_flags(args)
-    if args.figure:
-        int_list(args.contexts, "--contexts")
-        int_list(args.budgets, "--budgets")
-        try:
-            args.out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"--out-dir {args.out_dir}: {e.strerror}") from None
-        check_writable(args.out_dir / "rocketkv_figure.json", "--out-dir")
-    if args.one_figure and not re.fullmatch(r"(full|rocketkv-[1-9]\d*)@[1-9]\d*", args.one_figure):
-        raise UserError(f"--one-figure {args.one_figure!r}: full@T or rocketkv-t@T")
 
 
 def run(args) -> None:
     check_args(args)
     start(args)
-    if args.one_figure:
-        label, T = args.one_figure.split("@")
-        ckpt, config = bench_source(args)
-        T = int(T)  # full holds the prompt and the new tokens; RocketKV less, after one layer's scratch of the prompt
-        model = bench_model(args, ckpt, config, T + args.decode_steps + args.block_size)
-        t = time.perf_counter()
-        r = figure_one(model, label, T, args)
-        r["wall_s"] = time.perf_counter() - t
-        print(json.dumps(r))
-        return
-    if args.figure:
-        return run_figure(args)
-
     names = policies.spec_list(args.policies)
     for n in names:  # each policy's name and parameters, before any configuration runs
         config_policy(n)
@@ -432,6 +212,7 @@ def run(args) -> None:
               f"{r['decode_step_ms']:.2f} | {r['decode_step_ms'] / base['decode_step_ms'] - 1:+.1%} | "
               f"{r['decode_tok_s'] / full['decode_tok_s']:.2f}x | {r['bandwidth_fraction']:.0%} | "
               f"{r['prefill_peak_mib']:.0f} / {r['decode_peak_mib']:.0f} |")
+    noise_note(args.repeats)
     if "keydiff" in results:
         kd = results["keydiff"]
         slow = {n: kd["prefill_tok_s"] / results[n]["prefill_tok_s"] for n in ("snapkv", "tova", "h2o") if n in results}
@@ -578,8 +359,6 @@ def print_peer_table(results: dict, llama: dict, args, config: dict) -> None:
 # what a resumed row must hold (the table and the ratios use them): str, int or any number
 TABLE_FIELDS = {"protocol": str, "prefill_s": float, "prefill_tok_s": float, "decode_step_ms": float,
                 "decode_tok_s": float, "bandwidth_fraction": float, "prefill_peak_mib": float, "decode_peak_mib": float}
-FIGURE_FIELDS = {"label": str, "T": int, "cache_slots": float, "decode_step_ms": float, "decode_peak_mib": float,
-                 "bytes_per_step": float, "weights_mib": float, "cache_mib": float}
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ import policies  # noqa: E402
 from cache import is_scorer  # noqa: E402
 from cli import check_writable, run_cli  # noqa: E402
 from config import parse_config  # noqa: E402
-from engine import (PeakMemory, decode_bytes_per_step, kv_cache_estimate, prefill_protocol, prefill_step,  # noqa: E402
-                    setup_batch, sync)
+from engine import (PeakMemory, decode, decode_bytes_per_step, kv_cache_estimate, prefill_protocol,  # noqa: E402
+                    prefill_step, setup_batch, sync)
 from engine import prefill as engine_prefill  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
 from scripts.benchlib import (bench_model, bench_settings, bench_source, bench_steps, check_common,  # noqa: E402
@@ -114,18 +114,12 @@ def copy_rows(model, state: list[dict]) -> None:
 
 
 def decode_rows(model, first: int, L: int, B: int, steps: int, decode_fn, device: str) -> tuple[list, list]:
-    """`steps` greedy decode steps of a batch of B rows whose caches hold an L-token prompt and whose first token is
-    `first`, at per-sequence positions [B, 1]; (seconds per step, each row's tokens: first + one per step)."""
-    tok = torch.full((B, 1), first, dtype=torch.long, device=device)
+    """`steps` greedy decode steps (engine.decode) of a batch of B rows whose caches hold an L-token prompt and whose
+    first token is `first`, each row at its own positions; (seconds per step, each row's tokens: first + one per
+    step)."""
     toks, times = [[first] for _ in range(B)], []
-    for i in range(steps):
-        t = time.perf_counter()
-        logits = decode_fn(model, tok, torch.full((B, 1), L + i, dtype=torch.long, device=device))
-        tok = logits.argmax(-1).view(B, 1)
-        sync(device)
-        times.append(time.perf_counter() - t)
-        for row, x in zip(toks, tok.view(-1).tolist()):
-            row.append(x)
+    decode(model, decode_fn, torch.full((B,), first, dtype=torch.long, device=device), toks, [L] * B, 1 + steps,
+           on_step=lambda logits, s: times.append(s))
     return times, toks
 
 

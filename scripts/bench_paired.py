@@ -10,7 +10,6 @@ the bandwidth of its own round. `--profile [ROWS]` then prints each configuratio
 """
 import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,18 +22,20 @@ import torch  # noqa: E402
 import policies  # noqa: E402
 from cache import is_scorer  # noqa: E402
 from cli import run_cli  # noqa: E402
-from engine import AOT, decode_bytes_per_step, setup, sync, use_layer_regions  # noqa: E402
+from engine import AOT, decode, decode_bytes_per_step, first_tokens, setup, sync, use_layer_regions  # noqa: E402
 from engine import prefill as engine_prefill  # noqa: E402
 from errors import UserError  # noqa: E402
 from scripts.benchlib import (bench_model, bench_settings, bench_source, bench_steps, check_common,  # noqa: E402
-                              check_policy_flags, check_sizes, config_policy, make_document, parser as common_parser,
-                              policy_flags, random_prompt, save, start, timed_read, weights_label)
+                              check_policy_flags, check_sizes, compiler_flags, config_policy, make_document,
+                              parser as common_parser, policy_flags, random_prompt, save, start, timed_read,
+                              weights_label)
 from tokenizer import load_tokenizer  # noqa: E402
 
 
 def parser():
     ap = common_parser(__doc__)
     policy_flags(ap, "keydiff")
+    compiler_flags(ap)
     ap.add_argument("--freezing-twins", action="store_true",
                     help="with --compile: each configuration twice, its graph compiled without (generate.py's "
                          "choice) and with inductor's freezing (weights folded into the graph: '<policy> (frozen)')")
@@ -102,29 +103,20 @@ def run_paired(args) -> None:
     # read bandwidth measured next to it, since both drift together on a shared VM. The probe also flushes the
     # caches before each round, which a model smaller than the last-level cache would otherwise sit in.
     probe = torch.ones(2**26, device=args.device)
-    toks, first_s, probe_s = {}, {}, []
+    outs, first_s, probe_s = {}, {label: [] for label in models}, []
     with torch.inference_mode():
         for label, model in models.items():
-            logits = engine_prefill(model, prompt, args.block_size)
-            t = time.perf_counter()  # the first decode step (with --compile: compiles this model's graph)
+            outs[label] = first_tokens(engine_prefill(model, prompt, args.block_size), 0.0, 0, 1.0)[1][0]
             use_layer_regions(args.device, frozen[label])  # both read when dynamo traces
-            with torch._inductor.config.patch(freezing=frozen[label]):
-                toks[label] = decode_fns[label](model, logits.argmax(-1).view(1, 1),
-                                                torch.tensor([len(ids)], device=args.device))
-            sync(args.device)
-            first_s[label] = time.perf_counter() - t
+            with torch._inductor.config.patch(freezing=frozen[label]):  # the first step compiles this model's graph
+                one_step(model, decode_fns[label], outs[label], len(ids), first_s[label].append)
         step_s = {label: [] for label in models}
-        with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile inside the timed loop would be a bug
-            for i in range(args.decode_steps):
+        with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile inside the timed steps would be a bug
+            for i in range(args.decode_steps):  # rounds of one engine.decode step per configuration
                 probe_s.append(timed_read(probe, args.device))
                 order = list(models) if i % 2 == 0 else list(models)[::-1]  # neither side always goes first
                 for label in order:
-                    tok = toks[label].argmax(-1).view(1, 1)
-                    t = time.perf_counter()
-                    toks[label] = decode_fns[label](models[label], tok,
-                                                    torch.tensor([len(ids) + 1 + i], device=args.device))
-                    sync(args.device)
-                    step_s[label].append(time.perf_counter() - t)
+                    one_step(models[label], decode_fns[label], outs[label], len(ids), step_s[label].append)
     bw = [probe.nbytes / t / 1e9 for t in probe_s]
     bw_q = statistics.quantiles(bw, n=4)
     mode = (args.compile_mode or "generate.py's mode") + (" + cpp_wrapper" if args.cpp_wrapper else "") \
@@ -147,29 +139,37 @@ def run_paired(args) -> None:
         f = statistics.quantiles(fractions, n=4)
         print(f"| {label} | {1e3 * statistics.median(s):.2f} | {statistics.median(ratios):+.1%} | "
               f"{q[0]:+.1%} .. {q[2]:+.1%} | {step_bytes / 1e6:.4g} | {statistics.median(fractions):.1%} | "
-              f"{f[0]:.1%} .. {f[2]:.1%} | {first_s[label]:.1f} |")
+              f"{f[0]:.1%} .. {f[2]:.1%} | {first_s[label][0]:.1f} |")
         rows.append({"label": label, "decode_step_ms": 1e3 * statistics.median(s),
                      "overhead": statistics.median(ratios), "overhead_quartiles": [q[0], q[2]],
                      "bytes_per_step": step_bytes, "bandwidth_fraction": statistics.median(fractions),
-                     "first_step_s": first_s[label]})
+                     "first_step_s": first_s[label][0]})
     if args.json:
         save(args.json, args, bench_settings(args, ckpt, "paired"), read_gb_s=statistics.median(bw), rows=rows)
     if args.profile:
         with torch._dynamo.config.patch(error_on_recompile=True):  # profile the graphs just timed, not new ones
-            profile_steps(models, toks, len(ids) + 1 + args.decode_steps, decode_fns, args)
+            profile_steps(models, outs, len(ids), decode_fns, args)
 
 
-def profile_steps(models, toks, next_pos, decode_fns, args, n_steps: int = 10) -> None:
-    """torch.profiler over n_steps decode steps of each configuration, the top kernels by self time."""
+def one_step(model, decode_fn, out: list[int], prompt_len: int, timed) -> None:
+    """One greedy step of engine.decode after the tokens `out` (appended in place) of a prompt_len-token prompt;
+    timed(seconds) with the step's time."""
+    token = torch.tensor(out[-1:], device=model.tok_embeddings.weight.device)
+    decode(model, decode_fn, token, [out], [prompt_len + len(out) - 1], len(out) + 1,
+           on_step=lambda logits, s: timed(s))
+
+
+def profile_steps(models, outs, prompt_len, decode_fns, args, n_steps: int = 10) -> None:
+    """torch.profiler over n_steps decode steps (engine.decode) of each configuration, the top kernels by self
+    time."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
     sort_by = "self_device_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
     for label, model in models.items():
+        out = outs[label]
         with torch.inference_mode(), profile(activities=activities) as prof:
-            tok = toks[label].argmax(-1).view(1, 1)  # an inference tensor, as when the step was compiled
-            for i in range(n_steps):
-                tok = decode_fns[label](model, tok, torch.tensor([next_pos + i], device=args.device))
-                tok = tok.argmax(-1).view(1, 1)
+            decode(model, decode_fns[label], torch.tensor(out[-1:], device=args.device), [out],
+                   [prompt_len + len(out) - 1], len(out) + n_steps)
             sync(args.device)
         print(f"\n{label}: {n_steps} decode steps, top kernels by self time\n")
         print(prof.key_averages().table(sort_by=sort_by, row_limit=args.profile, max_name_column_width=60))

@@ -163,16 +163,12 @@ def timed(fn, device: str) -> tuple:
 
 @torch.inference_mode()
 def plain_decode(model, step, first: int, L: int, n: int, device: str, margins: list | None = None) -> list[int]:
-    """n greedy tokens from `first` at position L with the target's own decode step (engine.generate's loop).
-    margins: appended with each step's top-2 logit gap (the logits that chose out[1], out[2], ...), untimed runs."""
+    """n greedy tokens from `first` at position L with the target's own decode step (engine.decode).
+    margins: appended with each step's top-2 logit gap (the logits that chose out[1], out[2], ...)."""
     speculative.rollback(model, L - 1)
-    out, tok = [first], first
-    for i in range(n - 1):
-        logits = step(model, torch.tensor([[tok]], device=device), torch.tensor([L + i], device=device))
-        tok = int(logits.argmax(-1))
-        out.append(tok)
-        if margins is not None:
-            margins.append(top2_gap(logits))
+    out = [first]
+    engine.decode(model, step, torch.tensor([first], device=device), [out], [L], n,
+                  on_step=None if margins is None else lambda logits, s: margins.append(top2_gap(logits)))
     return out
 
 

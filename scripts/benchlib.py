@@ -21,8 +21,9 @@ from checkpoint import resolve_checkpoint, shape_config
 from cli import Parser, check_device, check_writable
 from config import parse_config
 from convert import read_config
-from engine import (AOT, PeakMemory, block_inputs, compile_steps, decode_bytes_per_step, default_compile_mode,
-                    kv_cache_estimate, load_model, model_step, prefill_step, random_model, release_free_memory, sync)
+from engine import (AOT, PeakMemory, block_inputs, compile_steps, decode, decode_bytes_per_step, decode_inputs,
+                    default_compile_mode, first_tokens, kv_cache_estimate, load_model, model_step, prefill_step,
+                    random_model, release_free_memory, sync)
 from engine import prefill as engine_prefill
 from errors import EnvironmentFailure, UserError
 from scripts.outputs import check_settings, checkpoint_identity, read_json, write_atomic
@@ -46,10 +47,6 @@ def parser(doc: str, decode_steps: int | None = 32, steps_help: str | None = Non
     ap.add_argument("--no-compile-prefill", action="store_true",
                     help="with --compile: compile the decode step only, prefill stays eager (what generate.py "
                          "--compile does on CPU)")
-    ap.add_argument("--freeze", action="store_true",
-                    help="with --compile: fold the weights into the compiled graphs (generate.py --freeze)")
-    ap.add_argument("--cpp-wrapper", action="store_true",
-                    help="inductor's C++ wrapper (torch._inductor.config.cpp_wrapper): no Python between kernels")
     ap.add_argument("--random-weights", action="store_true",
                     help="--checkpoint's shapes (a short name's configs/<name>.json, or a folder with only a "
                          "config.json) with seeded random weights (seed 0) and random prompt ids")
@@ -57,6 +54,14 @@ def parser(doc: str, decode_steps: int | None = 32, steps_help: str | None = Non
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is steadier on a shared machine)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one configuration, print JSON
     return ap
+
+
+def compiler_flags(ap: Parser) -> None:
+    """Compiler experiments (bench_paired.py): frozen weights, inductor's C++ wrapper."""
+    ap.add_argument("--freeze", action="store_true",
+                    help="with --compile: fold the weights into the compiled graphs (generate.py --freeze)")
+    ap.add_argument("--cpp-wrapper", action="store_true",
+                    help="inductor's C++ wrapper (torch._inductor.config.cpp_wrapper): no Python between kernels")
 
 
 def policy_flags(ap: Parser, policies_default: str) -> None:
@@ -82,9 +87,9 @@ def check_policy_flags(args) -> None:
 def check_common(args) -> None:
     """The shared flags' bad input, before any model is loaded."""
     for k in ("compile_mode", "cpp_wrapper", "no_compile_prefill", "freeze"):
-        if getattr(args, k) not in (None, False) and not args.compile:
+        if getattr(args, k, None) not in (None, False) and not args.compile:
             raise UserError(f"--{k.replace('_', '-')} needs --compile")
-    if args.compile_mode == AOT and (args.freeze or args.device != "cpu"):
+    if args.compile_mode == AOT and (getattr(args, "freeze", False) or args.device != "cpu"):
         raise UserError("--compile-mode aot compiles the CPU decode step, unfrozen: not with --freeze or a CUDA "
                         "device")
     if args.decode_steps < 2:
@@ -103,7 +108,7 @@ def start(args) -> None:
     """The process-wide settings a run asks for: torch threads, inductor's C++ wrapper."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.cpp_wrapper:
+    if getattr(args, "cpp_wrapper", False):
         torch._inductor.config.cpp_wrapper = True
 
 
@@ -185,10 +190,10 @@ def gemm_gflop_s(device: str, dtype: torch.dtype) -> float:
     return 2 * 2048**3 / statistics.median(once() for _ in range(5)) / 1e9
 
 
-# vars(args) that are not settings: the configurations (--policies, --quant's modes, --figure's contexts and
-# budgets), where the outputs go, the checkpoint's name (checkpoint_identity instead) and the internal flags
+# vars(args) that are not settings: the configurations (--policies, bench_quant's modes, bench_figure's contexts
+# and budgets), where the outputs go, the checkpoint's name (checkpoint_identity instead) and the internal flags
 NOT_SETTINGS = {"policies", "quant", "modes", "contexts", "budgets", "checkpoint", "json", "out_dir", "resume", "one",
-                "one_figure", "one_quant", "plot", "one_batch", "one_batch_prefill", "one_prefill"}
+                "one_quant", "plot", "one_batch", "one_batch_prefill", "one_prefill"}
 
 
 def bench_settings(args, ckpt, mode: str) -> dict:
@@ -344,9 +349,16 @@ def bench_steps(args, freeze: bool | None = None, mode: str | None = None):
     --freeze, or as `freeze` says; in --compile-mode, or `mode`)."""
     if not args.compile:
         return prefill_step, model_step
-    freeze = args.freeze if freeze is None else freeze
+    freeze = getattr(args, "freeze", False) if freeze is None else freeze
     mode = mode or args.compile_mode or default_compile_mode(args.device, torch.float32, False, freeze)  # generate.py's
     return compile_steps(args.device, mode, prefill=not args.no_compile_prefill, freeze=freeze)
+
+
+def noise_note(repeats: int) -> None:
+    """One line under a table whose timings rest on a single sample each."""
+    if repeats == 1:
+        print("\nnote: --repeats 1 times each configuration once: its overheads and ratios are dominated by noise "
+              "(give --repeats 3 or more for numbers to compare)")
 
 
 def steps_label(args) -> str:
@@ -371,7 +383,7 @@ def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
         # one-shot prefill is eager (nothing to compile): warm up with the whole prompt; block-wise, one block
         logits = prefill() if one_shot else prefill_fn(model, *block_inputs(prompt, 0, args.block_size))
         next_pos = len(ids) if one_shot else args.block_size
-        decode_fn(model, logits.argmax(-1).view(1, 1), torch.tensor([next_pos], device=device))
+        decode_fn(model, *decode_inputs(logits.argmax(-1).view(1), torch.tensor([next_pos], device=device)))
         sync(device)
         warmup_s = time.perf_counter() - t
         release_free_memory()  # as engine.warm_up and engine.generate do
@@ -384,21 +396,14 @@ def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
             mem.reset()
             sync(device)
             t0 = time.perf_counter()
-            logits = prefill()
-            tok = logits.argmax(-1).view(1, 1)
-            sync(device)
+            token, (toks,) = first_tokens(prefill(), 0.0, 0, 1.0)  # its host copy waits for the device
             prefill_s.append(time.perf_counter() - t0)
             prefill_peak.append(mem.peak())
             release_free_memory()
             mem.reset()
-            toks, mine = [tok], []
-            for i in range(args.decode_steps):
-                t = time.perf_counter()
-                logits = decode_fn(model, tok, torch.tensor([len(ids) + i], device=device))
-                tok = logits.argmax(-1).view(1, 1)
-                sync(device)
-                mine.append(time.perf_counter() - t)
-                toks.append(tok)
+            mine = []
+            decode(model, decode_fn, token, [toks], [len(ids)], 1 + args.decode_steps,
+                   on_step=lambda logits, s: mine.append(s))
             decode_peak.append(mem.peak())
             step_s += mine
             per_repeat.append(1 / statistics.median(mine))
@@ -408,6 +413,6 @@ def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
     return {"warmup_s": warmup_s, "prefill_s": statistics.median(prefill_s), "ttft_s": statistics.median(prefill_s),
             "prefill_tok_s": len(ids) / statistics.median(prefill_s),
             "decode_step_ms": 1e3 * statistics.median(step_s), "decode_tok_s": 1 / statistics.median(step_s),
-            "decode_tok_s_repeats": per_repeat, "tokens": [int(t) for t in toks],  # the last repeat's greedy tokens
+            "decode_tok_s_repeats": per_repeat, "tokens": toks,  # the last repeat's greedy tokens
             "prefill_peak_mib": max(prefill_peak) / 2**20, "decode_peak_mib": max(decode_peak) / 2**20,
             "kv_cache_mib": kv_bytes(model) / 2**20, "bytes_per_step": weights_b + kv_read_b}

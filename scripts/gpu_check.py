@@ -11,7 +11,7 @@ Sections, each a group of rows of one table (written to OUT.md and OUT.json, pri
   counted no cudagraph skip), compile once (error_on_recompile) and give eager's greedy tokens. One more row,
   `speculate`: self-speculative decoding (a sink draft, K = 4) with the draft step and the K+1 verification block
   both under CUDA graphs: two graphs, no skip, no recompile, plain eager greedy's tokens.
-- figure: RocketKV's Figure 5 (`bench.py --figure rocketkv`) at --shapes with random --dtype weights, at --contexts
+- figure: RocketKV's Figure 5 (`bench_figure.py`) at --shapes with random --dtype weights, at --contexts
   and --budgets: decode speedup over `full` beside the bandwidth-model ideal, decode peak memory saving, and
   `full`'s decode step as a fraction of the bandwidth bound (bytes read per step at the read bandwidth measured
   here).
@@ -220,10 +220,10 @@ def run_graphs(args) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------ figure, bench
 
-def bench(argv: list[str], args) -> subprocess.CompletedProcess:
-    """scripts/bench.py at the check's shapes and dtype, random weights; EnvironmentFailure with its last line when
+def bench(argv: list[str], args, script: str = "bench.py") -> subprocess.CompletedProcess:
+    """scripts/`script` at the check's shapes and dtype, random weights; EnvironmentFailure with its last line when
     it fails."""
-    cmd = [PY, str(REPO / "scripts" / "bench.py"), "--random-weights", "--checkpoint", args.shapes, "--dtype",
+    cmd = [PY, str(REPO / "scripts" / script), "--random-weights", "--checkpoint", args.shapes, "--dtype",
            args.dtype, "--device", args.device, *(["--compile"] if args.compile else []), *argv]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if r.returncode != 0:
@@ -233,8 +233,7 @@ def bench(argv: list[str], args) -> subprocess.CompletedProcess:
 
 def run_figure(args, out: Path, read_gb_s: float) -> list[dict]:
     fig_dir = out.with_name(out.name + "_figure")
-    bench(["--figure", "rocketkv", "--contexts", args.contexts, "--budgets", args.budgets, "--out-dir", str(fig_dir)],
-          args)
+    bench(["--contexts", args.contexts, "--budgets", args.budgets, "--out-dir", str(fig_dir)], args, "bench_figure.py")
     return figure_rows(json.loads((fig_dir / "rocketkv_figure.json").read_text())["rows"], read_gb_s)
 
 

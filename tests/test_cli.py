@@ -437,7 +437,7 @@ def test_eager_run_never_imports_the_compiler(tiny_ckpt, policy, control):
     ("bench.py", ["--block-size", "0"], "--block-size must be >= 1"),
     ("bench_quant.py", ["--modes", ","], "--modes is empty"),
     ("bench_quant.py", ["--modes", "int3"], "unknown --modes entry 'int3'"),
-    ("bench.py", ["--figure", "rocketkv", "--contexts", "abc"], "comma-separated"),
+    ("bench_figure.py", ["--contexts", "abc"], "comma-separated"),
     ("bench.py", ["--json", "/proc/x.json"], "--json /proc/x.json: cannot write"),
     ("bench.py", ["--policies", "sink", "--budget", "2"], "must exceed the 4 sink"),
     ("bench.py", ["--prompt-tokens", "9000"], "must fit the model's context (8192)"),

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from scripts import bench, bench_batch, bench_kvpress, bench_llamacpp, bench_paired, bench_quant, benchlib
+from scripts import (bench, bench_batch, bench_figure, bench_kvpress, bench_llamacpp, bench_paired, bench_quant,
+                     benchlib)
 from scripts import eval as ev
 
 BASE = {
@@ -22,15 +23,16 @@ BASE = {
     "bench_quant.py": ["--checkpoint", "{ckpt}", "--decode-steps", "8", "--device", "cpu"],
     "bench_paired.py": ["--checkpoint", "{ckpt}", "--decode-steps", "8", "--device", "cpu"],
     "bench_batch.py": ["--checkpoint", "{ckpt}", "--decode-steps", "8", "--device", "cpu"],
+    "bench_figure.py": ["--checkpoint", "{ckpt}", "--decode-steps", "8", "--device", "cpu", "--contexts", "64",
+                        "--budgets", "16", "--out-dir", "{tmp}/fig"],
     "bench_kvpress.py": ["--model", "{tmp}/hf", "--press", "none", "--budget", "8", "--ids-file", "{tmp}/ids.json"],
     "bench_llamacpp.py": ["--ids-file", "{tmp}/ids.json"],
 }
 GGUF = {"m.gguf": b"GGUF" + bytes(28), "ids.json": "[1, 2]"}  # bench_llamacpp.py: passes the checks before llama.cpp
 LB = ["--tasks", "", "--longbench", "hotpotqa", "--longbench-source", "{tmp}/lb.jsonl"]  # eval.py: one LongBench file
 SMALL = ["--prompt-tokens", "100"]  # bench.py: a prompt the tiny model's context holds
-FIGURE = ["--figure", "rocketkv", "--contexts", "64", "--budgets", "16", "--out-dir", "{tmp}/fig"]
 BENCH = {"bench.py": bench, "bench_quant.py": bench_quant, "bench_paired.py": bench_paired,
-         "bench_batch.py": bench_batch}  # the scripts whose main() reads sys.argv
+         "bench_batch.py": bench_batch, "bench_figure.py": bench_figure}  # the scripts whose main() reads sys.argv
 GOOD = {"input": "Who jumps?", "context": "The quick brown fox jumps.", "answers": ["the fox"], "all_classes": None}
 
 
@@ -139,7 +141,7 @@ CASES = [
     (["bench.py", "--decode-steps", "1"], {}, 2, "--decode-steps must be >= 2"),
     (["bench.py", "--block-size", "0"], {}, 2, "--block-size must be >= 1"),
     (["bench.py", *SMALL, "--block-size", "4096"], {}, 2, "--block-size 4096 is larger than the model's context"),
-    (["bench.py", *FIGURE, "--block-size", "4096"], {}, 2, "--block-size 4096 is larger than the model's context"),
+    (["bench_figure.py", "--block-size", "4096"], {}, 2, "--block-size 4096 is larger than the model's context"),
     (["bench.py", "--threads", "0"], {}, 2, "--threads must be between 1 and 1024"),
     (["bench.py", "--threads", "100000"], {}, 2, "--threads must be between 1 and 1024"),
     (["bench.py", "--policies", "nope"], {}, 2, "unknown policy 'nope'"),
@@ -148,37 +150,39 @@ CASES = [
     (["bench.py", "--prompt-tokens", "5000"], {}, 2, "must fit the model's context (2048)"),
     (["bench.py", "--device", "xla"], {}, 2, "--device 'xla'"),
     (["bench.py", "--checkpoint", "no-such-model"], {}, 2, "unknown checkpoint 'no-such-model'"),
-    (["bench.py", "--paired", "--figure", "rocketkv"], {}, 2, "unrecognized arguments: --paired"),
-    (["bench.py", "--figure", "nope"], {}, 2, "invalid choice: 'nope'"),
+    (["bench.py", "--paired"], {}, 2, "unrecognized arguments: --paired"),
+    (["bench.py", "--figure", "rocketkv"], {}, 2, "unrecognized arguments: --figure rocketkv"),
     (["bench_quant.py", "--modes", "int3"], {}, 2, "unknown --modes entry 'int3'"),
     (["bench_quant.py", "--modes", "int4-g0"], {}, 2, "unknown --modes entry 'int4-g0'"),
     (["bench_quant.py", "--modes", ","], {}, 2, "--modes is empty"),
     (["bench_quant.py", "--modes", "int8,int8"], {}, 2, "--modes lists int8 twice"),
     (["bench_quant.py", "--modes", "int8", "--ppl-texts", "0"], {}, 2, "--ppl-texts, --ppl-prefix and --ppl-tokens"),
     (["bench.py", "--ppl-texts", "2"], {}, 2, "unrecognized arguments: --ppl-texts"),
-    (["bench.py", "--contexts", "1024"], {}, 2, "--contexts needs --figure"),
-    (["bench.py", *FIGURE, "--contexts", "abc"], {}, 2, "--contexts takes comma-separated integers"),
-    (["bench.py", *FIGURE, "--contexts", "0"], {}, 2, "--contexts needs integers >= 1"),
-    (["bench.py", *FIGURE, "--budgets", ""], {}, 2, "--budgets needs integers >= 1"),
-    (["bench.py", *FIGURE, "--budgets", "16,16"], {}, 2, "--budgets lists 16 twice"),
-    (["bench.py", *FIGURE, "--contexts", "4096"], {}, 2, "exceed the model's context (2048)"),
-    (["bench.py", *FIGURE, "--out-dir", "/proc/x"], {}, 2, "--out-dir /proc/x"),
-    (["bench.py", *FIGURE, "--json", "{tmp}/x.json"], {}, 2, "--json does not apply to --figure"),
-    (["bench.py", *FIGURE, "--policies", "sink"], {}, 2, "--policies does not apply to --figure"),
+    (["bench.py", "--contexts", "1024"], {}, 2, "unrecognized arguments: --contexts 1024"),
+    (["bench_figure.py", "--contexts", "abc"], {}, 2, "--contexts takes comma-separated integers"),
+    (["bench_figure.py", "--contexts", "0"], {}, 2, "--contexts needs integers >= 1"),
+    (["bench_figure.py", "--budgets", ""], {}, 2, "--budgets needs integers >= 1"),
+    (["bench_figure.py", "--budgets", "16,16"], {}, 2, "--budgets lists 16 twice"),
+    (["bench_figure.py", "--contexts", "4096"], {}, 2, "exceed the model's context (2048)"),
+    (["bench_figure.py", "--out-dir", "/proc/x"], {}, 2, "--out-dir /proc/x"),
+    (["bench_figure.py", "--json", "{tmp}/x.json"], {}, 2, "unrecognized arguments: --json"),
+    (["bench_figure.py", "--policies", "sink"], {}, 2, "unrecognized arguments: --policies sink"),
     (["bench_paired.py", "--kvpress"], {}, 2, "unrecognized arguments: --kvpress"),
-    (["bench.py", "--hf-model", "{tmp}/hf"], {}, 2, "--hf-model is the model --kvpress runs"),
+    (["bench.py", "--kvpress"], {}, 2, "--kvpress runs smollm2-135m's HF copy"),
     (["bench_paired.py", "--llamacpp"], {}, 2, "unrecognized arguments: --llamacpp"),
     (["bench_quant.py", "--llamacpp"], {}, 2, "unrecognized arguments: --llamacpp"),
     (["bench.py", "--compile-mode", "default"], {}, 2, "--compile-mode needs --compile"),
     (["bench.py", "--compile", "--compile-mode", "fast"], {}, 2, "invalid choice: 'fast'"),
-    (["bench.py", "--cpp-wrapper"], {}, 2, "--cpp-wrapper needs --compile"),
+    (["bench_paired.py", "--cpp-wrapper"], {}, 2, "--cpp-wrapper needs --compile"),
+    (["bench_paired.py", "--freeze"], {}, 2, "--freeze needs --compile"),
+    (["bench.py", "--freeze"], {}, 2, "unrecognized arguments: --freeze"),
     (["bench.py", "--no-compile-prefill"], {}, 2, "--no-compile-prefill needs --compile"),
     (["bench.py", "--profile"], {}, 2, "unrecognized arguments: --profile"),
     (["bench_paired.py", "--profile", "0"], {}, 2, "--profile needs >= 1 rows"),
     (["bench.py", "--json", "/proc/x.json"], {}, 2, "--json /proc/x.json: cannot write"),
     (["bench.py", "--json", "{tmp}/no-dir/x.json"], {}, 2, "x.json: cannot write there (No such file or directory)"),
     (["bench.py", "--json", "{tmp}/d"], {"d/": None}, 2, "cannot write there (Is a directory)"),
-    (["bench.py", "--one-figure", "x"], {}, 2, "--one-figure 'x'"),
+    (["bench_figure.py", "--one", "x"], {}, 2, "--one 'x'"),
     (["bench_quant.py", "--one", "int3"], {}, 2, "unknown --modes entry 'int3'"),
     # ---- bench_batch.py
     (["bench_batch.py", "--paired"], {}, 2, "unrecognized arguments: --paired"),
@@ -205,7 +209,7 @@ CASES = [
     (["bench.py", *SMALL, "--resume", "--json", "{tmp}/b.json"], {"b.json": b"\xff"}, 2, "b.json is not JSON"),
     (["bench.py", *SMALL, "--resume", "--json", "{tmp}/b.json"], {"b.json": "[1]"}, 2, "b.json records no settings"),
     (["bench.py", *SMALL, "--resume", "--json", "{tmp}/b.json"], {"b.json": '{"settings": {}}'}, 2, "other settings"),
-    (["bench.py", *FIGURE, "--resume"], {"fig/rocketkv_figure.json": ""}, 2, "rocketkv_figure.json is not JSON"),
+    (["bench_figure.py", "--resume"], {"fig/rocketkv_figure.json": ""}, 2, "rocketkv_figure.json is not JSON"),
     (["bench_quant.py", *SMALL, "--modes", "int8", "--resume", "--json", "{tmp}/q.json"], {"q.json": '{"settings": 1}'},
      2, "q.json records no settings"),
     # ---- bench_kvpress.py (HF + kvpress side; runs in .venv-kv)

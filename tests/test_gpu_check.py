@@ -132,7 +132,7 @@ def test_figure_and_bench_targets():
 
 
 def test_figure_and_bench_sections_run_end_to_end_on_tiny_shapes(tmp_path):
-    """The orchestration on CPU with tiny shapes, eager: bench.py --figure and the policy table with HF + kvpress
+    """The orchestration on CPU with tiny shapes, eager: bench_figure.py and the policy table with HF + kvpress
     (random config in .venv-kv) run, their JSON is read back, and the table lands in OUT.md and OUT.json."""
     if not (REPO / ".venv-kv" / "bin" / "python").is_file():
         pytest.skip(".venv-kv missing (bash scripts/setup.sh test)")

@@ -191,7 +191,7 @@ def test_bench_with_random_weights(tiny_config_dir, tmp_path):
     bench = [sys.executable, str(REPO / "scripts" / "bench.py"), "--checkpoint", str(tiny_config_dir),
              "--random-weights", "--decode-steps", "4", "--repeats", "1", "--threads", "1"]
     for extra, message in ((["--llamacpp"], "--random-weights has not: drop one of them"),
-                           (["--kvpress", "--hf-model", str(tmp_path)], "--hf-model is a checkpoint")):
+                           (["--freeze"], "unrecognized arguments: --freeze")):
         r = subprocess.run(bench + extra, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and message in err_line(r.stderr)
     out = tmp_path / "bench.json"
@@ -213,11 +213,11 @@ def test_bench_with_random_weights(tiny_config_dir, tmp_path):
     for label in ("full", "keydiff"):  # head dim 16: (16 + 4) / (4 * 16) of the fp32 buffer
         ratio = int8["results"][label]["kv_cache_mib"] / saved["results"][label]["kv_cache_mib"]
         assert ratio == pytest.approx(20 / 64, rel=0.02)
-    for extra in (["--figure", "rocketkv"], ["--kvpress"]):
-        r = subprocess.run(bench + ["--kv-dtype", "int8", *extra], capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2 and "--kv-dtype" in err_line(r.stderr)
-    r = subprocess.run(bench + ["--figure", "rocketkv", "--contexts", "256", "--budgets", "16", "--out-dir",
-                                str(tmp_path / "fig")], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(bench + ["--kv-dtype", "int8", "--kvpress"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--kv-dtype" in err_line(r.stderr)
+    figure = [sys.executable, str(REPO / "scripts" / "bench_figure.py"), *bench[2:]]
+    r = subprocess.run(figure + ["--contexts", "256", "--budgets", "16", "--out-dir", str(tmp_path / "fig")],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     rows = json.loads((tmp_path / "fig" / "rocketkv_figure.json").read_text())["rows"]
     assert sorted(x["label"] for x in rows) == ["full", "rocketkv-16"]

@@ -16,7 +16,7 @@ from conftest import REPO
 
 import cli
 from errors import UserError
-from scripts import bench, bench_quant, benchlib
+from scripts import bench, bench_figure, bench_quant, benchlib
 from scripts import eval as ev
 from scripts import eval_journal, eval_report
 
@@ -300,15 +300,16 @@ def fake_row(kind, what):
 BENCH_RUNS = {  # kind -> (argv, the configurations in order, the flag naming one in a child's argv)
     "table": (["--policies", "sink,tova", "--json", "{out}"], ["no-evict", "full", "sink", "tova"], "--one"),
     "quant": (["--modes", "float32,bfloat16,int8", "--json", "{out}"], ["float32", "bfloat16", "int8"], "--one"),
-    "figure": (["--figure", "rocketkv", "--contexts", "64,128", "--budgets", "16", "--out-dir", "{dir}"],
-               ["full@64", "rocketkv-16@64", "full@128", "rocketkv-16@128"], "--one-figure"),
+    "figure": (["--contexts", "64,128", "--budgets", "16", "--out-dir", "{dir}"],
+               ["full@64", "rocketkv-16@64", "full@128", "rocketkv-16@128"], "--one"),
 }
 
 
 def run_bench(monkeypatch, capsys, tmp_path, ckpt, argv, flag, kind, fail_on=None):
-    """The script's main() in this process (bench.py, bench_quant.py for quant); each configuration's child faked.
+    """The script's main() in this process (bench.py; bench_quant.py for quant, bench_figure.py for figure); each
+    configuration's child faked.
     (exit code, children started, stderr)"""
-    module = bench_quant if kind == "quant" else bench
+    module = {"quant": bench_quant, "figure": bench_figure}.get(kind, bench)
     started = []
 
     def fake_run(cmd, capture_output, text):

@@ -21,7 +21,7 @@ from policies import (ExactTopK, RocketKV, SnapKVPlusPlus, adaptive_kernel, buil
                       rocket_params, rocket_sizes, stable_topk, token_scores, update_page)
 from reference.model import RefModel
 from reference.rocketkv import RefRocketLayer
-from scripts.bench import paper_peak_memory
+from scripts.bench_figure import paper_peak_memory
 from test_cli import tiny_ckpt  # noqa: F401  (fixture)
 
 EAGER = (prefill_step, model_step)
