@@ -90,7 +90,9 @@ def run_paired(args) -> None:
     for label, policy in zip(labels, pols):
         for twin in twins:
             name = label + twin
-            model = models[name] = bench_model(args, ckpt, config, args.budget + args.block_size)
+            first = next(iter(models.values()), None)
+            model = models[name] = weight_twin(first) if args.random_weights and first is not None else \
+                bench_model(args, ckpt, config, args.budget + args.block_size)
             frozen[name] = twin == " (frozen)"
             modes[name] = AOT if twin == " (aot)" else "default" if args.aot_twins else args.compile_mode
             setup(model, policy, args.budget, len(ids), args.decode_steps, args.block_size, evict=label != "no-evict")
@@ -149,6 +151,19 @@ def run_paired(args) -> None:
     if args.profile:
         with torch._dynamo.config.patch(error_on_recompile=True):  # profile the graphs just timed, not new ones
             profile_steps(models, outs, len(ids), decode_fns, args)
+
+
+def weight_twin(model):
+    """A model over `model`'s own weight tensors, its caches set up after: the random-weights configurations share
+    one set of weights (a set per configuration would not fit one GPU at 8B shapes)."""
+    from engine import meta_model
+    twin = meta_model(model.config)
+    weights = {k: t for k, t in model.state_dict().items() if ".kv_cache." not in k}  # not its caches
+    twin.load_state_dict(weights, assign=True)
+    if twin.args.tie_embeddings:  # one Parameter for both, as the model has
+        twin.output.weight = twin.tok_embeddings.weight
+    twin.inv_freq, twin.config = model.inv_freq, model.config
+    return twin.eval()
 
 
 def one_step(model, decode_fn, out: list[int], prompt_len: int, timed) -> None:
