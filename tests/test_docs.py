@@ -111,11 +111,11 @@ COMMANDS = {
     f"{PY}scripts/bench_batch.py --checkpoint smollm2-135m --prompt-tokens 8176 --budget 512 --memory-cap 4096 "
     "--threads 2 --decode-steps 10 --compile --policies keydiff --json build/batch_8k.json "
     "--plot docs/batch_throughput.png": "tests/test_bench_batch.py::test_batch_run_stops_at_the_cap",
-    f"{PY}scripts/bench.py --figure rocketkv --contexts 16384,8192,4096 --budgets 256,512,1024 --threads 1":
+    f"{PY}scripts/bench_figure.py --contexts 16384,8192,4096 --budgets 256,512,1024 --threads 1":
         "tests/test_resume.py::test_bench_resume_runs_only_the_rest[figure]",
     "python scripts/bench_compile.py --checkpoint llama3.1-8b --random-weights --device cuda --dtype bfloat16 "
     "--policy keydiff --prompt-tokens 16384 --budget 2048 --new-tokens 512 --repeats 1": "GPU",
-    "bench.py --figure rocketkv --random-weights --checkpoint llama3.1-8b --dtype bfloat16 --compile --contexts 16384 "
+    "bench_figure.py --random-weights --checkpoint llama3.1-8b --dtype bfloat16 --compile --contexts 16384 "
     "--budgets 256": "GPU",
     # porting.md
     "python scripts/check_port.py tests/vectors RESULTS [--case 'keydiff-*']": "a template: RESULTS is a port's output",
@@ -163,9 +163,9 @@ COMMANDS = {
     # testing.md
     "TORCH_INDEX=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh test": "installs CUDA torch",
     "bash scripts/gpu_check.sh": "GPU",
+    "bash scripts/gpu_check.sh --only figure": "GPU",
+    "bash scripts/gpu_check.sh --only speculate,batch": "GPU",
     "PYTHON=python3 bash scripts/gpu_check.sh": "GPU",
-    "bench.py --random-weights --checkpoint llama3.1-8b --dtype bfloat16 --compile --kvpress --policies keydiff "
-    "--prompt-tokens 16384 --budget 2048": "GPU",
 }
 
 
