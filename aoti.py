@@ -69,8 +69,8 @@ def describe(value, seen: set, depth: int = 0) -> str:
 
 # The repository's modules whose code never runs inside a step (command lines, files, text, the decode loop): left out
 # of the key, so that editing them does not recompile. Every other module, a new one included, is hashed.
-UNTRACED_MODULES = {"generate.py", "cli.py", "chat.py", "progress.py", "checkpoint.py", "convert.py", "tokenizer.py",
-                    "files.py", "errors.py", "engine.py", "speculative.py"}
+UNTRACED_MODULES = {"generate.py", "generate_args.py", "cli.py", "chat.py", "progress.py", "checkpoint.py", "convert.py",
+                    "tokenizer.py", "files.py", "errors.py", "engine.py", "speculative.py"}
 
 
 def step_recipe(model, idx: Tensor, input_pos: Tensor) -> list[str]:

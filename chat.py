@@ -53,7 +53,7 @@ from engine import (PeakMemory, block_inputs, first_tokens, model_step, prefill_
                     prefill_step, setup, sync)
 from errors import UserError
 
-MAX_TURN_BYTES = 64 << 20  # one line of stdin, capped as a prompt file is (generate.MAX_PROMPT_BYTES)
+MAX_TURN_BYTES = 64 << 20  # one line of stdin, capped as a prompt file is (generate_args.MAX_PROMPT_BYTES)
 MARKER = "<<budgetkv:assistant-answer>>"  # stands for the previous answer when the template renders a new turn
 COMMANDS = {"/reset": "forget the conversation (positions restart at 0)", "/stats": "the conversation's summary",
             "/exit": "leave (EOF too)", "/help": "this list"}
