@@ -305,7 +305,7 @@ BENCH_RUNS = {  # kind -> (argv, the configurations in order, the flag naming on
 }
 
 
-def run_bench(monkeypatch, capsys, tmp_path, ckpt, argv, flag, kind, fail_on=None):
+def run_bench(monkeypatch, capsys, tmp_path, ckpt, argv, flag, kind, fail_on=None, out=False):
     """The script's main() in this process (bench.py; bench_quant.py for quant, bench_figure.py for figure); each
     configuration's child faked.
     (exit code, children started, stderr)"""
@@ -329,7 +329,8 @@ def run_bench(monkeypatch, capsys, tmp_path, ckpt, argv, flag, kind, fail_on=Non
         code = module.main()
     except SystemExit as e:
         code = e.code
-    return code, started, capsys.readouterr().err
+    printed = capsys.readouterr()
+    return (code, started, printed.err) + ((printed.out,) if out else ())
 
 
 def uninterrupted_bench(kind, ckpt, tmp_path, monkeypatch, capsys):
@@ -369,6 +370,22 @@ def test_bench_resume_runs_only_the_rest(kind, ckpt, tmp_path, monkeypatch, caps
                                    flag, kind)
     assert code == 2 and started == [] and part.read_bytes() == before
     assert err.strip().splitlines() == [err.strip()] and "repeats: 3 there, 2 now" in err, err
+
+
+@pytest.mark.parametrize("kind", ["table", "figure"])
+def test_a_single_sample_says_its_ratios_are_noise(kind, ckpt, tmp_path, monkeypatch, capsys):
+    """--repeats 1: one line under the table says that each configuration was timed once and its overheads and ratios
+    are noise; none with more samples."""
+    argv, _, flag = BENCH_RUNS[kind]
+    for repeats, notes in (("1", 1), ("3", 0)):
+        path = tmp_path / repeats / "out.json"
+        path.parent.mkdir()
+        code, _, _, out = run_bench(monkeypatch, capsys, tmp_path, ckpt, [a.format(out=path, dir=path.parent)
+                                                                          for a in argv] + ["--repeats", repeats],
+                                    flag, kind, out=True)
+        assert code in (0, None)
+        lines = [line for line in out.splitlines() if "dominated by noise" in line]
+        assert len(lines) == notes and all(line.startswith("note: --repeats 1 ") for line in lines), out
 
 
 def test_write_atomic_removes_a_killed_writers_temporary_file(tmp_path):
