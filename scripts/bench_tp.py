@@ -6,10 +6,12 @@ shapes with seeded random weights (speed does not depend on the values).
 
 After a block-wise prefill of --prompt-tokens random ids, --steps decode steps alternate between the real step and
 the same step with the all-reduces switched off (every Attention / FeedForward's tp_group set to None: the same
-per-rank compute, no communication; its output is wrong and thrown away; both kinds write the same cache, which
-changes which slots are kept, never a step's shapes). Each rank times its own steps (device sync before and after);
-rank 0 prints every rank's median step time, the median without all-reduces, and the all-reduce share 1 - without /
-with (it includes waiting for the slowest rank: what a rank really loses to the collectives). --compile compiles
+per-rank compute, no communication; its output is wrong, and its token is fed to the next step; both kinds write
+the same cache, which changes which slots are kept and which tokens come, never a step's shapes): one engine.decode
+run whose on_step switches the kind. Each rank times its own steps (engine.decode's step times: each ends once its
+token reached the host); rank 0 prints every rank's median step time, the median without all-reduces, and the
+all-reduce share 1 - without / with (it includes waiting for the slowest rank: what a rank really loses to the
+collectives). --compile compiles
 both kinds (two graphs; CUDA graphs on a GPU). On CPU with gloo this is a correctness run: two processes on one
 machine's cores are slower than one (docs/tensor_parallel.md).
 """
@@ -17,7 +19,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,17 +72,18 @@ def run(a) -> int:
     prefill, decode = engine.compile_steps(device.split(":")[0]) if a.compile else (engine.prefill_step,
                                                                                       engine.model_step)
     engine.prefill(model, ids, a.block_size, prefill)
-    token = torch.zeros(1, 1, dtype=torch.long, device=device)
-    times = {True: [], False: []}
-    for i in range(2 * a.steps + 2):
-        on = i % 2 == 0
-        set_reduce(model, group if on else None)
-        engine.sync(device)
-        t = time.perf_counter()
-        decode(model, token, torch.tensor([L + i], device=device))
-        engine.sync(device)
-        if i >= 2:  # the first of each kind compiles / warms up
-            times[on].append(time.perf_counter() - t)
+    times, kinds = {True: [], False: []}, []
+
+    def on_step(logits, seconds):  # the step just timed by engine.decode; the next one the other kind
+        on = len(kinds) % 2 == 0
+        kinds.append(on)
+        if len(kinds) > 2:  # the first of each kind compiles / warms up
+            times[on].append(seconds)
+        set_reduce(model, None if on else group)
+
+    set_reduce(model, group)
+    engine.decode(model, decode, torch.zeros(1, dtype=torch.long, device=device), [[0]], [L], 2 * a.steps + 3,
+                  on_step=on_step)
     set_reduce(model, group)
     with_ar, without = statistics.median(times[True]), statistics.median(times[False])
     rows = tp.gather_ints([round(with_ar * 1e6), round(without * 1e6)], mesh)
