@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import generate
+import generate_args
 from scripts import convert_hf_checkpoint, download
 from scripts import quantize as quantize_script
 
@@ -608,7 +609,7 @@ def test_tiny_temperature_is_greedy(tiny_ckpt, capfd):
 def run_generate_raising(tiny_ckpt, monkeypatch, capfd, exc, *extra):
     def boom(a):
         raise exc
-    monkeypatch.setattr(generate, "read_prompt", boom)
+    monkeypatch.setattr(generate_args, "read_prompt", boom)
     code = generate.main(["--checkpoint", str(tiny_ckpt), "--prompt", "x", *extra])
     out, err = capfd.readouterr()
     return code, err
