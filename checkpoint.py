@@ -112,6 +112,20 @@ def shape_config(name: str) -> tuple[dict, str]:
     return read_config_file(shipped), name
 
 
+def weights_format(config: dict, dtype: str, random_shapes: str | None = None, seed: int = 0) -> str:
+    """'int4 (group 32) weights, bfloat16 activations' or 'float32', and where the weights came from when known;
+    random_shapes: --random-weights of those shapes."""
+    if random_shapes is not None:
+        return f"random {dtype} weights ({random_shapes} shapes, seed {seed})"
+    q = config.get("budgetkv_quantization")
+    fmt = dtype
+    if isinstance(q, dict):
+        group = f" (group {q['groupsize']})" if q.get("groupsize") else ""
+        fmt = f"{q.get('mode')}{group} weights, {dtype} activations"
+    source = config.get("source")
+    return f"{fmt} [{source}]" if isinstance(source, str) else fmt
+
+
 def read_config_file(path: Path) -> dict:
     try:
         config = json.loads(path.read_text())

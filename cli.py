@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from errors import EnvironmentFailure, UserError
+from progress import Ticker
 
 ERROR_LOG = Path(tempfile.gettempdir()) / "budgetkv-error.log"  # the last internal error's traceback
 COMPILE_LOG = Path(tempfile.gettempdir()) / "budgetkv-compile.log"  # what torch.compile printed, last compile
@@ -61,6 +62,16 @@ def stderr_to_log(log: Path, verbose: bool):
         sys.stderr = saved_stream
         os.dup2(saved, 2)
         os.close(saved)
+
+
+@contextmanager
+def compile_log(mode: str, compile_prefill: bool, freeze: bool = False, verbose: bool = False):
+    """Around --compile's warm-up: inductor's autotune tables and compiler warnings go to a log (-v shows them), and
+    the terminal gets one line while it compiles (erased at the end): "compiling the decode step (aot) ... 12 s".
+    Yields the terminal's stream (what must not go to the log)."""
+    what = ("the prefill and decode steps" if compile_prefill else "the decode step") + (" (frozen)" if freeze else "")
+    with stderr_to_log(COMPILE_LOG, verbose) as terminal, Ticker(f"compiling {what} ({mode})", stream=terminal):
+        yield terminal
 
 
 def check_writable(path: Path, flag: str) -> None:

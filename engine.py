@@ -429,12 +429,10 @@ def prefill(model, prompt: torch.Tensor, block_size: int, step=prefill_step, one
     if one_shot:
         return prefill_one_shot(model, prompt, block_size, shared, on_prefill=on_prefill)
     L = prompt.numel()
-    eager = step is prefill_step  # then a dense cache's block attends only the slots filled so far
-    dense = eager and all(layer.attention.kv_cache.spec.mode == "dense" for layer in model.layers)
-    chunk = max(block_size, EAGER_CHUNK) if dense else block_size
-    with eager_blocks(model, 0, L, eager):
-        for start in range(0, L, chunk):
-            end = min(start + chunk, L)
+    dense = dense_chunk(model, block_size, step)
+    with eager_blocks(model, 0, L, step is prefill_step):  # eager: a dense cache's block attends the slots filled
+        for start in range(0, L, dense or block_size):
+            end = min(start + (dense or block_size), L)
             inputs = (prompt[None, start:end], torch.arange(start, end, device=prompt.device)) if dense else \
                 block_inputs(prompt, start, block_size)
             logits = step(model, *inputs)
@@ -444,6 +442,13 @@ def prefill(model, prompt: torch.Tensor, block_size: int, step=prefill_step, one
 
 
 EAGER_CHUNK = 512  # llama.cpp's default micro-batch
+
+
+def dense_chunk(model, block_size: int, step=prefill_step) -> int | None:
+    """The unpadded chunk, at least EAGER_CHUNK tokens, that prefill() gives the eager step over caches that hold
+    every token at slot == position (full, Exact-TopK); None elsewhere (padded blocks of block_size)."""
+    dense = step is prefill_step and all(layer.attention.kv_cache.spec.mode == "dense" for layer in model.layers)
+    return max(block_size, EAGER_CHUNK) if dense else None
 
 
 def sync(device: str) -> None:
@@ -457,7 +462,7 @@ class PeakMemory:
 
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda")
-        self.measure = "cuda max_memory_allocated" if self.cuda else "process peak RSS (VmHWM)"
+        self.measure = "cuda max_memory_allocated" if self.cuda else "process peak RSS, VmHWM"
 
     def reset(self) -> None:
         if self.cuda:
@@ -467,7 +472,7 @@ class PeakMemory:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
         except OSError:
-            self.measure = "process peak RSS since start (ru_maxrss)"
+            self.measure = "process peak RSS since start, ru_maxrss"
 
     def peak(self) -> int:
         if self.cuda:
@@ -892,9 +897,11 @@ class Generation:
                                      on_done=on_done, **self.sampling)
         weight_b, kv_read_b = decode_bytes_per_step(model)
         steps_per_s = stats["decode_steps"] / stats["decode_s"] if stats["decode_steps"] else 0.0
+        one_block_wise = len(prompts) == 1 and self.protocol == "block"  # a batch prefills in blocks
         stats.update(budget=self.budget, slots_held=self.slots,
-                     tokens_read_per_step=model.layers[0].attention.kv_cache.read_tokens(),
-                     block_size=self.block_size, prefill=self.protocol, threads=torch.get_num_threads(),
+                     tokens_read_per_step=model.layers[0].attention.kv_cache.read_tokens(), block_size=self.block_size,
+                     prefill_chunk=one_block_wise and dense_chunk(model, self.block_size, self.steps[0]) or
+                     self.block_size, prefill=self.protocol, threads=torch.get_num_threads(),
                      compiled=self.steps[1] is not model_step, compiled_prefill=self.compiled_prefill,
                      frozen=self.frozen, compile_mode=self.compile_mode, compile_s=round(self.compile_s, 2),
                      compile_cache=self.compile_cache, kv_cache_bytes=kv_bytes(model), weight_bytes=weight_b,

@@ -135,3 +135,19 @@ def jsonl_objects(path: Path, text: str, what: str = "a row", limit: int | None 
 def json_type(v) -> str:
     return {str: "a string", list: "a list", dict: "an object", bool: "true/false", type(None): "null"}.get(
         type(v), "a number")
+
+
+def export_trace(prof, path: Path) -> None:
+    """The profiler's chrome trace, written whole or not at all. torch's exporter writes <name>.tmp and renames it
+    over its target, and reports a failed write only in a log line: it writes a temporary file of ours here, which
+    must then exist, and that file replaces `path`."""
+    tmp = tmp_path(path)
+    try:
+        prof.export_chrome_trace(str(tmp))
+        if not tmp.is_file() or tmp.stat().st_size == 0:
+            raise EnvironmentFailure(f"cannot write {path}: the profiler could not write its trace (a full disk or a "
+                                     "file size limit?)")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        tmp.with_name(tmp.name + ".tmp").unlink(missing_ok=True)

@@ -14,12 +14,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
-from errors import EnvironmentFailure, UserError, check_python  # noqa: E402
+from errors import UserError, check_python  # noqa: E402
 
 check_python()  # first: Ctrl-C from here on is one line
 import json  # noqa: E402
-import os  # noqa: E402
-from contextlib import contextmanager, nullcontext  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
 
 import threads  # noqa: E402,F401  (before torch: how its OpenMP threads wait)
 import torch  # noqa: E402
@@ -29,15 +28,15 @@ import progress  # noqa: E402
 import speculative  # noqa: E402
 import tp  # noqa: E402
 from cache import KV_DTYPES  # noqa: E402
-from checkpoint import resolve_checkpoint, shape_config  # noqa: E402
-from cli import COMPILE_LOG, is_verbose, stderr_to_log  # noqa: E402
+from checkpoint import resolve_checkpoint, shape_config, weights_format  # noqa: E402
+from cli import compile_log, is_verbose  # noqa: E402
 from config import parse_config  # noqa: E402
 from convert import read_config  # noqa: E402
 from engine import (AOT, CACHE_NOTES, DEFAULT_BLOCK, DEFAULT_NEW_TOKENS, Generation, check_fits,  # noqa: E402
                     prefill_protocol, set_threads, sync)
-from files import tmp_path  # noqa: E402
+from files import export_trace  # noqa: E402
 from generate_args import batch_of, check_args, compute_dtype, prompt_ids, read_prompts  # noqa: E402
-from progress import Progress, Ticker  # noqa: E402
+from progress import prefill_progress  # noqa: E402
 from sampling import StopStrings  # noqa: E402
 
 
@@ -101,7 +100,7 @@ def run(a) -> int:
     gen.setup(model)
     if a.compile:
         gen.compile(model, prompts[0][0], a.compile_mode, a.compile_prefill, a.freeze,
-                    around=lambda g: compile_log(a, g.compile_mode, g.compiled_prefill))
+                    around=lambda g: compile_log(g.compile_mode, g.compiled_prefill, a.freeze, is_verbose(a)))
     outs, stats, stream = generate_streamed(a, gen, model, tokenizer, prompts)
     stats.update(checkpoint=str(ckpt), policy=a.policy, kv_dtype=a.kv_dtype, dtype=dtype_name, weights=weights,
                  random_weights=a.random_weights, device=a.device)
@@ -129,7 +128,7 @@ def run_interactive(a, policy, dtype, mesh) -> int:
                              evict_before_attend=a.evict_before_attend)
     if a.compile:
         conversation.compile(a.compile_mode, a.compile_prefill, a.freeze,
-                             around=lambda mode, prefill: compile_log(a, mode, prefill))
+                             around=lambda mode, prefill: compile_log(mode, prefill, a.freeze, is_verbose(a)))
     return chat.repl(conversation, json_mode=a.json)
 
 
@@ -172,7 +171,8 @@ def generate_streamed(a, gen, model, tokenizer, prompts):
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda") else [])
         prof = profile(activities=acts, record_shapes=True)
     with prof or nullcontext():
-        bar, on_prefill = prefill_progress(a, sum(gen.lens), model.args.n_layers, per_layer=n == 1)
+        bar, on_prefill = prefill_progress(sum(gen.lens), model.args.n_layers, a.prefill == "one-shot" and n == 1,
+                                           lambda: sync(a.device))
         stream.bar = bar
         with bar:
             outs, stats = gen.generate(model, prompts, eos_ids=set(tokenizer.eos_ids) if tokenizer else set(),
@@ -211,7 +211,8 @@ def print_result(a, gen, stats, outs, stream, tp_line) -> None:
     slots = f" ({gen.slots} used by its layout)" if gen.slots != gen.budget else ""
     print(f"--- {counts} | "
           f"policy {a.policy} ({a.prefill} prefill), budget {gen.budget} slots{slots}, "
-          f"{stats['tokens_read_per_step']:.1f} tokens read per decode step | block {gen.block_size}, "
+          f"{count(stats['tokens_read_per_step'])} tokens read per decode step | prefill {stats['prefill_chunk']} "
+          f"tokens a step, "
           f"{stats['weights']} on {a.device} ({stats['threads']} thread{'s' if stats['threads'] > 1 else ''})"
           f"{compiled_note}\n"
           f"TTFT {stats['ttft_s']:.3f} s | prefill {stats['prefill_tok_s']:.1f} tok/s | "
@@ -249,13 +250,14 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, gen, weights:
               "more than a decode step (its attention grows with the queries): docs/speculative.md has the CPU "
               "measurements; time yours with scripts/bench_speculate.py", file=sys.stderr)
     stream = TextStream(tokenizer)
-    bar, on_prefill = prefill_progress(a, L, model.args.n_layers, per_layer=False)
+    bar, on_prefill = prefill_progress(L, model.args.n_layers, sync=lambda: sync(a.device))
     stream.bar = bar
     with bar:
         out, stats = speculative.run(
             model, draft, ids, N, k=K, block_size=gen.block_size, device=a.device,
             draft_one_shot=a.draft_prefill == "one-shot", compile=a.compile, mode=a.compile_mode,
-            compile_prefill=a.compile_prefill, around=lambda mode, prefill: compile_log(a, mode, prefill),
+            compile_prefill=a.compile_prefill,
+            around=lambda mode, prefill: compile_log(mode, prefill, a.freeze, is_verbose(a)),
             eos_ids=set(tokenizer.eos_ids) if tokenizer else set(), on_token=None if a.json else stream,
             on_prefill=on_prefill, **gen.sampling)
     stats.update(policy="full", budget=slots, draft_policy=a.draft_policy, draft_budget=draft_slots,
@@ -267,11 +269,12 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, gen, weights:
         return 0
     print(flush=True)
     mib, compiled = 2 ** 20, f", compiled in {stats['compile_s']:.1f} s" if a.compile else ""
+    chunk = f" (the target {stats['prefill_chunk']})" if stats["prefill_chunk"] != gen.block_size else ""
     print(f"--- {stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated | speculate "
           f"K={K}: draft {a.draft_policy} ({a.draft_prefill} prefill) {draft_slots} slots, "
-          f"{stats['draft_tokens_read_per_step']:.1f} tokens read per draft step"
+          f"{count(stats['draft_tokens_read_per_step'])} tokens read per draft step"
           f"{', ' + a.draft_checkpoint if a.draft_checkpoint else ''}; target full, {slots} slots | "
-          f"block {gen.block_size}, {weights} on {a.device}{compiled}\n"
+          f"prefill {gen.block_size} tokens a step{chunk}, {weights} on {a.device}{compiled}\n"
           f"{stats['rounds']} rounds: {stats['accepted_per_round']:.2f} of {K} drafts kept per round (acceptance "
           f"{stats['acceptance_rate']:.0%}) | bandwidth model: {stats['predicted_speedup']:.2f}x decode speedup "
           f"predicted at this acceptance ({best:.2f}x with every draft kept)\n"
@@ -280,6 +283,11 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, gen, weights:
           f"({stats['memory_measure']}): prefill {stats['prefill_peak_bytes'] / mib:.1f} MiB, decode "
           f"{stats['decode_peak_bytes'] / mib:.1f} MiB", file=sys.stderr)
     return 0
+
+
+def count(x: float) -> str:
+    """A count as an integer (257, not 257.0); a token-equivalent that is not one (RocketKV's reads) with a decimal."""
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
 
 
 class InOrder:
@@ -323,72 +331,6 @@ class TextStream:
         sys.stdout.write(s[len(self.printed):] if s.startswith(self.printed) else "\n" + s)
         sys.stdout.flush()
         self.printed = s
-
-
-def prefill_progress(a, prompt_len: int, n_layers: int, per_layer: bool = True):
-    """The prefill's progress line and generate()'s on_prefill for it: "prefill 1,024/4,000 tokens  312 tok/s  3.3 s",
-    one-shot "prefill (one-shot) 4,000 tokens: 12/30 layers  850 tok/s  5.1 s" (every token goes through a layer at
-    once; the rate counts a layer as 1/30 of the prompt). on_prefill is None where no line can show (--quiet, not a
-    terminal): generate() then calls nothing. per_layer=False: a one-shot batch reports prompt tokens (one prompt
-    at a time), as block-wise does. On CUDA the blocks run asynchronously; the callback syncs before a
-    line is drawn (at most 4 times a second), so that the line counts what has run, not what was queued."""
-    one_shot = a.prefill == "one-shot" and per_layer
-    if one_shot:
-        bar = Progress(n_layers, f"prefill (one-shot) {prompt_len:,} tokens:", "layers", rate_unit="tok",
-                       scale=prompt_len / n_layers)
-    else:
-        bar = Progress(prompt_len, "prefill", "tokens", rate_unit="tok")
-    if not bar.active:
-        return bar, None
-    calls = [0]
-
-    def on_prefill(done: int, total: int) -> None:
-        calls[0] += 1
-        step = calls[0] if one_shot else done  # one-shot: called once per layer
-        if bar.due(step):
-            sync(a.device)
-            bar.update(step)
-    return bar, on_prefill
-
-
-@contextmanager
-def compile_log(a, mode: str, compile_prefill: bool):
-    """Around --compile's warm-up: inductor's autotune tables and compiler warnings go to a log (-v shows them), and
-    the terminal gets one line while it compiles (erased at the end): "compiling the decode step (aot) ... 12 s".
-    Yields the terminal's stream (what must not go to the log)."""
-    what = ("the prefill and decode steps" if compile_prefill else "the decode step") + (" (frozen)" if a.freeze else "")
-    with stderr_to_log(COMPILE_LOG, is_verbose(a)) as terminal, Ticker(f"compiling {what} ({mode})", stream=terminal):
-        yield terminal
-
-
-def export_trace(prof, path: Path) -> None:
-    """The profiler's chrome trace, written whole or not at all. torch's exporter writes <name>.tmp and renames it
-    over its target, and reports a failed write only in a log line: it writes a temporary file of ours here, which
-    must then exist, and that file replaces `path`."""
-    tmp = tmp_path(path)
-    try:
-        prof.export_chrome_trace(str(tmp))
-        if not tmp.is_file() or tmp.stat().st_size == 0:
-            raise EnvironmentFailure(f"cannot write {path}: the profiler could not write its trace (a full disk or a "
-                                     "file size limit?)")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-        tmp.with_name(tmp.name + ".tmp").unlink(missing_ok=True)
-
-
-def weights_format(config: dict, dtype: str, random_shapes: str | None = None, seed: int = 0) -> str:
-    """'int4 (group 32) weights, bfloat16 activations' or 'float32', and where the weights came from when known;
-    random_shapes: --random-weights of those shapes."""
-    if random_shapes is not None:
-        return f"random {dtype} weights ({random_shapes} shapes, seed {seed})"
-    q = config.get("budgetkv_quantization")
-    fmt = dtype
-    if isinstance(q, dict):
-        group = f" (group {q['groupsize']})" if q.get("groupsize") else ""
-        fmt = f"{q.get('mode')}{group} weights, {dtype} activations"
-    source = config.get("source")
-    return f"{fmt} [{source}]" if isinstance(source, str) else fmt
 
 
 def main(argv=None) -> int:

@@ -105,18 +105,18 @@ def parse_args(argv=None, description: str | None = None):
                     help="compile the decode step and, by default on CUDA, the prefill-block step (see "
                          "--compile-prefill). On CPU the decode step is compiled ahead of time (AOTInductor): the "
                          "first run of a model, policy, budget, block size, dtype and thread count compiles it "
-                         "(SmolLM2-135M on 2 cores: about a minute) into build/aot-steps, and later runs load it in "
+                         "into build/aot-steps (docs/performance.md has the times), and later runs load it in "
                          "a fraction of a second. On CUDA torch.compile (fullgraph, CUDA graphs for decode) caches "
                          "its graphs in build/inductor-cache (TORCHINDUCTOR_CACHE_DIR). What the compiler prints "
                          "goes to " + str(COMPILE_LOG) + " (-v: to the terminal)")
     ap.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
                     help="with --compile: also compile the prefill-block step. Default: yes on CUDA, no on CPU, where "
-                         "it doubles a cold compile for ~1.1x the prefill tok/s (SmolLM2-135M, docs/performance.md). "
+                         "it doubles a cold compile for little prefill speed (docs/performance.md). "
                          "Block-wise prefill only: a one-shot prefill never runs the block step")
     ap.add_argument("--freeze", action="store_true",
                     help="with --compile: fold the weights into the compiled graphs (inductor's freezing). The process "
-                         "then holds a second copy of the weights; on CPU the frozen decode step measured only ~2%% "
-                         "faster than the default's (SmolLM2-135M, docs/performance.md), so leave it off there")
+                         "then holds a second copy of the weights; on CPU it barely speeds decode "
+                         "(docs/performance.md), so leave it off there")
     ap.add_argument("--compile-mode", choices=["auto", AOT, "default", "reduce-overhead", "max-autotune",
                                                                "max-autotune-no-cudagraphs"],
                     help="auto = on CPU aot (the decode step compiled ahead of time; a compiled prefill step is "

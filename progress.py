@@ -140,3 +140,29 @@ class Ticker(_Line):
             self.thread.join()  # no line is drawn after the clear
             self.thread = None
         super().close()
+
+
+def prefill_progress(prompt_len: int, n_layers: int, one_shot: bool = False, sync=None):
+    """The prefill's progress line and generate()'s on_prefill for it: "prefill 1,024/4,000 tokens  312 tok/s  3.3 s",
+    one-shot "prefill (one-shot) 4,000 tokens: 12/30 layers  850 tok/s  5.1 s" (every token goes through a layer at
+    once; the rate counts a layer as 1/30 of the prompt; one prompt only: a one-shot batch reports prompt tokens,
+    one prompt at a time, as block-wise does). on_prefill is None where no line can show (--quiet, not a terminal):
+    generate() then calls nothing. sync(), when given, runs before a line is drawn (at most 4 times a second): on
+    CUDA the blocks run asynchronously, and the line must count what has run, not what was queued."""
+    if one_shot:
+        bar = Progress(n_layers, f"prefill (one-shot) {prompt_len:,} tokens:", "layers", rate_unit="tok",
+                       scale=prompt_len / n_layers)
+    else:
+        bar = Progress(prompt_len, "prefill", "tokens", rate_unit="tok")
+    if not bar.active:
+        return bar, None
+    calls = [0]
+
+    def on_prefill(done: int, total: int) -> None:
+        calls[0] += 1
+        step = calls[0] if one_shot else done  # one-shot: called once per layer
+        if bar.due(step):
+            if sync is not None:
+                sync()
+            bar.update(step)
+    return bar, on_prefill

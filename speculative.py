@@ -199,8 +199,8 @@ def run(target, draft, prompt_ids: list[int], max_new_tokens: int, *, k: int, bl
     """A speculative generation once setup() gave both caches: with `compile`, the steps compiled (mode None: the
     device's decode default; compile_prefill None: on CUDA only) and warmed up inside around(mode name, whether
     the prefill is compiled) when given, then generate() (kw: its sampling, eos_ids, on_token, on_prefill). The
-    stats add the compile's seconds, the draft's tokens read per step, both caches' bytes and the bandwidth
-    model's best case (every draft kept)."""
+    stats add the compile's seconds, the draft's tokens read per step, the target's prefill chunk
+    (engine.dense_chunk), both caches' bytes and the bandwidth model's best case (every draft kept)."""
     steps, compile_s, mode = EAGER, 0.0, None if mode == "auto" else mode
     if compile:
         compile_prefill = device != "cpu" if compile_prefill is None else compile_prefill
@@ -212,8 +212,10 @@ def run(target, draft, prompt_ids: list[int], max_new_tokens: int, *, k: int, bl
         compile_s = time.perf_counter() - t
     out, stats = generate(target, draft, prompt_ids, max_new_tokens, k=k, block_size=block_size, steps=steps,
                           device=device, draft_one_shot=draft_one_shot, **kw)
+    shared = draft_one_shot and draft.tok_embeddings is target.tok_embeddings  # one prefill for both (prefill)
+    chunk = not shared and engine.dense_chunk(target, block_size, steps.prefill) or block_size
     stats.update(draft_tokens_read_per_step=draft.layers[0].attention.kv_cache.read_tokens(),
-                 block_size=block_size, threads=torch.get_num_threads(), compiled=compile,
+                 block_size=block_size, prefill_chunk=chunk, threads=torch.get_num_threads(), compiled=compile,
                  compile_s=round(compile_s, 2), kv_cache_bytes=kv_bytes(target) + kv_bytes(draft),
                  best_case_speedup=predicted_speedup(target, draft, k))
     return out, stats
