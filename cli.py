@@ -156,6 +156,23 @@ def internal_error(e: BaseException, verbose: bool) -> int:
     return 1
 
 
+def run_ranks(run_fn, parse_args) -> int:
+    """A command line that may run under torchrun (tp.py): only rank 0 prints, a lost rank is one line naming it,
+    bad input is one line and a clean exit on every rank (tp.exit_code), and the group is left at the end."""
+    import tp
+    tp.quiet_other_ranks()
+    try:
+        try:
+            a = parse_args()
+        except SystemExit as e:  # argparse's one line (Parser), or --help
+            if not isinstance(e.code, int):
+                raise
+            return tp.exit_code(e.code)
+        return tp.exit_code(run_cli(tp.naming_lost_ranks(run_fn), a))
+    finally:
+        tp.finish()
+
+
 def run_cli(run_fn, a) -> int:
     """Run a command; every failure becomes one line on stderr (the exit codes are in this module's docstring).
     Shared by every entry point (generate.py and scripts/)."""

@@ -29,7 +29,7 @@ import speculative  # noqa: E402
 import tp  # noqa: E402
 from cache import KV_DTYPES  # noqa: E402
 from checkpoint import resolve_checkpoint, shape_config, weights_format  # noqa: E402
-from cli import compile_log, is_verbose  # noqa: E402
+from cli import compile_log, is_verbose, run_ranks  # noqa: E402
 from config import parse_config  # noqa: E402
 from convert import read_config  # noqa: E402
 from engine import (AOT, CACHE_NOTES, DEFAULT_BLOCK, DEFAULT_NEW_TOKENS, Generation, check_fits,  # noqa: E402
@@ -334,7 +334,7 @@ class TextStream:
 
 
 def main(argv=None) -> int:
-    return tp.main(run, lambda: parse_args(argv))  # under torchrun only rank 0 prints, from the first line on
+    return run_ranks(run, lambda: parse_args(argv))  # under torchrun only rank 0 prints, from the first line on
 
 
 if __name__ == "__main__":

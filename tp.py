@@ -158,23 +158,6 @@ def exit_code(code: int) -> int:
     return 0
 
 
-def main(run, parse_args) -> int:
-    """A command line that may run under torchrun: only rank 0 prints, a lost rank is one line naming it, bad input
-    is one line and a clean exit on every rank (exit_code), and the group is left at the end."""
-    from cli import run_cli
-    quiet_other_ranks()
-    try:
-        try:
-            a = parse_args()
-        except SystemExit as e:  # argparse's one line (cli.Parser), or --help
-            if not isinstance(e.code, int):
-                raise
-            return exit_code(e.code)
-        return exit_code(run_cli(naming_lost_ranks(run), a))
-    finally:
-        finish()
-
-
 def start(requested: int | None, device: str, policy, *, interactive: bool = False, speculate: bool = False,
           aot: bool = False) -> Mesh:
     """The command line's entry: validate (on every rank, before any collective, so that bad input fails

@@ -30,7 +30,7 @@ import engine  # noqa: E402
 import policies  # noqa: E402
 import tp  # noqa: E402
 from checkpoint import shape_config  # noqa: E402
-from cli import Parser  # noqa: E402
+from cli import Parser, run_ranks  # noqa: E402
 
 
 def parser() -> Parser:
@@ -105,7 +105,7 @@ def run(a) -> int:
 
 
 def main(argv=None) -> int:
-    return tp.main(run, lambda: parser().parse_args(argv))  # under torchrun only rank 0 prints
+    return run_ranks(run, lambda: parser().parse_args(argv))  # under torchrun only rank 0 prints
 
 
 if __name__ == "__main__":
