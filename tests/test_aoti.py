@@ -165,36 +165,29 @@ def test_a_warm_run_imports_no_compiler(hf_tiny, tmp_path):
     assert not warm["dynamo"] and not warm["inductor"] and cold["inductor"]
 
 
-def test_a_damaged_package_is_compiled_again(tiny, tmp_path, monkeypatch):
-    """A package file that cannot be loaded (truncated on disk, say) is replaced by a fresh compile, not trusted."""
-    monkeypatch.setenv("BUDGETKV_AOT_DIR", str(tmp_path))
-    want = run(tiny, "tova", 40, model_step)
-    policy = policies.make("tova")
-    setup(tiny, policy, 40, len(PROMPT), 12, 8)
-    key = aoti.step_key(tiny, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
-    (tmp_path / f"{key}.pt2").write_bytes(b"not a package")
-    step = aoti.AotStep()
-    assert run(tiny, "tova", 40, step) == want and (step.compiled, step.loaded) == (1, 0)
-    again = aoti.AotStep()
-    assert run(tiny, "tova", 40, again) == want and (again.compiled, again.loaded) == (0, 1)
-
-
 @pytest.fixture(scope="module")
-def built(tiny, hf_tiny, tmp_path_factory):
+def built(tiny, hf_tiny, packages, tmp_path_factory):
     """One real package (and its record) of the tiny model's keydiff step, and one of another model's (qwen2): the
-    cases below copy them, and their compiles copy the first instead of compiling again. Also eager's tokens."""
+    cases below copy them, and their compiles copy the first instead of compiling again. Also eager's tokens. The
+    own package is the module's (test_packaged_step_generates_eager_tokens[keydiff-40] compiled it: loaded here)."""
+    import shutil
     d = tmp_path_factory.mktemp("built")
     other = load_model(hf_tiny("qwen2")[1], torch.float32, "cpu")
-    old, n = os.environ.get("BUDGETKV_AOT_DIR"), torch.get_num_threads()
+    n = torch.get_num_threads()
     torch.set_num_threads(1)  # as under one_thread: the thread count is part of the key
     try:
-        for name, model in (("own", tiny), ("other", other)):
-            os.environ["BUDGETKV_AOT_DIR"] = str(d / name)
-            run(model, "keydiff", 40, aoti.AotStep())
+        step = aoti.AotStep()
+        run(tiny, "keydiff", 40, step)
+        (key,) = step.loaders
+        (d / "own").mkdir()
+        for p in (packages / f"{key}.pt2", aoti.record_path(packages / f"{key}.pt2")):
+            shutil.copyfile(p, d / "own" / p.name)
+        os.environ["BUDGETKV_AOT_DIR"] = str(d / "other")
+        run(other, "keydiff", 40, aoti.AotStep())
         want = run(tiny, "keydiff", 40, model_step)
     finally:
         torch.set_num_threads(n)
-        os.environ.pop("BUDGETKV_AOT_DIR") if old is None else os.environ.update(BUDGETKV_AOT_DIR=old)
+        os.environ["BUDGETKV_AOT_DIR"] = str(packages)
     (own,), (theirs,) = (list((d / name).glob("*.pt2")) for name in ("own", "other"))
     return own, theirs, want
 
@@ -236,6 +229,11 @@ def record_a_package_torch_cannot_load(path, theirs):
     aoti.record_path(path).write_text(json.dumps(record | {"sha256": aoti.file_sha256(path)}))
 
 
+def cut_short_without_record(path, theirs):
+    path.write_bytes(path.read_bytes()[:100])
+    aoti.record_path(path).unlink()
+
+
 TAMPERED = {  # what was done to the key's package -> the reason printed
     "another package under the key's name, the key's record kept": (
         lambda path, theirs: path.write_bytes(theirs.read_bytes()), "damaged or replaced"),
@@ -245,6 +243,7 @@ TAMPERED = {  # what was done to the key's package -> the reason printed
     "no record": (lambda path, theirs: aoti.record_path(path).unlink(), "no readable record"),
     "a record that is not JSON": (lambda path, theirs: aoti.record_path(path).write_text("{"), "no readable record"),
     "a recorded package that torch cannot load": (record_a_package_torch_cannot_load, "torch could not load it"),
+    "a package cut short, no record": (cut_short_without_record, "no readable record"),
 }
 
 
