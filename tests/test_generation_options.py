@@ -53,9 +53,12 @@ def test_penalty_compiled_without_recompile(tiny):
     policy = policies.make("keydiff")
     eager = run(model, policy, PROMPTS)
     steps = engine.compile_steps("cpu", None)
-    run(model, policy, PROMPTS, steps=steps)  # compiles
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        assert run(model, policy, PROMPTS, steps=steps) == eager
+    try:
+        run(model, policy, PROMPTS, steps=steps)  # compiles
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            assert run(model, policy, PROMPTS, steps=steps) == eager
+    finally:
+        torch._dynamo.reset()  # a later test in this process compiles the same functions at other shapes
 
 
 @pytest.fixture(scope="module")
