@@ -138,6 +138,8 @@ COMMANDS = {
     "--prefill block,one-shot --compile --longbench en16 --longbench-source LongBench/data":
         "GPU (LongBench: tests/test_eval.py::test_longbench_average)",
     f"{PY}scripts/eval.py --threads 1 --tasks fidelity --budgets 256,1024": RUN,
+    f'{PY}generate.py --prompt-file doc.txt --prompt "In which year and month was this license published?" --policy '
+    "keydiff --max-new-tokens 96 --repetition-penalty 1.1": RUN,
     f'{PY}scripts/eval.py --threads 1 --tasks fidelity --budgets 256,1024 --policies "caote:h2o,fastcaote:h2o,'
     "caote:tova,fastcaote:tova,caote:snapkv,fastcaote:snapkv,caote:keydiff,fastcaote:keydiff,snapkv++,rocketkv,"
     'exact-topk,sagekv,kvec"': RUN,
