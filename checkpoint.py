@@ -15,6 +15,7 @@ from pathlib import Path
 
 from convert import (ENGINE_FILE, CheckpointError, checkpoint_files, convert_gguf, convert_hf_dir, hf_sources,
                      hf_weights, read_config, read_gguf, read_identity, stale)
+from cli import check_out_dir
 from errors import EnvironmentFailure, UserError
 from files import remove_stale_tmp, unreachable
 
@@ -56,8 +57,10 @@ def resolve_checkpoint(name: str, flag: str = "--checkpoint") -> Path:
     """A short name, an HF directory, a budgetkv directory or a .gguf file -> a directory the loader reads, whose
     converted or quantized weights are those of their source as it is now (converted again when it changed).
     flag: the option that named it, for the error line."""
+    if not name.strip():
+        raise UserError(f"{flag} is empty: give a short name, a model directory or a .gguf file")
     path = Path(name)
-    if path.suffix == ".gguf":
+    if path.suffix.lower() == ".gguf":  # in any case, as llama.cpp's tools accept it
         if not path.is_file():
             why = unreachable(path)
             raise UserError(f"GGUF file {path}: {why}" if why and why.startswith("a symlink loop") else
@@ -98,7 +101,7 @@ def shape_config(name: str) -> tuple[dict, str]:
     folder holding a config.json and no weights. A checkpoint with weights is refused (random weights would silently
     replace them), as is a name with no shipped config."""
     path = Path(name)
-    has_weights = (path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (hf_weights(path) or
+    has_weights = (path.is_file() and path.suffix.lower() == ".gguf") or (path.is_dir() and (hf_weights(path) or
                                                                                     (path / ENGINE_FILE).is_file()))
     if has_weights:
         raise UserError(f"--random-weights builds {name}'s shapes without weights, and {name} has weights: drop "
@@ -156,6 +159,8 @@ def fresh_gguf(gguf_path: Path, out: Path) -> Path:
     else:
         line = f"converting {gguf_path} -> {out} (once)"
     opened = read_gguf(gguf_path)  # a file that is no GGUF fails here, before the line
+    check_out_dir(out, "the conversion's folder" + (" (BUDGETKV_CHECKPOINTS)" if "BUDGETKV_CHECKPOINTS" in os.environ
+                                                     else ""))  # before the minutes of converting
     say(line)
     convert_gguf(gguf_path, out, opened)
     return out

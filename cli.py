@@ -76,8 +76,11 @@ def compile_log(mode: str, compile_prefill: bool, freeze: bool = False, verbose:
 
 def check_writable(path: Path, flag: str) -> None:
     """Fail before the work, not after it, when an output file cannot be written (the permission bits alone do not
-    tell: root passes them, and /proc refuses anyway)."""
+    tell: root passes them, and /proc refuses anyway). The output is renamed into place: only a regular file is
+    replaced."""
     existed = path.exists()
+    if existed and not path.is_file() and not path.is_dir():  # a pipe would block the open, a device be replaced
+        raise UserError(f"{flag} {path}: cannot write there (not a regular file: the output replaces what is there)")
     try:
         with open(path, "a"):
             pass

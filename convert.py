@@ -293,8 +293,12 @@ def read_gguf(gguf_path: Path):
     try:
         with Ticker(f"reading {gguf_path.name}"):  # seconds: the tokenizer's vocabulary is parsed here
             reader = gguf.GGUFReader(str(gguf_path))
-    except Exception as e:  # gguf raises bare ValueError / struct errors on bad files
-        raise CheckpointError(f"cannot read GGUF file {gguf_path}: {' '.join(str(e).split())}") from None
+    except Exception:  # gguf (numpy underneath) raises bare ValueError / struct errors on bad files
+        with open(gguf_path, "rb") as f:
+            magic = f.read(4)
+        why = "truncated or damaged (its header, metadata and tensors do not fit the file)" if magic == b"GGUF" \
+            else "not a GGUF file (it does not start with GGUF)"
+        raise CheckpointError(f"cannot read GGUF file {gguf_path}: {why}") from None
     name = gguf_path.name
     arch = _gguf_value(reader, "general.architecture")
     if arch not in ("llama", "qwen2"):

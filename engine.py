@@ -6,6 +6,7 @@ import ctypes
 import dataclasses
 import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -950,6 +951,35 @@ def cache_state(inductor_counters, aot_step=None) -> str:
     return "hit" if counts.get("fxgraph_cache_hit") or aot_step is not None else "off"
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype's choices; auto: bfloat16 on CUDA, float32 on CPU
+PREFILLS = ("block", "one-shot")
+
+
+def compute_dtype(dtype: str, device: str) -> torch.dtype:
+    """--dtype: auto is bfloat16 on CUDA, float32 on CPU."""
+    auto = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return auto if dtype == "auto" else getattr(torch, dtype)
+
+
+def check_run_settings(device: str, dtype: str = "auto", kv_dtype: str = "auto", prefill: str | None = None) -> None:
+    """--device, --dtype, --kv-dtype and --prefill, as generate.py and generate_text both take them: one UserError
+    naming the flag. --kv-dtype bfloat16 only halves a float32 run's cache."""
+    for flag, value, allowed in (("--dtype", dtype, DTYPES), ("--kv-dtype", kv_dtype, ("auto", *KV_DTYPES)),
+                                 ("--prefill", prefill, (None, *PREFILLS))):
+        if not isinstance(value, str | None) or value not in allowed:
+            raise UserError(f"unsupported {flag} {value!r} ({', '.join(a for a in allowed if a)})")
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise UserError(f"unsupported --device {device!r} (cpu, cuda or cuda:N)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but CUDA is not available (use --device cpu)")
+    if ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
+        raise UserError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if kv_dtype == "bfloat16" and compute_dtype(dtype, device) != torch.float32:
+        raise UserError(f"--kv-dtype bfloat16 halves a float32 run's cache; this run computes in "
+                        f"{str(compute_dtype(dtype, device)).removeprefix('torch.')}, whose own cache is as small: "
+                        "drop --kv-dtype or add --dtype float32")
+
+
 def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", policy="full",
                   budget: int | None = None, max_new_tokens: int | None = None, block_size: int | None = None,
                   prefill: str | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -966,8 +996,8 @@ def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", 
     from checkpoint import resolve_checkpoint
     from tokenizer import load_tokenizer
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    compute = (torch.bfloat16 if device.startswith("cuda") else torch.float32) if dtype == "auto" else \
-        getattr(torch, dtype)
+    check_run_settings(device, dtype, kv_dtype, prefill)
+    compute = compute_dtype(dtype, device)
     texts = [prompt] if isinstance(prompt, str) else list(prompt)
     stop = [stop] if isinstance(stop, str) else list(stop)
     if not texts or not all(isinstance(t, str) and t.strip() for t in texts) or not all(stop) or not (

@@ -3,7 +3,6 @@
 batch), a document and a question, --random-weights' token ids."""
 import argparse
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -14,9 +13,11 @@ import speculative
 from cache import KV_DTYPES
 from checkpoint import MODELS
 from cli import COMPILE_LOG, Parser, check_writable
-from engine import AOT, DEFAULT_BLOCK, DEFAULT_BUDGET, DEFAULT_NEW_TOKENS, MIN_TEMPERATURE
+from engine import (AOT, DEFAULT_BLOCK, DEFAULT_BUDGET, DEFAULT_NEW_TOKENS, DTYPES, MIN_TEMPERATURE, PREFILLS,
+                    check_run_settings)
+from engine import compute_dtype as engine_compute_dtype
 from errors import UserError
-from files import jsonl_objects
+from files import jsonl_objects, read_capped
 
 MAX_PROMPT_BYTES = 64 << 20  # far more text than any supported model's context holds
 
@@ -77,7 +78,7 @@ def parse_args(argv=None, description: str | None = None):
                     help=f"prefill block size: the tokens one step takes, block-wise (eager full and exact-topk, which "
                          f"evict nothing, take 512 at a time or more); the chunk one layer takes at a time, one-shot "
                          f"(default {DEFAULT_BLOCK}, or the model's context if smaller)")
-    ap.add_argument("--prefill", choices=["block", "one-shot"], default=None,
+    ap.add_argument("--prefill", choices=PREFILLS, default=None,
                     help="block: evict after every block, hard budget throughout (KeyDiff protocol, default); "
                          "one-shot: whole prompt dense (layer by layer), then one compression (SnapKV/kvpress; "
                          "the default and only protocol of snapkv++, rocketkv, sagekv and kvec)")
@@ -134,7 +135,7 @@ def parse_args(argv=None, description: str | None = None):
                          "this flag only checks that the world size is N). docs/tensor_parallel.md")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cpu, cuda or cuda:N (default: cuda when available)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    ap.add_argument("--dtype", default="auto", choices=DTYPES,
                     help="auto = bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", *KV_DTYPES],
                     help="KV cache storage: auto = --dtype; int8 = one scale per token and head (the buffer ~4x "
@@ -206,10 +207,6 @@ def check_args(a) -> None:
     check_interactive_flags(a)
     check_prompt_flags(a)
     check_speculate_flags(a)
-    if a.kv_dtype == "bfloat16" and compute_dtype(a) != torch.float32:
-        raise UserError(f"--kv-dtype bfloat16 halves a float32 run's cache; this run computes in "
-                        f"{str(compute_dtype(a)).removeprefix('torch.')}, whose own cache is as small: drop --kv-dtype "
-                        "or add --dtype float32")
     seed = () if a.random_weights else (("--seed", a.seed),)  # random weights: --seed seeds them (and the prompt)
     given = [flag for flag, v in (("--top-k", a.top_k), ("--top-p", a.top_p), *seed) if v is not None]
     if given and a.temperature < MIN_TEMPERATURE:
@@ -224,12 +221,7 @@ def check_args(a) -> None:
         check_writable(a.profile, "--profile")
     if (a.compile_prefill is not None or a.compile_mode is not None or a.freeze) and not a.compile:
         raise UserError("--compile-prefill / --no-compile-prefill / --compile-mode / --freeze need --compile")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", a.device):
-        raise UserError(f"unsupported --device {a.device!r} (cpu, cuda or cuda:N)")
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but CUDA is not available (use --device cpu)")
-    if ":" in a.device and int(a.device.split(":")[1]) >= torch.cuda.device_count():
-        raise UserError(f"--device {a.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    check_run_settings(a.device, a.dtype, a.kv_dtype, a.prefill)
     if a.compile_mode == AOT and (a.device != "cpu" or a.freeze):
         raise UserError("--compile-mode aot compiles the CPU decode step, unfrozen (its package takes the weights "
                         "as inputs): not with " + ("--freeze" if a.freeze else f"--device {a.device}"))
@@ -263,8 +255,7 @@ def check_speculate_flags(a) -> None:
 
 def compute_dtype(a) -> torch.dtype:
     """--dtype: auto is bfloat16 on CUDA, float32 on CPU."""
-    auto = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
-    return auto if a.dtype == "auto" else getattr(torch, a.dtype)
+    return engine_compute_dtype(a.dtype, a.device)
 
 
 def check_interactive_flags(a) -> None:
@@ -365,8 +356,7 @@ def checked_utf8(text: str) -> str:
 def read_prompt(a, check_empty: bool = True) -> str:
     if a.prompt_file is not None:
         try:
-            with open(a.prompt_file, "rb") as f:  # capped: /dev/zero or a runaway pipe must not fill the memory
-                data = f.read(MAX_PROMPT_BYTES + 1)
+            data = read_capped(a.prompt_file, MAX_PROMPT_BYTES)  # /dev/zero must not fill the memory
             if len(data) > MAX_PROMPT_BYTES:
                 raise UserError(f"prompt file {a.prompt_file} is larger than {MAX_PROMPT_BYTES >> 20} MiB")
             text = data.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark is not part of the prompt
@@ -378,7 +368,8 @@ def read_prompt(a, check_empty: bool = True) -> str:
     else:
         text = checked_utf8(a.prompt[0] if a.prompt is not None else "")
     if check_empty and not text.strip():
-        raise UserError("the prompt is empty (use --prompt or --prompt-file)")
+        raise UserError(f"prompt file {a.prompt_file} is empty" if a.prompt_file is not None else
+                        "the prompt is empty (use --prompt or --prompt-file)")
     return text
 
 

@@ -164,6 +164,9 @@ def setup(target, draft, draft_policy, draft_budget: int | None, prompt_len: int
                         f"({target.args.vocab_size}): a draft must share the target's tokenizer")
     n = max_new_tokens + k
     capacity = target_budget or prompt_len + n
+    default = "" if draft_budget is not None else \
+        f" (--draft-budget {min(DEFAULT_DRAFT_BUDGET, capacity // 2)} is the default, half the target's {capacity} " \
+        "slots: give --draft-budget, or a longer prompt)"  # a default the user never gave is named as one
     if draft_budget is None:
         draft_budget = min(DEFAULT_DRAFT_BUDGET, capacity // 2) if is_scorer(draft_policy) else capacity
     check_draft(draft_policy, draft_budget, capacity, draft.tok_embeddings is target.tok_embeddings)
@@ -173,7 +176,8 @@ def setup(target, draft, draft_policy, draft_budget: int | None, prompt_len: int
         draft_slots = engine.setup(draft, draft_policy, draft_budget, prompt_len, n, block_size, prefill=protocol,
                                    kv_dtype=kv_dtype)
     except UserError as e:  # the draft's policy and budget are --draft-policy's and --draft-budget's
-        raise type(e)(re.sub(r"--(budget|policy)\b", r"--draft-\1", str(e))) from None
+        line = re.sub(r"--(budget|policy)\b", r"--draft-\1", str(e))
+        raise type(e)(line + (default if "--draft-budget" in line else "")) from None
     return slots, draft_slots
 
 

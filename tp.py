@@ -18,6 +18,7 @@ the device's kernel. N must divide the query heads, the KV heads and the MLP wid
 replication) is refused. The few policy rules that read every KV head of a layer gather them (policies.all_heads).
 """
 import dataclasses
+import math
 import os
 import sys
 import tempfile
@@ -30,7 +31,19 @@ import torch.nn as nn
 
 from errors import EnvironmentFailure, UserError
 
-TIMEOUT_S = float(os.environ.get("BUDGETKV_TP_TIMEOUT", 120))  # no rank waits longer in a collective
+TIMEOUT_S = 120.0  # no rank waits longer in a collective (BUDGETKV_TP_TIMEOUT: another number of seconds)
+
+
+def env_timeout_s() -> float:
+    """BUDGETKV_TP_TIMEOUT, seconds > 0, else TIMEOUT_S; UserError for a value that is not one."""
+    text = os.environ.get("BUDGETKV_TP_TIMEOUT")
+    try:
+        value = TIMEOUT_S if text is None else float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise UserError(f"BUDGETKV_TP_TIMEOUT={text!r} must be a number of seconds > 0 (or unset: {TIMEOUT_S:g})")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +108,14 @@ def check_world(world: int, requested: int | None, device: str) -> None:
             raise UserError(f"tensor parallel over {world} ranks needs one CUDA device per rank; this machine has {n}")
 
 
-def init(device: str = "cpu", timeout_s: float = TIMEOUT_S) -> Mesh:
+def init(device: str = "cpu", timeout_s: float | None = None) -> Mesh:
     """Join torchrun's process group (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT from the environment): NCCL on
     CUDA (this rank's device is cuda:LOCAL_RANK), gloo on CPU, with a timeout so that no rank waits forever for a
     rank that failed. A world of 1 (no torchrun) initialises nothing."""
     rank, world, local_rank = torchrun_env()
     if world == 1:
         return Mesh(0, 1, 0, None)
+    timeout_s = env_timeout_s() if timeout_s is None else timeout_s
     if not dist.is_initialized():
         cuda = device.startswith("cuda")
         if cuda:

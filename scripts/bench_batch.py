@@ -10,6 +10,7 @@ policy (its own process), its cache state copied into every row of each batch's 
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -57,10 +58,10 @@ def check_args(args) -> None:
     """Bad input fails here, before any model is loaded or any configuration has run."""
     check_common(args)
     check_policy_flags(args)
-    if not args.memory_cap > 0:
-        raise UserError(f"--memory-cap must be > 0 MiB, got {args.memory_cap:g}")
-    if args.batch_sizes is not None:
-        int_list(args.batch_sizes, "--batch-sizes")
+    if not 0 < args.memory_cap < math.inf:
+        raise UserError(f"--memory-cap must be a finite number of MiB > 0, got {args.memory_cap:g}")
+    if args.batch_sizes is not None and max(int_list(args.batch_sizes, "--batch-sizes")) > MAX_BATCH:
+        raise UserError(f"--batch-sizes must be at most {MAX_BATCH}, got {args.batch_sizes}")
     if args.plot is not None:
         check_writable(args.plot, "--plot")
 
@@ -213,13 +214,16 @@ def batch_ids(ckpt, config: dict, args) -> list[int]:
         make_document(load_tokenizer(ckpt), args.prompt_tokens)[1]
 
 
+MAX_BATCH = 2**20
+
+
 def batch_sizes(args):
     """--batch-sizes in increasing order, or 1, 2, 4, 8, ... (the cap ends them)."""
     if args.batch_sizes:
         yield from sorted(int_list(args.batch_sizes, "--batch-sizes"))
         return
     B = 1
-    while B <= 2**20:
+    while B <= MAX_BATCH:
         yield B
         B *= 2
 
@@ -240,6 +244,12 @@ def run_batch(args) -> None:
     if weights_b > cap:
         raise UserError(f"--memory-cap {args.memory_cap:g} MiB is below the weights alone "
                         f"({weights_b / 2**20:.0f} MiB in {args.dtype}): nothing fits")
+    smallest = min(batch_sizes(args))
+    kv1 = {n: kv_cache_estimate(parse_config(config), batch_budget(n, args.prompt_tokens, args)[1] + args.block_size,
+                                dtype) for n in labels}
+    if all(weights_b + smallest * kv > cap for kv in kv1.values()):
+        raise UserError(f"--memory-cap {args.memory_cap:g} MiB holds no batch of {smallest} (weights and whole cache "
+                        f"need at least {(weights_b + smallest * min(kv1.values())) / 2**20:.0f} MiB): nothing fits")
     settings = bench_settings(args, ckpt, "batch")
     print(f"{args.checkpoint}: throughput at a memory cap, prompt {args.prompt_tokens} tokens, budget {args.budget}, block "
           f"{args.block_size}, memory cap {args.memory_cap:g} MiB (weights + whole cache, decided before allocating), "
@@ -265,11 +275,9 @@ def run_batch(args) -> None:
                         print(f"  {label:10s} B={B:5d} estimate {est / 2**20:7.0f} MiB > cap: stop", file=sys.stderr)
                         break
                 else:  # one prefilled sequence per (policy, context), in its own process
-                    _, budget, _ = batch_budget(label, args.prompt_tokens, args)
-                    kv1 = kv_cache_estimate(parse_config(config), budget + args.block_size, dtype)
-                    if weights_b + B * kv1 > cap:
+                    if weights_b + B * kv1[label] > cap:
                         rows.append(row | {"fits": False, "measured": False,
-                                           "estimate_mib": (weights_b + B * kv1) / 2**20})
+                                           "estimate_mib": (weights_b + B * kv1[label]) / 2**20})
                         print(f"  {label:10s} B={B:5d} over the cap before any prefill: stop", file=sys.stderr)
                         break
                     pre = prefills[label] = run_one(__file__, ["--one-prefill", f"{label}@{path}"], f"{label} prefill")

@@ -18,6 +18,8 @@ import torch  # noqa: E402
 from checkpoint import resolve_checkpoint  # noqa: E402
 from cli import run_cli  # noqa: E402
 from config import parse_config  # noqa: E402
+import quantize  # noqa: E402
+from scripts import eval as ev  # noqa: E402
 from engine import load_model, setup  # noqa: E402
 from errors import UserError  # noqa: E402
 from scripts.benchlib import (bench_model, bench_settings, bench_source, bench_steps, check_common,  # noqa: E402
@@ -43,6 +45,9 @@ def parser():
     return ap
 
 
+PPL_FLAGS = ("ppl_texts", "ppl_prefix", "ppl_tokens")
+
+
 def check_args(args) -> None:
     """Bad input fails here, before any model is loaded or any configuration has run."""
     check_common(args)
@@ -59,6 +64,12 @@ def check_args(args) -> None:
         raise UserError(f"--modes lists {twice[0]} twice")
     if min(args.ppl_texts, args.ppl_prefix, args.ppl_tokens) < 1:
         raise UserError("--ppl-texts, --ppl-prefix and --ppl-tokens must be >= 1")
+    if args.ppl_texts > ev.MAX_ITEMS:
+        raise UserError(f"--ppl-texts must be at most {ev.MAX_ITEMS}, got {args.ppl_texts}")
+    defaults = parser().parse_args([])
+    if args.random_weights and any(getattr(args, k) != getattr(defaults, k) for k in PPL_FLAGS):
+        raise UserError("--ppl-texts, --ppl-prefix and --ppl-tokens set the perplexity, which --random-weights does "
+                        "not measure: drop them")
 
 
 def run(args) -> None:
@@ -78,8 +89,6 @@ def quant_one(mode: str, args) -> dict:
     bytes read per step with the `full` cache on the synthetic document (block-wise prefill, as the main table);
     perplexity of the evaluation harness's fidelity text (teacher-forced continuations, scripts/eval.py)."""
     import math
-    import quantize
-    from scripts import eval as ev
     from scripts import quantize as quantize_cli
     if args.random_weights:
         return quant_random(mode, args)
@@ -115,7 +124,6 @@ def quant_random(mode: str, args) -> dict:
     """One row with --random-weights: the shapes' random model (float32, or bfloat16 for that mode)
     quantized in memory by quantize.quantize_model, the `full` cache on random prompt ids; no perplexity (random
     weights have none worth reporting)."""
-    import quantize
     ckpt, config = bench_source(args)
     ids = random_prompt(config, args.prompt_tokens)
     model = bench_model(args, ckpt, config, len(ids) + args.decode_steps + args.block_size,
@@ -131,9 +139,20 @@ def quant_random(mode: str, args) -> dict:
 def run_quant(args) -> None:
     modes = [m for m in args.modes.split(",") if m]  # checked in check_args
     ckpt, config = bench_source(args)
-    ctx = parse_config(config).max_seq_len
+    model_args = parse_config(config)
+    ctx = model_args.max_seq_len
+    for m in modes:  # an int4 group size must divide the model's in-features
+        kind, _, g = m.removesuffix("-qhead").partition("-g")
+        if kind == "int4":
+            try:
+                quantize.check_mode(kind, int(g), quantize.in_features(model_args))
+            except UserError as e:
+                raise UserError(f"--modes {m}: {e}") from None
     if args.block_size > ctx:
         raise UserError(f"--block-size {args.block_size} is larger than the model's context ({ctx})")
+    if not args.random_weights and args.ppl_prefix + args.ppl_tokens > ctx:
+        raise UserError(f"--ppl-prefix + --ppl-tokens ({args.ppl_prefix} + {args.ppl_tokens}) must fit the model's "
+                        f"context ({ctx})")
     if args.prompt_tokens + args.decode_steps > ctx:
         raise UserError(f"--prompt-tokens + --decode-steps ({args.prompt_tokens} + {args.decode_steps}) must fit the "
                         f"model's context ({ctx})")
@@ -177,8 +196,9 @@ def ppl_text(ppl: float | None) -> str:
 
 def check_quant_mode(m: str) -> None:
     kind, _, g = m.removesuffix("-qhead").partition("-g")
-    if not (m in ("float32", "bfloat16", "int8") or kind == "int4" and g.isdigit() and int(g) > 0):
-        raise UserError(f"unknown --modes entry {m!r} (float32, bfloat16, int8, int4-gN, int4-gN-qhead)")
+    if not (m in ("float32", "bfloat16", "int8") or kind == "int4" and g in map(str, quantize.GROUP_SIZES)):
+        raise UserError(f"unknown --modes entry {m!r} (float32, bfloat16, int8, int4-gN, int4-gN-qhead; N is "
+                        f"{', '.join(map(str, quantize.GROUP_SIZES))})")
 
 
 QUANT_FIELDS = {"mode": str, "decode_tok_s": float, "bytes_per_step": float, "prefill_tok_s": float,

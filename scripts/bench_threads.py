@@ -20,6 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from cli import Parser  # noqa: E402
 from errors import UserError  # noqa: E402
 
 SETTINGS = {"default": ({}, []), "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, []),
@@ -40,7 +41,7 @@ def run_generate(setting: str, mode: str, prompt: Path, a) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-bytes", type=int, default=6000, help="bytes of LICENSE in the prompt")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)

@@ -80,8 +80,13 @@ def check_policy_flags(args) -> None:
         if getattr(args, k) < 1:
             raise UserError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
     names = policies.spec_list(args.policies)
+    if not names:
+        raise UserError(f"--policies is empty ({args.policies!r}): name at least one policy")
     if twice := [n for i, n in enumerate(names) if n in names[:i]]:
         raise UserError(f"--policies lists {twice[0]} twice")
+
+
+MAX_REPEATS = 1000
 
 
 def check_common(args) -> None:
@@ -97,6 +102,8 @@ def check_common(args) -> None:
     for k in ("repeats", "block_size"):
         if getattr(args, k) < 1:
             raise UserError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
+    if args.repeats > MAX_REPEATS:  # each repeat times every configuration again
+        raise UserError(f"--repeats must be at most {MAX_REPEATS}, got {args.repeats}")
     if args.threads is not None and not 1 <= args.threads <= 1024:
         raise UserError(f"--threads must be between 1 and 1024, got {args.threads}")
     check_device(args.device)

@@ -140,6 +140,12 @@ def check_case(case: dict, exp: dict, got: dict, new_tokens: int) -> dict[str, s
                            f"{list(exp[name].shape)} [steps, heads, positions]")
     if "kept" not in got:
         raise BadInput(f"{case['case']}: the result has no `kept` tensor")
+    for name in ("kept", "selected"):
+        if name in got and not np.isin(got[name], (0, 1)).all():
+            bad = got[name][~np.isin(got[name], (0, 1))].flat[0]
+            raise BadInput(f"{case['case']}: {name} holds {bad}, but a mask holds only 0 and 1")
+    if len(steps) != exp["kept"].shape[0]:
+        raise BadInput(f"{case['case']}: the manifest lists {len(steps)} steps, its vectors {exp['kept'].shape[0]}")
     failures, counts = {}, {}
 
     def fail(cause, s, h, detail, head="head"):
@@ -187,10 +193,13 @@ def main(argv: list[str]) -> int:
         if not args.results.is_dir():
             raise BadInput(f"{args.results}: not a directory (RESULTS holds CASE.safetensors files)")
         cases = [c for c in manifest["cases"] if fnmatch.fnmatchcase(c["case"], args.case)]
+        if not cases:
+            raise BadInput(f"--case {args.case!r} matches none of the manifest's {len(manifest['cases'])} case "
+                           f"names (e.g. {manifest['cases'][0]['case']})")
         present = [c for c in cases if (args.results / f"{c['case']}.safetensors").is_file()]
         if not present:
             raise BadInput(f"{args.results}: no result for any of the {len(cases)} cases (CASE.safetensors, e.g. "
-                           f"{cases[0]['case'] if cases else '?'}.safetensors)")
+                           f"{cases[0]['case']}.safetensors)")
         bad = 0
         for case in present:
             exp = load(args.vectors / case["file"])
@@ -202,7 +211,7 @@ def main(argv: list[str]) -> int:
     except BadInput as e:
         print(f"check_port: {e}", file=sys.stderr)
         return 2
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, IndexError) as e:
         print(f"check_port: malformed vectors or results ({type(e).__name__}: {e})", file=sys.stderr)
         return 2
     print(f"{len(present) - bad} of {len(present)} cases match ({len(cases) - len(present)} without a result "

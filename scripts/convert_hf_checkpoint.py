@@ -42,7 +42,7 @@ def check_args(a) -> None:
     src = a.checkpoint
     if why := unreachable(src):
         raise UserError(f"--checkpoint {src}: {why}")
-    if src.suffix == ".gguf":
+    if src.suffix.lower() == ".gguf":
         if not src.is_file():
             raise UserError(f"--checkpoint {src} is not a file")
         out = a.out_dir or Path("checkpoints") / src.stem
@@ -57,18 +57,18 @@ def check_args(a) -> None:
                 raise UserError(f"--out-dir {out} holds a checkpoint that is not a GGUF conversion; pick another "
                                 "directory (it would be overwritten)")
         return
+    if not src.is_dir():
+        raise UserError(f"--checkpoint {src} is neither an HF directory nor a .gguf file")
     if a.out_dir is not None:
         raise UserError(f"--out-dir applies to a .gguf --checkpoint; the HF directory {src} is converted in place "
                         f"(its {ENGINE_FILE} lands beside its files)")
-    if not src.is_dir():
-        raise UserError(f"--checkpoint {src} is neither an HF directory nor a .gguf file")
     check_writable(src / ENGINE_FILE, "--checkpoint")  # converted in place
 
 
 def run(a) -> int:
     progress.quiet = a.quiet
     check_args(a)
-    if a.checkpoint.suffix == ".gguf":
+    if a.checkpoint.suffix.lower() == ".gguf":
         out = convert_gguf(a.checkpoint, a.out_dir or Path("checkpoints") / a.checkpoint.stem)
     else:
         out = convert_hf_dir(a.checkpoint)

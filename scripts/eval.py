@@ -260,8 +260,9 @@ def make_items(tok, a, ctx: int) -> dict[str, list[dict]]:
         answer = ", ".join(sample.answers)
         answer_ids = tok.encode(answer if chat and not prefix else " " + answer, add_bos=False)
         if len(ids) + max(max_new, len(answer_ids)) > ctx:
-            raise UserError(f"a {task} prompt has {len(ids)} tokens: with its answer it exceeds the model's context "
-                            f"({ctx}); use shorter --lengths")
+            raise UserError(f"a {task} prompt has {len(ids)} tokens: with its answer ({max(max_new, len(answer_ids))} "
+                            f"tokens) it exceeds the model's context ({ctx}); use shorter --lengths"
+                            + (" or a smaller --max-new-tokens" if a.max_new_tokens else ""))
         items[task].append(dict(ids=ids, answer_ids=answer_ids, max_new=max_new, sample=sample, length=length,
                                 depth=sample.meta.get("depth")))
 
@@ -405,6 +406,9 @@ def parse_args(argv=None):
     return a
 
 
+MAX_ITEMS = 10_000  # --samples and --fid-texts: far more than a run can score, few enough to build at once
+
+
 def check_args(a) -> None:
     for spec in a.policies:
         policies.make(spec)  # PolicyError for an unknown name or parameter
@@ -416,7 +420,7 @@ def check_args(a) -> None:
         a.longbench = list(eval_tasks.LONGBENCH_EN16)
     if unknown := [t for t in a.longbench if t not in eval_tasks.LONGBENCH_MAXGEN]:
         raise UserError(f"unknown LongBench task {unknown[0]!r}; known: {', '.join(eval_tasks.LONGBENCH_MAXGEN)}")
-    for name in ("budgets", "lengths", "policies", "prefill"):
+    for name in ("budgets", "lengths", "depths", "policies", "prefill"):
         if not getattr(a, name):
             raise UserError(f"--{name} is empty")
     for name in ("budgets", "lengths", "depths", "tasks", "prefill", "longbench"):
@@ -431,6 +435,9 @@ def check_args(a) -> None:
     for name in ("samples", "block_size", "fid_prefix", "fid_tokens", "fid_texts", "gen_tokens"):
         if getattr(a, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("samples", "fid_texts"):  # each is built in memory before the first configuration runs
+        if getattr(a, name) > MAX_ITEMS:
+            raise UserError(f"--{name.replace('_', '-')} must be at most {MAX_ITEMS}, got {getattr(a, name)}")
     if a.accept_k < 1 or "fidelity" in a.tasks and a.accept_k > a.fid_tokens:
         raise UserError(f"--accept-k must be between 1 and --fid-tokens ({a.fid_tokens})")
     if a.threads > 1024:
@@ -483,6 +490,9 @@ def run(a) -> int:
         raise UserError(f"--budgets {max(a.budgets)} is larger than the model's context ({ctx})")
     if a.block_size > ctx:
         raise UserError(f"--block-size {a.block_size} is larger than the model's context ({ctx})")
+    if a.max_new_tokens >= ctx:
+        raise UserError(f"--max-new-tokens {a.max_new_tokens} leaves no room for a prompt in the model's context "
+                        f"({ctx})")
     if max(a.lengths) >= ctx and any(t not in ("fidelity", "freegen") for t in a.tasks):
         raise UserError(f"--lengths {max(a.lengths)} leaves no room for an answer in the model's context ({ctx})")
     tok = load_tokenizer(ckpt)

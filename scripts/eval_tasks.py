@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from files import json_type, jsonl_objects
+from files import json_type, jsonl_objects, read_capped
 from tokenizer import with_document
 
 
@@ -534,11 +534,17 @@ def load_longbench(task: str, source: str | Path | None = None, limit: int | Non
             for r in rows]
 
 
+MAX_JSONL_BYTES = 256 << 20  # LongBench's largest English file is under 40 MiB; /dev/zero never ends
+
+
 def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
     """The first `limit` rows of a .jsonl (blank lines skipped), each with its line number as "_line"; ValueError
     naming the line for one that is not a JSON object."""
+    data = read_capped(path, MAX_JSONL_BYTES)  # a named pipe nobody writes to reads as empty: "has no rows"
+    if len(data) > MAX_JSONL_BYTES:
+        raise ValueError(f"{path} is larger than {MAX_JSONL_BYTES >> 20} MiB: not one LongBench task's file")
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     return jsonl_objects(path, text, limit=limit)

@@ -122,6 +122,13 @@ def symlink(name: str, target: str):
     return setup
 
 
+def fifo(name: str):
+    """Setup: tmp/<name> is a named pipe that nobody writes to."""
+    def setup(tmp, ckpt):
+        os.mkfifo(tmp / name)
+    return setup
+
+
 def prompt_of(n_tokens: int):
     """Setup: tmp/p.txt of exactly n_tokens under the checkpoint's tokenizer."""
     def setup(tmp, ckpt):
@@ -311,7 +318,7 @@ CASES += [
     gen("template-jinja-binary", [], 2, "not UTF-8", files(chat_template__jinja=b"\xff\xfe{{"), "{bad}"),
     # prompt files
     gen("prompt-file-dev-zero", ["--prompt-file", "/dev/zero"], 2, "larger than 64 MiB", prompt=False),
-    gen("prompt-file-only-a-bom", ["--prompt-file", "{tmp}/p.txt"], 2, "prompt is empty", write("p.txt", "\ufeff"),
+    gen("prompt-file-only-a-bom", ["--prompt-file", "{tmp}/p.txt"], 2, "prompt file {tmp}/p.txt is empty", write("p.txt", "\ufeff"),
         prompt=False),
     gen("profile-device", ["--profile", "/dev/null"], 2, "not a regular file"),
     gen("profile-symlink", ["--profile", "{tmp}/link"], 2, "not a regular file", symlink("link", "target")),
@@ -319,9 +326,9 @@ CASES += [
     gen("prompt-file-directory", ["--prompt-file", "{tmp}"], 2, "Is a directory", prompt=False),
     gen("prompt-file-binary", ["--prompt-file", "{tmp}/p.bin"], 2, "not UTF-8 text",
         write("p.bin", b"\x89PNG\r\n\x1a\n\xff\xfe"), prompt=False),
-    gen("prompt-file-empty", ["--prompt-file", "{tmp}/p.txt"], 2, "prompt is empty", write("p.txt", ""),
+    gen("prompt-file-empty", ["--prompt-file", "{tmp}/p.txt"], 2, "prompt file {tmp}/p.txt is empty", write("p.txt", ""),
         prompt=False),
-    gen("prompt-file-blank", ["--prompt-file", "{tmp}/p.txt"], 2, "prompt is empty", write("p.txt", " \n\t\n"),
+    gen("prompt-file-blank", ["--prompt-file", "{tmp}/p.txt"], 2, "prompt file {tmp}/p.txt is empty", write("p.txt", " \n\t\n"),
         prompt=False),
     gen("prompt-file-unreadable", ["--prompt-file", "/proc/self/mem"], 2, "cannot read prompt file", prompt=False),
     gen("prompt-file-nul-in-path", ["--prompt-file", "{tmp}/a\0b"], 2, "cannot read prompt file", prompt=False),
@@ -409,6 +416,11 @@ CASES += [
     gen("checkpoint-missing-dir", [], 2, "nope: no such file or directory", checkpoint="{tmp}/nope"),
     gen("checkpoint-a-file", [], 2, "f.bin: not a model directory or a .gguf file", write("f.bin", "x"),
         checkpoint="{tmp}/f.bin"),
+    gen("checkpoint-empty-string", [], 2, "--checkpoint is empty", checkpoint=""),
+    gen("checkpoint-blank", [], 2, "--checkpoint is empty", checkpoint=" "),
+    gen("speculate-default-draft-budget-named", ["--speculate", "2"], 2,
+        "sink: --draft-budget 4 must exceed the 4 sink tokens (--draft-budget 4 is the default, half the target's 8 slots"),
+    gen("checkpoint-GGUF-upper-missing", [], 2, "GGUF file not found", checkpoint="{tmp}/m.GGUF"),
     gen("checkpoint-empty-dir", [], 2, "has no config.json", write("empty/", None), checkpoint="{tmp}/empty"),
     gen("checkpoint-gguf-missing", [], 2, "GGUF file not found", checkpoint="{tmp}/m.gguf"),
     gen("checkpoint-symlink-loop", [], 2, "loop: a symlink loop", symlink("loop", "loop"), checkpoint="{tmp}/loop"),
@@ -422,6 +434,17 @@ CASES += [
         new_tokens=False),
     gen("speculate-two-line-jsonl", ["--prompt-file", "{tmp}/p.JSONL", "--speculate", "2"], 2, "a batch",
         write("p.JSONL", '{"prompt": "a"}\n{"prompt": "b"}\n'), prompt=False),
+    # a named pipe nobody writes to is read as empty, not waited on; an empty document is named
+    gen("prompt-file-fifo-and-question", ["--prompt-file", "{tmp}/p.fifo"], 2, "prompt file {tmp}/p.fifo is empty",
+        fifo("p.fifo")),
+    gen("prompt-file-fifo", ["--prompt-file", "{tmp}/p.fifo"], 2, "prompt file {tmp}/p.fifo is empty",
+        fifo("p.fifo"), prompt=False),
+    gen("prompt-file-fifo-jsonl", ["--prompt-file", "{tmp}/p.jsonl"], 2, "p.jsonl holds no prompt",
+        fifo("p.jsonl"), prompt=False),
+    gen("document-empty-with-question", ["--prompt-file", "{tmp}/p.txt"], 2, "prompt file {tmp}/p.txt is empty",
+        write("p.txt", "\n \n")),
+    gen("dtype-kv-bfloat16-half", ["--dtype", "float16", "--kv-dtype", "bfloat16"], 2,
+        "--kv-dtype bfloat16 halves a float32 run's cache"),
 ]
 
 CASES += [
@@ -488,6 +511,18 @@ CASES += [
      write("m.gguf", b"GGUF\x03\x00\x00\x00garbage"), 2, "cannot read GGUF file"),
     ("convert-gguf-empty", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "{tmp}/o"],
      write("m.gguf", b""), 2, "cannot read GGUF file"),
+    ("convert-gguf-truncated-header", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "{tmp}/o"],
+     write("m.gguf", b"GGUF\x03\x00\x00\x00\x05" + bytes(7) + b"\x02" + bytes(7)), 2,
+     "m.gguf: truncated or damaged"),
+    ("convert-gguf-truncated-kv", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "{tmp}/o"],
+     write("m.gguf", b"GGUF\x03\x00\x00\x00" + bytes(8) + b"\x01" + bytes(7) + b"\x14" + bytes(7) + b"general."),
+     2, "m.gguf: truncated or damaged"),
+    ("convert-gguf-not-gguf", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "{tmp}/o"],
+     write("m.gguf", b"PK\x03\x04" + bytes(60)), 2, "m.gguf: not a GGUF file"),
+    ("convert-device-out-dir", "convert", ["--checkpoint", "/dev/zero", "--out-dir", "{tmp}/o"], None, 2,
+     "--checkpoint /dev/zero is neither an HF directory nor a .gguf file"),
+    ("convert-gguf-upper-fifo", "convert", ["--checkpoint", "{tmp}/m.GGUF", "--out-dir", "{tmp}/o"], fifo("m.GGUF"), 2,
+     "m.GGUF is not a file"),
     ("convert-gguf-dir", "convert", ["--checkpoint", "{tmp}/m.gguf"], write("m.gguf/", None), 2, "is not a file"),
     ("convert-gguf-out-file", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "{tmp}/f"],
      lambda tmp, ckpt: (write("m.gguf", b"x")(tmp, ckpt), write("f", "x")(tmp, ckpt)), 2, "a file of that name"),
@@ -545,9 +580,40 @@ def test_bad_input_is_one_line(tiny_ckpt, tmp_path, capfd, entry, argv, setup, c
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err, err
     lines = err.strip().splitlines()
+    message = message.replace("{tmp}", str(tmp_path))
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
     assert got == code, err
     assert snapshot(tmp_path, tiny_ckpt) == before  # nothing written, nothing left half-written
+
+
+# generate_text's settings that generate.py refuses (by argparse's choices or check_args): a UserError naming the flag,
+# before the checkpoint is looked at; None: the command line's own flags give the same line
+API = [
+    (dict(kv_dtype="fp8"), "unsupported --kv-dtype 'fp8' (auto, int8, bfloat16)", None),
+    (dict(kv_dtype=None), "unsupported --kv-dtype None", None),
+    (dict(dtype="int8"), "unsupported --dtype 'int8' (auto, float32, bfloat16, float16)", None),
+    (dict(dtype="float8_e4m3fn"), "unsupported --dtype 'float8_e4m3fn'", None),
+    (dict(prefill="both"), "unsupported --prefill 'both' (block, one-shot)", None),
+    (dict(prefill=""), "unsupported --prefill ''", None),
+    (dict(device="tpu"), "unsupported --device 'tpu' (cpu, cuda or cuda:N)", ["--device", "tpu"]),
+    (dict(device="cpu:0"), "unsupported --device 'cpu:0'", ["--device", "cpu:0"]),
+    (dict(device="cuda:x"), "unsupported --device 'cuda:x'", ["--device", "cuda:x"]),
+    (dict(device="cuda:99"), "--device cuda", ["--device", "cuda:99"]),
+    (dict(dtype="float16", kv_dtype="bfloat16"), "--kv-dtype bfloat16 halves a float32 run's cache; this run "
+     "computes in float16", ["--dtype", "float16", "--kv-dtype", "bfloat16"]),
+]
+
+
+@pytest.mark.parametrize("kw, message, flags", API, ids=[m[:40] for _, m, _ in API])
+def test_the_api_refuses_what_the_cli_refuses_in_one_line(tiny_ckpt, capfd, kw, message, flags):
+    import engine
+    from errors import UserError
+    with pytest.raises(UserError) as e:
+        engine.generate_text("the fox", checkpoint="/no/such/model", **kw)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    if flags is not None:
+        assert run_entry("generate", ["--checkpoint", str(tiny_ckpt), *PROMPT, *flags]) == 2
+        assert capfd.readouterr().err == f"error: {e.value}\n"
 
 
 # ------------------------------------------------------------------------------- no NaN reaches the user
@@ -819,3 +885,45 @@ def test_caches_larger_than_the_free_memory_are_one_line_before_they_are_allocat
     assert code == 2 and allocated == [] and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"error: the KV cache of {batch} sequence{'s' if batch > 1 else ''} in float32 needs ")
     assert "more than the 0.0 GiB free on cpu" in err
+
+
+# the environment a command line reads: one line, exit 2, before any work
+@pytest.mark.parametrize("value", ["abc", "0", "", "-1", "4,x", "\u0664"])
+def test_a_thread_count_that_is_none_is_one_line(monkeypatch, capsys, value):
+    """OMP_NUM_THREADS that libgomp would warn about (and ignore) is refused before torch loads OpenMP."""
+    import errors
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    with pytest.raises(SystemExit) as e:
+        errors.check_python()
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (f"error: OMP_NUM_THREADS={value!r} is not a number of threads >= 1: unset it "
+                                       "or give one such as 4\n")
+    monkeypatch.setenv("OMP_NUM_THREADS", "4,2")
+    errors.check_python()
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", ""])
+def test_a_tensor_parallel_timeout_that_is_none_is_one_line(monkeypatch, value):
+    import tp
+    from errors import UserError
+    monkeypatch.setenv("BUDGETKV_TP_TIMEOUT", value)
+    with pytest.raises(UserError, match=f"BUDGETKV_TP_TIMEOUT={value!r} must be a number of seconds > 0"):
+        tp.env_timeout_s()
+    monkeypatch.setenv("BUDGETKV_TP_TIMEOUT", "2.5")
+    assert tp.env_timeout_s() == 2.5
+
+
+@pytest.mark.parametrize("where", ["a file", "unwritable"])
+def test_a_conversion_folder_that_cannot_be_made_is_one_line_before_converting(tiny_ckpt, tmp_path, monkeypatch,
+                                                                                 where):
+    """BUDGETKV_CHECKPOINTS under a file or an unwritable folder: refused before the GGUF is converted."""
+    import checkpoint
+    from errors import UserError
+    base = tmp_path / "f" if where == "a file" else Path("/proc/none")
+    if where == "a file":
+        base.write_text("x")
+    monkeypatch.setenv("BUDGETKV_CHECKPOINTS", str(base))
+    monkeypatch.setattr(checkpoint, "read_gguf", lambda path: None)
+    monkeypatch.setattr(checkpoint, "convert_gguf", lambda *a: pytest.fail("converted"))
+    with pytest.raises(UserError, match=r"cannot create the conversion's folder \(BUDGETKV_CHECKPOINTS\) "):
+        checkpoint.fresh_gguf(tmp_path / "m.gguf", base / "m")

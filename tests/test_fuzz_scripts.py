@@ -4,9 +4,10 @@ traceback, nothing loaded, and no file written or changed. A new flag's bad valu
 
 Each case: (argv, files, exit code, substring of the one line). argv[0] names the script; its BASE arguments (a tiny
 checkpoint, small sizes) come first, so a case overrides them. `files` are created in the case's folder first
-(a name ending in "/" is a folder); "{tmp}" in argv is that folder and "{ckpt}" the tiny checkpoint. Runs in this
+(a name ending in "/" is a folder, in "|" a named pipe); "{tmp}" in argv is that folder and "{ckpt}" the tiny checkpoint. Runs in this
 process (no interpreter start per case); a case that would load a model or start a configuration fails."""
 import json
+import os
 import sys
 
 import pytest
@@ -101,6 +102,12 @@ CASES = [
     (["eval.py", *LB, "--longbench", "en16"], {"lb.jsonl": row()}, 2, "lb.jsonl is one file, for 16 tasks"),
     (["eval.py", *LB, "--longbench-source", "{tmp}/missing.jsonl"], {}, 2, "missing.jsonl: no such file or folder"),
     (["eval.py", *LB, "--longbench-max-tokens", "-1"], {"lb.jsonl": row()}, 2, "--longbench-max-tokens"),
+    (["eval.py", "--samples", "99999999999999999999"], {}, 2, "--samples must be at most 10000"),
+    (["eval.py", "--tasks", "fidelity", "--fid-texts", "10001"], {}, 2, "--fid-texts must be at most 10000"),
+    (["eval.py", "--out-dir", "{tmp}/o"], {"o/results.jsonl|": None}, 2, "results.jsonl: cannot write there (not a "
+     "regular file"),
+    (["eval.py", *LB, "--longbench-source", "{tmp}/p.jsonl"], {"p.jsonl|": None}, 2, "p.jsonl has no rows"),
+    (["eval.py", *LB, "--longbench-source", "/dev/zero"], {}, 2, "/dev/zero is larger than 256 MiB"),
     # ---- eval.py --resume: an output it did not write, or wrote with other settings
     (["eval.py", "--resume"], {"out/results.jsonl": "not json\n"}, 2, "results.jsonl line 1 is not JSON"),
     (["eval.py", "--resume"], {"out/results.jsonl": b"\xff\xfe\n"}, 2, "results.jsonl is not UTF-8 text"),
@@ -138,6 +145,10 @@ CASES = [
     (["bench.py", "--budget", "0"], {}, 2, "--budget must be >= 1"),
     (["bench.py", "--prompt-tokens", "0"], {}, 2, "--prompt-tokens must be >= 1"),
     (["bench.py", "--repeats", "0"], {}, 2, "--repeats must be >= 1"),
+    (["bench.py", "--repeats", "99999999999999999999"], {}, 2, "--repeats must be at most 1000"),
+    (["bench_quant.py", "--repeats", "1001"], {}, 2, "--repeats must be at most 1000"),
+    (["eval.py", "--max-new-tokens", "99999999999999999999"], {}, 2,
+     "--max-new-tokens 99999999999999999999 leaves no room for a prompt in the model's context (2048)"),
     (["bench.py", "--decode-steps", "1"], {}, 2, "--decode-steps must be >= 2"),
     (["bench.py", "--block-size", "0"], {}, 2, "--block-size must be >= 1"),
     (["bench.py", *SMALL, "--block-size", "4096"], {}, 2, "--block-size 4096 is larger than the model's context"),
@@ -183,6 +194,13 @@ CASES = [
     (["bench.py", "--json", "{tmp}/no-dir/x.json"], {}, 2, "x.json: cannot write there (No such file or directory)"),
     (["bench.py", "--json", "{tmp}/d"], {"d/": None}, 2, "cannot write there (Is a directory)"),
     (["bench_figure.py", "--one", "x"], {}, 2, "--one 'x'"),
+    (["bench.py", "--json", "{tmp}/p"], {"p|": None}, 2, "--json {tmp}/p: cannot write there (not a regular file"),
+    (["bench.py", "--json", "/dev/null"], {}, 2, "--json /dev/null: cannot write there (not a regular file"),
+    (["bench_quant.py", "--json", "{tmp}/p", "--resume"], {"p|": None}, 2, "cannot write there (not a regular"),
+    (["bench_batch.py", "--plot", "/dev/null"], {}, 2, "--plot /dev/null: cannot write there (not a regular"),
+    (["bench_quant.py", "--ppl-texts", "10001"], {}, 2, "--ppl-texts must be at most 10000"),
+    (["bench_quant.py", *SMALL, "--modes", "int8", "--ppl-prefix", "99999999999999999999"], {}, 2,
+     "--ppl-prefix + --ppl-tokens (99999999999999999999 + 128) must fit the model's context (2048)"),
     (["bench_quant.py", "--one", "int3"], {}, 2, "unknown --modes entry 'int3'"),
     # ---- bench_batch.py
     (["bench_batch.py", "--paired"], {}, 2, "unrecognized arguments: --paired"),
@@ -197,11 +215,31 @@ CASES = [
     (["bench_batch.py", "--batch-sizes=-4"], {}, 2, "--batch-sizes needs integers >= 1"),
     (["bench_batch.py", "--batch-sizes", "1,x"], {}, 2, "--batch-sizes takes comma-separated integers"),
     (["bench_batch.py", "--batch-sizes", "2,2"], {}, 2, "--batch-sizes lists 2 twice"),
-    (["bench_batch.py", "--memory-cap", "0"], {}, 2, "--memory-cap must be > 0 MiB"),
-    (["bench_batch.py", "--memory-cap", "nan"], {}, 2, "--memory-cap must be > 0 MiB"),
+    (["bench_batch.py", "--memory-cap", "0"], {}, 2, "--memory-cap must be a finite number of MiB > 0"),
+    (["bench_batch.py", "--memory-cap", "nan"], {}, 2, "--memory-cap must be a finite number of MiB > 0"),
     (["bench_batch.py", "--memory-cap", "abc"], {}, 2, "invalid float value: 'abc'"),
     (["bench_batch.py", *SMALL, "--memory-cap", "0.01"], {}, 2, "--memory-cap 0.01 MiB is below the weights"),
     (["bench_batch.py", "--plot", "/proc/x.png"], {}, 2, "--plot /proc/x.png: cannot write"),
+    (["bench_batch.py", "--memory-cap", "inf"], {}, 2, "--memory-cap must be a finite number of MiB > 0, got inf"),
+    (["bench_batch.py", "--memory-cap=-1e300"], {}, 2, "--memory-cap must be a finite number of MiB > 0"),
+    (["bench_batch.py", "--batch-sizes", "100000000000000000000"], {}, 2, "--batch-sizes must be at most 1048576"),
+    (["bench_batch.py", "--batch-sizes", "1e20"], {}, 2, "--batch-sizes takes comma-separated integers"),
+    (["bench_batch.py", "--batch-sizes", " , "], {}, 2, "--batch-sizes"),
+    (["bench_batch.py", *SMALL, "--memory-cap", "1", "--batch-sizes", "1048576"], {}, 2,
+     "--memory-cap 1 MiB holds no batch of 1048576"),
+    (["bench_batch.py", "--policies", ""], {}, 2, "--policies is empty"),
+    (["bench.py", "--policies", ""], {}, 2, "--policies is empty ('')"),
+    (["bench.py", "--policies", ",,"], {}, 2, "--policies is empty"),
+    (["bench_paired.py", "--policies", " , "], {}, 2, "--policies is empty (' , ')"),
+    (["eval.py", "--depths", ""], {}, 2, "--depths is empty"),
+    (["eval.py", "--depths", " , "], {}, 2, "--depths is empty"),
+    (["bench_quant.py", "--modes", "int4-g7"], {}, 2, "unknown --modes entry 'int4-g7'"),
+    (["bench_quant.py", "--modes", "int4-g\u0663\u0662"], {}, 2, "unknown --modes entry"),
+    (["bench_quant.py", "--modes", "int4-g032"], {}, 2, "unknown --modes entry 'int4-g032'"),
+    (["bench_quant.py", *SMALL, "--modes", "int4-g128"], {}, 2,
+     "--modes int4-g128: --groupsize 128 does not divide the in-features"),
+    (["bench_quant.py", "--random-weights", "--ppl-texts", "2"], {}, 2, "which --random-weights does not measure"),
+    (["bench_quant.py", "--random-weights", "--ppl-prefix", "64"], {}, 2, "--ppl-texts, --ppl-prefix and --ppl-tok"),
     # ---- bench.py --resume
     (["bench.py", "--resume"], {}, 2, "--resume needs --json"),
     (["bench_paired.py", "--resume"], {}, 2, "unrecognized arguments: --resume"),
@@ -299,9 +337,13 @@ def test_the_table_is_large():
 @pytest.mark.parametrize("argv, files, code, message", CASES, ids=[f"{c[0][0]}:{c[3]}" for c in CASES])
 def test_bad_input_one_line(argv, files, code, message, ckpt, tmp_path, monkeypatch, capsys):
     for name, content in files.items():
-        path = tmp_path / name
+        path = tmp_path / name.removesuffix("|")
         if name.endswith("/"):
             path.mkdir(parents=True)
+            continue
+        if name.endswith("|"):  # a named pipe nobody writes to or reads from
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.mkfifo(path)
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content.encode() if isinstance(content, str) else content)
@@ -311,6 +353,71 @@ def test_bad_input_one_line(argv, files, code, message, ckpt, tmp_path, monkeypa
     got = run(script, args, monkeypatch)
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
+    message = message.replace("{tmp}", str(tmp_path))
     assert got == code and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
     assert "Traceback" not in err
     assert files_in(tmp_path) == before  # nothing written, nothing changed (an empty --out-dir may be made)
+
+
+# ---- scripts/check_port.py (numpy only: "check_port: " and the line, exit 2). Each case: (what it breaks, extra
+# argv, message); the vectors are a copy of tests/vectors and the results the engine's own keydiff-gqa-b16 output.
+CASE = "keydiff-gqa-b16"
+
+
+def kept_as(value, dtype="float32"):
+    def change(vectors, results):
+        from safetensors.numpy import load_file, save_file
+        kept = load_file(str(results / f"{CASE}.safetensors"))["kept"].astype(dtype)
+        kept[kept == 1] = value
+        save_file({"kept": kept}, str(results / f"{CASE}.safetensors"))
+    return change
+
+
+def manifest_edit(edit):
+    def change(vectors, results):
+        m = json.loads((vectors / "manifest.json").read_text())
+        edit(m)
+        (vectors / "manifest.json").write_text(json.dumps(m))
+    return change
+
+
+def short_steps(m):
+    m["cases"][0]["steps"] = m["cases"][0]["steps"][:-1]
+
+
+CHECK_PORT = [
+    (kept_as(1.5), [], f"{CASE}: kept holds 1.5, but a mask holds only 0 and 1"),
+    (kept_as(float("nan")), [], f"{CASE}: kept holds nan"),
+    (kept_as(float("inf")), [], f"{CASE}: kept holds inf"),
+    (kept_as(2, "int64"), [], f"{CASE}: kept holds 2"),
+    (kept_as(-1, "int8"), [], f"{CASE}: kept holds -1"),
+    (manifest_edit(short_steps), [], f"{CASE}: the manifest lists 5 steps, its vectors 6"),
+    (manifest_edit(lambda m: m.pop("shapes")), [], "malformed vectors or results (KeyError: 'shapes')"),
+    (manifest_edit(lambda m: m.update(cases=[])), [], "not a test-vector manifest"),
+    (manifest_edit(lambda m: m["cases"][0].update(file="cases/none.safetensors")), [], "none.safetensors: no such file"),
+    (None, ["--case", "nope*"], "--case 'nope*' matches none of the manifest's"),
+    (None, ["--case", ""], "--case '' matches none"),
+    (lambda v, r: (v / "manifest.json").write_text("{"), [], "manifest.json: not a test-vector manifest"),
+    (lambda v, r: (v / "manifest.json").unlink(), [], "no manifest.json"),
+    (lambda v, r: (r / f"{CASE}.safetensors").write_bytes(b"\x00" * 8), [], "not a readable safetensors file"),
+]
+
+
+@pytest.mark.parametrize("change, extra, message", CHECK_PORT, ids=[c[2][:40] for c in CHECK_PORT])
+def test_check_port_bad_input_one_line(change, extra, message, tmp_path, capsys):
+    import shutil
+
+    from conftest import REPO
+    sys.path.insert(0, str(REPO / "scripts"))
+    import check_port
+    vectors, results = tmp_path / "vectors", tmp_path / "results"
+    shutil.copytree(REPO / "tests" / "vectors", vectors)
+    results.mkdir()
+    shutil.copy(vectors / "cases" / f"{CASE}.safetensors", results)
+    if change is not None:
+        change(vectors, results)
+    code = check_port.main([str(vectors), str(results), *extra])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("check_port: ") and message in lines[0], err
+    assert "match" not in out  # no verdict printed for bad input
