@@ -55,7 +55,7 @@ def check_args(args) -> None:
         raise UserError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
     if args.resume and args.json is None:
         raise UserError("--resume needs --json: the file the finished configurations are kept in")
-    modes = [m for m in args.modes.split(",") if m]
+    modes = mode_list(args)
     if not modes:
         raise UserError("--modes is empty")
     for m in modes + ([args.one] if args.one else []):
@@ -137,7 +137,7 @@ def quant_random(mode: str, args) -> dict:
 
 
 def run_quant(args) -> None:
-    modes = [m for m in args.modes.split(",") if m]  # checked in check_args
+    modes = mode_list(args)  # checked in check_args
     ckpt, config = bench_source(args)
     model_args = parse_config(config)
     ctx = model_args.max_seq_len
@@ -192,6 +192,10 @@ def run_quant(args) -> None:
 
 def ppl_text(ppl: float | None) -> str:
     return "–" if ppl is None else f"{ppl:.4f}"
+
+
+def mode_list(args) -> list[str]:
+    return [m.strip() for m in args.modes.split(",") if m.strip()]
 
 
 def check_quant_mode(m: str) -> None:

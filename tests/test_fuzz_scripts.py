@@ -234,6 +234,7 @@ CASES = [
     (["eval.py", "--depths", ""], {}, 2, "--depths is empty"),
     (["eval.py", "--depths", " , "], {}, 2, "--depths is empty"),
     (["bench_quant.py", "--modes", "int4-g7"], {}, 2, "unknown --modes entry 'int4-g7'"),
+    (["bench_quant.py", "--modes", " , "], {}, 2, "--modes is empty"),
     (["bench_quant.py", "--modes", "int4-g\u0663\u0662"], {}, 2, "unknown --modes entry"),
     (["bench_quant.py", "--modes", "int4-g032"], {}, 2, "unknown --modes entry 'int4-g032'"),
     (["bench_quant.py", *SMALL, "--modes", "int4-g128"], {}, 2,
