@@ -442,7 +442,7 @@ def test_eager_run_never_imports_the_compiler(tiny_ckpt, policy, control):
     ("bench.py", ["--json", "/proc/x.json"], "--json /proc/x.json: cannot write"),
     ("bench.py", ["--policies", "sink", "--budget", "2"], "must exceed the 4 sink"),
     ("bench.py", ["--prompt-tokens", "9000"], "must fit the model's context (8192)"),
-    ("bench.py", ["--prompt-tokens", "10", "--policies", ""], "is too small")])
+    ("bench.py", ["--prompt-tokens", "10", "--policies", "keydiff"], "is too small")])
 def test_bench_bad_policy_one_line_exit_2(script, extra, message):
     """The benchmark scripts check their policy names and flags before loading anything: one line, exit 2, no
     traceback."""
