@@ -125,7 +125,7 @@ def test_evict_before_attend_fails(tmp_path, capsys, monkeypatch):
 def test_real_cases_keep_what_the_whole_model_keeps_at_layer_0():
     """The smollm2 shape's cases are the engine's sets on a real model: a whole-model run of the embedded model on
     the text (decode tokens teacher-forced) keeps at layer 0, KV head 0, exactly each case's kept positions after every
-    step, and computes the stored inputs as layer 0's q, k, v (layer 0's inputs depend on the tokens only)."""
+    step, and computes the stored inputs as layer 0's q, k, v (to float32 rounding) (layer 0's inputs depend on the tokens only)."""
     import torch
     from safetensors.numpy import load_file
 
@@ -149,4 +149,5 @@ def test_real_cases_keep_what_the_whole_model_keeps_at_layer_0():
         assert np.array_equal(got, want), case["case"]
         for j, name in enumerate("qkv") if blocks else []:
             computed = torch.cat([b[j][0] for b in blocks], 1).transpose(0, 1)[:, :stored[name].shape[1]]
-            assert np.array_equal(computed.numpy(), stored[name]), name
+            # float32 rounding differs between CPUs' matmul kernels: the stored inputs were made on one machine.
+            np.testing.assert_allclose(computed.numpy(), stored[name], rtol=1e-5, atol=1e-5, err_msg=name)
