@@ -95,6 +95,8 @@ COMMANDS = {
     "python scripts/bench_threads.py": "times the embedded model under each thread setting (no --checkpoint)",
     f"{PY}scripts/bench_compile.py --policy keydiff --budget 512 --prompt-tokens 4096 --new-tokens 128 --threads 2 "
     "--repeats 2": "tests/test_cli.py::test_bench_compile_measures_eager_cold_and_warm",
+    f"{PY}scripts/bench_paired.py --compile --policies keydiff --decode-steps 64 --threads 2":
+        "tests/test_cli.py::test_bench_paired_table_and_profile",
     f"{PY}scripts/bench.py --prompt-tokens 4096 --budget 512 --decode-steps 32 --repeats 3 --kvpress":
         "not run by a test: a process per policy and the kvpress peer take minutes at tiny sizes",
     f"{PY}scripts/bench.py --compile --no-compile-prefill --prompt-tokens 4096 --budget 512 --policies keydiff "
