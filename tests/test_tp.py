@@ -5,9 +5,8 @@ processes with torchrun's environment), tiny GQA models with 2 and 4 KV heads, f
   every step's logits within fp32 rounding (wo's and w2's sums split over 2 ranks), each rank's kept positions
   per layer equal the TP=1 sets of the same KV heads; the reference's top-1 margin at every step is asserted to be
   far above the logit difference, so that equal tokens are not luck;
-- compiled (fullgraph, error_on_recompile, functional all-reduce inside the graph): keydiff block-wise (prefill and
-  decode steps), rocketkv (one-shot, the selector's decode step) and tova:heads=all (an all-gather in the decode
-  step): docs/testing.md says why these three;
+- compiled (fullgraph, error_on_recompile, functional all-reduce inside the graph): tova:heads=all block-wise (the
+  prefill and decode steps of an evicting scorer, an all-gather in each): docs/testing.md says why this one;
 - int8 / int4 weights: sharded with their scales (tokens, logits, kept sets on the fp32 dequantize kernels; each
   sharded Linear on the fused bfloat16 kernels against the whole one);
 - the command line under torchrun: only rank 0 prints, the summary's per-rank KV bytes, the tokens of one process;
@@ -49,19 +48,25 @@ def torchrun(args: list, timeout: int, **extra) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env(**extra), capture_output=True, text=True, timeout=timeout)
 
 
-def suite(name: str, out, timeout: int = 300) -> list[dict]:
-    """Run tests/tp_worker.py's suite on 2 ranks; each rank's results."""
-    p = torchrun(["tests/tp_worker.py", str(out), name], timeout)
+def suites(names: str, out, timeout: int = 300) -> list[dict]:
+    """Run tests/tp_worker.py's suites (comma-separated) in one torchrun of 2 ranks; each rank's results per suite."""
+    p = torchrun(["tests/tp_worker.py", str(out), names], timeout)
     assert p.returncode == 0, p.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 @pytest.fixture(scope="module")
-def eager(tmp_path_factory):
+def worker(tmp_path_factory):
+    """The eager and quantized-weights suites, from one torchrun (one start of the ranks for both)."""
     t = time.perf_counter()
-    res = suite("eager", tmp_path_factory.mktemp("tp_eager"))
-    print(f"eager suite: {time.perf_counter() - t:.1f} s")
+    res = suites("eager,quant", tmp_path_factory.mktemp("tp_eager"), timeout=600)
+    print(f"eager and quant suites: {time.perf_counter() - t:.1f} s")
     return res
+
+
+@pytest.fixture(scope="module")
+def eager(worker):
+    return [rank["eager"] for rank in worker]
 
 
 def check_case(r: dict) -> None:
@@ -110,10 +115,11 @@ def test_a_policy_can_refuse_tp():
 
 def test_compiled(tmp_path):
     """The compiled steps under TP=2: fullgraph, the all-reduces inside the graph, no recompile over two
-    generations, the eager TP=1 tokens and kept sets. Compiles 3 graphs on each rank (about 1-3 minutes cold on 2
+    generations, the eager TP=1 tokens and kept sets. Compiles 2 graphs on each rank (about a minute cold on 2
     cores; seconds from build/inductor-cache)."""
-    for rank_results in suite("compiled", tmp_path, timeout=900):
-        for key, r in rank_results.items():
+    for rank_results in suites("compiled", tmp_path, timeout=900):
+        assert len(rank_results["compiled"]) == 2  # the decode step's explain and the compiled run
+        for key, r in rank_results["compiled"].items():
             if key.endswith("explain"):  # one graph, no break, 2 all-reduces per layer (2 layers) inside it,
                 gathers = 2 if "heads=all" in key else 0  # and tova:heads=all's all-gather per layer
                 assert r == dict(graphs=1, breaks=0, all_reduces=4, all_gathers=gathers), (key, r)
@@ -122,9 +128,10 @@ def test_compiled(tmp_path):
             assert r["again"] == r["tp"], key
 
 
-def test_quantized_weights_shard(tmp_path):
-    for rank_results in suite("quant", tmp_path):
-        for key, r in rank_results.items():
+def test_quantized_weights_shard(worker):
+    for rank_results in worker:
+        assert len(rank_results["quant"]) == 4  # keydiff block-wise and snapkv++ one-shot, int8 and int4
+        for key, r in rank_results["quant"].items():
             check_case(r)
             mode = key.split("|")[-1]
             assert r["wqkv_type"] == ("Int8Linear" if mode == "int8" else "Int4Linear")
