@@ -63,35 +63,42 @@ def n_kept(ratio: float) -> int:
     return max(1, int(L * (1 - ratio)))  # kvpress.utils.compute_n_kept
 
 
+TINY_FAMILIES = ("llama", "qwen2")
+
+
 @pytest.fixture(scope="module")
 def runs(hf_tiny, tmp_path_factory):
     """family -> (our model, prompt ids, {(press spec, ratio): {layer: [[positions] per KV head]}}), one kvpress
-    subprocess per family."""
+    subprocess for both families (each loaded there once)."""
     out = {}
 
     def get(family):
         if "skip" in out:  # kvpress does not import: say so once, not once per test
             pytest.skip(out["skip"])
-        if family in out:
-            return out[family]
-        _, ckpt = hf_tiny(family)
-        d = tmp_path_factory.mktemp(f"kvpress-{family}")
+        if not out:
+            run_kvpress()
+        return out[family]
+
+    def run_kvpress():
         ids = torch.randint(0, 512, (L,), generator=torch.Generator().manual_seed(2))
-        (d / "ids.json").write_text(json.dumps(ids.tolist()))
-        cmd = [str(KV_PY), str(REPO / "tests" / "reference" / "kvpress_keep.py"), "--model", str(ckpt), "--ids-file",
-               str(d / "ids.json")]
         jobs = [(spec, r) for spec in CASES for r in RATIOS]
-        for i, (spec, r) in enumerate(jobs):
-            cmd += ["--press", spec, "--ratio", str(r), "--out", str(d / f"{i}.json")]
+        cmd, dirs = [str(KV_PY), str(REPO / "tests" / "reference" / "kvpress_keep.py")], {}
+        for family in TINY_FAMILIES:
+            d = dirs[family] = tmp_path_factory.mktemp(f"kvpress-{family}")
+            (d / "ids.json").write_text(json.dumps(ids.tolist()))
+            cmd += [*(["--next"] if family != TINY_FAMILIES[0] else []), "--model", str(hf_tiny(family)[1]),
+                    "--ids-file", str(d / "ids.json")]
+            for i, (spec, r) in enumerate(jobs):
+                cmd += ["--press", spec, "--ratio", str(r), "--out", str(d / f"{i}.json")]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if p.returncode == 77:
             out["skip"] = p.stderr.strip().splitlines()[-1]
             pytest.skip(out["skip"])
         assert p.returncode == 0, p.stderr[-3000:]
-        ref = {job: {int(k): v for k, v in json.loads((d / f"{i}.json").read_text()).items()}
-               for i, job in enumerate(jobs)}
-        out[family] = (load_model(ckpt, torch.float32, "cpu"), ids, ref)
-        return out[family]
+        for family, d in dirs.items():
+            ref = {job: {int(k): v for k, v in json.loads((d / f"{i}.json").read_text()).items()}
+                   for i, job in enumerate(jobs)}
+            out[family] = (load_model(hf_tiny(family)[1], torch.float32, "cpu"), ids, ref)
     return get
 
 
@@ -110,7 +117,7 @@ def differences(ref, got):
 
 @pytest.mark.parametrize("ratio", RATIOS)
 @pytest.mark.parametrize("spec", list(CASES))
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_same_kept_tokens_as_kvpress(family, spec, ratio, runs):
     model, ids, ref = runs(family)
     ref = ref[(spec, ratio)]

@@ -11,7 +11,8 @@ hidden states in both runs) with an allclose fallback, and each kept row must ma
 here depends on how kvpress computes its indices. Writes {layer: [[sorted positions] per KV head]}.
 
 NAME is keydiff, snapkv, tova, sink (StreamingLLMPress) or keynorm (KnormPress), optionally with press arguments:
-`snapkv:window_size=32,kernel_size=7`. Several --press/--ratio/--out triples may be given (one model load).
+`snapkv:window_size=32,kernel_size=7`. Several --press/--ratio/--out triples may be given (one model load), and
+several models (one import of transformers and kvpress): each run's arguments, then `--next` and the next run's.
 """
 import argparse
 import json
@@ -78,6 +79,8 @@ def main(argv=None):
     transformers.utils.logging.disable_progress_bar()
     if not len(a.press) == len(a.ratio) == len(a.out):
         ap.error("give one --ratio and one --out per --press")
+    global N_INEXACT
+    N_INEXACT = 0
     torch.manual_seed(0)
     # One thread: the exact match needs both prefills bit-identical, and MKL may split a GEMM differently between
     # two runs when the machine is loaded (a CI run failed so, every key off by more than the allclose fallback).
@@ -94,5 +97,17 @@ def main(argv=None):
     print(f"kvpress_keep: {N_INEXACT} kept rows matched by allclose, not bit-exactly", file=sys.stderr)
 
 
+def runs(argv: list[str]) -> list[list[str]]:
+    """The arguments of each run: argv split at `--next`."""
+    out = [[]]
+    for arg in argv:
+        if arg == "--next":
+            out.append([])
+        else:
+            out[-1].append(arg)
+    return out
+
+
 if __name__ == "__main__":
-    main()
+    for run_argv in runs(sys.argv[1:]):
+        main(run_argv)
