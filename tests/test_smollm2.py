@@ -15,10 +15,21 @@ POEM = "Write a short poem about the sea."
 
 @pytest.fixture(scope="module")
 def hf_model_and_tokenizer():
+    """transformers' tokenizer and model from the GGUF. It parses the file once for the tokenizer, once for the
+    config and once for the weights, and builds gguf's tensor-name map once per module: here one parse and one map
+    (both only read) serve every call."""
+    import functools
+
+    import gguf
     transformers = pytest.importorskip("transformers")
     g = embedded_gguf()
-    tok = transformers.AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(g.parent, gguf_file=g.name, dtype=torch.float32).eval()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        tok = transformers.AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(g.parent, gguf_file=g.name,
+                                                               dtype=torch.float32).eval()
+        assert gguf.GGUFReader.cache_info().misses == 1  # the one parse served the others
     return hf, tok
 
 
