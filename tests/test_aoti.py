@@ -1,5 +1,5 @@
-"""The CPU decode step compiled ahead of time (aoti.py): eager's tokens for every kind of policy, a batch, and a
-package key that changes with everything the traced step depends on."""
+"""The CPU decode step compiled ahead of time (aoti.py): eager's tokens for every kind of packaged state, a batch,
+and a package key that changes with everything the traced step depends on."""
 import json
 import os
 import subprocess
@@ -46,36 +46,33 @@ def run(model, spec: str, budget: int, step, n: int = 12, kv_dtype=None) -> list
         return generate(model, PROMPT, n, block_size=8, steps=(prefill_step, step), one_shot=prefill == "one-shot")[0]
 
 
-# block-wise eviction; per-slot state (H2O); per-layer state (SnapKV's ring of queries); a selector that appends
-# after a one-shot compression and keeps pages (RocketKV); a one-shot layout of its own (SAGE-KV); no eviction
-@pytest.mark.parametrize("spec,budget", [("keydiff", 40), ("h2o", 40), ("snapkv", 48), ("rocketkv", 64),
-                                         ("sagekv", 64), ("full", 110)])
-def test_packaged_step_generates_eager_tokens(tiny, packages, spec, budget):
+# Each kind of state a package takes as inputs and writes in place: block-wise eviction with per-slot state (H2O);
+# a one-shot compression, then a selector that appends and updates per-layer state (RocketKV's pages: SnapKV's ring
+# is per-layer state too); no eviction in a bfloat16 cache under fp32 weights (the row-wise attention widens it in
+# its loop). test_conformance proves every policy's compiled step eager's.
+@pytest.mark.parametrize("spec,budget,kv_dtype", [("h2o", 40, None), ("rocketkv", 64, None),
+                                                  ("full", 110, torch.bfloat16)],
+                         ids=["h2o-40", "rocketkv-64", "full-110-bf16"])
+def test_packaged_step_generates_eager_tokens(tiny, packages, spec, budget, kv_dtype):
     step = aoti.AotStep()
-    assert run(tiny, spec, budget, step) == run(tiny, spec, budget, model_step)
+    assert run(tiny, spec, budget, step, kv_dtype=kv_dtype) == run(tiny, spec, budget, model_step, kv_dtype=kv_dtype)
     assert (step.compiled, step.loaded) == (1, 0)
+    assert tiny.layers[0].attention.kv_cache.k.dtype == (kv_dtype or torch.float32)
     # a second step on the same state loads the package instead of compiling it
     again = aoti.AotStep()
-    assert run(tiny, spec, budget, again) == run(tiny, spec, budget, model_step)
+    assert run(tiny, spec, budget, again, kv_dtype=kv_dtype) == run(tiny, spec, budget, model_step, kv_dtype=kv_dtype)
     assert (again.compiled, again.loaded) == (0, 1)
 
 
-def test_bf16_kv_step_generates_eager_tokens(tiny, packages):
-    """A bfloat16 cache under fp32 weights (the row-wise attention widens it in its loop) has a package of its own."""
-    step = aoti.AotStep()
-    assert run(tiny, "full", 110, step, kv_dtype=torch.bfloat16) == run(tiny, "full", 110, model_step,
-                                                                         kv_dtype=torch.bfloat16)
-    assert tiny.layers[0].attention.kv_cache.k.dtype == torch.bfloat16 and step.compiled == 1
-
-
 def test_a_step_rebinds_when_setup_makes_new_caches(tiny, packages):
-    """One step object across two runs of different budgets: the second run's caches get their own package, and the
-    tensors of the first are not written."""
+    """One step object across runs of different policies and budgets: each run's caches get their own package, and
+    the tensors of the first are not written; the first state again binds the new caches to its loaded package."""
     step = aoti.AotStep()
-    a = run(tiny, "keydiff", 40, step)
-    b = run(tiny, "keydiff", 48, step)
-    assert b == run(tiny, "keydiff", 48, model_step) and a == run(tiny, "keydiff", 40, model_step)
+    a = run(tiny, "h2o", 40, step)
+    b = run(tiny, "rocketkv", 64, step)
+    assert b == run(tiny, "rocketkv", 64, model_step) and a == run(tiny, "h2o", 40, model_step)
     assert step.compiled + step.loaded == 2 and len(step.loaders) == 2
+    assert run(tiny, "h2o", 40, step) == a and step.compiled + step.loaded == 2
 
 
 def test_batch_step_generates_each_sequences_tokens(tiny, packages):
@@ -91,19 +88,20 @@ def test_batch_step_generates_each_sequences_tokens(tiny, packages):
 
 def test_the_key_follows_the_traced_state(tiny, tmp_path, monkeypatch):
     """Every input that changes the traced step changes the package's name: a policy parameter, the budget, the
-    batch, the thread count, a source file a step runs; the same state gives the same key, whatever the prompt's
-    length or a change to the command line's module."""
-    def key(spec="keydiff", budget=40, batch=1, prompt_len=len(PROMPT)):
+    batch, the cache's dtype, the thread count, a source file a step runs; the same state gives the same key,
+    whatever the prompt's length or a change to the command line's module."""
+    def key(spec="keydiff", budget=40, batch=1, prompt_len=len(PROMPT), kv_dtype=None):
         policy = policies.make(spec)
         if batch == 1:
-            setup(tiny, policy, budget, prompt_len, 8, 8)
+            setup(tiny, policy, budget, prompt_len, 8, 8, kv_dtype=kv_dtype)
         else:
             setup_batch(tiny, policy, budget, [prompt_len] * batch, 8, 8)
         return aoti.step_key(tiny, torch.zeros(batch, 1, dtype=torch.long), torch.zeros(batch, dtype=torch.long))
     base = key()
     assert key() == base
     assert key(prompt_len=60) == base  # the prompt's length is not part of a block-wise policy's decode step
-    others = [key("keydiff:window_frac=0.5"), key(budget=48), key(batch=2), key("tova")]
+    others = [key("keydiff:window_frac=0.5"), key(budget=48), key(batch=2), key("tova"),
+              key(kv_dtype=torch.bfloat16)]
     n = torch.get_num_threads()
     torch.set_num_threads(n + 1)
     try:
@@ -166,29 +164,24 @@ def test_a_warm_run_imports_no_compiler(hf_tiny, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def built(tiny, hf_tiny, packages, tmp_path_factory):
-    """One real package (and its record) of the tiny model's keydiff step, and one of another model's (qwen2): the
-    cases below copy them, and their compiles copy the first instead of compiling again. Also eager's tokens. The
-    own package is the module's (test_packaged_step_generates_eager_tokens[keydiff-40] compiled it: loaded here)."""
-    import shutil
-    d = tmp_path_factory.mktemp("built")
-    other = load_model(hf_tiny("qwen2")[1], torch.float32, "cpu")
+def built(tiny, packages):
+    """Two real packages with their records, copied from the module's folder: the tiny model's h2o-40 step (the cases
+    below copy it, and their compiles copy it instead of compiling again) and its rocketkv-64 step (another setting's
+    package). Also eager's tokens. Both are the module's (test_packaged_step_generates_eager_tokens compiled them:
+    loaded here)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # as under one_thread: the thread count is part of the key
     try:
-        step = aoti.AotStep()
-        run(tiny, "keydiff", 40, step)
-        (key,) = step.loaders
-        (d / "own").mkdir()
-        for p in (packages / f"{key}.pt2", aoti.record_path(packages / f"{key}.pt2")):
-            shutil.copyfile(p, d / "own" / p.name)
-        os.environ["BUDGETKV_AOT_DIR"] = str(d / "other")
-        run(other, "keydiff", 40, aoti.AotStep())
-        want = run(tiny, "keydiff", 40, model_step)
+        paths = []
+        for spec, budget in (("h2o", 40), ("rocketkv", 64)):
+            step = aoti.AotStep()
+            run(tiny, spec, budget, step)
+            (key,) = step.loaders
+            paths.append(packages / f"{key}.pt2")
+        want = run(tiny, "h2o", 40, model_step)
     finally:
         torch.set_num_threads(n)
-        os.environ["BUDGETKV_AOT_DIR"] = str(packages)
-    (own,), (theirs,) = (list((d / name).glob("*.pt2")) for name in ("own", "other"))
+    own, theirs = paths
     return own, theirs, want
 
 
@@ -237,7 +230,7 @@ def cut_short_without_record(path, theirs):
 TAMPERED = {  # what was done to the key's package -> the reason printed
     "another package under the key's name, the key's record kept": (
         lambda path, theirs: path.write_bytes(theirs.read_bytes()), "damaged or replaced"),
-    "another model's package with its record, both under the key's name": (
+    "another setting's package with its record, both under the key's name": (
         swap_in_theirs_with_its_record, "built for another model or setting"),
     "bytes damaged in place, same size": (lambda path, theirs: damage_in_place(path), "damaged or replaced"),
     "no record": (lambda path, theirs: aoti.record_path(path).unlink(), "no readable record"),
@@ -257,14 +250,14 @@ def test_an_untrusted_package_is_compiled_again_never_loaded(tiny, built, copies
     tamper(path, theirs)
     bad = aoti.file_sha256(path)
     step = aoti.AotStep()
-    assert run(tiny, "keydiff", 40, step) == want and (step.compiled, step.loaded) == (1, 0)
+    assert run(tiny, "h2o", 40, step) == want and (step.compiled, step.loaded) == (1, 0)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and str(path) in lines[0] and why in lines[0] and "compiling it again" in lines[0]
     good = aoti.file_sha256(own)
     assert aoti.file_sha256(path) == good and aoti.package_problem(path, path.stem, json.loads(
         aoti.record_path(own).read_text())["built_from"]) is None
     again = aoti.AotStep()
-    assert run(tiny, "keydiff", 40, again) == want and (again.compiled, again.loaded) == (0, 1)
+    assert run(tiny, "h2o", 40, again) == want and (again.compiled, again.loaded) == (0, 1)
     torch_loaded = [d for d in loaded if d != good]
     assert torch_loaded == ([bad] if why == "torch could not load it" else [])  # only a recorded one reaches torch
 
@@ -299,7 +292,7 @@ def test_an_unwritable_package_folder_is_found_before_compiling(tiny, built, cop
         capsys.readouterr().err) or export(*a))
     step = aoti.AotStep()
     try:
-        assert run(tiny, "keydiff", 40, step) == want and step.compiled == 1
+        assert run(tiny, "h2o", 40, step) == want and step.compiled == 1
     finally:
         (tmp_path / "ro").chmod(0o755)
     assert len(said_before) == 1 and f"cannot write compiled steps in {folder}" in said_before[0]
@@ -328,9 +321,9 @@ def test_a_full_disk_during_the_save_runs_the_step_unsaved(tiny, built, copies, 
         else:
             m.setattr(pathlib.Path, "write_text", full)
         step = aoti.AotStep()
-        assert run(tiny, "keydiff", 40, step) == want and step.compiled == 1
+        assert run(tiny, "h2o", 40, step) == want and step.compiled == 1
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "No space left on device" in lines[0] and str(path.parent) in lines[0]
     assert sorted(p.name for p in path.parent.iterdir()) == ([] if failing == "package" else [path.name])
     again = aoti.AotStep()
-    assert run(tiny, "keydiff", 40, again) == want and (again.compiled, again.loaded) == (1, 0)
+    assert run(tiny, "h2o", 40, again) == want and (again.compiled, again.loaded) == (1, 0)
