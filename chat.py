@@ -81,9 +81,7 @@ class Chat:
             policy = policies.make(policy)
         ctx = model.args.max_seq_len
         budget = min(engine.DEFAULT_BUDGET, ctx) if budget is None else budget
-        for name, v in (("max_new_tokens", max_new_tokens), ("block_size", block_size), ("budget", budget)):
-            if v < 1:
-                raise UserError(f"{name} must be >= 1, got {v}")
+        engine.check_sizes_and_sampling(model.args, max_new_tokens, budget, block_size, temperature, top_k, top_p)
         self.model, self.tokenizer, self.policy, self.budget = model, tokenizer, policy, budget
         self.name = policy.name if policy is not None else "full"
         self.protocol = prefill_protocol(policy, prefill)

@@ -775,6 +775,23 @@ CACHE_NOTES = {"hit": "from the compile cache", "miss": "now cached for the next
                "bypass": "not cacheable: compiles again next run", "off": "cache off"}
 
 
+def check_sizes_and_sampling(args: ModelArgs, max_new_tokens: int | None, budget: int | None, block_size: int | None,
+                             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                             repetition_penalty: float = 1.0, repeat_last_n: int = 64) -> None:
+    """The sizes (None: the default) and the sampling a run of this model takes: one UserError naming the flag.
+    Generation and chat.Chat both check through it."""
+    if top_k > args.vocab_size:
+        raise UserError(f"--top-k {top_k} exceeds the model's vocabulary ({args.vocab_size} tokens)")
+    if not 0.01 <= repetition_penalty <= 100 or not -1 <= repeat_last_n <= args.max_seq_len:
+        raise UserError(f"need --repetition-penalty between 0.01 and 100 and --repeat-last-n from -1 (the whole "
+                        f"sequence) to the model's context ({args.max_seq_len})")
+    for name, value in (("--max-new-tokens", max_new_tokens), ("--budget", budget), ("--block-size", block_size)):
+        if value is not None and value < 1:
+            raise UserError(f"{name} must be >= 1, got {value}")
+    if not (0 <= temperature < math.inf and top_k >= 0 and 0 < top_p <= 1):
+        raise UserError("need a finite --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
+
+
 class Generation:
     """One run of a model over one prompt or a batch: the settings resolved against the model's context and the
     prompts' lengths, then setup() (the caches), compile() (the steps compiled and warmed up) and generate()
@@ -794,16 +811,8 @@ class Generation:
         self.args, self.policy, self.lens, self.device = args, policy, list(prompt_lens), device
         self.protocol = prefill_protocol(policy, prefill)
         self.evict_before_attend, self.kv_dtype = evict_before_attend, kv_dtype
-        if top_k > args.vocab_size:
-            raise UserError(f"--top-k {top_k} exceeds the model's vocabulary ({args.vocab_size} tokens)")
-        if not 0.01 <= repetition_penalty <= 100 or not -1 <= repeat_last_n <= args.max_seq_len:
-            raise UserError(f"need --repetition-penalty between 0.01 and 100 and --repeat-last-n from -1 (the whole "
-                            f"sequence) to the model's context ({args.max_seq_len})")
-        for name, value in (("--max-new-tokens", max_new_tokens), ("--budget", budget), ("--block-size", block_size)):
-            if value is not None and value < 1:
-                raise UserError(f"{name} must be >= 1, got {value}")
-        if not (0 <= temperature < math.inf and top_k >= 0 and 0 < top_p <= 1):
-            raise UserError("need a finite --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
+        check_sizes_and_sampling(args, max_new_tokens, budget, block_size, temperature, top_k, top_p,
+                                 repetition_penalty, repeat_last_n)
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         self.penalty = (repetition_penalty, repeat_last_n)
         self.clamped = {}

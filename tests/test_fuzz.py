@@ -616,6 +616,29 @@ def test_the_api_refuses_what_the_cli_refuses_in_one_line(tiny_ckpt, capfd, kw, 
         assert capfd.readouterr().err == f"error: {e.value}\n"
 
 
+CHAT_SETTINGS = [(dict(top_k=10 ** 6), "--top-k 1000000 exceeds the model's vocabulary"),
+                 (dict(top_p=0.0), "0 < --top-p <= 1"), (dict(temperature=float("nan")), "a finite --temperature"),
+                 (dict(budget=0), "--budget must be >= 1, got 0"), (dict(block_size=-2), "--block-size must be >= 1")]
+
+
+@pytest.mark.parametrize("kw, message", CHAT_SETTINGS, ids=[m[:30] for _, m in CHAT_SETTINGS])
+def test_a_chat_refuses_what_a_generation_refuses_with_its_line(tiny_ckpt, kw, message):
+    """chat.Chat and engine.Generation check sizes and sampling through one function: the same UserError line."""
+    import torch
+
+    import chat
+    import engine
+    import policies
+    from errors import UserError
+    from tokenizer import load_tokenizer
+    model = engine.load_model(tiny_ckpt, torch.float32, "cpu")
+    with pytest.raises(UserError) as from_chat:
+        chat.Chat(model, load_tokenizer(tiny_ckpt), "keydiff", **kw)
+    with pytest.raises(UserError) as from_generation:
+        engine.Generation(model.args, policies.make("keydiff"), [8], **kw)
+    assert message in str(from_chat.value) and str(from_chat.value) == str(from_generation.value)
+
+
 # ------------------------------------------------------------------------------- no NaN reaches the user
 
 def nan_weights(tiny_ckpt, tmp_path) -> Path:
