@@ -795,7 +795,9 @@ def check_sizes_and_sampling(args: ModelArgs, max_new_tokens: int | None, budget
 class Generation:
     """One run of a model over one prompt or a batch: the settings resolved against the model's context and the
     prompts' lengths, then setup() (the caches), compile() (the steps compiled and warmed up) and generate()
-    (prefill, the decode loop, the stats). generate.py, chat.py, bench, eval and generate_text run through it.
+    (prefill, the decode loop, the stats). generate.py and generate_text run through it; chat.py (a cache that
+    persists across turns), the benchmarks and eval use its pieces: setup, compile_settings, warm_up and the one
+    decode loop, `decode`.
 
     None is the default: max_new_tokens 200 (fewer where the context ends first), block_size 128, budget
     prompt + max_new_tokens for the policies that hold every token (full, exact-topk) and 2048 for the others, each
