@@ -37,19 +37,28 @@ def test_graph_row_fails_on_a_skip_a_recompile_or_other_tokens(kw, problem):
     assert (problem or "") in r["detail"] and (problem is not None or r["detail"] == "")
 
 
+# The graphs section's shapes at the arguments test_graphs_section_on_the_tiny_model_evicts_and_matches_eager gives
+# it (the tests' llama, a 200-token prompt, 8 new tokens, blocks of 32): its process finds these tests' keydiff and
+# speculation graphs in inductor's cache instead of compiling them again.
+GRAPH_PROMPT, GRAPH_TOKENS, GRAPH_BLOCK = 200, 8, 32
+
+
+def graph_prompt():
+    return torch.randint(0, 512, (GRAPH_PROMPT,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
 def test_graph_check_on_cpu_compiles_once_and_matches_eager(hf_tiny):
     """The same check the GPU runs per policy (mode None on CPU, no graphs to capture): one compiled graph, eager's
     greedy tokens; a one-shot policy too."""
     from engine import load_model
     _, ckpt = hf_tiny("llama")
     model = load_model(ckpt, torch.float32, "cpu")
-    prompt = torch.randint(0, 512, (150,), generator=torch.Generator().manual_seed(3)).tolist()
     for spec in ("keydiff", "snapkv++"):
-        r = gc.graph_check(model, spec, prompt, 12, 32, "cpu", mode=None)
+        r = gc.graph_check(model, spec, graph_prompt(), GRAPH_TOKENS, GRAPH_BLOCK, "cpu", mode=None)
         row = gc.graph_row(r)
         assert row["ok"], row
-        assert r["graphs"] == 1 and r["compiled"] == r["eager"] and len(r["eager"]) == 12
-        assert model.layers[0].attention.kv_cache.spec.budget == 60  # graph_budget: 48 + 12 new, it evicts (150 prompt)
+        assert r["graphs"] == 1 and r["compiled"] == r["eager"] and len(r["eager"]) == GRAPH_TOKENS
+        assert model.layers[0].attention.kv_cache.spec.budget == 56  # graph_budget: 48 + 8 new, it evicts (200 prompt)
 
 
 def test_speculate_check_on_cpu_compiles_two_graphs_and_matches_plain(hf_tiny):
@@ -58,10 +67,9 @@ def test_speculate_check_on_cpu_compiles_two_graphs_and_matches_plain(hf_tiny):
     from engine import load_model
     _, ckpt = hf_tiny("llama")
     model = load_model(ckpt, torch.float32, "cpu")
-    prompt = torch.randint(0, 512, (150,), generator=torch.Generator().manual_seed(3)).tolist()
-    r = gc.speculate_check(model, "sink", prompt, 12, 32, "cpu", mode=None)
+    r = gc.speculate_check(model, "sink", graph_prompt(), GRAPH_TOKENS, GRAPH_BLOCK, "cpu", mode=None)
     assert gc.graph_row(r, graphs=2)["ok"], gc.graph_row(r, graphs=2)
-    assert r["graphs"] == 2 and r["compiled"] == r["eager"] and len(r["eager"]) == 12
+    assert r["graphs"] == 2 and r["compiled"] == r["eager"] and len(r["eager"]) == GRAPH_TOKENS
     assert not gc.graph_row(r, graphs=1)["ok"]
 
 
@@ -218,9 +226,11 @@ def test_graphs_section_on_the_tiny_model_evicts_and_matches_eager(tmp_path):
     repeated up to --graph-prompt tokens, so KeyDiff's row and speculation's (a sink draft) pass at a budget that
     evicts (graph_budget refuses one that would not)."""
     out = tmp_path / "check"
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # inductor's cache keys the thread count
     r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--only", "graphs", "--graph-model",
-                        "tiny", "--policies", "keydiff", "--graph-prompt", "200", "--graph-tokens", "8",
-                        "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+                        "tiny", "--policies", "keydiff", "--graph-prompt", str(GRAPH_PROMPT), "--graph-tokens",
+                        str(GRAPH_TOKENS), "--graph-block", str(GRAPH_BLOCK), "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [(x["check"], x["ok"]) for x in rows] == [("keydiff", True), ("speculate sink K=4", True)]
