@@ -1,5 +1,6 @@
 """One rank of tests/test_tp.py, started by torchrun (2 processes, gloo on CPU): for each case, generate greedily
-with the whole model on this rank alone (TP=1, the reference; no collective) and with this rank's shard (TP=2),
+with the whole model on one rank alone (TP=1, the reference; no collective; the eager suite's ranks split these runs
+and exchange them) and with this rank's shard (TP=2),
 and write what the test compares to <out>/rank<R>.json: both token lists, the largest logit difference, the
 reference's smallest top-1 margin, and whether this rank's kept positions equal the reference's of the same KV
 heads in every layer.
@@ -102,15 +103,25 @@ def cases() -> list[tuple[str, str]]:
                   ("kvec:delta=0", "one-shot")]
 
 
+def shared_references(full, mesh) -> list:
+    """The one-device runs of every case: each rank runs every world-th case (no collective inside), then the
+    ranks exchange them."""
+    mine = {i: run(full, spec, prefill) for i, (spec, prefill) in enumerate(cases()) if i % mesh.world == mesh.rank}
+    every = [None] * mesh.world
+    torch.distributed.all_gather_object(every, mine, group=mesh.group)
+    refs = {i: ref for part in every for i, ref in part.items()}
+    return [refs[i] for i in range(len(cases()))]
+
+
 def eager_suite(mesh):
     results = {}
     for mname in MODELS:
         full = tiny_model(mname)
         shard = tp.apply_tp(copy.deepcopy(full), mesh)
         hkv = shard.args.n_kv_heads
-        for spec, prefill in cases():
+        for (spec, prefill), ref in zip(cases(), shared_references(full, mesh), strict=True):
             t = time.perf_counter()
-            r = compare(run(full, spec, prefill), run(shard, spec, prefill), mesh, hkv)
+            r = compare(ref, run(shard, spec, prefill), mesh, hkv)
             r["seconds"] = time.perf_counter() - t
             results[f"{mname}|{spec}|{prefill}"] = r
         results[f"{mname}|refused"] = {s: tp.refusal(policies.make(s)) for s in policies.REGISTRY}
