@@ -68,7 +68,9 @@ def resolve_checkpoint(name: str, flag: str = "--checkpoint") -> Path:
         return fresh_gguf(path, CHECKPOINTS / path.stem)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise UserError(f"{path} has no config.json: not a model directory")
+            there = (path / "config.json").exists() or (path / "config.json").is_symlink()
+            raise UserError(f"{path}/config.json is not a regular file" if there else
+                            f"{path} has no config.json: not a model directory")
         return fresh_dir(path)
     if name not in MODELS and (os.sep in name or name.startswith((".", "~")) or path.exists()):
         what = unreachable(path) or "not a model directory or a .gguf file"

@@ -91,6 +91,12 @@ def truncated_weights(tmp, ckpt):
     replace(bad, "model.safetensors", data[:len(data) // 2])
 
 
+def fifo_config(tmp, ckpt):
+    bad = broken_copy(tmp, ckpt)
+    replace(bad, "config.json", None)
+    os.mkfifo(bad / "config.json")  # read, it would wait for a writer
+
+
 def missing_tensor(tmp, ckpt):
     from safetensors.torch import load_file, save_file
     bad = broken_copy(tmp, ckpt)
@@ -267,6 +273,7 @@ CASES += [
     gen("config-empty", [], 2, "is not valid JSON", files(config__json=""), "{bad}"),
     gen("config-binary", [], 2, "is not valid JSON", files(config__json=b"\xff\xfe\x00\x01"), "{bad}"),
     gen("config-missing", [], 2, "has no config.json", files(config__json=None), "{bad}"),
+    gen("config-fifo", [], 2, "config.json is not a regular file", fifo_config, "{bad}"),
     # weights
     gen("weights-missing", [], 2, "no *.safetensors", files(model__safetensors=None), "{bad}"),
     gen("weights-truncated", [], 2, "truncated or corrupt", truncated_weights, "{bad}"),
