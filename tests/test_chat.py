@@ -307,13 +307,16 @@ def test_an_answer_ending_in_eos_is_closed_by_the_template(loaded):
 
 def test_interactive_compile_compiles_before_the_first_turn(chat_ckpt, tmp_path):
     """--interactive --compile: the steps compile once, before the first turn (the compiler's output goes to the
-    log, not the terminal), and every turn's answer equals an eager chat's."""
-    argv = ["--policy", "keydiff", "--budget", "16", "--block-size", "4", "--max-new-tokens", "4", "--json"]
+    log, not the terminal), and every turn's answer equals an eager chat's. Both steps under torch.compile at the
+    policy, budget, block size and new tokens of test_a_compiled_chat_does_not_recompile_between_turns, whose graphs
+    this run finds in inductor's cache (a cold compile's silence: test_cli's second-process test)."""
+    argv = ["--policy", "keydiff", "--budget", "24", "--block-size", "8", "--max-new-tokens", "4", "--threads", "1",
+            "--json"]
     turns = "\n".join(TURNS[:3]) + "\n"
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TMPDIR": str(tmp_path)}
     compiled = subprocess.run([sys.executable, str(REPO / "generate.py"), "--checkpoint", str(chat_ckpt),
-                               "--interactive", "--compile", "--compile-prefill", *argv], input=turns,
-                              capture_output=True, text=True, timeout=600, env=env)
+                               "--interactive", "--compile", "--compile-mode", "default", "--compile-prefill", *argv],
+                              input=turns, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "TMPDIR": str(tmp_path)})
     eager = cli(chat_ckpt, *argv, stdin=turns)
     assert compiled.returncode == 0 and eager.returncode == 0, compiled.stderr + eager.stderr
     assert compiled.stderr == ""
