@@ -48,11 +48,12 @@ def test_penalty_per_sequence_with_every_policy(tiny, name):
 
 
 def test_penalty_compiled_without_recompile(tiny):
-    """The penalty is static-shaped tensor work around the compiled step: the same tokens as eager, no recompile."""
+    """The penalty is static-shaped tensor work around the compiled decode step (it reads and rewrites the logits
+    outside any step, so the prefill step stays eager): the same tokens as eager, no recompile."""
     _, model = tiny
     policy = policies.make("keydiff")
     eager = run(model, policy, PROMPTS)
-    steps = engine.compile_steps("cpu", None)
+    steps = engine.compile_steps("cpu", None, prefill=False)
     try:
         run(model, policy, PROMPTS, steps=steps)  # compiles
         with torch._dynamo.config.patch(error_on_recompile=True):
