@@ -187,13 +187,26 @@ def test_eval_has_no_random_weights():
     assert r.returncode == 2 and "unrecognized arguments: --random-weights" in err_line(r.stderr)
 
 
-def test_bench_with_random_weights(tiny_config_dir, tmp_path):
+def bench_in_process(argv, capsys) -> tuple[int, str]:
+    """scripts/bench.py's exit code and stderr for input it refuses before loading anything (test_cli runs its
+    refusals as a process)."""
+    from cli import run_cli
+    from scripts import bench
+    try:
+        code = run_cli(bench.run, bench.parser().parse_args(argv))
+    except SystemExit as e:  # argparse's errors exit from inside parse_args
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def test_bench_with_random_weights(tiny_config_dir, tmp_path, capsys):
     bench = [sys.executable, str(REPO / "scripts" / "bench.py"), "--checkpoint", str(tiny_config_dir),
              "--random-weights", "--decode-steps", "4", "--repeats", "1", "--threads", "1"]
     for extra, message in ((["--llamacpp"], "--random-weights has not: drop one of them"),
-                           (["--freeze"], "unrecognized arguments: --freeze")):
-        r = subprocess.run(bench + extra, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2 and message in err_line(r.stderr)
+                           (["--freeze"], "unrecognized arguments: --freeze"),
+                           (["--kv-dtype", "int8", "--kvpress"], "--kv-dtype")):
+        code, err = bench_in_process(bench[2:] + extra, capsys)
+        assert code == 2 and message in err_line(err)
     out = tmp_path / "bench.json"
     r = subprocess.run(bench + ["--policies", "keydiff", "--prompt-tokens", "64", "--budget", "32", "--block-size",
                                 "16", "--json", str(out)], capture_output=True, text=True, timeout=300)
@@ -213,8 +226,6 @@ def test_bench_with_random_weights(tiny_config_dir, tmp_path):
     for label in ("full", "keydiff"):  # head dim 16: (16 + 4) / (4 * 16) of the fp32 buffer
         ratio = int8["results"][label]["kv_cache_mib"] / saved["results"][label]["kv_cache_mib"]
         assert ratio == pytest.approx(20 / 64, rel=0.02)
-    r = subprocess.run(bench + ["--kv-dtype", "int8", "--kvpress"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "--kv-dtype" in err_line(r.stderr)
     figure = [sys.executable, str(REPO / "scripts" / "bench_figure.py"), *bench[2:]]
     r = subprocess.run(figure + ["--contexts", "256", "--budgets", "16", "--out-dir", str(tmp_path / "fig")],
                        capture_output=True, text=True, timeout=300)
