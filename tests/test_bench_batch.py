@@ -64,7 +64,7 @@ def test_copy_rows_refuses_a_cache_of_another_shape(hf_tiny):
 
 
 def test_batch_run_stops_at_the_cap(tiny_config_dir, tmp_path):
-    out, png, cap = tmp_path / "batch.json", tmp_path / "batch.png", 1.2
+    out, png, cap = tmp_path / "batch.json", tmp_path / "batch.png", 0.7  # full: batches 1, 2; keydiff: 1 to 8
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_batch.py"), "--checkpoint", str(tiny_config_dir),
                         "--random-weights", "--policies", "keydiff", "--prompt-tokens", "256", "--budget",
                         "48", "--block-size", "16", "--decode-steps", "3", "--threads", "1", "--memory-cap", str(cap),
