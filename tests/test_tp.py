@@ -157,19 +157,26 @@ def gen_args(ckpt, *extra) -> list:
             "--block-size", "16", "--max-new-tokens", "6", "--threads", "1", *extra]
 
 
-def test_cli_under_torchrun(tmp_path):
+def one_process(args: list, capsys) -> dict:
+    """generate.py's JSON summary for args, run in this process (one device, no torchrun environment)."""
+    import generate
+    code = generate.main(args)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_cli_under_torchrun(tmp_path, capsys):
     """torchrun --nproc-per-node 2 generate.py: one JSON object (rank 0 only), the tokens of one process, per-rank
     and total KV bytes (each rank half the KV heads), weights (its shard) and peaks."""
     ckpt = tiny_config(tmp_path)
     args = gen_args(ckpt, "--policy", "snapkv:window=8", "--json")
-    one = subprocess.run([sys.executable, "generate.py", *args], cwd=REPO, env=env(), capture_output=True, text=True,
-                         timeout=120)
-    assert one.returncode == 0, one.stderr
+    want = one_process(args, capsys)
     p = torchrun(["generate.py", *args, "--tp", "2"], 180)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     assert len(lines) == 1, p.stdout
-    got, want = json.loads(lines[0]), json.loads(one.stdout)
+    got = json.loads(lines[0])
     assert got["token_ids"] == want["token_ids"]
     assert got["tp_world"] == 2
     assert got["kv_cache_bytes_per_rank"] == [want["kv_cache_bytes"] // 2] * 2
@@ -180,7 +187,7 @@ def test_cli_under_torchrun(tmp_path):
     assert got["weight_bytes_per_rank"] == [tp.weight_bytes_per_rank(config, 2, torch.float32)] * 2
 
 
-def test_cli_loads_checkpoints(hf_tiny, tmp_path):
+def test_cli_loads_checkpoints(hf_tiny, tmp_path, capsys):
     """A float checkpoint under torchrun gives one process's tokens; an int4 one (quantized Linears sharded before
     they are packed for the CPU kernel) runs; an int4 group size that does not divide a rank's in-features of wo
     (64 > 32) is one line, and a clean exit on every rank (tp.exit_code: no torchrun report after it)."""
@@ -189,11 +196,10 @@ def test_cli_loads_checkpoints(hf_tiny, tmp_path):
     _, src = hf_tiny("llama")
     tiny = with_tiny_tokenizer(src, tmp_path / "tok", "the quick brown fox jumps over the lazy dog")
     args = ["--prompt", "the quick brown fox", "--max-new-tokens", "5", "--json", "--threads", "1"]
-    one = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(tiny), *args], cwd=REPO, env=env(),
-                         capture_output=True, text=True, timeout=120)
+    one = one_process(["--checkpoint", str(tiny), *args], capsys)
     p = torchrun(["generate.py", "--checkpoint", str(tiny), *args], 180)
-    assert p.returncode == 0 and one.returncode == 0, p.stderr[-3000:] + one.stderr
-    assert json.loads(p.stdout)["token_ids"] == json.loads(one.stdout)["token_ids"]
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout)["token_ids"] == one["token_ids"]
     for groupsize, refused in ((32, False), (64, True)):
         q = tmp_path / f"int4-g{groupsize}"
         quantize_dir(tiny, "int4", groupsize, out=q)
