@@ -74,13 +74,16 @@ UNTRACED_MODULES = {"generate.py", "generate_args.py", "cli.py", "chat.py", "pro
 
 
 def step_recipe(model, idx: Tensor, input_pos: Tensor) -> list[str]:
-    """What a package is built from, one line each: the traced modules' source (by hash), torch's version and the
-    thread count, every input's name, shape, stride, dtype and device, and every module's plain attributes."""
+    """What a package is built from, one line each: the traced modules' source (by hash), torch's version, the
+    thread count and whether inductor names its kernels for a profiler, every input's name, shape, stride, dtype and device, and every module's plain attributes."""
     sources = hashlib.sha256()
     for path in sorted(ROOT.glob("*.py")):
         if path.name not in UNTRACED_MODULES:
             sources.update(path.name.encode() + path.read_bytes())
-    lines = [f"sources {sources.hexdigest()}", f"torch {torch.__version__}, threads {torch.get_num_threads()}"]
+    inductor = sys.modules.get("torch._inductor.config")  # not imported: its defaults (a warm run never imports it)
+    profiled = bool(inductor and inductor.cpp.enable_kernel_profile)  # named kernels, for bench_paired --profile
+    lines = [f"sources {sources.hexdigest()}", f"torch {torch.__version__}, threads {torch.get_num_threads()}"
+             + (", kernels profiled" if profiled else "")]
     names, tensors = step_inputs(model)
     for name, t in [*zip(names, tensors), ("idx", idx), ("input_pos", input_pos)]:
         lines.append(f"{name}{tuple(t.shape)}{t.stride()}{t.dtype}{t.device}")

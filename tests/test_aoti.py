@@ -88,7 +88,7 @@ def test_batch_step_generates_each_sequences_tokens(tiny, packages):
 
 def test_the_key_follows_the_traced_state(tiny, tmp_path, monkeypatch):
     """Every input that changes the traced step changes the package's name: a policy parameter, the budget, the
-    batch, the cache's dtype, the thread count, a source file a step runs; the same state gives the same key,
+    batch, the cache's dtype, the thread count, inductor's kernel profiling, a source file a step runs; the same state gives the same key,
     whatever the prompt's length or a change to the command line's module."""
     def key(spec="keydiff", budget=40, batch=1, prompt_len=len(PROMPT), kv_dtype=None):
         policy = policies.make(spec)
@@ -108,6 +108,9 @@ def test_the_key_follows_the_traced_state(tiny, tmp_path, monkeypatch):
         others.append(key())
     finally:
         torch.set_num_threads(n)
+    from torch._inductor import config as inductor_config
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):  # bench_paired --profile's named kernels
+        others.append(key())
     src = tmp_path / "src"
     src.mkdir()
     for p in aoti.ROOT.glob("*.py"):
