@@ -75,7 +75,8 @@ UNTRACED_MODULES = {"generate.py", "generate_args.py", "cli.py", "chat.py", "pro
 
 def step_recipe(model, idx: Tensor, input_pos: Tensor) -> list[str]:
     """What a package is built from, one line each: the traced modules' source (by hash), torch's version, the
-    thread count and whether inductor names its kernels for a profiler, every input's name, shape, stride, dtype and device, and every module's plain attributes."""
+    thread count and whether inductor names its kernels for a profiler, every input's name, shape, stride, dtype and
+    device, and every module's plain attributes."""
     sources = hashlib.sha256()
     for path in sorted(ROOT.glob("*.py")):
         if path.name not in UNTRACED_MODULES:
