@@ -882,7 +882,8 @@ def test_a_jsonl_prompt_file_is_a_batch_in_any_case_and_one_line_speculates(tiny
 def test_ctrl_c_while_starting_is_one_line(tiny_ckpt, delay):
     """SIGINT while torch imports (`delay` after its library is mapped), while the checkpoint loads or while it
     generates: `interrupted`, never a KeyboardInterrupt traceback (generate.py's first statements install the hook:
-    errors.check_python)."""
+    errors.check_python). A signal that lands once the run has printed its summary (a fast machine) may end the
+    process by SIGINT at exit, with the output whole."""
     import signal
     import subprocess
     import sys
@@ -897,8 +898,10 @@ def test_ctrl_c_while_starting_is_one_line(tiny_ckpt, delay):
     time.sleep(delay)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
-    assert "Traceback" not in err and err.strip() in ("", "interrupted") or p.returncode == 0, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert p.returncode in (130, -signal.SIGINT, 0), (p.returncode, err)
+    finished = err.strip().endswith("MiB") and "peak memory" in err  # the run's whole summary: done before the signal
+    assert err.strip() in ("", "interrupted") or finished, err
 
 
 @pytest.mark.parametrize("batch", [1, 4])
