@@ -79,8 +79,7 @@ class Chat:
         import policies
         if isinstance(policy, str):
             policy = policies.make(policy)
-        ctx = model.args.max_seq_len
-        budget = min(engine.DEFAULT_BUDGET, ctx) if budget is None else budget
+        budget = engine.bounded_budget(model.args) if budget is None else budget
         engine.check_sizes_and_sampling(model.args, max_new_tokens, budget, block_size, temperature, top_k, top_p)
         self.model, self.tokenizer, self.policy, self.budget = model, tokenizer, policy, budget
         self.name = policy.name if policy is not None else "full"
@@ -246,8 +245,7 @@ class Chat:
         up before the first turn; around(mode, compiled_prefill): a context manager for the warm-up."""
         mode, compiled_prefill = engine.compile_settings(self.model, self.protocol, mode, prefill, freeze)
         self.steps = engine.compile_steps(self.device, mode, prefill=compiled_prefill, freeze=freeze)
-        label = mode or ("reduce-overhead" if self.device.startswith("cuda") else "default")
-        with around(label, compiled_prefill) if around is not None else contextlib.nullcontext():
+        with around(engine.mode_name(mode, self.device), compiled_prefill) if around is not None else contextlib.nullcontext():
             self.warm_up()
 
     def warm_up(self) -> None:

@@ -771,6 +771,12 @@ def decode_bytes_per_step(model) -> tuple[int, int]:
 # -------------------------------------------------------------------------------------------------------- the run
 
 DEFAULT_NEW_TOKENS, DEFAULT_BLOCK, DEFAULT_BUDGET = 200, 128, 2048  # each clamped to the model's context
+
+
+def bounded_budget(args: ModelArgs) -> int:
+    """The default budget of a policy that evicts, and of a conversation whatever its policy: DEFAULT_BUDGET slots,
+    or the model's context if smaller."""
+    return min(DEFAULT_BUDGET, args.max_seq_len)
 CACHE_NOTES = {"hit": "from the compile cache", "miss": "now cached for the next run",
                "bypass": "not cacheable: compiles again next run", "off": "cache off"}
 
@@ -819,11 +825,10 @@ class Generation:
         self.penalty = (repetition_penalty, repeat_last_n)
         self.clamped = {}
         self.max_new_tokens, self.block_size = self.fit(max_new_tokens, block_size, budget)
-        ctx, L = args.max_seq_len, max(self.lens)
         if not is_scorer(policy):  # full, exact-topk: every token is held
-            self.budget = budget or L + self.max_new_tokens
+            self.budget = budget or max(self.lens) + self.max_new_tokens
         else:
-            self.budget = budget or min(DEFAULT_BUDGET, ctx)
+            self.budget = budget or bounded_budget(args)
             if budget is None and self.budget < DEFAULT_BUDGET:
                 self.clamped["--budget"] = (DEFAULT_BUDGET, self.budget)
         self.steps, self.slots = (prefill_step, model_step), None
@@ -880,7 +885,7 @@ class Generation:
         entered once the mode is settled, whose value is the terminal's stream (None: stderr). Sets compile_mode, compiled_prefill, frozen, compile_s, compile_cache."""
         mode, self.compiled_prefill = compile_settings(model, self.protocol, mode, prefill, freeze)
         self.frozen = freeze
-        self.compile_mode = mode or ("reduce-overhead" if self.device.startswith("cuda") else "default")
+        self.compile_mode = mode_name(mode, self.device)
         self.steps = compile_steps(self.device, mode, prefill=self.compiled_prefill, freeze=freeze)
         dynamo = mode != AOT or self.compiled_prefill
         if dynamo:  # imported here: an eager or AOT run never imports the compiler (~115 MiB, ~1.3 s)
@@ -948,6 +953,11 @@ def compile_settings(model, protocol: str, mode: str | None, prefill: bool | Non
             mode = None
     prefill = device != "cpu" if prefill is None else prefill
     return mode, prefill and protocol == "block"
+
+
+def mode_name(mode: str | None, device: str) -> str:
+    """What a compile mode of None means on this device (step_modes): the name a summary prints."""
+    return mode or ("reduce-overhead" if device.startswith("cuda") else "default")
 
 
 def cache_state(inductor_counters, aot_step=None) -> str:

@@ -210,7 +210,7 @@ def run(target, draft, prompt_ids: list[int], max_new_tokens: int, *, k: int, bl
         compile_prefill = device != "cpu" if compile_prefill is None else compile_prefill
         steps = compile_steps(device, mode, prefill=compile_prefill)
         t = time.perf_counter()
-        name = mode or ("reduce-overhead" if device.startswith("cuda") else "default")
+        name = engine.mode_name(mode, device)
         with around(name, compile_prefill) if around is not None else contextlib.nullcontext():
             warm_up(target, draft, steps, prompt_ids[0], block_size, k, device, draft_one_shot)
         compile_s = time.perf_counter() - t

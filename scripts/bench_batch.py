@@ -195,7 +195,7 @@ def batch_one(label: str, B: int, path: Path, args) -> dict:
         del saved
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-        decode_fn = bench_steps(args)[1]
+        decode_fn = bench_steps(args, model)[1]
         mem.reset()
         times, toks = decode_rows(model, first, L, B, args.decode_steps, decode_fn, args.device)
         peak = mem.peak()

@@ -108,7 +108,7 @@ def quant_one(mode: str, args) -> dict:
     model = load_model(ckpt, torch.bfloat16 if mode == "bfloat16" else torch.float32, args.device)
     _, ids = make_document(tok, args.prompt_tokens)
     setup(model, None, len(ids) + args.decode_steps, len(ids), args.decode_steps, args.block_size)
-    steps = bench_steps(args)
+    steps = bench_steps(args, model)
     r = time_policy(model, ids, steps, args, args.device)
     texts = ev.fidelity_texts(tok, args.ppl_texts, args.ppl_prefix + args.ppl_tokens, seed=0)
     records = ev.fidelity(model, texts, args.ppl_prefix, [("block", "full", None)], block_size=args.block_size,
@@ -132,7 +132,7 @@ def quant_random(mode: str, args) -> dict:
         kind, _, g = mode.removesuffix("-qhead").partition("-g")
         quantize.quantize_model(model, kind, int(g) if g else None, head=True if mode.endswith("-qhead") else None)
     setup(model, None, len(ids) + args.decode_steps, len(ids), args.decode_steps, args.block_size)
-    r = time_policy(model, ids, bench_steps(args), args, args.device)
+    r = time_policy(model, ids, bench_steps(args, model), args, args.device)
     return r | {"mode": mode, "ppl": None, "kernels": quantize.summary(model)["kernels"]}
 
 

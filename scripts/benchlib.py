@@ -21,9 +21,9 @@ from checkpoint import resolve_checkpoint, shape_config
 from cli import Parser, check_device, check_writable
 from config import parse_config
 from convert import read_config
-from engine import (AOT, PeakMemory, block_inputs, compile_steps, decode, decode_bytes_per_step, decode_inputs,
-                    default_compile_mode, first_tokens, kv_cache_estimate, load_model, model_step, prefill_step,
-                    random_model, release_free_memory, sync)
+from engine import (AOT, PeakMemory, compile_settings, compile_steps, decode, decode_bytes_per_step, first_tokens,
+                    kv_cache_estimate, load_model, model_step, prefill_step, random_model, release_free_memory, sync,
+                    warm_up)
 from engine import prefill as engine_prefill
 from errors import EnvironmentFailure, UserError
 from scripts.outputs import check_settings, checkpoint_identity, read_json, write_atomic
@@ -351,14 +351,15 @@ def check_sizes(config: dict, args) -> dict:
     return config
 
 
-def bench_steps(args, freeze: bool | None = None, mode: str | None = None):
-    """(prefill, decode) steps: eager, or compiled (the prefill step too unless --no-compile-prefill; frozen with
-    --freeze, or as `freeze` says; in --compile-mode, or `mode`)."""
+def bench_steps(args, model, freeze: bool | None = None, mode: str | None = None):
+    """(prefill, decode) steps for `model`: eager, or compiled as generate.py compiles them (engine.compile_settings:
+    the prefill step too unless --no-compile-prefill; frozen with --freeze, or as `freeze` says; in --compile-mode,
+    or `mode`)."""
     if not args.compile:
         return prefill_step, model_step
     freeze = getattr(args, "freeze", False) if freeze is None else freeze
-    mode = mode or args.compile_mode or default_compile_mode(args.device, torch.float32, False, freeze)  # generate.py's
-    return compile_steps(args.device, mode, prefill=not args.no_compile_prefill, freeze=freeze)
+    mode, prefill = compile_settings(model, "block", mode or args.compile_mode, not args.no_compile_prefill, freeze)
+    return compile_steps(args.device, mode, prefill=prefill, freeze=freeze)
 
 
 def noise_note(repeats: int) -> None:
@@ -386,14 +387,9 @@ def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
         return engine_prefill(model, prompt, args.block_size, prefill_fn, one_shot)
 
     with torch.inference_mode():
-        t = time.perf_counter()  # warm-up: compiles both steps when compiled, so no repeat pays for it
-        # one-shot prefill is eager (nothing to compile): warm up with the whole prompt; block-wise, one block
-        logits = prefill() if one_shot else prefill_fn(model, *block_inputs(prompt, 0, args.block_size))
-        next_pos = len(ids) if one_shot else args.block_size
-        decode_fn(model, *decode_inputs(logits.argmax(-1).view(1), torch.tensor([next_pos], device=device)))
-        sync(device)
+        t = time.perf_counter()  # warm-up: compiles (or loads) both steps as a run does, so no repeat pays for it
+        warm_up(model, steps, ids[0], args.block_size, device)
         warmup_s = time.perf_counter() - t
-        release_free_memory()  # as engine.warm_up and engine.generate do
         dynamo = args.compile and "torch._dynamo" in sys.modules  # not imported: eager, or the AOT decode step alone
         if dynamo:  # a recompile inside the timed loop would be a bug
             torch._dynamo.config.error_on_recompile = True
