@@ -177,8 +177,10 @@ def test_compiled_step_traces_one_layer_for_every_layer(hf_tiny, policy):
 
 def test_a_layer_that_reads_its_index_is_traced_again(hf_tiny):
     """Negative control of the layer regions: a policy whose rule reads the layer's index (keys of smallest norm in
-    layer 0, of largest in the others) gets each layer traced on its own, and the compiled step keeps what eager
-    keeps in every layer. A region reused across layers would score layer 1 as layer 0 does."""
+    layer 0, of largest in the others) gets each layer traced on its own, and the traced step keeps what eager keeps
+    in every layer. A region reused across layers would score layer 1 as layer 0 does. The trace is the claim:
+    aot_eager runs the functionalized graph with its regions as dynamo and AOTAutograd made them (inductor's
+    lowering of a step's regions: test_compiled_decode_never_copies_a_whole_kv_buffer)."""
     from dataclasses import dataclass
     from torch._dynamo.utils import compilation_time_metrics
 
@@ -198,7 +200,7 @@ def test_a_layer_that_reads_its_index_is_traced_again(hf_tiny):
     try:
         torch._dynamo.reset()
         compilation_time_metrics.clear()
-        step = torch.compile(model_step, fullgraph=True, dynamic=False)
+        step = torch.compile(model_step, fullgraph=True, dynamic=False, backend="aot_eager")
         with torch.inference_mode():
             for i in range(3):
                 tok, pos = torch.tensor([[5 + i]]), torch.tensor([61 + i])
