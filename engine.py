@@ -916,7 +916,7 @@ class Generation:
         steps_per_s = stats["decode_steps"] / stats["decode_s"] if stats["decode_steps"] else 0.0
         one_block_wise = len(prompts) == 1 and self.protocol == "block"  # a batch prefills in blocks
         stats.update(budget=self.budget, slots_held=self.slots,
-                     tokens_read_per_step=model.layers[0].attention.kv_cache.read_tokens(), block_size=self.block_size,
+                     slots_read_per_step=model.layers[0].attention.kv_cache.read_tokens(), block_size=self.block_size,
                      prefill_chunk=one_block_wise and dense_chunk(model, self.block_size, self.steps[0]) or
                      self.block_size, prefill=self.protocol, threads=torch.get_num_threads(),
                      compiled=self.steps[1] is not model_step, compiled_prefill=self.compiled_prefill,

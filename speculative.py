@@ -218,7 +218,7 @@ def run(target, draft, prompt_ids: list[int], max_new_tokens: int, *, k: int, bl
                           device=device, draft_one_shot=draft_one_shot, **kw)
     shared = draft_one_shot and draft.tok_embeddings is target.tok_embeddings  # one prefill for both (prefill)
     chunk = not shared and engine.dense_chunk(target, block_size, steps.prefill) or block_size
-    stats.update(draft_tokens_read_per_step=draft.layers[0].attention.kv_cache.read_tokens(),
+    stats.update(draft_slots_read_per_step=draft.layers[0].attention.kv_cache.read_tokens(),
                  block_size=block_size, prefill_chunk=chunk, threads=torch.get_num_threads(), compiled=compile,
                  compile_s=round(compile_s, 2), kv_cache_bytes=kv_bytes(target) + kv_bytes(draft),
                  best_case_speedup=predicted_speedup(target, draft, k))

@@ -461,7 +461,7 @@ def test_cli_defaults_to_one_shot_and_refuses_block_prefill(tiny_ckpt, capsys):
     assert stats["prefill"] == "one-shot" and stats["budget"] == stats["slots_held"] == 40
     assert stats["prompt_tokens"] > 40
     rp = rocket_sizes(40, 16, 16, 8, stats["prompt_tokens"] + 8)  # C = --budget, t = read: k = 8 + the page scan
-    assert stats["tokens_read_per_step"] == rp.k + rp.approx_tokens < 16 + 1
+    assert stats["slots_read_per_step"] == rp.k + rp.approx_tokens < 16 + 1
     assert cli.main(base + ["--policy", "snapkv++", "--prefill", "block"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--prefill one-shot" in err[0]
