@@ -426,7 +426,7 @@ def test_eager_run_never_imports_the_compiler(tiny_ckpt, policy, control):
     assert f"exit 0 dynamo {control}" in r.stdout, r.stdout + r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("script, extra, message", [
+BENCH_BAD = [
     ("bench.py", ["--policies", "nope"], "unknown policy 'nope'"),
     ("bench_paired.py", ["--policies", "nope"], "unknown policy 'nope'"),
     ("bench_paired.py", ["--decode-steps", "1"], "--decode-steps must be >= 2"),
@@ -442,15 +442,40 @@ def test_eager_run_never_imports_the_compiler(tiny_ckpt, policy, control):
     ("bench.py", ["--json", "/proc/x.json"], "--json /proc/x.json: cannot write"),
     ("bench.py", ["--policies", "sink", "--budget", "2"], "must exceed the 4 sink"),
     ("bench.py", ["--prompt-tokens", "9000"], "must fit the model's context (8192)"),
-    ("bench.py", ["--prompt-tokens", "10", "--policies", "keydiff"], "is too small")])
-def test_bench_bad_policy_one_line_exit_2(script, extra, message):
+    ("bench.py", ["--prompt-tokens", "10", "--policies", "keydiff"], "is too small")]
+
+
+def one_refusal_line(err: str) -> str:
+    """The one line of a refusal (a fresh checkout converts the embedded model on first use, which says so on its own
+    line), with no traceback."""
+    lines = [line for line in err.strip().splitlines() if not line.startswith("converting ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("script, extra, message", BENCH_BAD)
+def test_bench_bad_policy_one_line_exit_2(script, extra, message, monkeypatch, capsys):
     """The benchmark scripts check their policy names and flags before loading anything: one line, exit 2, no
-    traceback."""
+    traceback. Each case runs the script's main() in this process (the next test runs each script as a process)."""
+    import importlib
+    module = importlib.import_module(f"scripts.{script.removesuffix('.py')}")
+    monkeypatch.setattr(sys, "argv", [script, *extra])  # the scripts' main() reads sys.argv
+    try:
+        code = module.main()
+    except SystemExit as e:  # argparse's errors exit from inside parse_args
+        code = e.code
+    assert code == 2
+    assert message in one_refusal_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("script", sorted({script for script, _, _ in BENCH_BAD}))
+def test_bench_refuses_as_a_process(script):
+    """Each benchmark script as a user runs it: its first refusal above ends the process with exit code 2 and one
+    line on stderr, no traceback."""
+    extra, message = next((extra, message) for s, extra, message in BENCH_BAD if s == script)
     r = subprocess.run([sys.executable, str(REPO / "scripts" / script), *extra], capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
-    # a fresh checkout converts the embedded model on first use, which says so on its own line
-    lines = [line for line in r.stderr.strip().splitlines() if not line.startswith("converting ")]
-    assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr, r.stderr
+    assert message in one_refusal_line(r.stderr)
 
 
 def test_bench_paired_table_and_profile(tiny_ckpt):
@@ -564,7 +589,7 @@ def test_the_summary_names_the_weight_format_and_source():
         "int8 weights, float32 activations"
 
 
-def test_bench_compile_measures_eager_cold_and_warm(tiny_ckpt, tmp_path):
+def test_bench_compile_measures_eager_cold_and_warm(tiny_ckpt, tmp_path, capsys):
     """scripts/bench_compile.py: generate.py runs as a user runs them; the warm run finds the cold run's graphs in
     the cache, the JSON holds every run and the break-even, and bad sizes are one line."""
     out = tmp_path / "compile.json"
@@ -583,8 +608,10 @@ def test_bench_compile_measures_eager_cold_and_warm(tiny_ckpt, tmp_path):
     assert not any(x["weights"].startswith("random") for x in runs)
     assert "| warm |" in r.stdout and "--compile pays off from" in r.stdout
     assert set((REPO / "build").glob("bench-compile-cache-*")) == caches_before  # the cold run's cache is removed
-    r = subprocess.run(argv + ["--prompt-tokens", "10"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+    from scripts import bench_compile  # bad sizes in this process: the run above is the script as a process
+    capsys.readouterr()
+    assert bench_compile.main(argv[2:] + ["--prompt-tokens", "10"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
         "error: need --prompt-tokens >= 64, --new-tokens >= 2, --repeats >= 1 and --budget >= 1"]
 
 
