@@ -64,10 +64,10 @@ def test_copy_rows_refuses_a_cache_of_another_shape(hf_tiny):
 
 
 def test_batch_run_stops_at_the_cap(tiny_config_dir, tmp_path):
-    out, png, cap = tmp_path / "batch.json", tmp_path / "batch.png", 0.7  # full: batches 1, 2; keydiff: 1 to 8
+    out, png, cap = tmp_path / "batch.json", tmp_path / "batch.png", 0.7  # full: batches 1, 2; keydiff: 1 to 4
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_batch.py"), "--checkpoint", str(tiny_config_dir),
                         "--random-weights", "--policies", "keydiff", "--prompt-tokens", "256", "--budget",
-                        "48", "--block-size", "16", "--decode-steps", "3", "--threads", "1", "--memory-cap", str(cap),
+                        "64", "--block-size", "16", "--decode-steps", "3", "--threads", "1", "--memory-cap", str(cap),
                         "--json", str(out), "--plot", str(png)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "each row a copy of one prefilled sequence" in r.stderr + r.stdout
@@ -89,7 +89,7 @@ def test_batch_run_stops_at_the_cap(tiny_config_dir, tmp_path):
         assert [x["estimate_mib"] for x in mine] == sorted(x["estimate_mib"] for x in mine)
         assert summary[label]["batch"] == fit[-1]["batch"]
         assert len({tuple(x["tokens"]) for x in fit}) == 1  # every batch size decodes the same sequence
-    # keydiff's 48-slot rows are smaller than full's 256 + decode: more of them fit under the same cap
+    # keydiff's 64-slot rows are smaller than full's 256 + decode: more of them fit under the same cap
     assert summary["keydiff"]["batch"] > summary["full"]["batch"]
     assert summary["keydiff"]["ideal_vs_full"] > 1
     k, f = summary["keydiff"], summary["full"]
