@@ -115,8 +115,9 @@ def test_a_policy_can_refuse_tp():
 
 def test_compiled(tmp_path):
     """The compiled steps under TP=2: fullgraph, the all-reduces inside the graph, no recompile over two
-    generations, the eager TP=1 tokens and kept sets. Compiles 2 graphs on each rank (about a minute cold on 2
-    cores; seconds from build/inductor-cache)."""
+    generations, the eager TP=1 tokens and kept sets. Rank 0 compiles the 2 graphs and rank 1 then loads them
+    from inductor's cache (tp_worker.compiling_in_turn): about a minute cold on 2 cores, seconds from
+    build/inductor-cache."""
     for rank_results in suites("compiled", tmp_path, timeout=900):
         assert len(rank_results["compiled"]) == 2  # the decode step's explain and the compiled run
         for key, r in rank_results["compiled"].items():
