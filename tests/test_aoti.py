@@ -36,6 +36,32 @@ def tiny(hf_tiny):
 
 
 PROMPT = torch.randint(0, 512, (90,), generator=torch.Generator().manual_seed(3)).tolist()
+CLI_CODE = ("import sys, json, io, contextlib; sys.argv = ['generate.py'] + sys.argv[1:]; import generate; "
+            "out = io.StringIO()\n"
+            "with contextlib.redirect_stdout(out): rc = generate.main(sys.argv[1:])\n"
+            "r = json.loads(out.getvalue()); print(json.dumps({'rc': rc, 'text': r['text'], "
+            "'cache': r['compile_cache'], 'mode': r['compile_mode'], "
+            "'dynamo': 'torch._dynamo' in sys.modules, 'inductor': 'torch._inductor' in sys.modules}))")
+
+
+@pytest.fixture(scope="module")
+def cli_runs(hf_tiny, packages, tmp_path_factory):
+    """generate.py --compile on CPU in a fresh process, twice, then without --compile: h2o at budget 40, block 8, one
+    thread, over the tiny model, so that its package is the one the h2o-40 case below loads (the key holds no
+    prompt length, new-token count or checkpoint path). What each run printed and which modules it imported."""
+    from conftest import with_tiny_tokenizer
+    corpus = "the quick brown fox jumps over the lazy dog"
+    ckpt = with_tiny_tokenizer(hf_tiny("llama")[1], tmp_path_factory.mktemp("ckpt"), corpus)
+    argv = ["--checkpoint", str(ckpt), "--prompt", f"{corpus} " * 6, "--max-new-tokens", "5", "--policy", "h2o",
+            "--budget", "40", "--block-size", "8", "--json", "--threads", "1"]
+    env = {**os.environ, "BUDGETKV_AOT_DIR": str(packages)}
+    runs = []
+    for extra in (["--compile"], ["--compile"], []):
+        r = subprocess.run([sys.executable, "-c", CLI_CODE, *argv, *extra], capture_output=True, text=True, env=env,
+                           cwd=REPO, timeout=600)
+        assert r.returncode == 0, r.stderr
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    return runs
 
 
 def run(model, spec: str, budget: int, step, n: int = 12, kv_dtype=None) -> list[int]:
@@ -46,21 +72,19 @@ def run(model, spec: str, budget: int, step, n: int = 12, kv_dtype=None) -> list
         return generate(model, PROMPT, n, block_size=8, steps=(prefill_step, step), one_shot=prefill == "one-shot")[0]
 
 
-# Each kind of state a package takes as inputs and writes in place: block-wise eviction with per-slot state (H2O);
-# a one-shot compression, then a selector that appends and updates per-layer state (RocketKV's pages: SnapKV's ring
-# is per-layer state too); no eviction in a bfloat16 cache under fp32 weights (the row-wise attention widens it in
-# its loop). test_conformance proves every policy's compiled step eager's.
-@pytest.mark.parametrize("spec,budget,kv_dtype", [("h2o", 40, None), ("rocketkv", 64, None),
-                                                  ("full", 110, torch.bfloat16)],
-                         ids=["h2o-40", "rocketkv-64", "full-110-bf16"])
-def test_packaged_step_generates_eager_tokens(tiny, packages, spec, budget, kv_dtype):
+# Each kind of state a package takes as inputs and writes in place: block-wise eviction with per-slot state (H2O,
+# whose package generate.py --compile built in cli_runs: loaded here); a one-shot compression, then a selector that
+# appends and updates per-layer state (RocketKV's pages: SnapKV's ring is per-layer state too). No eviction in a
+# bfloat16 cache under fp32 weights: the batch below. test_conformance proves every policy's compiled step eager's.
+@pytest.mark.parametrize("spec,budget,built_by_cli", [("h2o", 40, True), ("rocketkv", 64, False)],
+                         ids=["h2o-40", "rocketkv-64"])
+def test_packaged_step_generates_eager_tokens(tiny, packages, cli_runs, spec, budget, built_by_cli):
     step = aoti.AotStep()
-    assert run(tiny, spec, budget, step, kv_dtype=kv_dtype) == run(tiny, spec, budget, model_step, kv_dtype=kv_dtype)
-    assert (step.compiled, step.loaded) == (1, 0)
-    assert tiny.layers[0].attention.kv_cache.k.dtype == (kv_dtype or torch.float32)
+    assert run(tiny, spec, budget, step) == run(tiny, spec, budget, model_step)
+    assert (step.compiled, step.loaded) == ((0, 1) if built_by_cli else (1, 0))
     # a second step on the same state loads the package instead of compiling it
     again = aoti.AotStep()
-    assert run(tiny, spec, budget, again, kv_dtype=kv_dtype) == run(tiny, spec, budget, model_step, kv_dtype=kv_dtype)
+    assert run(tiny, spec, budget, again) == run(tiny, spec, budget, model_step)
     assert (again.compiled, again.loaded) == (0, 1)
 
 
@@ -76,14 +100,17 @@ def test_a_step_rebinds_when_setup_makes_new_caches(tiny, packages):
 
 
 def test_batch_step_generates_each_sequences_tokens(tiny, packages):
+    """A ragged batch without eviction in a bfloat16 cache under fp32 weights (the row-wise attention widens it in
+    its loop): each sequence's eager tokens."""
     prompts = [PROMPT, PROMPT[:50], PROMPT[20:75]]
-    policy = policies.make("keydiff")
 
     def batch(step):
-        setup_batch(tiny, policy, 32, [len(p) for p in prompts], 8, 8)
+        setup_batch(tiny, None, 110, [len(p) for p in prompts], 8, 8, kv_dtype=torch.bfloat16)
         with torch.inference_mode():
             return generate_batch(tiny, prompts, 8, block_size=8, steps=(prefill_step, step))[0]
-    assert batch(aoti.AotStep()) == batch(model_step)
+    step = aoti.AotStep()
+    assert batch(step) == batch(model_step) and (step.compiled, step.loaded) == (1, 0)
+    assert tiny.layers[0].attention.kv_cache.k.dtype == torch.bfloat16
 
 
 def test_the_key_follows_the_traced_state(tiny, tmp_path, monkeypatch):
@@ -138,29 +165,10 @@ def test_a_failed_compile_leaves_no_package(tiny, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_warm_run_imports_no_compiler(hf_tiny, tmp_path):
+def test_a_warm_run_imports_no_compiler(cli_runs):
     """generate.py --compile on CPU: the first run compiles the package, the second loads it and never imports
     dynamo or inductor, and both generate eager's text."""
-    code = ("import sys, json, io, contextlib; sys.argv = ['generate.py'] + sys.argv[1:]; import generate; "
-            "out = io.StringIO()\n"
-            "with contextlib.redirect_stdout(out): rc = generate.main(sys.argv[1:])\n"
-            "r = json.loads(out.getvalue()); print(json.dumps({'rc': rc, 'text': r['text'], "
-            "'cache': r['compile_cache'], 'mode': r['compile_mode'], "
-            "'dynamo': 'torch._dynamo' in sys.modules, 'inductor': 'torch._inductor' in sys.modules}))")
-    from conftest import with_tiny_tokenizer
-    ckpt = with_tiny_tokenizer(hf_tiny("llama")[1], tmp_path / "ckpt", "the quick brown fox jumps over the lazy dog")
-    argv = ["--checkpoint", str(ckpt), "--prompt", "the quick brown fox jumps over the lazy dog " * 3,
-            "--max-new-tokens", "5", "--policy", "keydiff", "--budget", "16", "--block-size", "4", "--json",
-            "--threads", "1"]
-    env = {**os.environ, "BUDGETKV_AOT_DIR": str(tmp_path / "aot-steps")}
-    runs = []
-    for extra in (["--compile"], ["--compile"], []):
-        r = subprocess.run([sys.executable, "-c", code, *argv, *extra], capture_output=True, text=True, env=env,
-                           cwd=REPO, timeout=400)
-        assert r.returncode == 0, r.stderr
-        import json
-        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    cold, warm, eager = runs
+    cold, warm, eager = cli_runs
     assert (cold["cache"], warm["cache"], cold["mode"]) == ("miss", "hit", "aot")
     assert cold["text"] == warm["text"] == eager["text"]
     assert not warm["dynamo"] and not warm["inductor"] and cold["inductor"]
