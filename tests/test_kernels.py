@@ -6,12 +6,13 @@ import torch
 import kernels
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 16, 17])
+@pytest.mark.parametrize("rows, dtype", [(1, torch.float32), (3, torch.float32), (16, torch.float32),
+                                         (17, torch.float32), (1, torch.bfloat16), (17, torch.bfloat16)])
 def test_attention_few_query_rows_compiled_equals_sdpa(rows, dtype, monkeypatch):
     """kernels.attention compiled on CPU: 1-16 query rows take the row-wise scores (rowwise_product over the keys),
     17 take SDPA; both equal eager SDPA (fp32: to rounding; bf16: within bf16's rounding of a reference in fp32),
-    batch of 2, masks with holes and a fully visible row."""
+    batch of 2, masks with holes and a fully visible row. bf16 at each form (1 row: row-wise, 17: SDPA); the choice's
+    row boundary reads no dtype, checked in fp32."""
     torch.manual_seed(0)
     B, h, S, d = 2, 3, 200, 16
     q, keys, values = (torch.randn(B, h, n, d) for n in (rows, S, S))
