@@ -37,40 +37,25 @@ def test_graph_row_fails_on_a_skip_a_recompile_or_other_tokens(kw, problem):
     assert (problem or "") in r["detail"] and (problem is not None or r["detail"] == "")
 
 
-# The graphs section's shapes at the arguments test_graphs_section_on_the_tiny_model_evicts_and_matches_eager gives
-# it (the tests' llama, a 200-token prompt, 8 new tokens, blocks of 32): its process finds these tests' keydiff and
-# speculation graphs in inductor's cache instead of compiling them again.
+# The graphs section's shapes in test_graphs_section_on_the_tiny_model_evicts_and_matches_eager (the tests' llama,
+# a 200-token prompt, 8 new tokens, blocks of 32).
 GRAPH_PROMPT, GRAPH_TOKENS, GRAPH_BLOCK = 200, 8, 32
 
 
-def graph_prompt():
-    return torch.randint(0, 512, (GRAPH_PROMPT,), generator=torch.Generator().manual_seed(3)).tolist()
-
-
-def test_graph_check_on_cpu_compiles_once_and_matches_eager(hf_tiny):
-    """The same check the GPU runs per policy (mode None on CPU, no graphs to capture): one compiled graph, eager's
-    greedy tokens; a one-shot policy too."""
-    from engine import load_model
+def test_graph_check_sets_up_at_the_graph_budget_and_compares_with_eager(hf_tiny, monkeypatch):
+    """graph_check's orchestration with eager steps in place of the compiled ones (the compiled runs on CPU:
+    test_graphs_section_on_the_tiny_model_evicts_and_matches_eager): the policy's cache at graph_budget's budget,
+    which evicts a 200-token prompt, and the two generations' tokens side by side; no graph compiled, so the row
+    fails."""
+    from engine import load_model, model_step, prefill_step
     _, ckpt = hf_tiny("llama")
     model = load_model(ckpt, torch.float32, "cpu")
-    for spec in ("keydiff", "snapkv++"):
-        r = gc.graph_check(model, spec, graph_prompt(), GRAPH_TOKENS, GRAPH_BLOCK, "cpu", mode=None)
-        row = gc.graph_row(r)
-        assert row["ok"], row
-        assert r["graphs"] == 1 and r["compiled"] == r["eager"] and len(r["eager"]) == GRAPH_TOKENS
-        assert model.layers[0].attention.kv_cache.spec.budget == 56  # graph_budget: 48 + 8 new, it evicts (200 prompt)
-
-
-def test_speculate_check_on_cpu_compiles_two_graphs_and_matches_plain(hf_tiny):
-    """The GPU check's speculative row on CPU (mode None): the draft step and the verification block compile once
-    each, and the tokens are plain eager greedy's; one graph counted less fails the row."""
-    from engine import load_model
-    _, ckpt = hf_tiny("llama")
-    model = load_model(ckpt, torch.float32, "cpu")
-    r = gc.speculate_check(model, "sink", graph_prompt(), GRAPH_TOKENS, GRAPH_BLOCK, "cpu", mode=None)
-    assert gc.graph_row(r, graphs=2)["ok"], gc.graph_row(r, graphs=2)
-    assert r["graphs"] == 2 and r["compiled"] == r["eager"] and len(r["eager"]) == GRAPH_TOKENS
-    assert not gc.graph_row(r, graphs=1)["ok"]
+    monkeypatch.setattr(gc, "compile_steps", lambda device, mode, prefill: (prefill_step, model_step))
+    prompt = torch.randint(0, 512, (GRAPH_PROMPT,), generator=torch.Generator().manual_seed(3)).tolist()
+    r = gc.graph_check(model, "keydiff", prompt, GRAPH_TOKENS, GRAPH_BLOCK, "cpu", mode=None)
+    assert model.layers[0].attention.kv_cache.spec.budget == 56  # graph_budget: 48 + 8 new, it evicts (200 prompt)
+    assert r["compiled"] == r["eager"] and len(r["eager"]) == GRAPH_TOKENS and r["graphs"] == 0
+    assert gc.graph_row(r)["detail"] == "0 graphs compiled"
 
 
 def test_graph_budget_evicts_or_refuses():
@@ -222,18 +207,22 @@ def test_attention_eviction_speculate_and_batch_sections_run_end_to_end_on_tiny_
 
 
 def test_graphs_section_on_the_tiny_model_evicts_and_matches_eager(tmp_path):
-    """--graph-model tiny on CPU (compiled in the default mode): the tests' llama built beside OUT, its short document
-    repeated up to --graph-prompt tokens, so KeyDiff's row and speculation's (a sink draft) pass at a budget that
-    evicts (graph_budget refuses one that would not)."""
+    """--graph-model tiny on CPU (compiled in the default mode, no graphs to capture): the tests' llama built beside
+    OUT, its short document repeated up to --graph-prompt tokens, so KeyDiff's row, a one-shot policy's (SnapKV++)
+    and speculation's (a sink draft: the draft step and the verification block) pass at a budget that evicts
+    (graph_budget refuses one that would not): each decode step compiled once under error_on_recompile, eager's
+    greedy tokens, all of them."""
     out = tmp_path / "check"
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # inductor's cache keys the thread count
     r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--only", "graphs", "--graph-model",
-                        "tiny", "--policies", "keydiff", "--graph-prompt", str(GRAPH_PROMPT), "--graph-tokens",
-                        str(GRAPH_TOKENS), "--graph-block", str(GRAPH_BLOCK), "--out", str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+                        "tiny", "--policies", "keydiff,snapkv++", "--graph-prompt", str(GRAPH_PROMPT),
+                        "--graph-tokens", str(GRAPH_TOKENS), "--graph-block", str(GRAPH_BLOCK), "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [(x["check"], x["ok"]) for x in rows] == [("keydiff", True), ("speculate sink K=4", True)]
+    assert [(x["check"], x["ok"], x["target"]) for x in rows] == [
+        ("keydiff", True, "1 graph, 0 skips, eager's tokens"), ("snapkv++", True, "1 graph, 0 skips, eager's tokens"),
+        ("speculate sink K=4", True, "2 graphs, 0 skips, eager's tokens")]
+    assert all(x["value"].endswith(f", {GRAPH_TOKENS} tokens") for x in rows)
     assert (tmp_path / "check_tiny" / "tokenizer.json").is_file()
 
 
