@@ -245,7 +245,8 @@ class Chat:
         up before the first turn; around(mode, compiled_prefill): a context manager for the warm-up."""
         mode, compiled_prefill = engine.compile_settings(self.model, self.protocol, mode, prefill, freeze)
         self.steps = engine.compile_steps(self.device, mode, prefill=compiled_prefill, freeze=freeze)
-        with around(engine.mode_name(mode, self.device), compiled_prefill) if around is not None else contextlib.nullcontext():
+        name = engine.mode_name(mode, self.device)
+        with around(name, compiled_prefill) if around is not None else contextlib.nullcontext():
             self.warm_up()
 
     def warm_up(self) -> None:

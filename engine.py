@@ -777,6 +777,8 @@ def bounded_budget(args: ModelArgs) -> int:
     """The default budget of a policy that evicts, and of a conversation whatever its policy: DEFAULT_BUDGET slots,
     or the model's context if smaller."""
     return min(DEFAULT_BUDGET, args.max_seq_len)
+
+
 CACHE_NOTES = {"hit": "from the compile cache", "miss": "now cached for the next run",
                "bypass": "not cacheable: compiles again next run", "off": "cache off"}
 
@@ -882,7 +884,8 @@ class Generation:
                 freeze: bool = False, around=None) -> None:
         """Compile both steps (compile_settings) and warm them up on first_id (the caches are left dirty: generate()
         resets them). around(self): a context manager for the warm-up (generate.py's compiler log and ticker),
-        entered once the mode is settled, whose value is the terminal's stream (None: stderr). Sets compile_mode, compiled_prefill, frozen, compile_s, compile_cache."""
+        entered once the mode is settled, whose value is the terminal's stream (None: stderr). Sets compile_mode,
+        compiled_prefill, frozen, compile_s, compile_cache."""
         mode, self.compiled_prefill = compile_settings(model, self.protocol, mode, prefill, freeze)
         self.frozen = freeze
         self.compile_mode = mode_name(mode, self.device)

@@ -149,7 +149,7 @@ def run(args) -> None:
         setup(model, policy, budget, len(ids), args.decode_steps, args.block_size, prefill=protocol,
               evict=label != "no-evict", kv_dtype=kv_dtype(args))
         t = time.perf_counter()
-        steps = bench_steps(args, model)
+        steps = bench_steps(args, model, protocol)
         r = time_policy(model, ids, steps, args, args.device, one_shot=protocol == "one-shot")
         r["protocol"] = protocol
         r["wall_s"] = time.perf_counter() - t

@@ -76,7 +76,7 @@ def figure_one(model, label: str, T: int, args) -> dict:
         policy = policies.RocketKV(read=t)
         budget = policies.rocket_params(T + N, t, model.args.head_dim, N).C
     budget = setup(model, policy, budget, T, N, args.block_size, prefill="one-shot")
-    decode_fn = bench_steps(args, model)[1]  # one configuration per process: its own graph
+    decode_fn = bench_steps(args, model, "one-shot")[1]  # one configuration per process: its own graph
     mem = PeakMemory(args.device)
     with torch.inference_mode():
         t = time.perf_counter()

@@ -100,7 +100,8 @@ def run_paired(args) -> None:
         torch._inductor.config.cpp.enable_kernel_profile = True
     # one compiled step per configuration: dynamo treats a module's weights as inputs, so configurations that trace
     # alike would share one graph, and a frozen twin would run its unfrozen sibling's
-    decode_fns = {label: bench_steps(args, models[label], freeze=frozen[label], mode=modes[label])[1] for label in models}
+    decode_fns = {label: bench_steps(args, model, freeze=frozen[label], mode=modes[label])[1]
+                  for label, model in models.items()}
     # Bandwidth probe, timed once per round of steps: each step's bandwidth-bound fraction is taken against the
     # read bandwidth measured next to it, since both drift together on a shared VM. The probe also flushes the
     # caches before each round, which a model smaller than the last-level cache would otherwise sit in.

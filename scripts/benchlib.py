@@ -351,14 +351,14 @@ def check_sizes(config: dict, args) -> dict:
     return config
 
 
-def bench_steps(args, model, freeze: bool | None = None, mode: str | None = None):
+def bench_steps(args, model, protocol: str = "block", freeze: bool | None = None, mode: str | None = None):
     """(prefill, decode) steps for `model`: eager, or compiled as generate.py compiles them (engine.compile_settings:
-    the prefill step too unless --no-compile-prefill; frozen with --freeze, or as `freeze` says; in --compile-mode,
-    or `mode`)."""
+    the prefill-block step too unless --no-compile-prefill or a one-shot `protocol`, which never runs it; frozen
+    with --freeze, or as `freeze` says; in --compile-mode, or `mode`)."""
     if not args.compile:
         return prefill_step, model_step
     freeze = getattr(args, "freeze", False) if freeze is None else freeze
-    mode, prefill = compile_settings(model, "block", mode or args.compile_mode, not args.no_compile_prefill, freeze)
+    mode, prefill = compile_settings(model, protocol, mode or args.compile_mode, not args.no_compile_prefill, freeze)
     return compile_steps(args.device, mode, prefill=prefill, freeze=freeze)
 
 
