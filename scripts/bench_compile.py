@@ -85,6 +85,7 @@ def generate_run(args, prompt_file: Path | None, cache: Path, compiled: bool) ->
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["no output"])[-1]
         raise UserError(f"generate.py failed ({' '.join(cmd[2:])}): {last}")
+    sys.stderr.write(r.stderr)  # a run's warnings reach the user (inductor's own output goes to its compile log)
     out = json.loads(r.stdout.strip().splitlines()[-1])
     out.pop("text", None)
     return out
