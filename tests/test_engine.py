@@ -278,29 +278,34 @@ from engine import generate, load_model, model_step, prefill_step, PeakMemory
 import policies
 from policies import RandomScores
 from pathlib import Path
-prompt_len, mode = int(sys.argv[1]), sys.argv[2]
 model = load_model(Path({ckpt!r}), torch.float32, "cpu")
 budget, block = 64, 32
-with torch.inference_mode():
+
+
+def peak(prompt_len, mode):
     ids = torch.randint(0, 512, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     if mode == "blockwise":
         setup_caches(model, 1, budget, block, RandomScores())
         _, stats = generate(model, ids, 2, block_size=block, steps=(prefill_step, model_step))
-        peak = stats["prefill_peak_bytes"]
-    else:  # negative control: one dense block holding the whole prompt
-        setup_caches(model, 1, prompt_len, prompt_len)
-        mem = PeakMemory("cpu"); mem.reset()
-        model(torch.tensor([ids]), torch.arange(prompt_len))
-        peak = mem.peak()
-print(json.dumps(peak))
+        return stats["prefill_peak_bytes"]
+    setup_caches(model, 1, prompt_len, prompt_len)  # negative control: one dense block holding the whole prompt
+    mem = PeakMemory("cpu"); mem.reset()
+    model(torch.tensor([ids]), torch.arange(prompt_len))
+    return mem.peak()
+
+
+with torch.inference_mode():  # 2x budget and 8x budget (4x further), block-wise, then the dense control
+    print(json.dumps([peak(n, mode) for mode in ("blockwise", "dense") for n in (2 * budget, 8 * budget * 4)]))
 """
 
 
 def test_peak_memory_does_not_grow_with_prompt(tmp_path):
     """Process peak RSS (VmHWM, reset at the start of prefill) at prompt 8x budget within 10% of 2x budget.
 
-    Each measurement runs in a fresh process. The model is sized so that what a dense prefill would hold (scores
-    [heads, T, T], activations [T, hidden]) is large at 8x budget; the negative control shows the measure sees it.
+    The four measurements run in one fresh process, each prompt after a smaller one: the reset sets the peak to the
+    process's RSS at that moment (what earlier runs left allocated counts), so a prefill that holds more than the
+    smaller one did raises it. The model is sized so that what a dense prefill would hold (scores [heads, T, T],
+    activations [T, hidden]) is large at 8x budget; the negative control, measured last, shows the measure sees it.
     """
     from conftest import FAMILIES, make_hf_checkpoint
     FAMILIES["mem"] = dict(FAMILIES["llama"], hidden_size=256, intermediate_size=1024, num_attention_heads=8,
@@ -309,13 +314,9 @@ def test_peak_memory_does_not_grow_with_prompt(tmp_path):
     script = tmp_path / "peak.py"
     script.write_text(PEAK_SCRIPT.format(repo=str(REPO), tests=str(REPO / "tests"), ckpt=str(tmp_path)))
 
-    def peak(n, mode):
-        r = subprocess.run([sys.executable, str(script), str(n), mode], capture_output=True, text=True, check=True)
-        return json.loads(r.stdout.strip().splitlines()[-1])
-
-    small, large = peak(2 * 64, "blockwise"), peak(8 * 64 * 4, "blockwise")  # 8x budget, and 4x further
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
+    small, large, dense_small, dense_large = json.loads(r.stdout.strip().splitlines()[-1])
     assert large <= 1.10 * small, (small, large)
-    dense_small, dense_large = peak(2 * 64, "dense"), peak(8 * 64 * 4, "dense")
     assert dense_large > 1.10 * dense_small, (dense_small, dense_large)  # the measure does see growth
 
 
