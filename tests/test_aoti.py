@@ -46,9 +46,10 @@ CLI_CODE = ("import sys, json, io, contextlib; sys.argv = ['generate.py'] + sys.
 
 @pytest.fixture(scope="module")
 def cli_runs(hf_tiny, packages, tmp_path_factory):
-    """generate.py --compile on CPU in a fresh process, twice, then without --compile: h2o at budget 40, block 8, one
-    thread, over the tiny model, so that its package is the one the h2o-40 case below loads (the key holds no
-    prompt length, new-token count or checkpoint path). What each run printed and which modules it imported."""
+    """generate.py --compile on CPU in a fresh process, twice, then without --compile in this one: h2o at budget 40,
+    block 8, one thread, over the tiny model, so that its package is the one the h2o-40 case below loads (the key
+    holds no prompt length, new-token count or checkpoint path). What each run printed and, for the compiled runs,
+    which modules it imported."""
     from conftest import with_tiny_tokenizer
     corpus = "the quick brown fox jumps over the lazy dog"
     ckpt = with_tiny_tokenizer(hf_tiny("llama")[1], tmp_path_factory.mktemp("ckpt"), corpus)
@@ -56,12 +57,19 @@ def cli_runs(hf_tiny, packages, tmp_path_factory):
             "--budget", "40", "--block-size", "8", "--json", "--threads", "1"]
     env = {**os.environ, "BUDGETKV_AOT_DIR": str(packages)}
     runs = []
-    for extra in (["--compile"], ["--compile"], []):
-        r = subprocess.run([sys.executable, "-c", CLI_CODE, *argv, *extra], capture_output=True, text=True, env=env,
-                           cwd=REPO, timeout=600)
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", CLI_CODE, *argv, "--compile"], capture_output=True, text=True,
+                           env=env, cwd=REPO, timeout=600)
         assert r.returncode == 0, r.stderr
         runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    return runs
+    import contextlib
+    import io
+
+    import generate
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert generate.main(argv) == 0
+    return runs + [json.loads(out.getvalue())]
 
 
 def run(model, spec: str, budget: int, step, n: int = 12, kv_dtype=None) -> list[int]:
