@@ -131,27 +131,44 @@ def test_figure_and_bench_targets():
     assert not gc.bench_rows(res | {"keydiff": dict(res["keydiff"], decode_step_ms=11.5)})[0]["ok"]
 
 
-def test_figure_and_bench_sections_run_end_to_end_on_tiny_shapes(tmp_path):
-    """The orchestration on CPU with tiny shapes, eager: bench_figure.py and the policy table with HF + kvpress
-    (random config in .venv-kv) run, their JSON is read back, and the table lands in OUT.md and OUT.json."""
-    if not (REPO / ".venv-kv" / "bin" / "python").is_file():
-        pytest.skip(".venv-kv missing (bash scripts/setup.sh test)")
-    shapes = tmp_path / "tiny"
+@pytest.fixture(scope="module")
+def tiny_sections(tmp_path_factory):
+    """One gpu_check.py run of every measuring section on CPU with tiny shapes and sizes, eager: (the process, its
+    rows, OUT). --memory-cap 0.68 MiB: full fits a batch of 1 (0.55 MiB; 0.66 estimated before its prefill, a
+    prefill block of slack), not 2 (0.70); KeyDiff's 48-slot rows fit 2 (0.58), not 4 (0.76)."""
+    tmp = tmp_path_factory.mktemp("sections")
+    shapes = tmp / "tiny"
     shapes.mkdir()
     (shapes / "config.json").write_text(json.dumps(FAMILIES["llama"]))
-    out = tmp_path / "check"
+    out = tmp / "check"
     r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--no-compile", "--only",
-                        "figure,bench", "--shapes", str(shapes), "--dtype", "float32", "--contexts", "256",
-                        "--budgets", "32", "--decode-steps", "4", "--bench-context", "256", "--bench-budget", "64",
-                        "--out", str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
+                        "attention,eviction,figure,bench,speculate,batch", "--shapes", str(shapes), "--dtype",
+                        "float32", "--contexts", "256", "--budgets", "32", "--attention-contexts", "128",
+                        "--decode-steps", "3", "--eviction-budgets", "48", "--eviction-policies", "keydiff,sink",
+                        "--bench-context", "128", "--bench-budget", "48", "--spec-contexts", "128", "--spec-budget",
+                        "48", "--batch-context", "128", "--memory-cap", "0.68", "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=900)
     assert r.returncode in (0, 1), r.stderr  # 1: a tiny CPU model misses the GPU targets
-    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [x["check"] for x in rows] == ["full @ 256", "gpt-fast (masked SDPA) @ 256", "rocketkv-32 @ 256",
-                                          "keydiff overhead vs no-evict",
-                                          "full decode vs HF + kvpress", "keydiff decode vs HF + kvpress"]
-    assert "could not run" not in r.stdout and "x (" in rows[-1]["value"]
+    return r, json.loads(out.with_suffix(".json").read_text())["rows"], out
+
+
+def section_rows(rows: list[dict], *sections: str) -> list[str]:
+    return [x["check"] for x in rows if x["section"] in sections]
+
+
+def test_figure_and_bench_sections_run_end_to_end_on_tiny_shapes(tiny_sections):
+    """The orchestration on CPU with tiny shapes, eager: bench_figure.py (--random-weights: full and RocketKV at
+    each context) and the policy table with HF + kvpress (random config in .venv-kv) run, their JSON is read back,
+    and the table lands in OUT.md and OUT.json."""
+    r, rows, out = tiny_sections
+    assert section_rows(rows, "figure") == ["full @ 256", "gpt-fast (masked SDPA) @ 256", "rocketkv-32 @ 256"]
+    assert section_rows(rows, "bench") == ["keydiff overhead vs no-evict", "full decode vs HF + kvpress",
+                                           "keydiff decode vs HF + kvpress"]
+    assert "could not run" not in r.stdout
     assert out.with_suffix(".md").read_text().count("\n| ") == len(rows) + 1
+    if not (REPO / ".venv-kv" / "bin" / "python").is_file():
+        pytest.skip(".venv-kv missing (bash scripts/setup.sh test)")
+    assert "x (" in [x for x in rows if x["section"] == "bench"][-1]["value"]
 
 
 def test_attention_eviction_speculate_and_batch_targets():
@@ -184,26 +201,18 @@ def test_attention_eviction_speculate_and_batch_targets():
     assert gc.batch_rows({"full": {"batch": None}, "keydiff": {"batch": None}})[0]["value"] == "no batch fitted"
 
 
-def test_attention_eviction_speculate_and_batch_sections_run_end_to_end_on_tiny_shapes(tmp_path):
+def test_attention_eviction_speculate_and_batch_sections_run_end_to_end_on_tiny_shapes(tiny_sections):
     """The sections on CPU with tiny shapes and sizes, eager: both attention forms in this process (flex's unfused
-    reference), bench_paired.py, bench_speculate.py and bench_batch.py run and their JSON is read back."""
-    shapes = tmp_path / "tiny"
-    shapes.mkdir()
-    (shapes / "config.json").write_text(json.dumps(FAMILIES["llama"]))
-    out = tmp_path / "check"
-    r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--no-compile", "--only",
-                        "attention,eviction,speculate,batch", "--shapes", str(shapes), "--dtype", "float32",
-                        "--attention-contexts", "128", "--decode-steps", "3", "--eviction-budgets", "48",
-                        "--eviction-policies", "keydiff,sink", "--bench-context", "128", "--spec-contexts", "128",
-                        "--spec-budget", "48", "--batch-context", "128", "--bench-budget", "48", "--memory-cap", "0.9",
-                        "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert r.returncode in (0, 1), r.stderr  # 1: a tiny CPU model misses the GPU targets
-    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [x["check"] for x in rows] == [
+    reference), bench_paired.py (--random-weights: no-evict first, its overhead over itself 0), bench_speculate.py
+    and bench_batch.py run and their JSON is read back."""
+    r, rows, out = tiny_sections
+    assert section_rows(rows, "attention", "eviction", "speculate", "batch") == [
         "full @ 128, default (matmul on CUDA)", "full @ 128, flex_attention", "full @ 128, flex over default",
         "no-evict @ 48", "keydiff @ 48 vs no-evict", "sink @ 48 vs no-evict",
         "sink 48 K=4 @ 128: steps", "sink 48 K=4 @ 128: predicted at 2.3 kept/round", "keydiff vs full under the cap"]
     assert "could not run" not in r.stdout and "no batch fitted" not in r.stdout
+    paired = json.loads(out.with_name(out.name + "_eviction_48.json").read_text())["rows"]
+    assert [x["label"] for x in paired] == ["no-evict", "keydiff", "sink"] and paired[0]["overhead"] == 0.0
 
 
 def test_graphs_section_on_the_tiny_model_evicts_and_matches_eager(tmp_path):
@@ -268,10 +277,12 @@ def test_python_override_runs_the_check_with_that_python(tmp_path):
     (["--eviction-budgets", "2048,x"], "--eviction-budgets takes comma-separated integers"),
     (["--attention-contexts", "0"], "--attention-contexts needs integers >= 1"),
 ])
-def test_bad_input_is_one_line_and_exit_2(argv, message):
-    r = subprocess.run([sys.executable, "scripts/gpu_check.py", *argv], cwd=REPO, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    """gpu_check.main in this process (test_python_override_runs_the_check_with_that_python runs a refusal as a
+    process)."""
+    code = gc.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err
 
 
 def test_paired_random_weights_configurations_share_one_set_of_weights():
