@@ -37,8 +37,8 @@ def test_graph_row_fails_on_a_skip_a_recompile_or_other_tokens(kw, problem):
     assert (problem or "") in r["detail"] and (problem is not None or r["detail"] == "")
 
 
-# The graphs section's shapes in test_graphs_section_on_the_tiny_model_evicts_and_matches_eager (the tests' llama,
-# a 200-token prompt, 8 new tokens, blocks of 32).
+# The graphs section's shapes in tiny_sections' run (the tests' llama, a 200-token prompt, 8 new tokens, blocks of
+# 32).
 GRAPH_PROMPT, GRAPH_TOKENS, GRAPH_BLOCK = 200, 8, 32
 
 
@@ -133,8 +133,9 @@ def test_figure_and_bench_targets():
 
 @pytest.fixture(scope="module")
 def tiny_sections(tmp_path_factory):
-    """One gpu_check.py run of every measuring section on CPU with tiny shapes and sizes, eager: (the process, its
-    rows, OUT). --memory-cap 0.68 MiB: full fits a batch of 1 (0.55 MiB; 0.66 estimated before its prefill, a
+    """One gpu_check.py run on CPU of the graphs section on the tiny model (compiled: --no-compile is the benchmark
+    scripts') and of every measuring section with tiny shapes and sizes, eager: (the process, its rows, OUT).
+    --memory-cap 0.68 MiB: full fits a batch of 1 (0.55 MiB; 0.66 estimated before its prefill, a
     prefill block of slack), not 2 (0.70); KeyDiff's 48-slot rows fit 2 (0.58), not 4 (0.76)."""
     tmp = tmp_path_factory.mktemp("sections")
     shapes = tmp / "tiny"
@@ -142,13 +143,15 @@ def tiny_sections(tmp_path_factory):
     (shapes / "config.json").write_text(json.dumps(FAMILIES["llama"]))
     out = tmp / "check"
     r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--no-compile", "--only",
-                        "attention,eviction,figure,bench,speculate,batch", "--shapes", str(shapes), "--dtype",
+                        "graphs,attention,eviction,figure,bench,speculate,batch", "--graph-model", "tiny",
+                        "--policies", "keydiff,snapkv++", "--graph-prompt", str(GRAPH_PROMPT), "--graph-tokens",
+                        str(GRAPH_TOKENS), "--graph-block", str(GRAPH_BLOCK), "--shapes", str(shapes), "--dtype",
                         "float32", "--contexts", "256", "--budgets", "32", "--attention-contexts", "128",
                         "--decode-steps", "3", "--eviction-budgets", "48", "--eviction-policies", "keydiff,sink",
                         "--bench-context", "128", "--bench-budget", "48", "--spec-contexts", "128", "--spec-budget",
                         "48", "--batch-context", "128", "--memory-cap", "0.68", "--out", str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert r.returncode in (0, 1), r.stderr  # 1: a tiny CPU model misses the GPU targets
+    assert r.returncode in (0, 1), r.stdout + r.stderr  # 1: a tiny CPU model misses the GPU targets
     return r, json.loads(out.with_suffix(".json").read_text())["rows"], out
 
 
@@ -215,24 +218,19 @@ def test_attention_eviction_speculate_and_batch_sections_run_end_to_end_on_tiny_
     assert [x["label"] for x in paired] == ["no-evict", "keydiff", "sink"] and paired[0]["overhead"] == 0.0
 
 
-def test_graphs_section_on_the_tiny_model_evicts_and_matches_eager(tmp_path):
+def test_graphs_section_on_the_tiny_model_evicts_and_matches_eager(tiny_sections):
     """--graph-model tiny on CPU (compiled in the default mode, no graphs to capture): the tests' llama built beside
     OUT, its short document repeated up to --graph-prompt tokens, so KeyDiff's row, a one-shot policy's (SnapKV++)
     and speculation's (a sink draft: the draft step and the verification block) pass at a budget that evicts
     (graph_budget refuses one that would not): each decode step compiled once under error_on_recompile, eager's
     greedy tokens, all of them."""
-    out = tmp_path / "check"
-    r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--only", "graphs", "--graph-model",
-                        "tiny", "--policies", "keydiff,snapkv++", "--graph-prompt", str(GRAPH_PROMPT),
-                        "--graph-tokens", str(GRAPH_TOKENS), "--graph-block", str(GRAPH_BLOCK), "--out", str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout + r.stderr
-    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    _, rows, out = tiny_sections
+    rows = [x for x in rows if x["section"] == "graphs"]
     assert [(x["check"], x["ok"], x["target"]) for x in rows] == [
         ("keydiff", True, "1 graph, 0 skips, eager's tokens"), ("snapkv++", True, "1 graph, 0 skips, eager's tokens"),
         ("speculate sink K=4", True, "2 graphs, 0 skips, eager's tokens")]
     assert all(x["value"].endswith(f", {GRAPH_TOKENS} tokens") for x in rows)
-    assert (tmp_path / "check_tiny" / "tokenizer.json").is_file()
+    assert (out.with_name(out.name + "_tiny") / "tokenizer.json").is_file()
 
 
 def test_tiny_graph_model_without_transformers_is_one_environment_failure(tmp_path, monkeypatch):
