@@ -48,7 +48,7 @@ def torchrun(args: list, timeout: int, **extra) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env(**extra), capture_output=True, text=True, timeout=timeout)
 
 
-def suites(names: str, out, timeout: int = 300) -> list[dict]:
+def suites(names: str, out, timeout: int) -> list[dict]:
     """Run tests/tp_worker.py's suites (comma-separated) in one torchrun of 2 ranks; each rank's results per suite."""
     p = torchrun(["tests/tp_worker.py", str(out), names], timeout)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -57,10 +57,11 @@ def suites(names: str, out, timeout: int = 300) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    """The eager and quantized-weights suites, from one torchrun (one start of the ranks for both)."""
+    """The eager, quantized-weights and compiled suites, from one torchrun (one start of the ranks and one process
+    group for all); the compiled suite runs last, between torch._dynamo.reset calls of its own."""
     t = time.perf_counter()
-    res = suites("eager,quant", tmp_path_factory.mktemp("tp_eager"), timeout=600)
-    print(f"eager and quant suites: {time.perf_counter() - t:.1f} s")
+    res = suites("eager,quant,compiled", tmp_path_factory.mktemp("tp_worker"), timeout=1200)
+    print(f"eager, quant and compiled suites: {time.perf_counter() - t:.1f} s")
     return res
 
 
@@ -113,12 +114,12 @@ def test_a_policy_can_refuse_tp():
         tp.check_policy(Whole(), 2)
 
 
-def test_compiled(tmp_path):
+def test_compiled(worker):
     """The compiled steps under TP=2: fullgraph, the all-reduces inside the graph, no recompile over two
     generations, the eager TP=1 tokens and kept sets. Rank 0 compiles the 2 graphs and rank 1 then loads them
     from inductor's cache (tp_worker.compiling_in_turn): about a minute cold on 2 cores, seconds from
     build/inductor-cache."""
-    for rank_results in suites("compiled", tmp_path, timeout=900):
+    for rank_results in worker:
         assert len(rank_results["compiled"]) == 2  # the decode step's explain and the compiled run
         for key, r in rank_results["compiled"].items():
             if key.endswith("explain"):  # one graph, no break, 2 all-reduces per layer (2 layers) inside it,
@@ -189,18 +190,19 @@ def test_cli_under_torchrun(tmp_path, capsys):
 
 
 def test_cli_loads_checkpoints(hf_tiny, tmp_path, capsys):
-    """A float checkpoint under torchrun gives one process's tokens; an int4 one (quantized Linears sharded before
-    they are packed for the CPU kernel) runs; an int4 group size that does not divide a rank's in-features of wo
-    (64 > 32) is one line, and a clean exit on every rank (tp.exit_code: no torchrun report after it)."""
+    """A float checkpoint on 2 ranks (torchrun's environment; torchrun itself: test_cli_under_torchrun) gives one
+    process's tokens; an int4 one (quantized Linears sharded before they are packed for the CPU kernel) runs; an
+    int4 group size that does not divide a rank's in-features of wo (64 > 32) is one line, and a clean exit on every
+    rank (tp.exit_code: no torchrun report after it); rank 1 prints nothing."""
     from conftest import with_tiny_tokenizer
     from quantize import quantize_dir
     _, src = hf_tiny("llama")
     tiny = with_tiny_tokenizer(src, tmp_path / "tok", "the quick brown fox jumps over the lazy dog")
     args = ["--prompt", "the quick brown fox", "--max-new-tokens", "5", "--json", "--threads", "1"]
     one = one_process(["--checkpoint", str(tiny), *args], capsys)
-    p = torchrun(["generate.py", "--checkpoint", str(tiny), *args], 180)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert json.loads(p.stdout)["token_ids"] == one["token_ids"]
+    r0, r1 = two_ranks(["--checkpoint", str(tiny), *args], timeout=180)
+    assert (r0.returncode, r1.returncode) == (0, 0), r0.stderr + r1.stderr
+    assert json.loads(r0.stdout)["token_ids"] == one["token_ids"] and r1.stdout == r1.stderr == ""
     for groupsize, refused in ((32, False), (64, True)):
         q = tmp_path / f"int4-g{groupsize}"
         quantize_dir(tiny, "int4", groupsize, out=q)
