@@ -50,6 +50,17 @@ FAMILIES = {
 }
 
 
+def env_with_tmpdir(tmp_path: Path) -> dict:
+    """This environment with TMPDIR at tmp_path (a child's logs land there, not in the machine's /tmp), sharing
+    inductor's precompiled C++ headers: they live under the temporary folder (torchinductor_<user>), machine-wide as
+    on a user's machine; a child under an empty TMPDIR would build them again (15-20 s each here)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    shared = Path(default_cache_dir())
+    shared.mkdir(parents=True, exist_ok=True)
+    (tmp_path / shared.name).symlink_to(shared, target_is_directory=True)
+    return {**os.environ, "TMPDIR": str(tmp_path)}
+
+
 def make_hf_checkpoint(family: str, out_dir: Path, seed: int = 0):
     """Random-initialised HF model of `family`, saved as safetensors; returns (the HF model, out_dir)."""
     transformers = pytest.importorskip("transformers")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, env_with_tmpdir
 
 import generate
 import policies
@@ -317,7 +317,7 @@ def test_interactive_compile_compiles_before_the_first_turn(chat_ckpt, loaded, t
     compiled = subprocess.run([sys.executable, str(REPO / "generate.py"), "--checkpoint", str(chat_ckpt),
                                "--interactive", "--compile", "--compile-mode", "default", "--compile-prefill", *argv],
                               input="\n".join(turns) + "\n", capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "TMPDIR": str(tmp_path)})
+                              env=env_with_tmpdir(tmp_path))
     assert compiled.returncode == 0, compiled.stderr
     assert compiled.stderr == ""
     eager = Chat(*loaded, "keydiff", budget=24, max_new_tokens=4, block_size=8)

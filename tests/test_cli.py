@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, env_with_tmpdir
 
 import generate
 from engine import set_layer_regions
@@ -588,7 +588,7 @@ def test_bench_compile_measures_eager_cold_and_warm(tiny_ckpt, tmp_path, capsys)
             "--threads", "1", "--compile-mode", "default"]
     caches_before = set((REPO / "build").glob("bench-compile-cache-*"))
     r = subprocess.run(argv + ["--json", str(out)], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "TMPDIR": str(tmp_path)})
+                       env=env_with_tmpdir(tmp_path))
     assert r.returncode == 0, r.stderr
     # bench_compile.py's own progress line per run, nothing from inductor or the C++ compiler in generate.py's runs
     assert [line.split(":")[0] for line in r.stderr.splitlines()] == ["  cold", "  eager", "  warm"], r.stderr
