@@ -163,14 +163,14 @@ def test_figure_and_bench_sections_run_end_to_end_on_tiny_shapes(tiny_sections):
     """The orchestration on CPU with tiny shapes, eager: bench_figure.py (--random-weights: full and RocketKV at
     each context) and the policy table with HF + kvpress (random config in .venv-kv) run, their JSON is read back,
     and the table lands in OUT.md and OUT.json."""
+    if not (REPO / ".venv-kv" / "bin" / "python").is_file():
+        pytest.skip(".venv-kv missing (bash scripts/setup.sh test)")
     r, rows, out = tiny_sections
     assert section_rows(rows, "figure") == ["full @ 256", "gpt-fast (masked SDPA) @ 256", "rocketkv-32 @ 256"]
     assert section_rows(rows, "bench") == ["keydiff overhead vs no-evict", "full decode vs HF + kvpress",
                                            "keydiff decode vs HF + kvpress"]
     assert "could not run" not in r.stdout
     assert out.with_suffix(".md").read_text().count("\n| ") == len(rows) + 1
-    if not (REPO / ".venv-kv" / "bin" / "python").is_file():
-        pytest.skip(".venv-kv missing (bash scripts/setup.sh test)")
     assert "x (" in [x for x in rows if x["section"] == "bench"][-1]["value"]
 
 
