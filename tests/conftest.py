@@ -4,8 +4,8 @@ from pathlib import Path
 
 # The suite keeps both cores busy (`pytest -n 2`, and the processes its tests start): every process it starts waits
 # passively. threads.py would choose from the load at the instant a worker imports engine, and a child that spins
-# beside a busy worker collapses both (measured: the GPU check's CPU run took 250 s spinning, 98 s waiting passively).
-# A value the user set is kept, as threads.py keeps it; the tests of that rule set their own environment.
+# beside a busy worker makes both crawl. A value the user set is kept, as threads.py keeps it; the tests of that rule
+# set their own environment.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
