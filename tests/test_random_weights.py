@@ -200,7 +200,12 @@ def bench_in_process(argv, capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def test_bench_with_random_weights(tiny_config_dir, tmp_path, capsys):
+def test_bench_with_random_weights(tiny_config_dir, tmp_path, capsys, one_thread):
+    """bench.py --random-weights as a process with --kv-dtype int8 (its table, saved JSON and the int8 cache's size
+    against float32's); float32's configurations in this process, as the script's own --one runs them: their cache
+    size, and its settings without the flag."""
+    from scripts import bench as bench_script
+    from scripts.benchlib import bench_settings
     bench = [sys.executable, str(REPO / "scripts" / "bench.py"), "--checkpoint", str(tiny_config_dir),
              "--random-weights", "--decode-steps", "4", "--repeats", "1", "--threads", "1"]
     for extra, message in ((["--llamacpp"], "--random-weights has not: drop one of them"),
@@ -208,24 +213,24 @@ def test_bench_with_random_weights(tiny_config_dir, tmp_path, capsys):
                            (["--kv-dtype", "int8", "--kvpress"], "--kv-dtype")):
         code, err = bench_in_process(bench[2:] + extra, capsys)
         assert code == 2 and message in err_line(err)
-    out = tmp_path / "bench.json"
-    r = subprocess.run(bench + ["--policies", "keydiff", "--prompt-tokens", "64", "--budget", "32", "--block-size",
-                                "16", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    sizes = ["--policies", "keydiff", "--prompt-tokens", "64", "--budget", "32", "--block-size", "16"]
+    fp32 = {}
+    for label in ("full", "keydiff"):  # what a configuration's process runs: its JSON line on stdout
+        bench_script.run(bench_script.parser().parse_args(bench[2:] + sizes + ["--one", label]))
+        fp32[label] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    args = bench_script.parser().parse_args(bench[2:] + sizes)  # the settings its JSON holds without the flag:
+    assert "kv_dtype" not in bench_settings(args, str(tiny_config_dir), "table")  # older outputs stay resumable
+    out = tmp_path / "int8.json"
+    r = subprocess.run(bench + sizes + ["--kv-dtype", "int8", "--json", str(out)], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "random float32 weights (seed 0)" in r.stderr and "| keydiff |" in r.stdout
-    saved = json.loads(out.read_text())
-    assert set(saved["results"]) == {"no-evict", "full", "keydiff"}
-    assert saved["settings"]["checkpoint"]["shapes"] == "tiny" and saved["settings"]["random_weights"] is True
-    assert "kv_dtype" not in saved["settings"]  # outputs written before the flag stay resumable
-    r = subprocess.run(bench + ["--policies", "keydiff", "--prompt-tokens", "64", "--budget", "32", "--block-size",
-                                "16", "--kv-dtype", "int8", "--json", str(tmp_path / "int8.json")],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "int8 KV cache" in r.stderr
-    int8 = json.loads((tmp_path / "int8.json").read_text())
+    assert "random float32 weights (seed 0)" in r.stderr and "| keydiff |" in r.stdout and "int8 KV cache" in r.stderr
+    int8 = json.loads(out.read_text())
+    assert set(int8["results"]) == {"no-evict", "full", "keydiff"}
+    assert int8["settings"]["checkpoint"]["shapes"] == "tiny" and int8["settings"]["random_weights"] is True
     assert int8["settings"]["kv_dtype"] == "int8"
     for label in ("full", "keydiff"):  # head dim 16: (16 + 4) / (4 * 16) of the fp32 buffer
-        ratio = int8["results"][label]["kv_cache_mib"] / saved["results"][label]["kv_cache_mib"]
+        ratio = int8["results"][label]["kv_cache_mib"] / fp32[label]["kv_cache_mib"]
         assert ratio == pytest.approx(20 / 64, rel=0.02)
     # bench_figure.py and bench_paired.py with --random-weights: test_gpu_check's end-to-end section tests
 
