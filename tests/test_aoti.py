@@ -45,16 +45,22 @@ CLI_CODE = ("import sys, json, io, contextlib; sys.argv = ['generate.py'] + sys.
 
 
 @pytest.fixture(scope="module")
-def cli_runs(hf_tiny, packages, tmp_path_factory):
-    """generate.py --compile on CPU in a fresh process, twice, then without --compile in this one: h2o at budget 40,
-    block 8, one thread, over the tiny model, so that its package is the one the h2o-40 case below loads (the key
-    holds no prompt length, new-token count or checkpoint path). What each run printed and, for the compiled runs,
-    which modules it imported."""
+def cli_argv(hf_tiny, tmp_path_factory):
+    """generate.py's arguments for h2o at budget 40, block 8, one thread, over the tiny model with a small tokenizer:
+    the setting of the package cli_runs builds and the command-line tests below load."""
     from conftest import with_tiny_tokenizer
     corpus = "the quick brown fox jumps over the lazy dog"
     ckpt = with_tiny_tokenizer(hf_tiny("llama")[1], tmp_path_factory.mktemp("ckpt"), corpus)
-    argv = ["--checkpoint", str(ckpt), "--prompt", f"{corpus} " * 6, "--max-new-tokens", "5", "--policy", "h2o",
+    return ["--checkpoint", str(ckpt), "--prompt", f"{corpus} " * 6, "--max-new-tokens", "5", "--policy", "h2o",
             "--budget", "40", "--block-size", "8", "--json", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def cli_runs(cli_argv, packages):
+    """generate.py --compile on CPU in a fresh process, twice, then without --compile in this one (cli_argv), so
+    that its package is the one the h2o-40 case below loads (the key holds no prompt length, new-token count or
+    checkpoint path). What each run printed and, for the compiled runs, which modules it imported."""
+    argv = cli_argv
     env = {**os.environ, "BUDGETKV_AOT_DIR": str(packages)}
     runs = []
     for _ in range(2):
@@ -180,6 +186,47 @@ def test_a_warm_run_imports_no_compiler(cli_runs):
     assert (cold["cache"], warm["cache"], cold["mode"]) == ("miss", "hit", "aot")
     assert cold["text"] == warm["text"] == eager["text"]
     assert not warm["dynamo"] and not warm["inductor"] and cold["inductor"]
+
+
+@pytest.mark.parametrize("flag,prefill,compile_prefill", [(["--compile-prefill"], "block", True),
+                                                         ([], "block", False),
+                                                         ([], "one-shot", False),
+                                                         (["--freeze"], "block", False)],
+                         ids=["both-steps", "decode-only", "one-shot", "frozen"])
+def test_compiled_run_never_recompiles(cli_argv, cli_runs, packages, capsys, flag, prefill, compile_prefill):
+    """--compile warms the steps up with the shapes and strides generation uses: no recompile afterwards.
+    On CPU the default compiles the decode step alone, ahead of time (no dynamo graph; prefill eager) and generates
+    the same text; --compile-prefill adds torch.compile's prefill graph; one-shot prefill never runs the block
+    step, so it is not compiled (and --compile-prefill is refused there); --freeze is torch.compile's. At cli_runs's
+    setting, whose package every run here loads (no new one in the folder), and a prompt longer than the budget."""
+    import generate
+    from engine import set_layer_regions
+    from torch._dynamo.utils import counters
+    argv = cli_argv + ["--prefill", prefill]
+    packaged = sorted(packages.glob("*.pt2"))
+    torch._dynamo.reset()  # graphs an earlier test in this process compiled would count as recompiles here
+    counters.clear()
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            code = generate.main(argv + ["--compile"] + flag)
+    finally:
+        torch._inductor.config.freezing = False
+        set_layer_regions(True)
+        torch._dynamo.reset()
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    frozen = "--freeze" in flag
+    # the dynamo graphs: the prefill step if compiled, the decode step if frozen; nothing else
+    assert counters["stats"]["unique_graphs"] == compile_prefill + frozen
+    stats = json.loads(out)
+    assert stats["generated_tokens"] == 5 and stats["compiled_prefill"] is compile_prefill
+    assert stats["prompt_tokens"] > 40 and sorted(packages.glob("*.pt2")) == packaged  # it evicts; a loaded package
+    # --compile-mode auto on CPU, fp32: the packed GEMM templates of max-autotune where the weights are frozen
+    assert stats["compile_mode"] == ("max-autotune-no-cudagraphs" if frozen else "aot")
+    assert stats["frozen"] is frozen
+    assert generate.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["text"] == stats["text"]  # the compiled kernels generate what eager does
 
 
 @pytest.fixture(scope="module")

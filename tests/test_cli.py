@@ -10,7 +10,6 @@ import pytest
 from conftest import REPO, env_with_tmpdir
 
 import generate
-from engine import set_layer_regions
 
 
 @pytest.fixture(scope="module")
@@ -111,43 +110,6 @@ def test_narrow_kv_run_reports_the_smaller_buffer(tiny_ckpt, capsys, kv_dtype, s
             assert code == 2 and not out and err.strip().splitlines() == [
                 f"error: --kv-dtype bfloat16 halves a float32 run's cache; this run computes in {dtype}, whose own "
                 "cache is as small: drop --kv-dtype or add --dtype float32"], err
-
-
-@pytest.mark.parametrize("flag,prefill,compile_prefill", [(["--compile-prefill"], "block", True),
-                                                         ([], "block", False),
-                                                         ([], "one-shot", False),
-                                                         (["--freeze"], "block", False)],
-                         ids=["both-steps", "decode-only", "one-shot", "frozen"])
-def test_compiled_run_never_recompiles(tiny_ckpt, capsys, flag, prefill, compile_prefill):
-    """--compile warms the steps up with the shapes and strides generation uses: no recompile afterwards.
-    On CPU the default compiles the decode step alone, ahead of time (no dynamo graph; prefill eager) and generates
-    the same text; --compile-prefill adds torch.compile's prefill graph; one-shot prefill never runs the block
-    step, so it is not compiled (and --compile-prefill is refused there); --freeze is torch.compile's."""
-    import torch
-    from torch._dynamo.utils import counters
-    argv = ["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox jumps, " * 4, "--max-new-tokens", "6",
-            "--json", "--policy", "keydiff", "--budget", "8", "--block-size", "4", "--prefill", prefill]
-    torch._dynamo.reset()  # graphs an earlier test in this process compiled would count as recompiles here
-    counters.clear()
-    try:
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            code, out, err = run_main(argv + ["--compile"] + flag, capsys)
-    finally:
-        torch._inductor.config.freezing = False
-        set_layer_regions(True)
-        torch._dynamo.reset()
-    assert code == 0, err
-    frozen = "--freeze" in flag
-    # the dynamo graphs: the prefill step if compiled, the decode step if frozen; nothing else
-    assert counters["stats"]["unique_graphs"] == compile_prefill + frozen
-    stats = json.loads(out)
-    assert stats["generated_tokens"] == 6 and stats["compiled_prefill"] is compile_prefill
-    # --compile-mode auto on CPU, fp32: the packed GEMM templates of max-autotune where the weights are frozen
-    assert stats["compile_mode"] == ("max-autotune-no-cudagraphs" if frozen else "aot")
-    assert stats["frozen"] is frozen
-    code, out, err = run_main(argv, capsys)
-    assert code == 0, err
-    assert json.loads(out)["text"] == stats["text"]  # the compiled kernels generate what eager does
 
 
 BAD = [
