@@ -318,9 +318,13 @@ def test_too_few_gpus(monkeypatch):
 
 LOST_RANK = """
 import os, sys, time, torch
+from pathlib import Path
 sys.path.insert(0, {repo!r})
 import tp
-mesh = tp.init("cpu", timeout_s=10)
+Path(f"ready{{os.environ['RANK']}}").touch()  # both ranks imported: join together, well within the timeout
+while not (Path("ready0").exists() and Path("ready1").exists()):
+    time.sleep(0.05)
+mesh = tp.init("cpu", timeout_s=4)
 if mesh.rank == 1:
     {lose}  # a rank lost (or stalled) after the group formed
 t = time.perf_counter()
@@ -336,14 +340,16 @@ os._exit(0)
 @pytest.mark.parametrize("lose", ["os._exit(3)", "time.sleep(120)"], ids=["lost", "stalled"])
 def test_a_lost_rank_does_not_hang(tmp_path, lose):
     """Rank 1 dies (or stalls) after the group formed: rank 0's next collective fails (gloo sees the closed
-    connection, or the group's timeout fires) instead of waiting forever, with one line naming rank 1."""
+    connection, or the group's timeout fires) instead of waiting forever, with one line naming rank 1. The ranks
+    join only once both have imported torch (the slow, uneven part of a start on a busy machine), so a 4 s group
+    timeout leaves the rendezvous seconds of margin while the stalled case waits only those 4 s."""
     script = tmp_path / "lost.py"
     script.write_text(LOST_RANK.format(repo=str(REPO), lose=lose))
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
-                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                                                 TORCHELASTIC_RUN_ID="test")) for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                      MASTER_PORT=port, TORCHELASTIC_RUN_ID="test")) for r in (0, 1)]
     try:
         out0, _ = procs[0].communicate(timeout=60)
     finally:
