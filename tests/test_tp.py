@@ -282,25 +282,70 @@ def two_ranks(args: list, timeout: int = 60, **extra) -> list[subprocess.Complet
     return out
 
 
-@pytest.mark.parametrize("case", ["world", "cuda", "kv_heads", "speculate"])
-def test_bad_input_is_one_line_and_a_clean_exit_on_every_rank(tmp_path, case):
+BAD_INPUT = {  # case: generate.py's extra flags, the tiny config's changes, what rank 0's one line says
+    "world": (["--tp", "4"], {}, "does not match torchrun's world size 2"),
+    "cuda": (["--device", "cuda"], {}, "CUDA is not available"),
+    "kv_heads": ([], {"num_key_value_heads": 1}, "to divide the model's KV heads (1)"),
+    "speculate": (["--speculate", "2", "--draft-budget", "8"], {}, "--speculate runs on one device"),
+}
+
+BAD_INPUT_RANK = """
+import json, os, sys
+sys.path.insert(0, {repo!r})
+import generate
+out = sys.argv[2]
+for case, (args, port) in json.loads(sys.argv[1]).items():
+    name = os.path.join(out, f"{{case}}.rank{{os.environ['RANK']}}")
+    pid = os.fork()
+    if pid == 0:  # each case a process of its own (its own exit code and output), forked past the imports
+        for fd, ext in ((1, "out"), (2, "err")):
+            os.dup2(os.open(f"{{name}}.{{ext}}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        os.environ["MASTER_PORT"] = port
+        sys.exit(generate.main(args))
+    with open(f"{{name}}.rc", "w") as f:
+        f.write(str(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_input_ranks(tmp_path_factory) -> dict:
+    """Every BAD_INPUT case run by generate.py as 2 ranks with torchrun's environment: one process per rank imports
+    generate.py once and forks each case's rank process from there (its own port, exit code, stdout and stderr);
+    case: [(exit code, stdout, stderr) of rank 0, of rank 1]."""
+    tmp = tmp_path_factory.mktemp("bad_input")
+    runs = {}
+    for case, (extra, over, _) in BAD_INPUT.items():
+        (tmp / case).mkdir()
+        runs[case] = gen_args(tiny_config(tmp / case, **over), *extra), str(free_port())
+    script = tmp / "rank.py"
+    script.write_text(BAD_INPUT_RANK.format(repo=str(REPO)))
+    procs = [subprocess.Popen([sys.executable, str(script), json.dumps(runs), str(tmp)], cwd=REPO,
+                              env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                                      MASTER_ADDR="127.0.0.1", TORCHELASTIC_RUN_ID="test")) for r in (0, 1)]
+    for p in procs:
+        try:
+            p.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a rank hung")
+        assert p.returncode == 0
+    return {case: [tuple((tmp / f"{case}.rank{r}.{ext}").read_text() for ext in ("rc", "out", "err"))
+                   for r in (0, 1)] for case in runs}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_line_and_a_clean_exit_on_every_rank(bad_input_ranks, case):
     """Every rank refuses the same flags: rank 0 prints the one line, and every rank exits 0 so that torchrun adds
     no report of its own (tp.exit_code)."""
-    extra, over = {"world": (["--tp", "4"], {}), "cuda": (["--device", "cuda"], {}),
-                   "kv_heads": ([], {"num_key_value_heads": 1}),
-                   "speculate": (["--speculate", "2", "--draft-budget", "8"], {})}[case]
     if case == "cuda" and torch.cuda.is_available():
         pytest.skip("checks a machine without CUDA")
-    ckpt = tiny_config(tmp_path, **over)
-    r0, r1 = two_ranks(gen_args(ckpt, *extra))
-    assert (r0.returncode, r1.returncode) == (0, 0), (r0.stderr, r1.stderr)
-    lines = r0.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r0.stderr
-    want = {"world": "does not match torchrun's world size 2", "cuda": "CUDA is not available",
-            "kv_heads": "to divide the model's KV heads (1)",
-            "speculate": "--speculate runs on one device"}[case]
-    assert want in lines[0]
-    assert r1.stdout == r1.stderr == "", "only rank 0 prints"
+    (rc0, _, err0), (rc1, out1, err1) = bad_input_ranks[case]
+    assert (rc0, rc1) == ("0", "0"), (err0, err1)
+    lines = err0.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err0
+    assert BAD_INPUT[case][2] in lines[0]
+    assert out1 == err1 == "", "only rank 0 prints"
 
 
 def test_too_few_gpus(monkeypatch):
