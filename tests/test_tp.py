@@ -200,13 +200,16 @@ def test_cli_loads_checkpoints(hf_tiny, tmp_path, capsys):
     tiny = with_tiny_tokenizer(src, tmp_path / "tok", "the quick brown fox jumps over the lazy dog")
     args = ["--prompt", "the quick brown fox", "--max-new-tokens", "5", "--json", "--threads", "1"]
     one = one_process(["--checkpoint", str(tiny), *args], capsys)
-    r0, r1 = two_ranks(["--checkpoint", str(tiny), *args], timeout=180)
+    runs = {"float": ["--checkpoint", str(tiny), *args]}
+    for groupsize in (32, 64):
+        quantize_dir(tiny, "int4", groupsize, out=tmp_path / f"int4-g{groupsize}")
+        runs[f"int4-g{groupsize}"] = ["--checkpoint", str(tmp_path / f"int4-g{groupsize}"), *args]
+    ranks = two_ranks(runs, tmp_path, timeout=300)
+    r0, r1 = ranks["float"]
     assert (r0.returncode, r1.returncode) == (0, 0), r0.stderr + r1.stderr
     assert json.loads(r0.stdout)["token_ids"] == one["token_ids"] and r1.stdout == r1.stderr == ""
     for groupsize, refused in ((32, False), (64, True)):
-        q = tmp_path / f"int4-g{groupsize}"
-        quantize_dir(tiny, "int4", groupsize, out=q)
-        r0, r1 = two_ranks(["--checkpoint", str(q), *args], timeout=120)
+        r0, r1 = ranks[f"int4-g{groupsize}"]
         assert (r0.returncode, r1.returncode) == (0, 0), r0.stderr + r1.stderr
         if not refused:
             got = json.loads(r0.stdout)
@@ -261,25 +264,45 @@ def test_reading_slices_equals_sharding_the_whole(hf_tiny, tmp_path, mode):
         assert sliced["layers.0.attention.wqkv.weight"].shape[0] == (4 + 2 * 2) * 16 // 2
 
 
-def two_ranks(args: list, timeout: int = 60, **extra) -> list[subprocess.CompletedProcess]:
-    """generate.py as 2 ranks with torchrun's environment, each its own process (so that each rank's exit code and
-    output can be read)."""
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "generate.py", *args], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
+RANK_FORKING_RUNS = """
+import json, os, sys
+sys.path.insert(0, {repo!r})
+import generate
+for name, (args, port) in json.loads(sys.argv[1]).items():
+    pid = os.fork()
+    if pid == 0:  # each run a process of its own (its own exit code and output), forked past the imports
+        for fd, ext in ((1, "out"), (2, "err")):
+            os.dup2(os.open(f"{{name}}.rank{{os.environ['RANK']}}.{{ext}}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        os.environ["MASTER_PORT"] = port
+        sys.exit(generate.main(args))
+    with open(f"{{name}}.rank{{os.environ['RANK']}}.rc", "w") as f:
+        f.write(str(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
+"""
+
+
+def two_ranks(runs: dict, tmp_path, timeout: int = 120) -> dict[str, list[subprocess.CompletedProcess]]:
+    """generate.py as 2 ranks with torchrun's environment, for each run (name: its arguments) in turn, each rank of
+    each run a process of its own (its exit code and output read apart): one process per rank imports generate.py
+    once and forks every run's rank process from it, each run on a port of its own. Run name: [rank 0, rank 1]."""
+    out = tmp_path / "ranks"
+    out.mkdir()
+    script = out / "rank.py"
+    script.write_text(RANK_FORKING_RUNS.format(repo=str(REPO)))
+    todo = json.dumps({str(out / name): (args, str(free_port())) for name, args in runs.items()})
+    procs = [subprocess.Popen([sys.executable, str(script), todo], cwd=REPO,
                               env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TORCHELASTIC_RUN_ID="test",
-                                      **extra)) for r in (0, 1)]
-    out = []
+                                      MASTER_ADDR="127.0.0.1", TORCHELASTIC_RUN_ID="test")) for r in (0, 1)]
     for p in procs:
         try:
-            stdout, stderr = p.communicate(timeout=timeout)
+            p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
             pytest.fail("a rank hung")
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    return out
+        assert p.returncode == 0
+    return {name: [subprocess.CompletedProcess(args, int((out / f"{name}.rank{r}.rc").read_text()),
+                                               *((out / f"{name}.rank{r}.{ext}").read_text() for ext in ("out", "err")))
+                   for r in (0, 1)] for name, args in runs.items()}
 
 
 BAD_INPUT = {  # case: generate.py's extra flags, the tiny config's changes, what rank 0's one line says
@@ -289,49 +312,16 @@ BAD_INPUT = {  # case: generate.py's extra flags, the tiny config's changes, wha
     "speculate": (["--speculate", "2", "--draft-budget", "8"], {}, "--speculate runs on one device"),
 }
 
-BAD_INPUT_RANK = """
-import json, os, sys
-sys.path.insert(0, {repo!r})
-import generate
-out = sys.argv[2]
-for case, (args, port) in json.loads(sys.argv[1]).items():
-    name = os.path.join(out, f"{{case}}.rank{{os.environ['RANK']}}")
-    pid = os.fork()
-    if pid == 0:  # each case a process of its own (its own exit code and output), forked past the imports
-        for fd, ext in ((1, "out"), (2, "err")):
-            os.dup2(os.open(f"{{name}}.{{ext}}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        os.environ["MASTER_PORT"] = port
-        sys.exit(generate.main(args))
-    with open(f"{{name}}.rc", "w") as f:
-        f.write(str(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
-"""
-
 
 @pytest.fixture(scope="module")
 def bad_input_ranks(tmp_path_factory) -> dict:
-    """Every BAD_INPUT case run by generate.py as 2 ranks with torchrun's environment: one process per rank imports
-    generate.py once and forks each case's rank process from there (its own port, exit code, stdout and stderr);
-    case: [(exit code, stdout, stderr) of rank 0, of rank 1]."""
+    """Every BAD_INPUT case run by generate.py as 2 ranks (two_ranks: one pair of rank processes for all)."""
     tmp = tmp_path_factory.mktemp("bad_input")
     runs = {}
     for case, (extra, over, _) in BAD_INPUT.items():
         (tmp / case).mkdir()
-        runs[case] = gen_args(tiny_config(tmp / case, **over), *extra), str(free_port())
-    script = tmp / "rank.py"
-    script.write_text(BAD_INPUT_RANK.format(repo=str(REPO)))
-    procs = [subprocess.Popen([sys.executable, str(script), json.dumps(runs), str(tmp)], cwd=REPO,
-                              env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                                      MASTER_ADDR="127.0.0.1", TORCHELASTIC_RUN_ID="test")) for r in (0, 1)]
-    for p in procs:
-        try:
-            p.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a rank hung")
-        assert p.returncode == 0
-    return {case: [tuple((tmp / f"{case}.rank{r}.{ext}").read_text() for ext in ("rc", "out", "err"))
-                   for r in (0, 1)] for case in runs}
+        runs[case] = gen_args(tiny_config(tmp / case, **over), *extra)
+    return two_ranks(runs, tmp)
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
@@ -340,12 +330,12 @@ def test_bad_input_is_one_line_and_a_clean_exit_on_every_rank(bad_input_ranks, c
     no report of its own (tp.exit_code)."""
     if case == "cuda" and torch.cuda.is_available():
         pytest.skip("checks a machine without CUDA")
-    (rc0, _, err0), (rc1, out1, err1) = bad_input_ranks[case]
-    assert (rc0, rc1) == ("0", "0"), (err0, err1)
-    lines = err0.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err0
+    r0, r1 = bad_input_ranks[case]
+    assert (r0.returncode, r1.returncode) == (0, 0), (r0.stderr, r1.stderr)
+    lines = r0.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r0.stderr
     assert BAD_INPUT[case][2] in lines[0]
-    assert out1 == err1 == "", "only rank 0 prints"
+    assert r1.stdout == r1.stderr == "", "only rank 0 prints"
 
 
 def test_too_few_gpus(monkeypatch):
