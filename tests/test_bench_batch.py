@@ -64,7 +64,10 @@ def test_copy_rows_refuses_a_cache_of_another_shape(hf_tiny):
 
 
 def test_batch_run_stops_at_the_cap(tiny_config_dir, tmp_path):
-    out, png, cap = tmp_path / "batch.json", tmp_path / "batch.png", 0.7  # full: batches 1, 2; keydiff: 1 to 4
+    """The cap's search end to end: full fits a batch of 1 (0.546 MiB), not 2 (0.685); KeyDiff's 64-slot rows fit 2
+    (0.488), not 4 (0.569). Full's rows across batch sizes: test_copied_rows_decode_as_the_batch_one_sequence[full]
+    (3 copied rows decode its batch-1 tokens) and test_step_flops_by_hand (FLOPs per sequence)."""
+    out, png, cap = tmp_path / "batch.json", tmp_path / "batch.png", 0.56
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_batch.py"), "--checkpoint", str(tiny_config_dir),
                         "--random-weights", "--policies", "keydiff", "--prompt-tokens", "256", "--budget",
                         "64", "--block-size", "16", "--decode-steps", "3", "--threads", "1", "--memory-cap", str(cap),
