@@ -33,8 +33,14 @@ def hf_model_and_tokenizer():
     return hf, tok
 
 
+@pytest.fixture(scope="module")
+def model():
+    """The engine's model, loaded once: each test sets up its own caches."""
+    return load_model(resolve_checkpoint("smollm2-135m"), torch.float32, "cpu")
+
+
 @pytest.mark.parametrize("question,expect", [(QUESTION, "Paris"), (POEM, "")])
-def test_greedy_tokens_match_transformers(hf_model_and_tokenizer, question, expect):
+def test_greedy_tokens_match_transformers(hf_model_and_tokenizer, model, question, expect):
     from tokenizer import load_tokenizer
     hf, hf_tok = hf_model_and_tokenizer
     ckpt = resolve_checkpoint("smollm2-135m")
@@ -44,7 +50,6 @@ def test_greedy_tokens_match_transformers(hf_model_and_tokenizer, question, expe
                                          tokenize=True, return_dict=True)["input_ids"]
     assert ids == list(ref_ids)
 
-    model = load_model(ckpt, torch.float32, "cpu")
     setup_caches(model, 1, len(ids) + 32, 16)  # several prefill blocks, the last one partial
     out, _ = generate(model, ids, 32, block_size=16, steps=(prefill_step, model_step), eos_ids=set(tok.eos_ids))
     with torch.no_grad():
@@ -56,9 +61,8 @@ def test_greedy_tokens_match_transformers(hf_model_and_tokenizer, question, expe
         assert len(out) == 32
 
 
-def test_prompt_logits_match_transformers(hf_model_and_tokenizer):
+def test_prompt_logits_match_transformers(hf_model_and_tokenizer, model):
     hf, hf_tok = hf_model_and_tokenizer
-    model = load_model(resolve_checkpoint("smollm2-135m"), torch.float32, "cpu")
     ids = hf_tok("The quick brown fox jumps over the lazy dog. " * 20)["input_ids"][:200]
     setup_caches(model, 1, 256, 64)
     with torch.inference_mode():
