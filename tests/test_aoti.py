@@ -127,6 +127,35 @@ def test_batch_step_generates_each_sequences_tokens(tiny, packages):
     assert tiny.layers[0].attention.kv_cache.k.dtype == torch.bfloat16
 
 
+def test_compiled_batch_run_never_recompiles(cli_argv, packages, capsys):
+    """--compile warms a batch's steps up with the shapes generate_batch passes ([B, block] and [B, 1], positions
+    per sequence): no recompile afterwards, and the compiled batch generates what the eager one does. The ragged
+    batch above as the command line gives it (three prompts, no eviction, a bfloat16 cache under fp32 weights, block
+    8, one thread): its package is loaded, not built again."""
+    import generate
+    from torch._dynamo.utils import counters
+    words = "the quick brown fox jumps over the lazy dog ".split()
+    argv = [*cli_argv[:2], "--max-new-tokens", "6", "--json", "--policy", "full", "--budget", "110", "--block-size",
+            "8", "--kv-dtype", "bfloat16", "--dtype", "float32", "--threads", "1"]
+    for n in (60, 7, 30):
+        argv += ["--prompt", " ".join(words[i % len(words)] for i in range(n))]
+    packaged = sorted(packages.glob("*.pt2"))
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            code = generate.main(argv + ["--compile", "--compile-prefill"])
+    finally:
+        torch._dynamo.reset()
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert counters["stats"]["unique_graphs"] == 1  # the prefill step's; the decode step is compiled ahead of time
+    compiled = json.loads(out)["sequences"]
+    assert generate.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["sequences"] == compiled
+
+
 def test_the_key_follows_the_traced_state(tiny, tmp_path, monkeypatch):
     """Every input that changes the traced step changes the package's name: a policy parameter, the budget, the
     batch, the cache's dtype, the thread count, inductor's kernel profiling, a source file a step runs; the same state gives the same key,
