@@ -235,17 +235,21 @@ def test_bench_with_random_weights(tiny_config_dir, tmp_path, capsys, one_thread
     # bench_figure.py and bench_paired.py with --random-weights: test_gpu_check's end-to-end section tests
 
 
-def test_bench_quant_with_random_weights(tiny_config_dir, tmp_path):
+def test_bench_quant_with_random_weights(tiny_config_dir, tmp_path, capsys, one_thread):
     """bench_quant.py on shapes alone: the random model quantized in memory, decode rows, no perplexity; int8 and int4
-    read fewer bytes per step than float32 (int4 keeps this tiny model's large head in float32 by default)."""
+    read fewer bytes per step than float32 (int4 keeps this tiny model's large head in float32 by default). The
+    quantized modes run as a process; float32's row in this process, as the script's own --one runs it."""
+    from scripts import bench_quant
     out = tmp_path / "quant.json"
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_quant.py"), "--checkpoint", str(tiny_config_dir),
-                        "--random-weights", "--decode-steps", "4", "--repeats", "1", "--threads", "1", "--modes",
-                        "float32,int8,int4-g32", "--prompt-tokens", "64", "--block-size", "16", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    argv = ["--checkpoint", str(tiny_config_dir), "--random-weights", "--decode-steps", "4", "--repeats", "1",
+            "--threads", "1", "--prompt-tokens", "64", "--block-size", "16"]
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_quant.py"), *argv, "--modes", "int8,int4-g32",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "no perplexity (random weights)" in r.stderr and "| int4-g32 |" in r.stdout
     rows = {x["mode"]: x for x in json.loads(out.read_text())["rows"]}
-    assert all(x["ppl"] is None for x in rows.values())
+    bench_quant.run(bench_quant.parser().parse_args(argv + ["--one", "float32"]))
+    rows["float32"] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(rows) == ["int8", "int4-g32", "float32"] and all(x["ppl"] is None for x in rows.values())
     assert max(rows["int4-g32"]["bytes_per_step"], rows["int8"]["bytes_per_step"]) < rows["float32"]["bytes_per_step"]
     assert "int4" in rows["int4-g32"]["kernels"] or rows["int4-g32"]["kernels"]
