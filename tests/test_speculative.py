@@ -43,17 +43,36 @@ def speculate(model, draft, prompt, n, block, k, spec, budget, **kw):
     return speculative.generate(model, draft, prompt, n, k=k, block_size=block, draft_one_shot=one_shot, **kw), slots
 
 
+@pytest.fixture(scope="module")
+def plain_greedy(hf_tiny, tiny):
+    """Plain greedy tokens with the full cache, each (family, prompt seed, prompt length, new tokens, block, KV
+    dtype) generated once per module: several rows compare their drafts against the same run. The family's model
+    (loaded once; llama's is `tiny`) comes with them."""
+    models, runs = {"llama": tiny}, {}
+
+    def get(family, seed, length, n, block, kv_dtype=None):
+        if family not in models:
+            models[family] = load_model(hf_tiny(family)[1], torch.float32, "cpu")
+        key = (family, seed, length, n, block, kv_dtype)
+        if key not in runs:
+            model, prompt = models[family], ids_of(length, seed=seed)
+            engine.setup(model, None, length + n, length, n, block, kv_dtype=kv_dtype)
+            runs[key] = engine.generate(model, prompt, n, block_size=block, steps=PLAIN)[0]
+        return models[family], runs[key]
+    return get
+
+
 def draft_budget_for(spec, n, k, budget=40):
     """Appending policies (snapkv++, rocketkv, kvec) keep budget - new tokens of the prompt: room for the window."""
     return budget + n + k if policies.make(spec).decode == "append" else budget
 
 
 @pytest.mark.parametrize("spec", DRAFTS)
-def test_greedy_is_plain_greedy_for_every_draft_policy(tiny, spec):
+def test_greedy_is_plain_greedy_for_every_draft_policy(tiny, plain_greedy, spec):
     """Token for token what the full cache alone gives, with a prompt past the draft's budget; the draft cache holds
     at most its budget after every round (a rollback only empties slots)."""
     prompt, n, k, block = ids_of(100), 30, 3, 16
-    want = plain(tiny, prompt, n, block, 100 + n)
+    want = plain_greedy("llama", 3, 100, n, block)[1]
     draft = speculative.draft_model(tiny)
     budget = draft_budget_for(spec, n, k)
     held = []
@@ -70,22 +89,19 @@ def test_greedy_is_plain_greedy_for_every_draft_policy(tiny, spec):
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "llama31"])
 @pytest.mark.parametrize("spec", ["sink", "snapkv:window=8"])
-def test_greedy_is_plain_greedy_in_every_family(hf_tiny, family, spec):
+def test_greedy_is_plain_greedy_in_every_family(plain_greedy, family, spec):
     """Mistral's sliding window (48 < the prompt), Qwen2's biases and tied head, Llama 3.1's RoPE scaling."""
-    _, ckpt = hf_tiny(family)
-    model = load_model(ckpt, torch.float32, "cpu")
     prompt, n, k, block = ids_of(100, seed=2), 20, 3, 16
-    want = plain(model, prompt, n, block, 100 + n)
+    model, want = plain_greedy(family, 2, 100, n, block)
     (out, _), _ = speculate(model, speculative.draft_model(model), prompt, n, block, k, spec, 32)
     assert out == want
 
 
 @pytest.mark.parametrize("spec", ["sink", "snapkv++:window=8"])
-def test_greedy_is_plain_greedy_with_int8_kv(tiny, spec):
+def test_greedy_is_plain_greedy_with_int8_kv(tiny, plain_greedy, spec):
     """--kv-dtype int8 in both caches (the shared one-shot prefill copies the scales too)."""
     prompt, n, k, block = ids_of(100, seed=1), 20, 3, 16
-    engine.setup(tiny, None, 100 + n, 100, n, block, kv_dtype=torch.int8)
-    want = engine.generate(tiny, prompt, n, block_size=block, steps=PLAIN)[0]
+    want = plain_greedy("llama", 1, 100, n, block, torch.int8)[1]
     draft = speculative.draft_model(tiny)
     policy = policies.make(spec)
     speculative.setup(tiny, draft, policy, draft_budget_for(spec, n, k), 100, n, block, k, kv_dtype=torch.int8)
