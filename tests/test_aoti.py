@@ -129,14 +129,13 @@ def test_batch_step_generates_each_sequences_tokens(tiny, packages):
 
 def test_compiled_batch_run_never_recompiles(cli_argv, packages, capsys):
     """--compile warms a batch's steps up with the shapes generate_batch passes ([B, block] and [B, 1], positions
-    per sequence): no recompile afterwards, and the compiled batch generates what the eager one does. The ragged
-    batch above as the command line gives it (three prompts, no eviction, a bfloat16 cache under fp32 weights, block
-    8, one thread): its package is loaded, not built again."""
+    per sequence): no recompile afterwards, and the compiled batch generates what the eager one does. Three ragged
+    prompts under KeyDiff at budget 40, the longest past it: a batch package that evicts (the batch above does not)."""
     import generate
     from torch._dynamo.utils import counters
     words = "the quick brown fox jumps over the lazy dog ".split()
-    argv = [*cli_argv[:2], "--max-new-tokens", "6", "--json", "--policy", "full", "--budget", "110", "--block-size",
-            "8", "--kv-dtype", "bfloat16", "--dtype", "float32", "--threads", "1"]
+    argv = [*cli_argv[:2], "--max-new-tokens", "6", "--json", "--policy", "keydiff", "--budget", "40",
+            "--block-size", "8", "--dtype", "float32", "--threads", "1"]
     for n in (60, 7, 30):
         argv += ["--prompt", " ".join(words[i % len(words)] for i in range(n))]
     packaged = sorted(packages.glob("*.pt2"))
@@ -151,6 +150,8 @@ def test_compiled_batch_run_never_recompiles(cli_argv, packages, capsys):
     assert code == 0, err
     assert counters["stats"]["unique_graphs"] == 1  # the prefill step's; the decode step is compiled ahead of time
     compiled = json.loads(out)["sequences"]
+    assert max(x["prompt_tokens"] for x in compiled) > 40  # it evicts
+    assert len(sorted(packages.glob("*.pt2"))) == len(packaged) + 1  # its own batch package
     assert generate.main(argv) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["sequences"] == compiled
