@@ -127,31 +127,42 @@ def test_batch_step_generates_each_sequences_tokens(tiny, packages):
     assert tiny.layers[0].attention.kv_cache.k.dtype == torch.bfloat16
 
 
+def main_compiled(argv: list) -> tuple[int, int]:
+    """generate.main(argv) under error_on_recompile, from a clean dynamo (graphs an earlier test in this process
+    compiled would count as recompiles); its exit code and the dynamo graphs it compiled. Resets dynamo, inductor's
+    freezing flag and the layer regions afterwards."""
+    import generate
+    from engine import set_layer_regions
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            return generate.main(argv), counters["stats"]["unique_graphs"]
+    finally:
+        torch._inductor.config.freezing = False
+        set_layer_regions(True)
+        torch._dynamo.reset()
+
+
 def test_compiled_batch_run_never_recompiles(cli_argv, packages, capsys):
     """--compile warms a batch's steps up with the shapes generate_batch passes ([B, block] and [B, 1], positions
     per sequence): no recompile afterwards, and the compiled batch generates what the eager one does. Three ragged
     prompts under KeyDiff at budget 40, the longest past it: a batch package that evicts (the batch above does not)."""
     import generate
-    from torch._dynamo.utils import counters
     words = "the quick brown fox jumps over the lazy dog ".split()
     argv = [*cli_argv[:2], "--max-new-tokens", "6", "--json", "--policy", "keydiff", "--budget", "40",
             "--block-size", "8", "--dtype", "float32", "--threads", "1"]
     for n in (60, 7, 30):
         argv += ["--prompt", " ".join(words[i % len(words)] for i in range(n))]
     packaged = sorted(packages.glob("*.pt2"))
-    torch._dynamo.reset()
-    counters.clear()
-    try:
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            code = generate.main(argv + ["--compile", "--compile-prefill"])
-    finally:
-        torch._dynamo.reset()
+    code, unique_graphs = main_compiled(argv + ["--compile", "--compile-prefill"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert counters["stats"]["unique_graphs"] == 1  # the prefill step's; the decode step is compiled ahead of time
+    assert unique_graphs == 1  # the prefill step's; the decode step is compiled ahead of time
     compiled = json.loads(out)["sequences"]
     assert max(x["prompt_tokens"] for x in compiled) > 40  # it evicts
-    assert len(sorted(packages.glob("*.pt2"))) == len(packaged) + 1  # its own batch package
+    assert len(list(packages.glob("*.pt2"))) == len(packaged) + 1  # its own batch package
     assert generate.main(argv) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["sequences"] == compiled
@@ -230,24 +241,14 @@ def test_compiled_run_never_recompiles(cli_argv, cli_runs, packages, capsys, fla
     step, so it is not compiled (and --compile-prefill is refused there); --freeze is torch.compile's. At cli_runs's
     setting, whose package every run here loads (no new one in the folder), and a prompt longer than the budget."""
     import generate
-    from engine import set_layer_regions
-    from torch._dynamo.utils import counters
     argv = cli_argv + ["--prefill", prefill]
     packaged = sorted(packages.glob("*.pt2"))
-    torch._dynamo.reset()  # graphs an earlier test in this process compiled would count as recompiles here
-    counters.clear()
-    try:
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            code = generate.main(argv + ["--compile"] + flag)
-    finally:
-        torch._inductor.config.freezing = False
-        set_layer_regions(True)
-        torch._dynamo.reset()
+    code, unique_graphs = main_compiled(argv + ["--compile"] + flag)
     out, err = capsys.readouterr()
     assert code == 0, err
     frozen = "--freeze" in flag
     # the dynamo graphs: the prefill step if compiled, the decode step if frozen; nothing else
-    assert counters["stats"]["unique_graphs"] == compile_prefill + frozen
+    assert unique_graphs == compile_prefill + frozen
     stats = json.loads(out)
     assert stats["generated_tokens"] == 5 and stats["compiled_prefill"] is compile_prefill
     assert stats["prompt_tokens"] > 40 and sorted(packages.glob("*.pt2")) == packaged  # it evicts; a loaded package

@@ -31,8 +31,8 @@ def tiny(hf_tiny):
     return load_model(ckpt, torch.float32, "cpu")
 
 
-def plain(model, prompt, n, block, capacity):
-    engine.setup(model, None, capacity, len(prompt), n, block)
+def plain(model, prompt, n, block, capacity, kv_dtype=None):
+    engine.setup(model, None, capacity, len(prompt), n, block, kv_dtype=kv_dtype)
     return engine.generate(model, prompt, n, block_size=block, steps=PLAIN)[0]
 
 
@@ -55,9 +55,7 @@ def plain_greedy(hf_tiny, tiny):
             models[family] = load_model(hf_tiny(family)[1], torch.float32, "cpu")
         key = (family, seed, length, n, block, kv_dtype)
         if key not in runs:
-            model, prompt = models[family], ids_of(length, seed=seed)
-            engine.setup(model, None, length + n, length, n, block, kv_dtype=kv_dtype)
-            runs[key] = engine.generate(model, prompt, n, block_size=block, steps=PLAIN)[0]
+            runs[key] = plain(models[family], ids_of(length, seed=seed), n, block, length + n, kv_dtype)
         return models[family], runs[key]
     return get
 
