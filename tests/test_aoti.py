@@ -88,8 +88,9 @@ def run(model, spec: str, budget: int, step, n: int = 12, kv_dtype=None) -> list
 
 # Each kind of state a package takes as inputs and writes in place: block-wise eviction with per-slot state (H2O,
 # whose package generate.py --compile built in cli_runs: loaded here); a one-shot compression, then a selector that
-# appends and updates per-layer state (RocketKV's pages: SnapKV's ring is per-layer state too). No eviction in a
-# bfloat16 cache under fp32 weights: the batch below. test_conformance proves every policy's compiled step eager's.
+# appends and updates per-layer state (RocketKV's pages: SnapKV's ring is per-layer state too). A batch that evicts
+# in a bfloat16 cache under fp32 weights: batch_package below. test_conformance proves every policy's compiled step
+# eager's.
 @pytest.mark.parametrize("spec,budget,built_by_cli", [("h2o", 40, True), ("rocketkv", 64, False)],
                          ids=["h2o-40", "rocketkv-64"])
 def test_packaged_step_generates_eager_tokens(tiny, packages, cli_runs, spec, budget, built_by_cli):
@@ -113,18 +114,28 @@ def test_a_step_rebinds_when_setup_makes_new_caches(tiny, packages):
     assert run(tiny, "h2o", 40, step) == a and step.compiled + step.loaded == 2
 
 
-def test_batch_step_generates_each_sequences_tokens(tiny, packages):
-    """A ragged batch without eviction in a bfloat16 cache under fp32 weights (the row-wise attention widens it in
-    its loop): each sequence's eager tokens."""
+@pytest.fixture(scope="module")
+def batch_package(tiny, packages):
+    """A ragged batch of 3 under KeyDiff at budget 40 (the longest prompt past it) in a bfloat16 cache under fp32
+    weights, its decode step packaged here: (the packaged step's tokens, the eager step's, the step's (compiled,
+    loaded) binds). The command line's batch below has this state, so it loads this package."""
     prompts = [PROMPT, PROMPT[:50], PROMPT[20:75]]
 
     def batch(step):
-        setup_batch(tiny, None, 110, [len(p) for p in prompts], 8, 8, kv_dtype=torch.bfloat16)
+        setup_batch(tiny, policies.make("keydiff"), 40, [len(p) for p in prompts], 8, 8, kv_dtype=torch.bfloat16)
         with torch.inference_mode():
             return generate_batch(tiny, prompts, 8, block_size=8, steps=(prefill_step, step))[0]
     step = aoti.AotStep()
-    assert batch(step) == batch(model_step) and (step.compiled, step.loaded) == (1, 0)
+    packaged = batch(step)
     assert tiny.layers[0].attention.kv_cache.k.dtype == torch.bfloat16
+    return packaged, batch(model_step), (step.compiled, step.loaded)
+
+
+def test_batch_step_generates_each_sequences_tokens(batch_package):
+    """A ragged batch that evicts, in a bfloat16 cache under fp32 weights (the row-wise attention widens it in its
+    loop): each sequence's eager tokens, from a package compiled here."""
+    packaged, eager, binds = batch_package
+    assert packaged == eager and binds == (1, 0)
 
 
 def main_compiled(argv: list) -> tuple[int, int]:
@@ -145,24 +156,25 @@ def main_compiled(argv: list) -> tuple[int, int]:
         torch._dynamo.reset()
 
 
-def test_compiled_batch_run_never_recompiles(cli_argv, packages, capsys):
+def test_compiled_batch_run_never_recompiles(cli_argv, packages, batch_package, capsys):
     """--compile warms a batch's steps up with the shapes generate_batch passes ([B, block] and [B, 1], positions
     per sequence): no recompile afterwards, and the compiled batch generates what the eager one does. Three ragged
-    prompts under KeyDiff at budget 40, the longest past it: a batch package that evicts (the batch above does not)."""
+    prompts under KeyDiff at budget 40 in a bfloat16 cache, the longest past it: batch_package's state, so the
+    command line loads that package (built in another context: the key is the traced state's) and writes none."""
     import generate
     words = "the quick brown fox jumps over the lazy dog ".split()
     argv = [*cli_argv[:2], "--max-new-tokens", "6", "--json", "--policy", "keydiff", "--budget", "40",
-            "--block-size", "8", "--dtype", "float32", "--threads", "1"]
+            "--block-size", "8", "--dtype", "float32", "--kv-dtype", "bfloat16", "--threads", "1"]
     for n in (60, 7, 30):
         argv += ["--prompt", " ".join(words[i % len(words)] for i in range(n))]
-    packaged = sorted(packages.glob("*.pt2"))
+    packaged = {p: p.stat().st_mtime_ns for p in packages.glob("*.pt2")}
     code, unique_graphs = main_compiled(argv + ["--compile", "--compile-prefill"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert unique_graphs == 1  # the prefill step's; the decode step is compiled ahead of time
     compiled = json.loads(out)["sequences"]
     assert max(x["prompt_tokens"] for x in compiled) > 40  # it evicts
-    assert len(list(packages.glob("*.pt2"))) == len(packaged) + 1  # its own batch package
+    assert {p: p.stat().st_mtime_ns for p in packages.glob("*.pt2")} == packaged  # batch_package's, loaded
     assert generate.main(argv) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["sequences"] == compiled
