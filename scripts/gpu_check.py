@@ -247,11 +247,14 @@ def bench_argv(args, dtype: bool = True) -> list[str]:
 
 def bench(script: str, argv: list[str], args, form: str = "") -> subprocess.CompletedProcess:
     """scripts/`script` at the check's shapes and dtype, random weights, its attention in `form` (kernels.FORM);
-    EnvironmentFailure with its last line when it fails."""
+    what it printed beside its --json file (the same name, .log); EnvironmentFailure with its last line when it
+    fails."""
     import os
     cmd = [PY, str(REPO / "scripts" / script), *bench_argv(args, script != "bench_speculate.py"), *argv]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                        env={**os.environ, "BUDGETKV_ATTENTION": form})
+    if "--json" in argv:
+        Path(argv[argv.index("--json") + 1]).with_suffix(".log").write_text(r.stdout + r.stderr)
     if r.returncode != 0:
         raise EnvironmentFailure(f"{' '.join(cmd[1:])} failed: {last_line(r.stderr or r.stdout)}")
     return r

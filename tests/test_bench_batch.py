@@ -1,12 +1,8 @@
 """scripts/bench_batch.py (throughput at a memory cap): a batch whose every row is a copy of one prefilled
-sequence's cache state decodes, greedily, each row exactly as that sequence does alone (batch-1 generate()); the
-end-to-end run on tiny random-weight shapes writes one row per (policy, batch), stops at the first batch whose
-estimate (weights + whole cache) exceeds --memory-cap, and names the largest batch that fits."""
-import json
-import subprocess
-import sys
-from pathlib import Path
-
+sequence's cache state decodes, greedily, each row exactly as that sequence does alone (batch-1 generate()), and the
+FLOPs of a step by hand. The script end to end (one row per (policy, batch), stopping at the first batch whose
+estimate exceeds --memory-cap, the largest batch that fits, its plot): gpu_check's batch section runs it,
+test_gpu_check.py::test_batch_section_runs_bench_batch_to_the_cap."""
 import pytest
 import torch
 
@@ -15,7 +11,6 @@ from engine import generate, load_model, model_step, prefill, prefill_protocol, 
 from scripts import bench_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-REPO = Path(__file__).resolve().parent.parent
 BLOCK, NEW = 8, 10
 PROMPT = torch.randint(0, 512, (45,), generator=torch.Generator().manual_seed(7)).tolist()
 
@@ -61,46 +56,6 @@ def test_copy_rows_refuses_a_cache_of_another_shape(hf_tiny):
     setup_batch(model, None, 16, [8, 8], 4, BLOCK)  # full: the same slots, no policy state
     with pytest.raises(ValueError, match="cache buffers differ"):
         bench_batch.copy_rows(model, state)
-
-
-def test_batch_run_stops_at_the_cap(tiny_config_dir, tmp_path):
-    """The cap's search end to end: full fits a batch of 1 (0.546 MiB), not 2 (0.685); KeyDiff's 64-slot rows fit 2
-    (0.488), not 4 (0.569). Full's rows across batch sizes: test_copied_rows_decode_as_the_batch_one_sequence[full]
-    (3 copied rows decode its batch-1 tokens) and test_step_flops_by_hand (FLOPs per sequence)."""
-    out, png, cap = tmp_path / "batch.json", tmp_path / "batch.png", 0.56
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_batch.py"), "--checkpoint", str(tiny_config_dir),
-                        "--random-weights", "--policies", "keydiff", "--prompt-tokens", "256", "--budget",
-                        "64", "--block-size", "16", "--decode-steps", "3", "--threads", "1", "--memory-cap", str(cap),
-                        "--json", str(out), "--plot", str(png)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert "each row a copy of one prefilled sequence" in r.stderr + r.stdout
-    assert "| keydiff |" in r.stdout and "| full |" in r.stdout
-    saved = json.loads(out.read_text())
-    rows, summary = saved["rows"], saved["summary"]
-    assert saved["memory_cap_mib"] == cap and saved["settings"]["mode"] == "batch"
-    for label in ("full", "keydiff"):
-        mine = [x for x in rows if x["label"] == label]
-        assert [x["batch"] for x in mine] == [2 ** i for i in range(len(mine))]  # 1, 2, 4, ... in order
-        *fit, over = mine
-        assert fit and all(x["fits"] and x["measured"] and x["estimate_mib"] <= cap for x in fit)
-        assert not over["fits"] and not over["measured"] and over["estimate_mib"] > cap  # decided, not run
-        assert "decode_tok_s" not in over
-        assert all(x["rows_identical"] and x["decode_tok_s"] > 0 and x["ideal_tok_s"] > 0 for x in fit)
-        # the roofline adds the FLOPs' time to the reads': never above the bandwidth model
-        assert all(0 < x["roofline_tok_s"] <= x["ideal_tok_s"] and x["products_ms"] > 0 for x in fit)
-        assert [x["flops"] / x["batch"] for x in fit] == [fit[0]["flops"]] * len(fit)  # per sequence: the same
-        assert [x["estimate_mib"] for x in mine] == sorted(x["estimate_mib"] for x in mine)
-        assert summary[label]["batch"] == fit[-1]["batch"]
-        assert len({tuple(x["tokens"]) for x in fit}) == 1  # every batch size decodes the same sequence
-    # keydiff's 64-slot rows are smaller than full's 256 + decode: more of them fit under the same cap
-    assert summary["keydiff"]["batch"] > summary["full"]["batch"]
-    assert summary["keydiff"]["ideal_vs_full"] > 1
-    k, f = summary["keydiff"], summary["full"]
-    assert k["of_roofline_ratio"] == pytest.approx(k["vs_full"] / (k["roofline_tok_s"] / f["roofline_tok_s"]))
-    # at ms_for_85 ms per step, keydiff's ratio to full's measured tok/s is 85% of the bandwidth model's ratio
-    assert k["batch"] / (k["ms_for_85"] / 1e3) / f["decode_tok_s"] == pytest.approx(0.85 * k["ideal_vs_full"])
-    assert saved["gemm_gflop_s"] > 0 and "roofline" in r.stdout
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_step_flops_by_hand(hf_tiny):

@@ -105,7 +105,7 @@ COMMANDS = {
     "bash scripts/setup.sh llamacpp": "installs llama.cpp's venv",
     f"{PY}scripts/bench_batch.py --checkpoint smollm2-135m --prompt-tokens 8176 --budget 512 --memory-cap 4096 "
     "--threads 2 --decode-steps 10 --compile --policies keydiff --json build/batch_8k.json "
-    "--plot docs/batch_throughput.png": "tests/test_bench_batch.py::test_batch_run_stops_at_the_cap",
+    "--plot docs/batch_throughput.png": "tests/test_gpu_check.py::test_batch_section_runs_bench_batch_to_the_cap",
     f"{PY}scripts/bench_figure.py --contexts 16384,8192,4096 --budgets 256,512,1024 --threads 1":
         "tests/test_resume.py::test_bench_resume_runs_only_the_rest[figure]",
     # porting.md

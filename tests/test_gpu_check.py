@@ -218,6 +218,49 @@ def test_attention_eviction_speculate_and_batch_sections_run_end_to_end_on_tiny_
     assert [x["label"] for x in paired] == ["no-evict", "keydiff", "sink"] and paired[0]["overhead"] == 0.0
 
 
+def test_batch_section_runs_bench_batch_to_the_cap(tiny_sections, tmp_path):
+    """scripts/bench_batch.py end to end, as the batch section runs it (its JSON and what it printed, beside OUT):
+    one row per (policy, batch), batches 1, 2, 4, ... until the first whose estimate (weights + whole cache) exceeds
+    --memory-cap, which is decided, not run; every row a copy of one prefilled sequence, decoding its tokens at every
+    batch size; the summary names the largest batch that fits, and KeyDiff's rows, smaller than full's, fit more.
+    Then its plot from those rows. The rows' decoding across batch sizes in the bench's own functions:
+    test_bench_batch.py."""
+    from argparse import Namespace
+    from scripts.bench_batch import plot_batch
+    _, _, out = tiny_sections
+    cap, path = 0.68, out.with_name(out.name + "_batch.json")
+    printed, saved = path.with_suffix(".log").read_text(), json.loads(path.read_text())
+    assert "each row a copy of one prefilled sequence" in printed and "roofline" in printed
+    assert "| keydiff |" in printed and "| full |" in printed
+    rows, summary = saved["rows"], saved["summary"]
+    assert saved["memory_cap_mib"] == cap and saved["settings"]["mode"] == "batch"
+    for label in ("full", "keydiff"):
+        mine = [x for x in rows if x["label"] == label]
+        assert [x["batch"] for x in mine] == [2 ** i for i in range(len(mine))]  # 1, 2, 4, ... in order
+        *fit, over = mine
+        assert fit and all(x["fits"] and x["measured"] and x["estimate_mib"] <= cap for x in fit)
+        assert not over["fits"] and not over["measured"] and over["estimate_mib"] > cap  # decided, not run
+        assert "decode_tok_s" not in over
+        assert all(x["rows_identical"] and x["decode_tok_s"] > 0 and x["ideal_tok_s"] > 0 for x in fit)
+        # the roofline adds the FLOPs' time to the reads': never above the bandwidth model
+        assert all(0 < x["roofline_tok_s"] <= x["ideal_tok_s"] and x["products_ms"] > 0 for x in fit)
+        assert [x["flops"] / x["batch"] for x in fit] == [fit[0]["flops"]] * len(fit)  # per sequence: the same
+        assert [x["estimate_mib"] for x in mine] == sorted(x["estimate_mib"] for x in mine)
+        assert summary[label]["batch"] == fit[-1]["batch"]
+        assert len({tuple(x["tokens"]) for x in fit}) == 1  # every batch size decodes the same sequence
+    assert summary["keydiff"]["batch"] > summary["full"]["batch"]
+    assert summary["keydiff"]["ideal_vs_full"] > 1
+    k, f = summary["keydiff"], summary["full"]
+    assert k["of_roofline_ratio"] == pytest.approx(k["vs_full"] / (k["roofline_tok_s"] / f["roofline_tok_s"]))
+    # at ms_for_85 ms per step, keydiff's ratio to full's measured tok/s is 85% of the bandwidth model's ratio
+    assert k["batch"] / (k["ms_for_85"] / 1e3) / f["decode_tok_s"] == pytest.approx(0.85 * k["ideal_vs_full"])
+    assert saved["gemm_gflop_s"] > 0
+    png = tmp_path / "batch.png"
+    plot_batch(rows, summary, png, Namespace(checkpoint="tiny", dtype="float32", prompt_tokens=128, budget=48,
+                                             memory_cap=cap), [0.0, 0.0])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_graphs_section_on_the_tiny_model_evicts_and_matches_eager(tiny_sections):
     """--graph-model tiny on CPU (compiled in the default mode, no graphs to capture): the tests' llama built beside
     OUT, its short document repeated up to --graph-prompt tokens, so KeyDiff's row, a one-shot policy's (SnapKV++)
