@@ -86,7 +86,7 @@ COMMANDS = {
     f"{PY}generate.py --policy kvec --help": RUN,
     f"{PY}generate.py --help": RUN,
     "TORCH_INDEX=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh": "installs CUDA torch",
-    f"{PY}scripts/make_vectors.py": "tests/test_porting.py (regenerates the vectors, compared byte for byte)",
+    f"{PY}scripts/make_vectors.py": "tests/test_porting.py (regenerates the vectors, kept sets compared bit for bit)",
     f"{PY}-m pytest -q tests/test_conformance.py -k valuenorm":
         "tests/test_conformance.py::test_readme_example_is_one_scorer_tested_here (the example, tested unregistered)",
     "generate.py --checkpoint llama3.2-1b --random-weights --prompt-tokens 2048 --policy keydiff --budget 512": RUN,
@@ -112,7 +112,7 @@ COMMANDS = {
     "python scripts/check_port.py tests/vectors RESULTS [--case 'keydiff-*']": "a template: RESULTS is a port's output",
     **{f"python examples/port_{p}.py tests/vectors /tmp/{p} && python scripts/check_port.py tests/vectors /tmp/{p}":
        "tests/test_porting.py" for p in ("keydiff", "snapkv", "tova", "h2o")},
-    "python scripts/make_vectors.py": "tests/test_porting.py (regenerates the vectors, compared byte for byte)",
+    "python scripts/make_vectors.py": "tests/test_porting.py (regenerates the vectors, kept sets compared bit for bit)",
     # quantization.md
     f"{PY}scripts/quantize.py --checkpoint smollm2-135m --mode int8": RUN,
     f"{PY}scripts/quantize.py --checkpoint smollm2-135m --mode int4": RUN,
