@@ -22,11 +22,26 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
+# `pytest -n 2 --dist loadfile` hands each worker the next file when it is almost done with its own. The files that
+# compile cold graphs or start many processes go first, longest first (a cold run here), the rest after them in their
+# order: the two workers then end within seconds of each other. (xdist's own order, most tests first, left a
+# 36-second file for the end.)
+LONGEST_FIRST = ["test_conformance.py", "test_tp.py", "test_cli.py", "test_aoti.py", "test_gpu_check.py",
+                 "test_speculative.py", "test_flex_attention.py", "test_chat.py", "test_resume.py", "test_batch.py",
+                 "test_kv_int8.py", "test_quantize.py", "test_smollm2.py", "test_engine.py", "test_kernels.py",
+                 "test_staleness.py", "test_random_weights.py", "test_bench_attention.py", "test_eval_tasks.py",
+                 "test_smollm2_policies.py"]
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (scripts/gpu_check.sh runs these: pytest -m cuda)")
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: a file's tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
