@@ -20,7 +20,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # as make_vectors.py runs
 def test_vectors_regenerate(tmp_path):
     """Kept sets, selections, inputs and the manifest regenerate bit for bit; float scores to within a few float32
     ulps: matmul and softmax kernels sum in another order on another CPU (AVX2 or AVX-512), as a port's do."""
-    from safetensors.numpy import load_file
     make_vectors.write(tmp_path)
     want = sorted(p.relative_to(VECTORS) for p in VECTORS.rglob("*") if p.is_file())
     got = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
@@ -29,7 +28,7 @@ def test_vectors_regenerate(tmp_path):
         if rel.suffix != ".safetensors":
             assert (tmp_path / rel).read_bytes() == (VECTORS / rel).read_bytes(), f"{rel} differs from the engine's"
             continue
-        stored, fresh = load_file(str(VECTORS / rel)), load_file(str(tmp_path / rel))
+        stored, fresh = check_port.load(VECTORS / rel), check_port.load(tmp_path / rel)
         assert fresh.keys() == stored.keys(), rel
         for key, want_arr in stored.items():
             assert fresh[key].dtype == want_arr.dtype and fresh[key].shape == want_arr.shape, f"{rel} {key}"
