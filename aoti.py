@@ -4,9 +4,10 @@ disk, and later loaded and run with no tracing, no guards and no Python between 
 The packaged step takes every parameter and buffer of the model as an input (torch.func.functional_call), so the
 package holds no weights (one copy in memory, the module's own) and writes the caches in place, as a compiled step
 does. A package is named by a key over everything that shapes the traced step: the source of the repository's
-modules that a step runs, torch's version, the thread count, every input's name, shape, stride and dtype, and the
-plain attributes of every module and of the objects they hold (the policy and its plan, the model's arguments). A
-change to any of them compiles a new package. Beside each package a record (<key>.json, written last) holds what it
+modules that a step runs, torch's version, the thread count, the attention form (BUDGETKV_ATTENTION), the CPU's
+instruction sets (a package is compiled with -march=native, for the CPU it was built on), every input's name, shape,
+stride and dtype, and the plain attributes of every module and of the objects they hold (the policy and its plan,
+the model's arguments). A change to any of them compiles a new package. Beside each package a record (<key>.json, written last) holds what it
 was built from and the package's sha256; a package is loaded only when both match, so none is ever loaded for another
 state or with damaged bytes: it is compiled again in its place."""
 import hashlib
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+import kernels
 from errors import EnvironmentFailure
 from files import remove_stale_tmp, write_atomic, write_text
 
@@ -73,10 +75,24 @@ UNTRACED_MODULES = {"generate.py", "generate_args.py", "cli.py", "chat.py", "pro
                     "tokenizer.py", "files.py", "errors.py", "engine.py", "speculative.py"}
 
 
+def cpu_features() -> str:
+    """The instruction sets of this CPU, as one line: torch's vector capability and a hash of /proc/cpuinfo's flags
+    (inductor compiles with -march=native, so a package may use any instruction this CPU has)."""
+    flags = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
+        if line:
+            flags = hashlib.sha256(" ".join(sorted(line.split(":", 1)[1].split())).encode()).hexdigest()[:16]
+    except OSError:
+        pass
+    return f"cpu {torch.backends.cpu.get_cpu_capability()}, flags {flags}"
+
+
 def step_recipe(model, idx: Tensor, input_pos: Tensor) -> list[str]:
     """What a package is built from, one line each: the traced modules' source (by hash), torch's version, the
-    thread count and whether inductor names its kernels for a profiler, every input's name, shape, stride, dtype and
-    device, and every module's plain attributes."""
+    thread count and whether inductor names its kernels for a profiler, the attention form and the CPU's
+    instruction sets, every input's name, shape, stride, dtype and device, and every module's plain attributes."""
     sources = hashlib.sha256()
     for path in sorted(ROOT.glob("*.py")):
         if path.name not in UNTRACED_MODULES:
@@ -84,7 +100,8 @@ def step_recipe(model, idx: Tensor, input_pos: Tensor) -> list[str]:
     inductor = sys.modules.get("torch._inductor.config")  # not imported: its defaults (a warm run never imports it)
     profiled = bool(inductor and inductor.cpp.enable_kernel_profile)  # named kernels, for bench_paired --profile
     lines = [f"sources {sources.hexdigest()}", f"torch {torch.__version__}, threads {torch.get_num_threads()}"
-             + (", kernels profiled" if profiled else "")]
+             + (", kernels profiled" if profiled else ""),
+             f"attention {kernels.FORM or 'chosen'}", cpu_features()]
     names, tensors = step_inputs(model)
     for name, t in [*zip(names, tensors), ("idx", idx), ("input_pos", input_pos)]:
         lines.append(f"{name}{tuple(t.shape)}{t.stride()}{t.dtype}{t.device}")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import aoti
+import kernels
 import policies
 from conftest import REPO
 from engine import generate, generate_batch, load_model, model_step, prefill_protocol, prefill_step, setup, setup_batch
@@ -182,8 +183,9 @@ def test_compiled_batch_run_never_recompiles(cli_argv, packages, batch_package, 
 
 def test_the_key_follows_the_traced_state(tiny, tmp_path, monkeypatch):
     """Every input that changes the traced step changes the package's name: a policy parameter, the budget, the
-    batch, the cache's dtype, the thread count, inductor's kernel profiling, a source file a step runs; the same state gives the same key,
-    whatever the prompt's length or a change to the command line's module."""
+    batch, the cache's dtype, the thread count, inductor's kernel profiling, the attention form, the CPU's
+    instruction sets, a source file a step runs; the same state gives the same key, whatever the prompt's length or
+    a change to the command line's module."""
     def key(spec="keydiff", budget=40, batch=1, prompt_len=len(PROMPT), kv_dtype=None):
         policy = policies.make(spec)
         if batch == 1:
@@ -204,6 +206,13 @@ def test_the_key_follows_the_traced_state(tiny, tmp_path, monkeypatch):
         torch.set_num_threads(n)
     from torch._inductor import config as inductor_config
     with inductor_config.patch({"cpp.enable_kernel_profile": True}):  # bench_paired --profile's named kernels
+        others.append(key())
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "FORM", "sdpa")  # BUDGETKV_ATTENTION=sdpa
+        others.append(key())
+    assert aoti.cpu_features().startswith(f"cpu {torch.backends.cpu.get_cpu_capability()}, flags ")
+    with monkeypatch.context() as m:  # the same build folder on a host with other instruction sets
+        m.setattr(aoti, "cpu_features", lambda: "cpu AVX2, flags 0123456789abcdef")
         others.append(key())
     src = tmp_path / "src"
     src.mkdir()
