@@ -397,6 +397,12 @@ class KVCache(nn.Module):
         for name, (_, _, fill) in self._layer_state_decl.items():
             self.layer_state[name].fill_(fill)
 
+    def forget_from(self, position: int) -> None:
+        """Empty the slots holding a position >= `position` (chat.py: a step cut short may have written its token in
+        some layers only). An evicting cache's empty slot is the first dropped at its next step; an appending
+        cache's valid slots still fill [0, n) in position order."""
+        self.pos.masked_fill_(self.pos >= position, -1)
+
     def slots(self, T: int) -> int:
         """How many leading slots a step of T tokens reads: the budget and the block's tail (a cache that does not
         evict holds every real token below `budget`: its tail only ever holds padding)."""

@@ -27,8 +27,12 @@ The rules, turn by turn:
   context (max_position_embeddings) for every policy (positions keep growing even where the cache holds only the
   budget: RoPE beyond the trained range is not trusted), and for `full` / exact-topk when the conversation would
   outgrow their slots (raise the budget or reset). An answer stops early where the context ends.
-- `stop()` (Ctrl-C in the REPL) ends the current answer after the token being generated; the prefill of a turn
-  always completes, so the history stays consistent: the tokens produced so far stay in it.
+- `stop()` (Ctrl-C in the REPL, or in a script or notebook calling `send`) ends the current answer: the tokens shown
+  so far stay in the history, and a token whose step was running when stop() came is dropped (neither shown nor
+  kept). The prefill of a turn always completes. An exception during a turn (from `on_text`, non-finite logits,
+  inside a step) keeps the history consistent in the same way: the prompt and the tokens decoded so far stay, and a
+  step cut short leaves nothing (its slots are emptied: no position is ever held twice). Outside the REPL, Ctrl-C
+  raises KeyboardInterrupt once the turn is recorded.
 - `reset()` forgets the conversation: the caches are emptied (set up again, planned for the next first turn) and
   positions restart at 0.
 
@@ -132,7 +136,10 @@ class Chat:
         """One user turn: its tokens prefilled on top of the kept history, then the answer (greedy or sampled) until
         an end-of-sequence token, max_new_tokens, the model's context or stop(). on_text(piece): each new piece of
         the answer's text as it is generated. Returns the answer's text; raises TurnRefused (nothing written) when
-        the turn does not fit."""
+        the turn does not fit. An exception raised during the turn (by on_text, by non-finite logits, inside a step)
+        leaves the conversation consistent: the prompt and the answer's tokens decoded so far are kept, as after
+        stop(), and nothing of a step cut short. Ctrl-C (SIGINT to the main thread, under Python's default handler)
+        ends the answer as stop() does, then raises KeyboardInterrupt."""
         ids = self.turn_ids(text)
         if not ids:
             raise TurnRefused("the turn is empty once tokenized")
@@ -146,31 +153,52 @@ class Chat:
         mem = PeakMemory(self.device)
         mem.reset()
         sync(self.device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            logits = self.prefill(torch.tensor(ids, dtype=torch.long, device=self.device))
-            self.fresh = False
+        out, fed, t0 = [], [0], time.perf_counter()  # fed: the answer's tokens whose decode step completed
+        with interrupt_stops(self) as interrupted:
+            try:
+                with torch.inference_mode():
+                    logits = self.prefill(torch.tensor(ids, dtype=torch.long, device=self.device))
+            except BaseException:
+                self.forget_from(self.position)  # a prefill cut short: none of the turn stays
+                raise
+            self.fresh, self.last_user = False, text
             self.tokens.extend(ids)
             self.prompt_end, self.pending = len(self.tokens), []
             t1 = time.perf_counter()
-            out = self.answer(logits, n_new, on_text)
-        sync(self.device)
-        t2 = time.perf_counter()
-        self.last_user, self.answer_ids = text, out
-        self.tokens.extend(out[:-1])  # written by the decode steps; the last one is pending
-        self.pending = out[-1:]
+            try:
+                with torch.inference_mode():
+                    self.answer(logits, n_new, on_text, out, fed)
+            finally:
+                sync(self.device)
+                self.commit(out, fed[0], len(ids), t1 - t0, time.perf_counter() - t1, mem)
+        if interrupted:
+            raise KeyboardInterrupt
+        return self.decode(out)
+
+    def commit(self, out: list[int], fed: int, n_prompt: int, prefill_s: float, decode_s: float, mem) -> None:
+        """Record an answer: out[:fed] were written by decode steps that completed, out[fed] (if any) is pending.
+        Slots at the positions from the first unwritten one on are emptied: a step cut short by an exception may
+        have written its token in some layers only, and a position is never held twice."""
+        self.forget_from(self.prompt_end + fed)
+        self.answer_ids = out
+        self.tokens.extend(out[:fed])
+        self.pending = out[fed:fed + 1]
         self.turns += 1
         self.generated += len(out)
-        self.prefill_tokens += len(ids)
-        self.prefill_s += t1 - t0
-        self.decode_s += t2 - t1
+        self.prefill_tokens += n_prompt
+        self.prefill_s += prefill_s
+        self.decode_s += decode_s
         peak = mem.peak()
         self.peak_bytes = max(self.peak_bytes, peak)
         self.memory_measure = mem.measure
-        self.last = dict(turn=self.turns, prompt_tokens=len(ids), generated_tokens=len(out),
-                         stopped=self._stop, ttft_s=t1 - t0, decode_tok_s=(len(out) - 1) / (t2 - t1) if len(out) > 1
-                         else 0.0, peak_bytes=peak, **self.held_summary())
-        return self.decode(out)
+        self.last = dict(turn=self.turns, prompt_tokens=n_prompt, generated_tokens=len(out), stopped=self._stop,
+                         ttft_s=prefill_s, decode_tok_s=(len(out) - 1) / decode_s if len(out) > 1 else 0.0,
+                         peak_bytes=peak, **self.held_summary())
+
+    def forget_from(self, position: int) -> None:
+        """Empty every layer's slots that hold a position >= `position`."""
+        for layer in self.model.layers:
+            layer.attention.kv_cache.forget_from(position)
 
     def turn_ids(self, text: str) -> list[int]:
         """The token ids turn `text` feeds: the pending token (unless the template closes an answer that ended with
@@ -214,17 +242,32 @@ class Chat:
             return recompress(self.model, prompt, self.position, self.block_size)
         return prefill_at(self.model, prompt, self.position, self.block_size, self.steps[0])
 
-    def answer(self, logits: torch.Tensor, n_new: int, on_text) -> list[int]:
-        """Sample the answer from the prompt's last logits, feeding each token at the next position (engine.decode),
-        until EOS, n_new tokens or stop(). The last token is returned, not written."""
+    def answer(self, logits: torch.Tensor, n_new: int, on_text, out: list[int], fed: list[int]) -> None:
+        """Sample the answer into `out` from the prompt's last logits, feeding each token at the next position
+        (engine.decode), until EOS, n_new tokens or stop(); fed[0] counts the decode steps that completed (the last
+        token is not written). A token sampled after stop() was asked for (Ctrl-C during its step) is dropped:
+        neither shown nor kept."""
         token, outs = first_tokens(logits, **self.sampling)
-        out, shown = outs[0], [""]
+        if self._stop:
+            return
+        out.extend(outs[0])
+        shown = [""]
         self.stream(out, shown, on_text)
-        engine.decode(self.model, self.steps[1], token, outs, [self.position], n_new, eos_ids=self.eos_ids,
-                      on_token=lambda b, ids: self.stream(ids, shown, on_text), stop=lambda: self._stop, **self.sampling)
+
+        def step(model, idx, input_pos):
+            logits = self.steps[1](model, idx, input_pos)
+            fed[0] += 1
+            return logits
+
+        def on_token(b, ids):
+            if self._stop:
+                ids.pop()
+            else:
+                self.stream(ids, shown, on_text)
+        engine.decode(self.model, step, token, [out], [self.position], n_new, eos_ids=self.eos_ids,
+                      on_token=on_token, stop=lambda: self._stop, **self.sampling)
         if on_text is not None and self.decode(out) != shown[0]:
             on_text(self.decode(out)[len(shown[0]):])
-        return out
 
     def stream(self, out: list[int], shown: list[str], on_text) -> None:
         """Hand on_text the answer's new complete characters (none while the text ends in a partial character)."""
@@ -332,6 +375,27 @@ def ctrl_c_stops(chat: Chat):
     old = signal.signal(signal.SIGINT, lambda *_: chat.stop())
     try:
         yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+@contextmanager
+def interrupt_stops(chat: Chat):
+    """While a turn runs in the main thread under Python's default SIGINT handler (a script, a notebook), Ctrl-C
+    calls chat.stop() instead of raising inside a step; yields a list that is non-empty once it did (the caller
+    raises KeyboardInterrupt after the turn is recorded). Under another handler (ctrl_c_stops) nothing changes."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield []
+        return
+    hit = []
+
+    def handler(*_):
+        hit.append(True)
+        chat.stop()
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        yield hit
     finally:
         signal.signal(signal.SIGINT, old)
 

@@ -14,6 +14,8 @@ from conftest import REPO, env_with_tmpdir
 import generate
 import policies
 from chat import Chat, TurnRefused, repl, stats_line
+from conftest import make_policy
+from errors import UserError
 from engine import generate as one_shot_generate
 from engine import load_model, model_step, prefill_step, setup
 from tokenizer import load_tokenizer
@@ -146,6 +148,136 @@ def test_stop_ends_the_answer_and_keeps_its_tokens(loaded):
     # the stopped answer's tokens (its last one fed at the start of this turn) follow the first prompt in the history
     assert ids[first_end:first_end + len(chat_first)] == chat_first
     assert answer == reference(model, ids, 20, budget=300)
+
+
+# Every registered policy, small enough for the tiny model's turns (make_policy keeps what each class has).
+SMALL = dict(window_frac=0.1, n_sink=4, window=4, kernel=3, obs_window=4, long_window=4, read=8, k=8)
+ALL_POLICIES = ["full", *policies.REGISTRY]
+
+
+def kept(chat) -> list:
+    """Per layer and KV head, the (position, key row) pairs the cache holds, in position order."""
+    out = []
+    for layer in chat.model.layers:
+        c = layer.attention.kv_cache
+        for h in range(c.pos.shape[1]):
+            p = c.pos[0, h]
+            order = [i for i in p.argsort().tolist() if p[i] >= 0]
+            out.append((p[order].tolist(), c.keys()[0, h, order]))
+    return out
+
+
+def assert_consistent(chat):
+    """No layer holds a position twice or one the conversation has not reached."""
+    for positions, _ in kept(chat):
+        assert len(set(positions)) == len(positions) and all(p < chat.position for p in positions)
+
+
+def assert_same_cache(a, b):
+    for (pa, ka), (pb, kb) in zip(a, b, strict=True):
+        assert pa == pb
+        assert torch.equal(ka, kb)
+
+
+def new_chat(loaded, name):
+    model, tok = loaded
+    scorer = name != "full" and policies.REGISTRY[name].scores
+    chat = Chat(model, tok, make_policy(name, SMALL), budget=40 if scorer else 400, max_new_tokens=20, block_size=8)
+    no_eos(chat)
+    chat.send(TURNS[0])
+    return chat
+
+
+def after(chat, raised=None) -> dict:
+    """What the second turn left (the transcript, the pending token, the answer, every layer's kept positions and
+    keys), then the third turn's answer and whether the caches were consistent after each. The chats share one
+    model, whose caches they use: each runs to its end before the next one starts."""
+    state = dict(raised=raised, tokens=list(chat.tokens), pending=list(chat.pending), answer=list(chat.answer_ids),
+                 position=chat.position, kept=kept(chat))
+    assert_consistent(chat)
+    state["next"] = chat.send(TURNS[2])
+    assert_consistent(chat)
+    assert int(chat.held().max()) <= chat.slots
+    return state
+
+
+def interrupted_turn(loaded, name, way) -> dict:
+    """after() a second turn interrupted at its third decode step (or, way "prefill", in its prefill) by `way`."""
+    chat = new_chat(loaded, name)
+    model = chat.model
+    step, calls, boom = chat.steps[1], [0], [False]
+
+    def wrapped(m, idx, input_pos):
+        calls[0] += 1
+        if calls[0] == 3 and way == "sigint":
+            os.kill(os.getpid(), signal.SIGINT)  # during the step: its token is dropped
+        boom[0] = calls[0] == 3 and way == "step"
+        logits = step(m, idx, input_pos)
+        return logits.fill_(float("nan")) if calls[0] == 3 and way == "nan" else logits
+
+    def raise_midway(*_):
+        if boom[0]:
+            raise RuntimeError("inside a step")
+    hook = model.layers[len(model.layers) // 2].register_forward_hook(raise_midway)
+    chat.steps = (chat.steps[0], wrapped)
+
+    def on_text(piece):
+        if way == "on_text" and calls[0] >= 2:  # the third token's piece (or the first after it with text)
+            raise ValueError("from on_text")
+    old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    boom[0] = way == "prefill"
+    raised = None
+    try:
+        chat.send(TURNS[1], on_text=on_text)
+    except BaseException as e:  # noqa: BLE001 (KeyboardInterrupt is one of the ways)
+        raised = e
+    finally:
+        hook.remove()
+        signal.signal(signal.SIGINT, old_handler)
+        chat.steps = (chat.steps[0], step)
+    return after(chat, raised)
+
+
+def clean_turn(loaded, name, n_new) -> dict:
+    """The reference: after() the same turns, the second answer ending cleanly after n_new tokens."""
+    chat = new_chat(loaded, name)
+    chat.max_new_tokens = n_new
+    chat.send(TURNS[1])
+    chat.max_new_tokens = 20
+    return after(chat)
+
+
+@pytest.mark.parametrize("name", ALL_POLICIES)
+def test_an_interrupted_turn_keeps_exactly_what_was_decoded(loaded, name):
+    """Whatever raises during an answer, the conversation stays consistent: an exception from on_text keeps the
+    answer so far (its last token pending) as stop() would; non-finite logits keep every token fed; Ctrl-C during
+    a step ends the answer there, drops that step's token and then raises KeyboardInterrupt; each equals a clean
+    turn of that length, and so does the next turn. An error inside a step (part of the layers written) or inside
+    a prefill leaves no position held twice or past the conversation (after() asserts it), and the next turn runs."""
+    def same(a, b, *keys):
+        for k in keys:
+            assert a[k] == b[k], k
+        assert_same_cache(a["kept"], b["kept"])
+
+    got = interrupted_turn(loaded, name, "on_text")
+    assert isinstance(got["raised"], ValueError) and len(got["answer"]) >= 3
+    same(got, clean_turn(loaded, name, len(got["answer"])), "answer", "tokens", "pending", "position", "next")
+    ref4 = clean_turn(loaded, name, 4)
+    for way in ("nan", "sigint"):  # the third step's input was written, its output not kept: a 4-token answer's cache
+        got = interrupted_turn(loaded, name, way)
+        assert isinstance(got["raised"], KeyboardInterrupt if way == "sigint" else UserError), (way, got["raised"])
+        assert got["answer"] == ref4["answer"][:3] and got["pending"] == []
+        same(got, ref4, "tokens", "position")
+    ref3 = clean_turn(loaded, name, 3)
+    for way in ("step", "prefill"):
+        got = interrupted_turn(loaded, name, way)
+        assert isinstance(got["raised"], RuntimeError), (way, got["raised"])
+        if way == "step":
+            assert (got["answer"], got["pending"], got["tokens"]) == (ref3["answer"], ref3["pending"], ref3["tokens"])
+            if name == "full":  # nothing is ever evicted: exactly the clean turn's cache
+                same(got, ref3, "next")
+        else:
+            assert got["position"] < ref3["position"] - 3  # the turn's prompt is not in the transcript
 
 
 def test_reset_restarts_positions_and_repeats_the_first_answer(loaded):
