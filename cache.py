@@ -398,10 +398,15 @@ class KVCache(nn.Module):
             self.layer_state[name].fill_(fill)
 
     def forget_from(self, position: int) -> None:
-        """Empty the slots holding a position >= `position` (chat.py: a step cut short may have written its token in
-        some layers only). An evicting cache's empty slot is the first dropped at its next step; an appending
-        cache's valid slots still fill [0, n) in position order."""
+        """Forget every token at a position >= `position`: its slots become empty (pos -1) and a per-layer ring of
+        positions (`*_pos` layer state: SnapKV's query ring) forgets it too; what it made a policy evict or
+        accumulate stays. Static-shaped, on the device (speculative.py's rollback of rejected drafts; chat.py: a
+        step cut short by an exception). An evicting cache's empty slot is the first dropped at its next step; an
+        appending cache's valid slots still fill [0, n) in position order."""
         self.pos.masked_fill_(self.pos >= position, -1)
+        for name, t in self.layer_state.items():
+            if name.endswith("_pos"):
+                t.masked_fill_(t >= position, -1)
 
     def slots(self, T: int) -> int:
         """How many leading slots a step of T tokens reads: the budget and the block's tail (a cache that does not

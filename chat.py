@@ -196,7 +196,7 @@ class Chat:
                          peak_bytes=peak, **self.held_summary())
 
     def forget_from(self, position: int) -> None:
-        """Empty every layer's slots that hold a position >= `position`."""
+        """Forget every token at a position >= `position` in every layer's cache."""
         for layer in self.model.layers:
             layer.attention.kv_cache.forget_from(position)
 

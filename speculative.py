@@ -270,14 +270,9 @@ def accept(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, t
 
 
 def rollback(model, last: int) -> None:
-    """Forget every token past position `last` in each layer's cache: its slots become empty (pos -1), and a
-    per-layer ring of positions (SnapKV's query ring) forgets them too. Static-shaped, on the device."""
+    """Forget every token past position `last` in each layer's cache (KVCache.forget_from)."""
     for layer in model.layers:
-        c = layer.attention.kv_cache
-        c.pos.masked_fill_(c.pos > last, -1)
-        for name, t in c.layer_state.items():
-            if name.endswith("_pos"):
-                t.masked_fill_(t > last, -1)
+        layer.attention.kv_cache.forget_from(last + 1)
 
 
 @torch.inference_mode()
