@@ -86,7 +86,8 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
 
 
 def meta_model(config: dict) -> Transformer:
-    """The model of a config.json on the meta device: its shapes and parameter count, nothing allocated."""
+    """The model of a config.json on the meta device: its shapes and parameter count, no weight allocated. It builds
+    every layer's modules: a config's sizes are checked first (weight_count against the memory free)."""
     args = parse_config(config)  # off the meta device: it checks RoPE's frequencies by value
     with on_meta():
         return Transformer(args)
@@ -95,6 +96,16 @@ def meta_model(config: dict) -> Transformer:
 def parameter_count(model) -> int:
     """Parameters, a tied embedding counted once (model.parameters() yields a shared tensor once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def weight_count(args: ModelArgs, world: int = 1) -> int:
+    """The parameters of args' model from its sizes alone (no module built), a tied embedding counted once; world
+    > 1: those one tensor-parallel rank holds (wqkv, wo, w13 and w2 sliced `world` ways, the rest whole)."""
+    d, f, q, kv = args.dim, args.intermediate_size, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    sliced = [(q + 2 * kv) * d, (q + 2 * kv) * args.qkv_bias, d * q, 2 * f * d, d * f]  # wqkv, its bias, wo, w13, w2
+    whole = 2 * d + d * args.o_bias  # the two norms, wo's bias
+    embeddings = args.vocab_size * d * (1 if args.tie_embeddings else 2)
+    return args.n_layers * (sum(n // world for n in sliced) + whole) + embeddings + d
 
 
 def free_memory(device: str) -> int | None:
@@ -140,9 +151,11 @@ def random_model(config: dict, dtype: torch.dtype, device: str, seed: int = 0, s
     called on each module once its own tensors are made, to keep a slice of them (tp.random_model: a rank holds
     its shard plus at most one whole tensor at a time, with the values of the whole model's); n_params: the
     parameters that then remain (what check_fits counts)."""
+    args = parse_config(config)
+    n_params = n_params or weight_count(args)
+    check_fits(f"{label}'s shapes ({args.n_layers} layers, {n_params:,} parameters)", n_params, dtype, device,
+               kv_bytes)
     model = meta_model(config)
-    args = model.args
-    check_fits(f"{label}'s shapes", n_params or parameter_count(model), dtype, device, kv_bytes)
     gen = torch.Generator(device=device).manual_seed(seed)
     made, keep = {}, []  # keep: the meta tensors stay alive, so that no id is reused during the walk
     with torch.no_grad():

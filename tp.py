@@ -448,23 +448,12 @@ def read_slices(path, args, mesh: Mesh) -> dict:
 
 # ------------------------------------------------------------------------------------------------ memory plan
 
-SHARDED = ("attention.wqkv.", "attention.wo.weight", "feed_forward.w13.", "feed_forward.w2.weight")
-
-
 def weight_bytes_per_rank(config: dict, world: int, dtype: torch.dtype) -> int:
     """Bytes of the weights one rank holds (float weights in dtype): the sharded Linears' 1/world (wqkv and w13
-    with their biases, wo and w2), everything else whole (embeddings, output head, norms, wo's bias). From the
-    meta-device model: nothing is allocated."""
+    with their biases, wo and w2), everything else whole (embeddings, output head, norms, wo's bias)."""
     import engine
-    model = engine.meta_model(config)
-    seen, total = set(), 0
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:  # a tied head: one tensor
-            continue
-        seen.add(id(p))
-        n = p.numel() // world if any(s in name for s in SHARDED) else p.numel()
-        total += n * dtype.itemsize
-    return total
+    from config import parse_config
+    return engine.weight_count(parse_config(config), world) * dtype.itemsize
 
 
 def memory_table(config: dict, worlds=(1, 2, 4, 8), contexts=(8192, 16384, 32768, 65536, 131072),
