@@ -101,6 +101,10 @@ def read_hf_dir(ckpt_dir: Path, dtype: torch.dtype | None = None,
     n_layers = config.get("num_hidden_layers")
     if type(n_layers) is not int or n_layers < 1:
         raise CheckpointError(f"{ckpt_dir}/config.json lacks a valid num_hidden_layers")
+    layers = len({name.split(".")[2] for name in where if name.startswith("model.layers.")})
+    if layers != n_layers:  # before any per-layer work
+        raise CheckpointError(f"weights in {ckpt_dir} have {layers} layers, its config.json's num_hidden_layers says "
+                              f"{n_layers}")
     with Progress(n_layers, progress or "", "layers", enabled=progress is not None) as bar:
         return hf_to_engine(get, set(where), n_layers, tied, bar.update)
 
@@ -330,8 +334,8 @@ def read_gguf(gguf_path: Path):
 
 def gguf_hyperparameters(reader, name: str, arch: str, shapes: dict) -> dict:
     """The model's sizes, RMS norm epsilon and RoPE (theta, a linear scaling factor or None) from a GGUF's
-    metadata, each checked by type and range, naming the key: whole GQA groups, an even head dimension, and no
-    RoPE scaling the converter cannot carry over."""
+    metadata, each checked by type and range, naming the key: as many layers as its tensors hold, whole GQA groups,
+    an even head dimension, and no RoPE scaling the converter cannot carry over."""
     def meta(key, default=None):
         return _gguf_value(reader, f"{arch}.{key}", default)
 
@@ -348,6 +352,10 @@ def gguf_hyperparameters(reader, name: str, arch: str, shapes: dict) -> dict:
     n_heads = positive("attention.head_count")
     n_kv = positive("attention.head_count_kv", n_heads)
     dim, n_layers = positive("embedding_length"), positive("block_count")
+    layers = len({m[1] for t in shapes if (m := re.match(r"blk\.(\d+)\.", t))})
+    if layers != n_layers:  # before any per-layer work
+        raise CheckpointError(f"GGUF file {name}: {arch}.block_count is {n_layers}, but its tensors are those of "
+                              f"{layers} layer{'s' if layers != 1 else ''} (blk.N.*)")
     ffn, context = positive("feed_forward_length"), positive("context_length")
     if n_heads % n_kv:
         raise CheckpointError(f"GGUF file {name}: {arch}.attention.head_count ({n_heads}) is not a multiple of "

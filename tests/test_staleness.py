@@ -488,7 +488,10 @@ BAD_GGUF = [
     (dict(meta={"embedding_length": 30, "rope_dimension_count": None}),
      r"llama.embedding_length \(30\) is not a multiple of llama.attention.head_count \(4\)"),
     (dict(meta={"block_count": 0}), "llama.block_count must be a positive integer, not 0"),
-    (dict(meta={"block_count": 2}), "lacks tensor 'blk.1.attn_norm.weight'"),
+    (dict(meta={"block_count": 2}), r"llama.block_count is 2, but its tensors are those of 1 layer \(blk.N.\*\)"),
+    (dict(meta={"block_count": 2 ** 31 - 1}), "llama.block_count is 2147483647, but its tensors are those of 1 layer"),
+    (dict(meta={"embedding_length": 2 ** 31 - 1}), r"tensor token_embd.weight has shape \[260, 32\], expected "
+                                                   r"\[260, 2147483647\] from its metadata"),
     (dict(meta={"feed_forward_length": 0}), "llama.feed_forward_length must be a positive integer, not 0"),
     (dict(meta={"context_length": None}), "lacks llama.context_length"),
     (dict(meta={"context_length": as_string("context_length", "abc")}),
