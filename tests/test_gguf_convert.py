@@ -129,8 +129,8 @@ def test_an_older_conversion_is_redone(tmp_path, monkeypatch, capsys):
 
 
 def test_a_different_file_of_the_same_name_is_not_reused(tmp_path, monkeypatch):
-    """Conversions live in checkpoints/<file stem>: another GGUF of the same name must not pick up that conversion
-    (a text file named like the embedded model used to run the embedded model)."""
+    """Another file of the same name (here not even a GGUF) never picks up a conversion (a text file named like the
+    embedded model used to run the embedded model)."""
     pytest.importorskip("transformers")
     import checkpoint
     monkeypatch.setattr(checkpoint, "CHECKPOINTS", tmp_path / "ckpts")
