@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from convert import (ENGINE_FILE, CheckpointError, checkpoint_files, convert_gguf, convert_hf_dir, hf_sources,
-                     hf_weights, read_config, read_gguf, read_identity, stale)
+                     hf_weights, read_config, read_gguf, read_identity, stale, verified)
 from cli import check_out_dir
 from errors import EnvironmentFailure, UserError
 from files import remove_stale_tmp, unreachable
@@ -163,6 +163,7 @@ def fresh_gguf(gguf_path: Path, out: Path) -> Path:
     elif ident is not None:
         why = stale(out, ident, [gguf_path])
         if why is None:
+            verified(out / ENGINE_FILE, ident)
             return out
         line = f"{why}: converting again"
     elif (out / ENGINE_FILE).is_file():
@@ -184,7 +185,8 @@ def fresh_dir(d: Path, convert: bool = False, depth: int = 0) -> Path:
     quantized checkpoint against the checkpoint it was quantized from. A changed source is converted (quantized)
     again, with one line saying so; where the source is gone, the files written with the engine file must be
     unchanged, else CheckpointError. convert: also convert an HF folder that has no engine file yet (a downloaded
-    short name; a folder given by path is read as it is)."""
+    short name; a folder given by path is read as it is). The engine file's identity found current (or written) is
+    recorded (convert.verified): a load reads no other."""
     unfinished = incomplete_download(d)
     if unfinished:
         raise UserError(f"{d} holds an unfinished download ({unfinished}): resume it with python scripts/download.py "
@@ -194,10 +196,12 @@ def fresh_dir(d: Path, convert: bool = False, depth: int = 0) -> Path:
     ident = read_identity(engine)
     if hf_weights(d):  # an HF folder: its conversion (if any) sits beside it
         if not engine.is_file() and not convert:
+            verified(engine, None)  # read from the HF files: no engine file may appear before the load
             return d
         if ident is not None and ident["kind"] == "hf":
             why = stale(d, ident, hf_sources(d))
             if why is None:
+                verified(engine, ident)
                 return d
             line = f"{why}: converting again"
         elif engine.is_file():
@@ -217,13 +221,16 @@ def fresh_dir(d: Path, convert: bool = False, depth: int = 0) -> Path:
     if ident["kind"] == "quantized" and (src / "config.json").is_file() and depth < 3:
         fresh_dir(src, convert=False, depth=depth + 1)
         why = stale(d, ident, checkpoint_files(src))
-        if why is not None:
+        if why is None:
+            verified(engine, ident)
+        else:
             say(f"{why}: quantizing again")
             requantize(src, d, ident.get("quantization") or {})
         return d
     why = stale(d, ident, None)  # the source is gone: the engine file stands alone, with what was written beside it
     if why is not None:
         raise CheckpointError(f"{why}, and its source {src} is gone: convert or quantize it again")
+    verified(engine, ident)
     return d
 
 
@@ -243,6 +250,8 @@ def legacy_dir(d: Path, config: dict, quant, depth: int) -> Path:
             fresh_dir(src, convert=False, depth=depth + 1)
             say(f"quantizing {src} -> {d} again: {d / ENGINE_FILE} records no source identity (an older budgetkv's)")
             requantize(src, d, quant)
+            return d
+    verified(d / ENGINE_FILE, None)
     return d
 
 

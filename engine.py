@@ -18,7 +18,7 @@ import kernels
 from cache import (KV_DTYPES, Storage, compress_into, eager_blocks, is_scorer, kv_bytes, row_cache, scratch_cache,
                    setup_caches)
 from config import parse_config
-from convert import ENGINE_FILE, CheckpointError, read_config, read_hf_dir
+from convert import ENGINE_FILE, CheckpointError, check_loaded, read_config, read_hf_dir
 from errors import UserError
 from model import ModelArgs, RMSNorm, Transformer, TransformerBlock, on_meta, rope_inv_freq
 from policies import Run
@@ -35,21 +35,24 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
     carries it as `model.config`, so that nobody reads it twice. A checkpoint written by scripts/quantize.py (a
     "budgetkv_quantization" entry in config.json) gets its Linears swapped for quantized ones before loading, and
     repacked for the device's kernel after. shard(model): applied once the weights are in, before that repacking
-    (tp.apply_tp: each rank keeps its slice of every Linear); with read(path), which reads an engine file's
-    tensors already sliced (tp.read_slices), shard is applied to the empty model before the loading instead."""
+    (tp.apply_tp: each rank keeps its slice of every Linear); with read(handle), which reads an engine file's
+    tensors already sliced through its safe_open handle (tp.read_slices), shard is applied to the empty model before
+    the loading instead. An engine file is read only with the identity its resolve verified (convert.check_loaded)."""
     if config is None:
         config = read_config(ckpt_dir)
     args = parse_config(config)
     quant = config.get("budgetkv_quantization")
     engine_file = ckpt_dir / ENGINE_FILE
     if engine_file.is_file():
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        from safetensors import SafetensorError, safe_open
         try:
-            tensors = load_file(str(engine_file)) if read is None else read(engine_file)
+            with safe_open(str(engine_file), "pt", device="cpu") as f:  # the identity and tensors of one file
+                check_loaded(engine_file, f.metadata())
+                tensors = {k: f.get_tensor(k) for k in f.keys()} if read is None else read(f)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read {engine_file} (truncated or corrupt?): {e}") from None
     else:
+        check_loaded(engine_file, None)
         tensors = read_hf_dir(ckpt_dir)
     n_layers = 1 + max((int(k.split(".")[1]) for k in tensors if k.startswith("layers.")), default=-1)
     if n_layers != args.n_layers:  # before the model is built: a config with a million layers would take minutes

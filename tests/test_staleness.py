@@ -608,3 +608,66 @@ def test_written_files_keep_the_permissions_a_user_expects(hf_src, tmp_path, ckp
     (q / "config.json").chmod(0o604)
     quantize.quantize_dir(hf_src, "int4", out=q, groupsize=32)
     assert [oct((q / n).stat().st_mode & 0o777) for n in (ENGINE_FILE, "config.json")] == [oct(0o644), oct(0o604)]
+
+
+# ------------------------------------------------------------------------- (g) a load reads what was verified
+
+def swap_in(engine_file_of: Path, folder: Path) -> None:
+    """What another run converting into `folder` does there: its engine file renamed over the one in place."""
+    os.replace(engine_file_of / ENGINE_FILE, folder / ENGINE_FILE)
+
+
+def test_a_conversion_replaced_after_its_check_is_never_loaded(tmp_path, ckpts, capfd, monkeypatch):
+    """A's conversion is checked, then another run renames B's engine file into A's folder before the load: the
+    load (generate.py's, and a quantization reading it) is one line, exit 2, never B's weights; the next run
+    converts A again, saying whose conversion the folder held."""
+    import generate
+    import quantize
+    a, b = gguf_pair(tmp_path)
+    path = Path(shutil.copy(a, tmp_path / "m.gguf"))
+    out = checkpoint.resolve_checkpoint(str(path))
+    convert.convert_gguf(b, tmp_path / "other")  # B's conversion, written by "another run"
+    real = checkpoint.resolve_checkpoint
+
+    def resolve_then_swap(name, *a):
+        d = real(name, *a)
+        swap_in(tmp_path / "other", d)
+        return d
+    monkeypatch.setattr(generate, "resolve_checkpoint", resolve_then_swap)
+    capfd.readouterr()
+    assert generate.main(["--checkpoint", str(path), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    assert one_line(capfd.readouterr().err) == (f"error: {out / ENGINE_FILE} changed while it was being loaded "
+                                                f"(another run converted or quantized into {out}?): run again")
+    with pytest.raises(CheckpointError, match="changed while it was being loaded"):
+        quantize.quantize_dir(out, "int8", out=tmp_path / "q")
+
+    assert checkpoint.resolve_checkpoint(str(path)) == out
+    assert one_line(capfd.readouterr().err) == f"converting {path} -> {out} again: it holds the conversion of {b}"
+    torch.testing.assert_close(served(out), gguf_embedding(a))
+
+
+def test_a_quantization_replaced_after_its_check_is_never_loaded(hf_src, tmp_path):
+    """The same for a quantized checkpoint, read whole or by a tensor-parallel rank's slices, and for an HF folder
+    checked without an engine file, into which another run then converts."""
+    import types
+
+    import quantize
+    import tp
+    from engine import load_model
+    q = tmp_path / "q"
+    quantize.quantize_dir(hf_src, "int8", out=q)
+    other = Path(shutil.copytree(hf_src, tmp_path / "other"))
+    save_file(changed_weights(other), str(other / "model.safetensors"))
+    quantize.quantize_dir(other, "int8", out=tmp_path / "q-other")
+    assert checkpoint.resolve_checkpoint(str(q)) == q
+    swap_in(tmp_path / "q-other", q)
+    mesh = tp.Mesh(0, 2, 0, types.SimpleNamespace(group_name="stand-in"))
+    for load in (lambda: load_model(q, torch.float32, "cpu"), lambda: tp.load_model(q, torch.float32, "cpu", mesh)):
+        with pytest.raises(CheckpointError, match=f"{q / ENGINE_FILE} changed while it was being loaded"):
+            load()
+
+    assert checkpoint.resolve_checkpoint(str(hf_src)) == hf_src and not (hf_src / ENGINE_FILE).exists()
+    convert.convert_hf_dir(other)
+    swap_in(other, hf_src)
+    with pytest.raises(CheckpointError, match=f"{hf_src / ENGINE_FILE} changed while it was being loaded"):
+        load_model(hf_src, torch.float32, "cpu")
