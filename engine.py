@@ -90,7 +90,7 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
 
 def meta_model(config: dict) -> Transformer:
     """The model of a config.json on the meta device: its shapes and parameter count, no weight allocated. It builds
-    every layer's modules: a config's sizes are checked first (weight_count against the memory free)."""
+    every layer's modules: check a config's weight_count against the memory free before."""
     args = parse_config(config)  # off the meta device: it checks RoPE's frequencies by value
     with on_meta():
         return Transformer(args)
