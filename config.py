@@ -8,6 +8,7 @@ from errors import UserError
 from model import ModelArgs, rope_inv_freq
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
+MAX_HEAD_DIM = 1 << 16  # models use 64-256; parse_config computes head_dim / 2 RoPE frequencies to check them
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -82,7 +83,8 @@ def check_sizes(cfg: dict) -> None:
 
 
 def head_shapes(cfg: dict) -> tuple[int, int, int]:
-    """(n_heads, n_kv_heads, head_dim): whole GQA groups, and an even head_dim (RoPE rotates halves)."""
+    """(n_heads, n_kv_heads, head_dim): whole GQA groups, and an even head_dim (RoPE rotates halves) of at most
+    MAX_HEAD_DIM."""
     n_heads, dim = cfg["num_attention_heads"], cfg["hidden_size"]
     n_kv_heads = cfg.get("num_key_value_heads") or n_heads
     if n_heads % n_kv_heads:
@@ -96,6 +98,10 @@ def head_shapes(cfg: dict) -> tuple[int, int, int]:
         head_dim = dim // n_heads
     if head_dim % 2:
         raise ConfigError(f"config.json: head_dim {head_dim} must be even (RoPE rotates halves)")
+    if head_dim > MAX_HEAD_DIM:
+        what = "head_dim" if cfg.get("head_dim") is not None else "hidden_size / num_attention_heads"
+        raise ConfigError(f"config.json: {what} is {head_dim}, more than {MAX_HEAD_DIM} (no model's heads are that "
+                          "wide)")
     return n_heads, n_kv_heads, head_dim
 
 
@@ -135,15 +141,17 @@ def sliding_window(cfg: dict, model_type: str) -> int | None:
     mwl = cfg.get("max_window_layers", n_layers)
     if type(mwl) is not int or mwl < 0:
         raise ConfigError(f"config.json: max_window_layers must be an integer >= 0, got {mwl!r}")
-    kinds = cfg.get("layer_types") or ["sliding_attention" if i >= mwl else "full_attention" for i in range(n_layers)]
-    if (not isinstance(kinds, list) or len(kinds) != n_layers
+    kinds = cfg.get("layer_types")
+    if not kinds:  # the layers below max_window_layers attend fully, the others slide (no list of every layer)
+        kinds = ["full_attention"] * (mwl > 0) + ["sliding_attention"] * (mwl < n_layers)
+    elif (not isinstance(kinds, list) or len(kinds) != n_layers
             or any(k not in ("sliding_attention", "full_attention") for k in kinds)):
         raise ConfigError(f"config.json: layer_types must list sliding_attention / full_attention for each "
                           f"of the {n_layers} layers")
     if len(set(kinds)) > 1:
         raise ConfigError("unsupported config: sliding-window attention in some layers only "
                           "(use_sliding_window with max_window_layers < num_hidden_layers)")
-    return window if kinds[0] == "sliding_attention" else None
+    return window if "sliding_attention" in kinds else None
 
 
 def flag(cfg: dict, key: str) -> bool:

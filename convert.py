@@ -10,7 +10,8 @@ safetensors metadata: the sha256 of every source file, and of every file written
 files). Every file is written to a temporary name in its folder, fsynced and renamed into place, the engine file
 last, so a killed or failed conversion leaves the old complete state or an engine file whose identity no longer
 matches. `stale` checks an identity; a small stat cache (.budgetkv-stat.json) spares re-hashing unchanged files.
-docs/checkpoints.md states the promise.
+The identity a check found current, or a write wrote, is the only one a load then reads (`verified`,
+`check_loaded`). docs/checkpoints.md states the promise.
 
 Nothing is ever unpickled: only safetensors (and GGUF) are read.
 """
@@ -35,6 +36,7 @@ ENGINE_FILE = "budgetkv.safetensors"
 CONVERTER = 4  # 4: config.json names the GGUF weight type
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
+VERIFIED: dict[str, dict | None] = {}  # engine file -> its identity as checked or written by this process (verified)
 STAT_FILE = ".budgetkv-stat.json"  # (size, mtime, ctime, inode) -> sha256 per file; never authoritative
 RACY_NS = 10**9  # a file changed less than this before it was looked at is hashed again next time (as git does)
 
@@ -101,6 +103,10 @@ def read_hf_dir(ckpt_dir: Path, dtype: torch.dtype | None = None,
     n_layers = config.get("num_hidden_layers")
     if type(n_layers) is not int or n_layers < 1:
         raise CheckpointError(f"{ckpt_dir}/config.json lacks a valid num_hidden_layers")
+    layers = len({name.split(".")[2] for name in where if name.startswith("model.layers.")})
+    if layers != n_layers:  # before any per-layer work
+        raise CheckpointError(f"weights in {ckpt_dir} have {layers} layers, its config.json's num_hidden_layers says "
+                              f"{n_layers}")
     with Progress(n_layers, progress or "", "layers", enabled=progress is not None) as bar:
         return hf_to_engine(get, set(where), n_layers, tied, bar.update)
 
@@ -156,6 +162,7 @@ def save_engine(tensors: dict[str, torch.Tensor], path: Path, ident: dict) -> No
     with Ticker(f"writing {path}"):
         write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
                                                  metadata=metadata))
+    verified(path, identity_in(metadata))
 
 
 # ------------------------------------------------------------------------------------------- source identity
@@ -173,13 +180,37 @@ def read_identity(engine: Path) -> dict | None:
     from safetensors import SafetensorError, safe_open
     try:
         with safe_open(str(engine), "pt") as f:  # reads the header only
-            ident = json.loads((f.metadata() or {}).get("budgetkv_identity", "null"))
-    except (OSError, SafetensorError, ValueError):
+            return identity_in(f.metadata())
+    except (OSError, SafetensorError):
+        return None
+
+
+def identity_in(metadata: dict | None) -> dict | None:
+    """The identity in an engine file's metadata (read_identity's rules)."""
+    try:
+        ident = json.loads((metadata or {}).get("budgetkv_identity", "null"))
+    except ValueError:
         return None
     ok = (isinstance(ident, dict) and ident.get("converter") == CONVERTER and isinstance(ident.get("source"), str)
           and all(isinstance(ident.get(k), dict) for k in ("sources", "companions"))
           and all(Path(n).name == n and n not in ("", ".", "..") for n in ident["companions"]))  # names, no paths
     return ident if ok else None
+
+
+def verified(engine: Path, ident: dict | None) -> None:
+    """Record the identity of `engine` that this process checked against its source or wrote (None: no engine file,
+    or one with no identity): the only one a load of it may read."""
+    VERIFIED[str(engine.parent.resolve() / engine.name)] = ident
+
+
+def check_loaded(engine: Path, metadata: dict | None) -> None:
+    """CheckpointError unless the engine file being read carries the identity verified for it, where one was:
+    metadata from the handle its tensors are read through (None: there is no engine file). Another run may have
+    converted or quantized into the folder since it was checked."""
+    key = str(engine.parent.resolve() / engine.name)
+    if key in VERIFIED and identity_in(metadata) != VERIFIED[key]:
+        raise CheckpointError(f"{engine} changed while it was being loaded (another run converted or quantized into "
+                              f"{engine.parent}?): run again")
 
 
 def load_stats(folder: Path) -> dict:
@@ -330,8 +361,8 @@ def read_gguf(gguf_path: Path):
 
 def gguf_hyperparameters(reader, name: str, arch: str, shapes: dict) -> dict:
     """The model's sizes, RMS norm epsilon and RoPE (theta, a linear scaling factor or None) from a GGUF's
-    metadata, each checked by type and range, naming the key: whole GQA groups, an even head dimension, and no
-    RoPE scaling the converter cannot carry over."""
+    metadata, each checked by type and range, naming the key: as many layers as its tensors hold, whole GQA groups,
+    an even head dimension, and no RoPE scaling the converter cannot carry over."""
     def meta(key, default=None):
         return _gguf_value(reader, f"{arch}.{key}", default)
 
@@ -348,6 +379,10 @@ def gguf_hyperparameters(reader, name: str, arch: str, shapes: dict) -> dict:
     n_heads = positive("attention.head_count")
     n_kv = positive("attention.head_count_kv", n_heads)
     dim, n_layers = positive("embedding_length"), positive("block_count")
+    layers = len({m[1] for t in shapes if (m := re.match(r"blk\.(\d+)\.", t))})
+    if layers != n_layers:  # before any per-layer work
+        raise CheckpointError(f"GGUF file {name}: {arch}.block_count is {n_layers}, but its tensors are those of "
+                              f"{layers} layer{'s' if layers != 1 else ''} (blk.N.*)")
     ffn, context = positive("feed_forward_length"), positive("context_length")
     if n_heads % n_kv:
         raise CheckpointError(f"GGUF file {name}: {arch}.attention.head_count ({n_heads}) is not a multiple of "

@@ -18,7 +18,7 @@ import kernels
 from cache import (KV_DTYPES, Storage, compress_into, eager_blocks, is_scorer, kv_bytes, row_cache, scratch_cache,
                    setup_caches)
 from config import parse_config
-from convert import ENGINE_FILE, CheckpointError, read_config, read_hf_dir
+from convert import ENGINE_FILE, CheckpointError, check_loaded, read_config, read_hf_dir
 from errors import UserError
 from model import ModelArgs, RMSNorm, Transformer, TransformerBlock, on_meta, rope_inv_freq
 from policies import Run
@@ -35,21 +35,24 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
     carries it as `model.config`, so that nobody reads it twice. A checkpoint written by scripts/quantize.py (a
     "budgetkv_quantization" entry in config.json) gets its Linears swapped for quantized ones before loading, and
     repacked for the device's kernel after. shard(model): applied once the weights are in, before that repacking
-    (tp.apply_tp: each rank keeps its slice of every Linear); with read(path), which reads an engine file's
-    tensors already sliced (tp.read_slices), shard is applied to the empty model before the loading instead."""
+    (tp.apply_tp: each rank keeps its slice of every Linear); with read(handle), which reads an engine file's
+    tensors already sliced through its safe_open handle (tp.read_slices), shard is applied to the empty model before
+    the loading instead. An engine file is read only with the identity its resolve verified (convert.check_loaded)."""
     if config is None:
         config = read_config(ckpt_dir)
     args = parse_config(config)
     quant = config.get("budgetkv_quantization")
     engine_file = ckpt_dir / ENGINE_FILE
     if engine_file.is_file():
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        from safetensors import SafetensorError, safe_open
         try:
-            tensors = load_file(str(engine_file)) if read is None else read(engine_file)
+            with safe_open(str(engine_file), "pt", device="cpu") as f:  # the identity and tensors of one file
+                check_loaded(engine_file, f.metadata())
+                tensors = {k: f.get_tensor(k) for k in f.keys()} if read is None else read(f)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read {engine_file} (truncated or corrupt?): {e}") from None
     else:
+        check_loaded(engine_file, None)
         tensors = read_hf_dir(ckpt_dir)
     n_layers = 1 + max((int(k.split(".")[1]) for k in tensors if k.startswith("layers.")), default=-1)
     if n_layers != args.n_layers:  # before the model is built: a config with a million layers would take minutes
@@ -86,7 +89,8 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
 
 
 def meta_model(config: dict) -> Transformer:
-    """The model of a config.json on the meta device: its shapes and parameter count, nothing allocated."""
+    """The model of a config.json on the meta device: its shapes and parameter count, no weight allocated. It builds
+    every layer's modules: check a config's weight_count against the memory free before."""
     args = parse_config(config)  # off the meta device: it checks RoPE's frequencies by value
     with on_meta():
         return Transformer(args)
@@ -95,6 +99,16 @@ def meta_model(config: dict) -> Transformer:
 def parameter_count(model) -> int:
     """Parameters, a tied embedding counted once (model.parameters() yields a shared tensor once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def weight_count(args: ModelArgs, world: int = 1) -> int:
+    """The parameters of args' model from its sizes alone (no module built), a tied embedding counted once; world
+    > 1: those one tensor-parallel rank holds (wqkv, wo, w13 and w2 sliced `world` ways, the rest whole)."""
+    d, f, q, kv = args.dim, args.intermediate_size, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    sliced = [(q + 2 * kv) * d, (q + 2 * kv) * args.qkv_bias, d * q, 2 * f * d, d * f]  # wqkv, its bias, wo, w13, w2
+    whole = 2 * d + d * args.o_bias  # the two norms, wo's bias
+    embeddings = args.vocab_size * d * (1 if args.tie_embeddings else 2)
+    return args.n_layers * (sum(n // world for n in sliced) + whole) + embeddings + d
 
 
 def free_memory(device: str) -> int | None:
@@ -140,9 +154,11 @@ def random_model(config: dict, dtype: torch.dtype, device: str, seed: int = 0, s
     called on each module once its own tensors are made, to keep a slice of them (tp.random_model: a rank holds
     its shard plus at most one whole tensor at a time, with the values of the whole model's); n_params: the
     parameters that then remain (what check_fits counts)."""
+    args = parse_config(config)
+    n_params = n_params or weight_count(args)
+    check_fits(f"{label}'s shapes ({args.n_layers} layers, {n_params:,} parameters)", n_params, dtype, device,
+               kv_bytes)
     model = meta_model(config)
-    args = model.args
-    check_fits(f"{label}'s shapes", n_params or parameter_count(model), dtype, device, kv_bytes)
     gen = torch.Generator(device=device).manual_seed(seed)
     made, keep = {}, []  # keep: the meta tensors stay alive, so that no id is reused during the walk
     with torch.no_grad():

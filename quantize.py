@@ -51,8 +51,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from config import parse_config
-from convert import (ENGINE_FILE, TOKENIZER_FILES, CheckpointError, checkpoint_files, file_sha256, identity,
-                     load_stats, read_config, read_hf_dir, save_engine, save_stats)
+from convert import (ENGINE_FILE, TOKENIZER_FILES, CheckpointError, check_loaded, checkpoint_files, file_sha256,
+                     identity, load_stats, read_config, read_hf_dir, save_engine, save_stats)
 from errors import UserError
 from files import remove_stale_tmp, write_atomic, write_text
 from kernels import rowwise_linear, rowwise_rows
@@ -389,14 +389,17 @@ def summary(model: nn.Module) -> dict:
 # --------------------------------------------------------------------------------------------- quantize a checkpoint
 
 def open_tensors(ckpt: Path):
-    """(get(name), names) over the float checkpoint, reading the engine file lazily one tensor at a time."""
+    """(get(name), names) over the float checkpoint, reading the engine file lazily one tensor at a time, only with
+    the identity its resolve verified (convert.check_loaded)."""
     engine = ckpt / ENGINE_FILE
     if not engine.is_file():
+        check_loaded(engine, None)
         tensors = read_hf_dir(ckpt)
         return tensors.__getitem__, list(tensors)
     from safetensors import SafetensorError, safe_open
     try:
         handle = safe_open(str(engine), "pt", device="cpu")
+        check_loaded(engine, handle.metadata())
         return handle.get_tensor, list(handle.keys())
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read {engine} (truncated or corrupt?): {e}") from None

@@ -382,7 +382,7 @@ def load_model(ckpt_dir, dtype, device: str, mesh: Mesh, config: dict | None = N
         config = config if config is not None else read_config(ckpt_dir)
         args = parse_config(config)
         return engine.load_model(ckpt_dir, dtype, device, config, shard=lambda m: apply_tp(m, mesh),
-                                 read=lambda path: read_slices(path, args, mesh))
+                                 read=lambda f: read_slices(f, args, mesh))
 
     def shard(model):
         apply_tp(model, mesh)
@@ -411,60 +411,48 @@ def slice_rule(name: str, args):
     return None
 
 
-def read_slices(path, args, mesh: Mesh) -> dict:
-    """The engine file's tensors as this rank keeps them (slice_rule), each sharded Linear's slices read on their
-    own (safetensors' get_slice: only those bytes), so that a rank never holds the whole checkpoint."""
-    from safetensors import safe_open
+def read_slices(f, args, mesh: Mesh) -> dict:
+    """The tensors of an engine file (its open safe_open handle) as this rank keeps them (slice_rule), each sharded
+    Linear's slices read on their own (safetensors' get_slice: only those bytes), so that a rank never holds the
+    whole checkpoint."""
     rank, world = mesh.rank, mesh.world
     out = {}
-    with safe_open(str(path), framework="pt") as f:
-        for name in f.keys():
-            rule = slice_rule(name, args)
-            if rule is None:
-                out[name] = f.get_tensor(name)
-                continue
-            if rule[0] == "rank0":
-                t = f.get_tensor(name)
-                out[name] = t if rank == 0 else torch.zeros_like(t)
-                continue
-            sl = f.get_slice(name)
-            shape = sl.get_shape()
-            dim = rule[1]
-            bounds = []
-            if rule[0] == "split":
-                k = shape[dim] // world
-                bounds.append((rank * k, (rank + 1) * k))
-            else:
-                start = 0
-                for n in rule[2]:
-                    k = n // world
-                    bounds.append((start + rank * k, start + (rank + 1) * k))
-                    start += n
-            pieces = [sl[tuple(slice(a, b) if i == dim else slice(None) for i in range(len(shape)))]
-                      for a, b in bounds]
-            out[name] = torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
+    for name in f.keys():
+        rule = slice_rule(name, args)
+        if rule is None:
+            out[name] = f.get_tensor(name)
+            continue
+        if rule[0] == "rank0":
+            t = f.get_tensor(name)
+            out[name] = t if rank == 0 else torch.zeros_like(t)
+            continue
+        sl = f.get_slice(name)
+        shape = sl.get_shape()
+        dim = rule[1]
+        bounds = []
+        if rule[0] == "split":
+            k = shape[dim] // world
+            bounds.append((rank * k, (rank + 1) * k))
+        else:
+            start = 0
+            for n in rule[2]:
+                k = n // world
+                bounds.append((start + rank * k, start + (rank + 1) * k))
+                start += n
+        pieces = [sl[tuple(slice(a, b) if i == dim else slice(None) for i in range(len(shape)))]
+                  for a, b in bounds]
+        out[name] = torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
     return out
 
 
 # ------------------------------------------------------------------------------------------------ memory plan
 
-SHARDED = ("attention.wqkv.", "attention.wo.weight", "feed_forward.w13.", "feed_forward.w2.weight")
-
-
 def weight_bytes_per_rank(config: dict, world: int, dtype: torch.dtype) -> int:
     """Bytes of the weights one rank holds (float weights in dtype): the sharded Linears' 1/world (wqkv and w13
-    with their biases, wo and w2), everything else whole (embeddings, output head, norms, wo's bias). From the
-    meta-device model: nothing is allocated."""
+    with their biases, wo and w2), everything else whole (embeddings, output head, norms, wo's bias)."""
     import engine
-    model = engine.meta_model(config)
-    seen, total = set(), 0
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:  # a tied head: one tensor
-            continue
-        seen.add(id(p))
-        n = p.numel() // world if any(s in name for s in SHARDED) else p.numel()
-        total += n * dtype.itemsize
-    return total
+    from config import parse_config
+    return engine.weight_count(parse_config(config), world) * dtype.itemsize
 
 
 def memory_table(config: dict, worlds=(1, 2, 4, 8), contexts=(8192, 16384, 32768, 65536, 131072),

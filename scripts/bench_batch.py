@@ -30,7 +30,7 @@ from cache import is_scorer  # noqa: E402
 from cli import check_writable, run_cli  # noqa: E402
 from config import parse_config  # noqa: E402
 from engine import (PeakMemory, decode, decode_bytes_per_step, kv_cache_estimate, prefill_protocol,  # noqa: E402
-                    prefill_step, setup_batch, sync)
+                    prefill_step, setup_batch, sync, weight_count)
 from engine import prefill as engine_prefill  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
 from scripts.benchlib import (bench_model, bench_settings, bench_source, bench_steps, check_common,  # noqa: E402
@@ -231,7 +231,6 @@ def batch_sizes(args):
 def run_batch(args) -> None:
     """Decode throughput and peak memory as the batch grows, per policy, until --memory-cap; the largest
     batch each fits; the bandwidth model beside it."""
-    from engine import meta_model, parameter_count
     names = policies.spec_list(args.policies)
     labels = ["full"] + [n for n in names if n != "full"]
     for n in labels:
@@ -239,7 +238,7 @@ def run_batch(args) -> None:
     ckpt, config = bench_source(args)
     check_sizes(config, args)
     dtype = getattr(torch, args.dtype)
-    weights_b = parameter_count(meta_model(config)) * dtype.itemsize
+    weights_b = weight_count(parse_config(config)) * dtype.itemsize
     cap = args.memory_cap * 2**20
     if weights_b > cap:
         raise UserError(f"--memory-cap {args.memory_cap:g} MiB is below the weights alone "

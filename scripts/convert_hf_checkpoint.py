@@ -19,6 +19,7 @@ from errors import check_python  # noqa: E402
 
 check_python()  # one line, not a traceback, in a Python without the requirements
 
+from checkpoint import gguf_folder  # noqa: E402
 from cli import Parser, check_out_dir, check_writable, run_cli  # noqa: E402
 from convert import ENGINE_FILE, convert_gguf, convert_hf_dir  # noqa: E402
 from errors import UserError  # noqa: E402
@@ -29,8 +30,9 @@ import progress  # noqa: E402
 def parse_args(argv=None):
     ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, required=True, help="HF directory or .gguf file")
-    ap.add_argument("--out-dir", type=Path, help="output directory for a GGUF (default: checkpoints/<gguf stem>); an "
-                                                 "HF directory is converted in place, so it takes no --out-dir")
+    ap.add_argument("--out-dir", type=Path, help="output directory for a GGUF (default: where generate.py looks for "
+                                                 "it, checkpoints/<gguf stem>-<hash of its path>); an HF directory is "
+                                                 "converted in place, so it takes no --out-dir")
     ap.add_argument("--quiet", action="store_true",
                     help="no progress line (one goes to stderr only when it is a terminal and the work takes more "
                          "than a second, and is erased when it is done)")
@@ -45,7 +47,7 @@ def check_args(a) -> None:
     if src.suffix.lower() == ".gguf":
         if not src.is_file():
             raise UserError(f"--checkpoint {src} is not a file")
-        out = a.out_dir or Path("checkpoints") / src.stem
+        out = a.out_dir or gguf_folder(src)
         check_out_dir(out, "--out-dir")
         cfg = out / "config.json"
         if cfg.is_file():  # re-converting a GGUF there is fine; overwriting another model is not
@@ -69,7 +71,7 @@ def run(a) -> int:
     progress.quiet = a.quiet
     check_args(a)
     if a.checkpoint.suffix.lower() == ".gguf":
-        out = convert_gguf(a.checkpoint, a.out_dir or Path("checkpoints") / a.checkpoint.stem)
+        out = convert_gguf(a.checkpoint, a.out_dir or gguf_folder(a.checkpoint))
     else:
         out = convert_hf_dir(a.checkpoint)
     print(out)

@@ -139,6 +139,33 @@ def tiny_config_dir(tmp_path):
     return d
 
 
+BOUNDED_RUNS = """
+import json, resource, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+import generate
+signal.alarm(30)  # a run still going then is killed: its test fails instead of filling the machine's memory
+for argv in json.loads(sys.argv[2]):
+    peak, start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.monotonic()
+    code = generate.main(argv)
+    grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024
+    print(json.dumps([code, time.monotonic() - start, grew]), flush=True)
+    print("--- end of run", file=sys.stderr, flush=True)
+"""
+
+
+def bounded_runs(argvs: list[list[str]], **env) -> list[tuple]:
+    """generate.py's main on each argv in turn, in one child that imports it once (env: added to its environment):
+    per run (exit code, seconds, MiB its peak memory grew by, stderr). A run past 30 s kills the child."""
+    import json
+    import subprocess
+    r = subprocess.run([sys.executable, "-c", BOUNDED_RUNS, str(REPO), json.dumps(argvs)], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    runs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("[")]
+    errs = r.stderr.split("--- end of run\n")
+    assert r.returncode == 0 and len(runs) == len(argvs), r.stderr[-2000:]
+    return [(*run, err) for run, err in zip(runs, errs)]
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny matmuls gain nothing from threads, and on a busy 2-core machine OpenMP spinning makes them ~50x slower.

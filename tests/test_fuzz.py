@@ -106,6 +106,15 @@ def missing_tensor(tmp, ckpt):
     save_file(tensors, str(bad / "model.safetensors"))
 
 
+def gguf(name: str, **meta):
+    """Setup: tmp/<name>, test_gguf_convert's 1-layer llama GGUF with those metadata values."""
+    def setup(tmp, ckpt):
+        from test_gguf_convert import write_tiny_llama
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        write_tiny_llama(tmp / name, meta=meta)
+    return setup
+
+
 def quantized_marker(marker):
     return config(budgetkv_quantization=marker)
 
@@ -186,14 +195,16 @@ BAD_CONFIG = [
     ("hidden_size", 66, "do not match"), ("hidden_size", DROP, "lacks 'hidden_size'"),
     ("intermediate_size", 0, "intermediate_size"), ("intermediate_size", "x", "intermediate_size"),
     ("intermediate_size", 100, "do not match"),
-    ("num_hidden_layers", 0, "num_hidden_layers"), ("num_hidden_layers", 3, "lacks tensor"),
-    ("num_hidden_layers", 10 ** 9, "lacks tensor"), ("num_hidden_layers", 2.0, "num_hidden_layers"),
+    ("num_hidden_layers", 0, "num_hidden_layers"),
+    ("num_hidden_layers", 3, "have 2 layers, its config.json's num_hidden_layers says 3"),
+    ("num_hidden_layers", 10 ** 9, f"have 2 layers, its config.json's num_hidden_layers says {10 ** 9}"),
+    ("num_hidden_layers", 2.0, "num_hidden_layers"),
     ("num_attention_heads", 0, "num_attention_heads"), ("num_attention_heads", 3, "num_attention_heads"),
     ("num_attention_heads", 4.0, "num_attention_heads"), ("num_attention_heads", DROP, "num_attention_heads"),
     ("num_key_value_heads", 3, "num_key_value_heads 3"), ("num_key_value_heads", 8, "num_key_value_heads 8"),
     ("num_key_value_heads", 0, "num_key_value_heads"), ("num_key_value_heads", "2", "num_key_value_heads"),
     ("head_dim", 15, "head_dim 15 must be even"), ("head_dim", 0, "head_dim"), ("head_dim", "16", "head_dim"),
-    ("head_dim", 32, "do not match"),
+    ("head_dim", 32, "do not match"), ("head_dim", 2 ** 40, f"head_dim is {2 ** 40}, more than 65536"),
     ("max_position_embeddings", 0, "max_position_embeddings"), ("max_position_embeddings", -1, "max_position"),
     ("max_position_embeddings", "4096", "max_position_embeddings"), ("max_position_embeddings", 1.5, "max_pos"),
     ("rms_norm_eps", -1e-5, "rms_norm_eps"), ("rms_norm_eps", 0, "rms_norm_eps"), ("rms_norm_eps", "1e-5", "rms_norm"),
@@ -248,6 +259,8 @@ SLIDING = [  # qwen2 / mistral sliding windows
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, layer_types="x"), "layer_types"),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, layer_types=[1, 2]), "layer_types"),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1), "some layers only"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1,
+          num_hidden_layers=2 ** 62), "some layers only"),  # said at once, no list of 2^62 layers made
 ]
 
 
@@ -267,6 +280,8 @@ CASES += [
         "{bad}"),
     gen("config-hidden-size-heads", [], 2, "hidden_size 66 is not a multiple of num_attention_heads 4",
         config(hidden_size=66, head_dim=DROP), "{bad}"),
+    gen("config-hidden-size-huge", [], 2, f"hidden_size / num_attention_heads is {2 ** 38}, more than 65536",
+        config(hidden_size=2 ** 40, head_dim=DROP), "{bad}"),
     gen("config-list", [], 2, "is not a JSON object", files(config__json=[1, 2]), "{bad}"),
     gen("config-string", [], 2, "is not a JSON object", files(config__json='"llama"'), "{bad}"),
     gen("config-broken-json", [], 2, "is not valid JSON", files(config__json='{"model_type": '), "{bad}"),
@@ -430,6 +445,10 @@ CASES += [
     gen("checkpoint-GGUF-upper-missing", [], 2, "GGUF file not found", checkpoint="{tmp}/m.GGUF"),
     gen("checkpoint-empty-dir", [], 2, "has no config.json", write("empty/", None), checkpoint="{tmp}/empty"),
     gen("checkpoint-gguf-missing", [], 2, "GGUF file not found", checkpoint="{tmp}/m.gguf"),
+    gen("checkpoint-gguf-block-count-huge", [], 2, "llama.block_count is 2147483647, but its tensors are those of 1 "
+        "layer", gguf("x/model.gguf", block_count=2 ** 31 - 1), checkpoint="{tmp}/x/model.gguf"),
+    gen("checkpoint-gguf-width-huge", [], 2, "tensor token_embd.weight has shape [260, 32], expected [260, "
+        "2147483647]", gguf("x/model.gguf", embedding_length=2 ** 31 - 1), checkpoint="{tmp}/x/model.gguf"),
     gen("checkpoint-symlink-loop", [], 2, "loop: a symlink loop", symlink("loop", "loop"), checkpoint="{tmp}/loop"),
     gen("checkpoint-gguf-symlink-loop", [], 2, "m.gguf: a symlink loop", symlink("m.gguf", "m.gguf"),
         checkpoint="{tmp}/m.gguf"),
@@ -547,6 +566,14 @@ CASES += [
     ("convert-hf-missing-tensor", "convert", ["--checkpoint", "{bad}"], missing_tensor, 2, "lacks tensor"),
     ("convert-hf-layers", "convert", ["--checkpoint", "{bad}"], config(num_hidden_layers="2"), 2,
      "num_hidden_layers"),
+    ("convert-hf-layers-huge", "convert", ["--checkpoint", "{bad}"], config(num_hidden_layers=2 ** 31 - 1), 2,
+     "have 2 layers, its config.json's num_hidden_layers says 2147483647"),
+    ("convert-gguf-block-count-huge", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "{tmp}/o"],
+     gguf("m.gguf", block_count=2 ** 31 - 1), 2, "llama.block_count is 2147483647"),
+    ("quantize-gguf-block-count-huge", "quantize", ["--checkpoint", "{tmp}/m.gguf", "--mode", "int8"],
+     gguf("m.gguf", block_count=2 ** 31 - 1), 2, "llama.block_count is 2147483647"),
+    ("quantize-hf-layers-huge", "quantize", ["--checkpoint", "{bad}", "--out", "{tmp}/q", "--mode", "int8"],
+     config(num_hidden_layers=2 ** 31 - 1), 2, "num_hidden_layers says 2147483647"),
     ("convert-hf-broken-config", "convert", ["--checkpoint", "{bad}"], files(config__json="{"), 2,
      "is not valid JSON"),
     ("convert-unknown-flag", "convert", ["--checkpoint", "{tmp}", "--force"], None, 2, "unrecognized"),

@@ -129,8 +129,8 @@ def test_an_older_conversion_is_redone(tmp_path, monkeypatch, capsys):
 
 
 def test_a_different_file_of_the_same_name_is_not_reused(tmp_path, monkeypatch):
-    """Conversions live in checkpoints/<file stem>: another GGUF of the same name must not pick up that conversion
-    (a text file named like the embedded model used to run the embedded model)."""
+    """Another file of the same name (here not even a GGUF) never picks up a conversion (a text file named like the
+    embedded model used to run the embedded model)."""
     pytest.importorskip("transformers")
     import checkpoint
     monkeypatch.setattr(checkpoint, "CHECKPOINTS", tmp_path / "ckpts")
@@ -140,6 +140,23 @@ def test_a_different_file_of_the_same_name_is_not_reused(tmp_path, monkeypatch):
     (tmp_path / "b" / "m.gguf").write_text("not a gguf")
     with pytest.raises(CheckpointError, match="cannot read GGUF file"):
         checkpoint.resolve_checkpoint(str(tmp_path / "b" / "m.gguf"))
+
+
+@pytest.mark.parametrize("meta", [dict(block_count=2 ** 31 - 1),
+                                  dict(block_count=2 ** 31 - 1, embedding_length=2 ** 31 - 1)])
+def test_a_huge_declared_layer_count_is_refused_at_once(tmp_path, meta):
+    """A GGUF declaring 2^31-1 layers (and as wide an embedding) is refused from the tensors it holds: one line
+    naming the key and the layers present, in well under a second and a few MiB (a table of every declared layer's
+    tensors would grow by gigabytes a minute)."""
+    pytest.importorskip("transformers")
+    from conftest import bounded_runs
+    (tmp_path / "x").mkdir()
+    path = write_tiny_llama(tmp_path / "x" / "model.gguf", meta=meta)
+    [(code, seconds, grew, err)] = bounded_runs([["--checkpoint", str(path), "--prompt", "hi"]],
+                                                BUDGETKV_CHECKPOINTS=str(tmp_path / "ckpts"))
+    assert code == 2 and err.strip() == ("error: GGUF file model.gguf: llama.block_count is 2147483647, but its "
+                                         "tensors are those of 1 layer (blk.N.*)"), err
+    assert seconds < 1 and grew < 20 and not (tmp_path / "ckpts").exists(), (seconds, grew)
 
 
 def test_convert_cli_one_line_errors(tmp_path, capsys):

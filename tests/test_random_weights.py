@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import engine
 import generate
 from checkpoint import CONFIGS, MODELS, shape_config, shipped_configs
-from conftest import FAMILIES, REPO
+from conftest import FAMILIES, REPO, bounded_runs
 from config import parse_config
 
 # Parameter counts as published on each model's Hugging Face page (the safetensors "model size"), a tied embedding
@@ -37,6 +37,38 @@ def test_shipped_config_has_the_published_parameter_count(name):
     assert all(p.is_meta for p in model.parameters())
     n = engine.parameter_count(model)
     assert abs(n / PUBLISHED[name] - 1) < 0.01, f"{name}: {n / 1e9:.3f}e9 parameters, published {PUBLISHED[name]}"
+    assert engine.weight_count(model.args) == n
+
+
+SHARDED = ("attention.wqkv.", "attention.wo.weight", "feed_forward.w13.", "feed_forward.w2.weight")
+
+
+@pytest.mark.parametrize("config", [*FAMILIES.values(), dict(FAMILIES["llama"], attention_bias=True)],
+                         ids=[*FAMILIES, "llama-attention-bias"])
+def test_weight_count_is_what_the_model_holds(config):
+    """The closed form counts, per tensor-parallel rank too, what the meta model holds (biases and a tied head
+    included): a rank keeps 1/world of each sharded Linear's tensors (tp.shard_module)."""
+    model = engine.meta_model(config)
+    for world in (1, 2):
+        held = sum(p.numel() // world if any(s in name for s in SHARDED) else p.numel()
+                   for name, p in model.named_parameters())  # a tied head: one tensor
+        assert engine.weight_count(model.args, world) == held
+
+
+@pytest.mark.parametrize("sizes", [dict(num_hidden_layers=10 ** 6), dict(num_hidden_layers=10 ** 6,
+                                                                          hidden_size=2 ** 30, head_dim=16)],
+                         ids=["layers", "layers-and-width"])
+def test_a_huge_config_is_refused_before_any_module_is_built(sizes, tmp_path):
+    """A config.json declaring a million layers (and a huge width): one line naming them, in well under a second
+    and a few MiB, from the sizes alone (a model built on the meta device would take minutes and gigabytes)."""
+    d = tmp_path / "huge"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(FAMILIES["llama"], **sizes)))
+    [(code, seconds, grew, err)] = bounded_runs([["--checkpoint", str(d), "--random-weights", "--prompt-tokens", "8",
+                                                  "--max-new-tokens", "2"]])
+    line = err_line(err)
+    assert code == 2 and line.startswith("error: huge's shapes (1000000 layers, ") and "free on cpu" in line, err
+    assert seconds < 1 and grew < 20, (seconds, grew)
 
 
 def test_shipped_configs_carry_the_published_rope_and_windows():
@@ -176,7 +208,8 @@ def test_a_model_too_large_is_refused_before_allocating(monkeypatch, capsys):
                                  "--dtype", "float32"], capsys)
     line = err_line(err)
     # 1.236e9 float32 parameters = 4.6 GiB, plus 16 layers x 1,152 slots x 8 KV heads x 64 x 2 x 4 bytes = 0.07 GiB
-    assert code == 2 and "llama3.2-1b's shapes in float32 needs 4.7 GiB (weights 4.6 GiB + KV cache 0.1 GiB)" in line
+    assert code == 2 and ("llama3.2-1b's shapes (16 layers, 1,235,814,400 parameters) in float32 needs 4.7 GiB "
+                          "(weights 4.6 GiB + KV cache 0.1 GiB)") in line
     assert "more than the 2.0 GiB free on cpu" in line
     assert max((n for _, _, n in seen.seen), default=0) < 1 << 20
 

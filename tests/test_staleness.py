@@ -89,7 +89,8 @@ def test_same_size_gguf_change_is_converted_again(tmp_path, ckpts, capsys, monke
     path = shutil.copy(a, tmp_path / "m.gguf")
     path = Path(path)
     out = checkpoint.resolve_checkpoint(str(path))
-    assert one_line(capsys.readouterr().err) == f"converting {path} -> {ckpts / 'm'} (once)"
+    assert out == checkpoint.gguf_folder(path) and out.parent == ckpts and out.name.startswith("m-")
+    assert one_line(capsys.readouterr().err) == f"converting {path} -> {out} (once)"
     torch.testing.assert_close(served(out), gguf_embedding(a))
 
     hashed = []
@@ -178,6 +179,55 @@ def test_a_conversion_whose_source_is_gone_stands_alone(tmp_path, ckpts, capsys)
     with pytest.raises(CheckpointError, match=r"tokenizer.json changed since it was written with .*, and its "
                                               r"source .*m.gguf is gone: convert or quantize it again"):
         checkpoint.resolve_checkpoint(str(out))
+
+
+def test_files_of_the_same_name_convert_into_folders_of_their_own(tmp_path, ckpts, capsys):
+    """Two GGUFs both named model.gguf: each converts once into its own folder (run A, B, A: no conversion on the
+    third run, no file named as changed), each serves its own weights, and the converter's command line writes
+    where the resolver looks."""
+    a, b = gguf_pair(tmp_path)
+    paths = []
+    for d, src in (("x", a), ("y", b)):
+        (tmp_path / d).mkdir()
+        paths.append(Path(shutil.copy(src, tmp_path / d / "model.gguf")))
+    outs = {}
+    for path, src in zip(paths + paths[:1], (a, b, a)):
+        out = checkpoint.resolve_checkpoint(str(path))
+        err = capsys.readouterr().err
+        assert err == ("" if path in outs else f"converting {path} -> {out} (once)\n"), err
+        outs[path] = out
+        torch.testing.assert_close(served(out), gguf_embedding(src))
+    assert len(set(outs.values())) == 2 and all(o.parent == ckpts and o.name.startswith("model-") for o in outs.values())
+
+    from scripts import convert_hf_checkpoint
+    c = Path(shutil.copy(b, tmp_path / "c.gguf"))
+    assert convert_hf_checkpoint.main(["--checkpoint", str(c)]) == 0
+    assert checkpoint.resolve_checkpoint(str(c)) == checkpoint.gguf_folder(c)
+    assert capsys.readouterr().err == ""  # converted where the resolver looks: not converted again
+
+
+def test_a_file_named_like_the_embedded_model_never_shares_its_folder(tmp_path, ckpts, capsys, monkeypatch):
+    """A user's smollm2-135m.gguf and the embedded smollm2-135m (here a tiny stand-in) convert into folders of
+    their own; a folder holding another file's conversion (an older budgetkv converted the user's file into the
+    embedded model's folder) is converted again, saying whose conversion it held, never served."""
+    a, b = gguf_pair(tmp_path)
+    (tmp_path / "wheel").mkdir()
+    embedded = Path(shutil.copy(a, tmp_path / "wheel" / checkpoint.EMBEDDED_GGUF[1]))
+    monkeypatch.setattr(checkpoint, "embedded_gguf", lambda: embedded)
+    user = Path(shutil.copy(b, tmp_path / "smollm2-135m.gguf"))
+    for _ in range(2):
+        assert checkpoint.resolve_checkpoint("smollm2-135m") == ckpts / "smollm2-135m"
+        torch.testing.assert_close(served(ckpts / "smollm2-135m"), gguf_embedding(a))
+        out = checkpoint.resolve_checkpoint(str(user))
+        assert out != ckpts / "smollm2-135m"
+        torch.testing.assert_close(served(out), gguf_embedding(b))
+    assert capsys.readouterr().err.count("(once)") == 2  # once each
+
+    convert.convert_gguf(user, ckpts / "smollm2-135m")
+    assert checkpoint.resolve_checkpoint("smollm2-135m") == ckpts / "smollm2-135m"
+    assert one_line(capsys.readouterr().err) == (f"converting {embedded} -> {ckpts / 'smollm2-135m'} again: it holds "
+                                                 f"the conversion of {user}")
+    torch.testing.assert_close(served(ckpts / "smollm2-135m"), gguf_embedding(a))
 
 
 # ---------------------------------------------------------------------------- (b) an HF folder changes
@@ -316,7 +366,7 @@ def test_killed_reconversion_is_never_trusted(tmp_path, ckpts, capsys, stop_at):
 def test_killed_first_conversion_leaves_nothing_trusted(tmp_path, ckpts, capsys):
     path = write_tiny_llama(tmp_path / "m.gguf")
     kill_at(ENGINE_FILE, ckpts, tmp_path, "scripts/quantize.py", "--checkpoint", str(path), "--mode", "int8")
-    out = ckpts / "m"
+    out = checkpoint.gguf_folder(path)
     assert (out / "config.json").is_file() and not (out / ENGINE_FILE).exists() and temp_files(out)
     checkpoint.resolve_checkpoint(str(path))
     assert one_line(capsys.readouterr().err) == f"converting {path} -> {out} (once)"
@@ -332,7 +382,7 @@ def test_full_disk_during_conversion(tmp_path, ckpts, capsys, first, limit, fail
     traceback, no temporary file, nothing trusted; the next run without the limit converts."""
     a, b = gguf_pair(tmp_path)
     path = Path(shutil.copy(a, tmp_path / "m.gguf"))
-    out = ckpts / "m"
+    out = checkpoint.gguf_folder(path)
     if not first:
         checkpoint.resolve_checkpoint(str(path))
         overwrite_in_place(path, b.read_bytes())
@@ -488,7 +538,10 @@ BAD_GGUF = [
     (dict(meta={"embedding_length": 30, "rope_dimension_count": None}),
      r"llama.embedding_length \(30\) is not a multiple of llama.attention.head_count \(4\)"),
     (dict(meta={"block_count": 0}), "llama.block_count must be a positive integer, not 0"),
-    (dict(meta={"block_count": 2}), "lacks tensor 'blk.1.attn_norm.weight'"),
+    (dict(meta={"block_count": 2}), r"llama.block_count is 2, but its tensors are those of 1 layer \(blk.N.\*\)"),
+    (dict(meta={"block_count": 2 ** 31 - 1}), "llama.block_count is 2147483647, but its tensors are those of 1 layer"),
+    (dict(meta={"embedding_length": 2 ** 31 - 1}), r"tensor token_embd.weight has shape \[260, 32\], expected "
+                                                   r"\[260, 2147483647\] from its metadata"),
     (dict(meta={"feed_forward_length": 0}), "llama.feed_forward_length must be a positive integer, not 0"),
     (dict(meta={"context_length": None}), "lacks llama.context_length"),
     (dict(meta={"context_length": as_string("context_length", "abc")}),
@@ -517,7 +570,7 @@ def test_bad_gguf_metadata_is_one_line_naming_the_field(tmp_path, ckpts, capsys,
         checkpoint.resolve_checkpoint(str(path))
     assert quantize_script.main(["--checkpoint", str(path), "--mode", "int8"]) == 2
     line = one_line(capsys.readouterr().err)  # no "converting" line: the metadata is checked first
-    assert line.startswith("error: GGUF file bad.gguf") and not (ckpts / "bad").exists(), line
+    assert line.startswith("error: GGUF file bad.gguf") and not ckpts.exists(), line
 
 
 @pytest.mark.parametrize("content", [b"", b"GGUX" + b"\0" * 100, b"GGUF\3\0\0\0" + b"\xff" * 20],
@@ -528,7 +581,7 @@ def test_unreadable_gguf_fails_before_converting(tmp_path, ckpts, capsys, conten
     assert quantize_script.main(["--checkpoint", str(tmp_path / "bad.gguf"), "--mode", "int8"]) == 2
     line = one_line(capsys.readouterr().err)
     assert line.startswith(f"error: cannot read GGUF file {tmp_path / 'bad.gguf'}"), line
-    assert not (ckpts / "bad").exists()
+    assert not ckpts.exists()
 
 
 # ------------------------------------------------------------------------------ permissions
@@ -555,3 +608,66 @@ def test_written_files_keep_the_permissions_a_user_expects(hf_src, tmp_path, ckp
     (q / "config.json").chmod(0o604)
     quantize.quantize_dir(hf_src, "int4", out=q, groupsize=32)
     assert [oct((q / n).stat().st_mode & 0o777) for n in (ENGINE_FILE, "config.json")] == [oct(0o644), oct(0o604)]
+
+
+# ------------------------------------------------------------------------- (g) a load reads what was verified
+
+def swap_in(engine_file_of: Path, folder: Path) -> None:
+    """What another run converting into `folder` does there: its engine file renamed over the one in place."""
+    os.replace(engine_file_of / ENGINE_FILE, folder / ENGINE_FILE)
+
+
+def test_a_conversion_replaced_after_its_check_is_never_loaded(tmp_path, ckpts, capfd, monkeypatch):
+    """A's conversion is checked, then another run renames B's engine file into A's folder before the load: the
+    load (generate.py's, and a quantization reading it) is one line, exit 2, never B's weights; the next run
+    converts A again, saying whose conversion the folder held."""
+    import generate
+    import quantize
+    a, b = gguf_pair(tmp_path)
+    path = Path(shutil.copy(a, tmp_path / "m.gguf"))
+    out = checkpoint.resolve_checkpoint(str(path))
+    convert.convert_gguf(b, tmp_path / "other")  # B's conversion, written by "another run"
+    real = checkpoint.resolve_checkpoint
+
+    def resolve_then_swap(name, *a):
+        d = real(name, *a)
+        swap_in(tmp_path / "other", d)
+        return d
+    monkeypatch.setattr(generate, "resolve_checkpoint", resolve_then_swap)
+    capfd.readouterr()
+    assert generate.main(["--checkpoint", str(path), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    assert one_line(capfd.readouterr().err) == (f"error: {out / ENGINE_FILE} changed while it was being loaded "
+                                                f"(another run converted or quantized into {out}?): run again")
+    with pytest.raises(CheckpointError, match="changed while it was being loaded"):
+        quantize.quantize_dir(out, "int8", out=tmp_path / "q")
+
+    assert checkpoint.resolve_checkpoint(str(path)) == out
+    assert one_line(capfd.readouterr().err) == f"converting {path} -> {out} again: it holds the conversion of {b}"
+    torch.testing.assert_close(served(out), gguf_embedding(a))
+
+
+def test_a_quantization_replaced_after_its_check_is_never_loaded(hf_src, tmp_path):
+    """The same for a quantized checkpoint, read whole or by a tensor-parallel rank's slices, and for an HF folder
+    checked without an engine file, into which another run then converts."""
+    import types
+
+    import quantize
+    import tp
+    from engine import load_model
+    q = tmp_path / "q"
+    quantize.quantize_dir(hf_src, "int8", out=q)
+    other = Path(shutil.copytree(hf_src, tmp_path / "other"))
+    save_file(changed_weights(other), str(other / "model.safetensors"))
+    quantize.quantize_dir(other, "int8", out=tmp_path / "q-other")
+    assert checkpoint.resolve_checkpoint(str(q)) == q
+    swap_in(tmp_path / "q-other", q)
+    mesh = tp.Mesh(0, 2, 0, types.SimpleNamespace(group_name="stand-in"))
+    for load in (lambda: load_model(q, torch.float32, "cpu"), lambda: tp.load_model(q, torch.float32, "cpu", mesh)):
+        with pytest.raises(CheckpointError, match=f"{q / ENGINE_FILE} changed while it was being loaded"):
+            load()
+
+    assert checkpoint.resolve_checkpoint(str(hf_src)) == hf_src and not (hf_src / ENGINE_FILE).exists()
+    convert.convert_hf_dir(other)
+    swap_in(other, hf_src)
+    with pytest.raises(CheckpointError, match=f"{hf_src / ENGINE_FILE} changed while it was being loaded"):
+        load_model(hf_src, torch.float32, "cpu")
