@@ -25,6 +25,7 @@ from torch import Tensor
 import kernels
 from errors import EnvironmentFailure
 from files import remove_stale_tmp, write_atomic, write_text
+from model import set_layer_regions
 
 ROOT = Path(__file__).resolve().parent
 PACKAGES = ROOT / "build" / "aot-steps"  # <key>.pt2 and <key>.json, kept across runs (BUDGETKV_AOT_DIR overrides)
@@ -72,7 +73,8 @@ def describe(value, seen: set, depth: int = 0) -> str:
 # The repository's modules whose code never runs inside a step (command lines, files, text, the decode loop): left out
 # of the key, so that editing them does not recompile. Every other module, a new one included, is hashed.
 UNTRACED_MODULES = {"generate.py", "generate_args.py", "cli.py", "chat.py", "progress.py", "checkpoint.py", "convert.py",
-                    "tokenizer.py", "files.py", "errors.py", "engine.py", "speculative.py"}
+                    "tokenizer.py", "files.py", "errors.py", "engine.py", "speculative.py", "loading.py", "runtime.py",
+                    "sampling.py", "threads.py"}
 
 
 def cpu_features() -> str:
@@ -132,15 +134,10 @@ class _Step(torch.nn.Module):
         return torch.func.functional_call(self.model, dict(zip(self.names, tensors)), (idx, input_pos), strict=True)
 
 
-def before_export() -> None:
-    """Called before a step is exported; engine.py, which imports this module (never the other way round), sets it
-    to switch its compile regions off: a region is a dynamo construct, an exported step is flat."""
-
-
 def export_step(model, idx: Tensor, input_pos: Tensor):
     """The decode step model(idx, input_pos) as an ExportedProgram over (tensors, idx, input_pos)."""
     names, tensors = step_inputs(model)
-    before_export()
+    set_layer_regions(False)  # a region is a dynamo construct: an exported step is flat
     with torch.no_grad():
         ep = torch.export.export(_Step(model, names), (tensors, idx, input_pos), strict=False)
     own = {t.untyped_storage().data_ptr() for t in tensors}

@@ -40,7 +40,6 @@ Memory stays flat: the caches are allocated once per conversation (budget + bloc
 turn allocates only its token ids, its prefill's activations and, re-compressing, one layer's history + turn
 scratch. The transcript's token ids (4 bytes each) are the one thing that grows.
 """
-import contextlib
 import json
 import signal
 import sys
@@ -53,9 +52,10 @@ import torch
 
 from cache import compress_into, eager_blocks, is_scorer, scratch_cache
 import engine
-from engine import (PeakMemory, block_inputs, first_tokens, model_step, prefill_one_shot, prefill_protocol,
-                    prefill_step, setup, sync)
+from engine import Generation, PeakMemory, block_inputs, prefill_one_shot, sync
+from runtime import prefill_step
 from errors import UserError
+from sampling import GREEDY, Sampling, first_tokens
 
 MAX_TURN_BYTES = 64 << 20  # one line of stdin, capped as a prompt file is (generate_args.MAX_PROMPT_BYTES)
 MARKER = "<<budgetkv:assistant-answer>>"  # stands for the previous answer when the template renders a new turn
@@ -73,38 +73,48 @@ class Chat:
 
     policy: a policy object, a spec string ("keydiff", "snapkv:window=16") or None / "full"; budget: KV slots per
     layer and KV head (default 2048, or the model's context if smaller) for every policy, full included (there it
-    bounds the whole conversation); prefill: "block" or "one-shot" (None: the policy's default); steps: the
-    (prefill block, decode) step functions (engine.compile_steps for compiled ones)."""
+    bounds the whole conversation); prefill: "block" or "one-shot" (None: the policy's default); sampling: a
+    sampling.Sampling (greedy by default; no repetition penalty). The caches and the steps are those of one
+    engine.Generation (`run`), checked as generate.py's are (sizes against the model's context, the caches against
+    the device's free memory) before anything is allocated."""
 
-    def __init__(self, model, tokenizer, policy=None, budget: int | None = None, *, max_new_tokens: int = 200,
-                 block_size: int = 128, prefill: str | None = None, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, kv_dtype: torch.dtype | None = None, chat_template: bool = True,
-                 steps=(prefill_step, model_step), evict_before_attend: bool = False):
+    def __init__(self, model, tokenizer, policy=None, budget: int | None = None, *, max_new_tokens: int | None = None,
+                 block_size: int | None = None, prefill: str | None = None, sampling: Sampling = GREEDY,
+                 kv_dtype: torch.dtype | None = None, chat_template: bool = True, evict_before_attend: bool = False):
         import policies
         if isinstance(policy, str):
             policy = policies.make(policy)
-        budget = engine.bounded_budget(model.args) if budget is None else budget
-        engine.check_sizes_and_sampling(model.args, max_new_tokens, budget, block_size, temperature, top_k, top_p)
-        self.model, self.tokenizer, self.policy, self.budget = model, tokenizer, policy, budget
+        if isinstance(sampling, Sampling) and sampling.repetition_penalty != 1.0:
+            raise UserError("`repetition_penalty` applies to a plain generation, not to a conversation")
+        self.model, self.tokenizer, self.policy = model, tokenizer, policy
+        self.device = str(model.tok_embeddings.weight.device)
+        self.run = Generation(model.args, policy, None, budget=budget, max_new_tokens=max_new_tokens,
+                              block_size=block_size, prefill=prefill, evict_before_attend=evict_before_attend,
+                              kv_dtype=kv_dtype, sampling=sampling, device=self.device)
+        self.budget, self.block_size, self.protocol = self.run.budget, self.run.block_size, self.run.protocol
+        self.max_new_tokens, self.sampling = self.run.max_new_tokens, sampling
         self.name = policy.name if policy is not None else "full"
-        self.protocol = prefill_protocol(policy, prefill)
-        self.max_new_tokens, self.block_size, self.kv_dtype = max_new_tokens, block_size, kv_dtype
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         self.template = chat_template and tokenizer.chat_template is not None
         self.eos_ids = set(tokenizer.eos_ids)
-        self.steps, self.evict_before_attend = steps, evict_before_attend
-        self.device = str(model.tok_embeddings.weight.device)
         self.slots = None  # the slots per layer and KV head (SAGE-KV: its layout's), set by plan()
         self.last = {}  # the last turn's stats
         self._stop = False
-        self.plan(budget if is_scorer(policy) else 1)  # what cannot work fails now, not at the first turn
+        self.plan(self.budget if is_scorer(policy) else 1)  # what cannot work fails now, not at the first turn
         self.reset()
+
+    @property
+    def steps(self):
+        """The (prefill block, decode) steps: the run's (compiled by compile())."""
+        return self.run.steps
+
+    @steps.setter
+    def steps(self, steps) -> None:
+        self.run.steps = steps
 
     def plan(self, prompt_len: int) -> None:
         """Set every layer's cache up for a conversation whose first turn has prompt_len tokens (the policy planned
         against it: SAGE-KV's layout, SnapKV++'s kernel); UserError / PolicyError where the budget cannot work."""
-        self.slots = setup(self.model, self.policy, self.budget, prompt_len, self.max_new_tokens, self.block_size,
-                           prefill=self.protocol, evict_before_attend=self.evict_before_attend, kv_dtype=self.kv_dtype)
+        self.slots = self.run.setup(self.model, [prompt_len])
 
     # ------------------------------------------------------------------------------------------- the conversation
 
@@ -247,7 +257,7 @@ class Chat:
         (engine.decode), until EOS, n_new tokens or stop(); fed[0] counts the decode steps that completed (the last
         token is not written). A token sampled after stop() was asked for (Ctrl-C during its step) is dropped:
         neither shown nor kept."""
-        token, outs = first_tokens(logits, **self.sampling)
+        token, outs = first_tokens(logits, self.sampling)
         if self._stop:
             return
         out.extend(outs[0])
@@ -265,7 +275,7 @@ class Chat:
             else:
                 self.stream(ids, shown, on_text)
         engine.decode(self.model, step, token, [out], [self.position], n_new, eos_ids=self.eos_ids,
-                      on_token=on_token, stop=lambda: self._stop, **self.sampling)
+                      on_token=on_token, stop=lambda: self._stop, sampling=self.sampling)
         if on_text is not None and self.decode(out) != shown[0]:
             on_text(self.decode(out)[len(shown[0]):])
 
@@ -284,20 +294,12 @@ class Chat:
 
     def compile(self, mode: str | None = None, prefill: bool | None = None, freeze: bool = False,
                 around=None) -> None:
-        """Compile both steps (engine.compile_settings: --compile-mode, --compile-prefill, --freeze) and warm them
-        up before the first turn; around(mode, compiled_prefill): a context manager for the warm-up."""
-        mode, compiled_prefill = engine.compile_settings(self.model, self.protocol, mode, prefill, freeze)
-        self.steps = engine.compile_steps(self.device, mode, prefill=compiled_prefill, freeze=freeze)
-        name = engine.mode_name(mode, self.device)
-        with around(name, compiled_prefill) if around is not None else contextlib.nullcontext():
-            self.warm_up()
-
-    def warm_up(self) -> None:
-        """Run both steps once on a one-token prompt (a compiled step compiles here, not in the first turn), then
-        start an empty conversation; the caches are set up again at the first turn, with the same shapes."""
-        if self.protocol == "one-shot" and is_scorer(self.policy):  # plans that depend on the prompt's length
-            return
-        engine.warm_up(self.model, self.steps, 0, self.block_size, self.device)
+        """Compile both steps through the run (Generation.compile: mode, prefill, freeze as generate.py's
+        --compile-mode, --compile-prefill, --freeze; around(run) wraps the warm-up) and warm them up on a one-token
+        prompt before the first turn (not for a one-shot scorer, whose plan waits for the first turn's length), then
+        start an empty conversation."""
+        self.run.compile(self.model, 0, mode, prefill, freeze, around=around,
+                         warm=not (self.protocol == "one-shot" and is_scorer(self.policy)))
         self.reset()
 
     # ------------------------------------------------------------------------------------------------ the numbers

@@ -61,12 +61,12 @@ def embedded_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
-def resolve_checkpoint(name: str, flag: str = "--checkpoint") -> Path:
+def resolve_checkpoint(name: str, param: str = "checkpoint") -> Path:
     """A short name, an HF directory, a budgetkv directory or a .gguf file -> a directory the loader reads, whose
     converted or quantized weights are those of their source as it is now (converted again when it changed).
-    flag: the option that named it, for the error line."""
-    if not name.strip():
-        raise UserError(f"{flag} is empty: give a short name, a model directory or a .gguf file")
+    param: the parameter that named it, for the error line."""
+    if not isinstance(name, str) or not name.strip():
+        raise UserError(f"`{param}` is empty: give a short name, a model directory or a .gguf file")
     path = Path(name)
     if path.suffix.lower() == ".gguf":  # in any case, as llama.cpp's tools accept it
         if not path.is_file():
@@ -82,7 +82,7 @@ def resolve_checkpoint(name: str, flag: str = "--checkpoint") -> Path:
         return fresh_dir(path)
     if name not in MODELS and (os.sep in name or name.startswith((".", "~")) or path.exists()):
         what = unreachable(path) or "not a model directory or a .gguf file"
-        raise UserError(f"{flag} {name}: {what}")
+        raise UserError(f"{param}={name}: {what}")
     if name not in MODELS:
         raise UserError(f"unknown checkpoint {name!r}: not a directory, a .gguf file or a known name "
                         f"({', '.join(MODELS)})")

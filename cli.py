@@ -90,17 +90,6 @@ def check_writable(path: Path, flag: str) -> None:
         path.unlink()
 
 
-def check_device(device: str) -> None:
-    """--device: cpu, cuda or cuda:N, one that is there."""
-    import torch  # (cli.py itself imports no torch)
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise UserError(f"--device {device!r}: cpu, cuda or cuda:N")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but CUDA is not available (use --device cpu)")
-    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
-        raise UserError(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices")
-
-
 def check_out_dir(path: Path, flag: str) -> None:
     """An output directory: a directory or nothing yet, under a folder this process can write in. Creates nothing."""
     if path.exists() and not path.is_dir():
@@ -119,6 +108,19 @@ def check_out_dir(path: Path, flag: str) -> None:
 
 def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def as_flags(message: str, a) -> str:
+    """A library error's parameters in this command line's words: `name=value` becomes `--name value` and `name`
+    (in backquotes) `--name`, for each name the command line has as a flag (an argparse destination of `a`);
+    other backquoted names lose their quotes."""
+    names = set(vars(a)) if a is not None else set()
+
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+    message = re.sub(r"`([a-z][a-z0-9_]*)`", lambda m: flag(m[1]) if m[1] in names else m[1], message)
+    return re.sub(r"(?<![\w.-])([a-z][a-z0-9_]*)=(?=\S)", lambda m: flag(m[1]) + " " if m[1] in names else m[0],
+                  message)
 
 
 def os_error_line(e: OSError) -> str:
@@ -187,7 +189,7 @@ def run_cli(run_fn, a) -> int:
     try:
         return run_fn(a)
     except (UserError, EnvironmentFailure) as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
+        print(f"error: {as_flags(one_line(e), a)}", file=sys.stderr)
         return 1 if isinstance(e, EnvironmentFailure) else 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

@@ -2,6 +2,8 @@
 input and 1 for a failed environment) and the check every command line makes first: that it runs in a Python that
 has the project's requirements."""
 import importlib.util
+import math
+import numbers
 import os
 import re
 import sys
@@ -16,6 +18,26 @@ class UserError(Exception):
 class EnvironmentFailure(Exception):
     """The environment failed (a full disk, a file size limit, a refused permission) where the library has a better
     line than the OS error's: printed as one line, exit code 1."""
+
+
+def check_int(name: str, value, least: int | None = None, most: int | None = None) -> int:
+    """`value` as an integer parameter `name` in [least, most]; a UserError naming it otherwise (a bool is no
+    integer). Library errors name parameters as `name` or name=value; a command line shows its flag (cli.py)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise UserError(f"`{name}` must be an integer, got {value!r}")
+    if (least is not None and value < least) or (most is not None and value > most):
+        bound = f">= {least}" if most is None else f"<= {most}" if least is None else f"between {least} and {most}"
+        raise UserError(f"`{name}` must be {bound}, got {value}")
+    return int(value)
+
+
+def check_number(name: str, value, least: float | None = None) -> float:
+    """`value` as a finite number parameter `name` (>= least when given); UserError naming it otherwise."""
+    bound = f" >= {least:g}" if least is not None else ""
+    if (not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value)
+            or (least is not None and value < least)):
+        raise UserError(f"`{name}` must be a finite number{bound}, got {value!r}")
+    return float(value)
 
 
 def check_python() -> None:

@@ -20,7 +20,7 @@ check_python()  # first: Ctrl-C from here on is one line
 import json  # noqa: E402
 from contextlib import nullcontext  # noqa: E402
 
-import threads  # noqa: E402,F401  (before torch: how its OpenMP threads wait)
+import runtime  # noqa: E402  (first: threads.py's choice before torch loads OpenMP)
 import torch  # noqa: E402
 
 import generate_args  # noqa: E402
@@ -32,12 +32,14 @@ from checkpoint import resolve_checkpoint, shape_config, weights_format  # noqa:
 from cli import compile_log, is_verbose, run_ranks  # noqa: E402
 from config import parse_config  # noqa: E402
 from convert import read_config  # noqa: E402
-from engine import (AOT, CACHE_NOTES, DEFAULT_BLOCK, DEFAULT_NEW_TOKENS, Generation, check_fits,  # noqa: E402
-                    prefill_protocol, set_threads, sync)
+from engine import Generation, check_prompt_ids, prefill_protocol, sync  # noqa: E402
 from files import export_trace  # noqa: E402
-from generate_args import batch_of, check_args, compute_dtype, prompt_ids, read_prompts  # noqa: E402
+from generate_args import batch_of, check_args, compute_dtype, prompt_ids, read_prompts, sampling_of  # noqa: E402
 from progress import prefill_progress  # noqa: E402
 from sampling import StopStrings  # noqa: E402
+
+CACHE_NOTES = {"hit": "from the compile cache", "miss": "now cached for the next run",
+               "bypass": "not cacheable: compiles again next run", "off": "cache off"}
 
 
 def parse_args(argv=None):
@@ -47,15 +49,10 @@ def parse_args(argv=None):
 def tokenize(a, tokenizer, text: str, i: int, n: int, ckpt, vocab_size: int) -> list[int]:
     """Prompt i of n as token ids (the chat template unless --no-chat or the checkpoint has none); a prompt that
     tokenizes to nothing, or to ids outside the model's vocabulary, is refused."""
-    ids = tokenizer.prompt_ids(text, chat=not a.no_chat)
     chat = not a.no_chat and tokenizer.chat_template is not None
-    if not ids:
-        which = f"prompt {i + 1} of the batch" if n > 1 else "the prompt"
-        raise UserError(f"{which} is empty once tokenized" + (" with the chat template" if chat else ""))
-    if max(ids) >= vocab_size:
-        raise UserError(f"the tokenizer of {ckpt} gives token id {max(ids)}, outside the model's vocab_size "
-                        f"{vocab_size}: tokenizer and weights do not belong together")
-    return ids
+    which = f"prompt {i + 1} of the batch" if n > 1 else "the prompt"
+    return check_prompt_ids(tokenizer.prompt_ids(text, chat=not a.no_chat), vocab_size, which, str(ckpt),
+                            " with the chat template" if chat else "")
 
 
 def run(a) -> int:
@@ -63,8 +60,9 @@ def run(a) -> int:
     check_args(a)
     progress.quiet = a.quiet  # for every line of this run: a conversion's too
     policy = policies.make(a.policy)  # unknown names and parameters fail before any loading
+    sampling = sampling_of(a)
     mesh = tp.start(a.tp, a.device, policy, interactive=a.interactive, speculate=bool(a.speculate),
-                    aot=a.compile_mode == AOT)
+                    aot=a.compile_mode == runtime.AOT)
     a.device = tp.rank_device(a.device, mesh)
     draft_policy = None
     if a.speculate:  # --prefill is the draft's; the target is full
@@ -77,27 +75,22 @@ def run(a) -> int:
     texts = None if a.random_weights or a.interactive else read_prompts(a)
     dtype = compute_dtype(a)
     torch.manual_seed(a.seed or 0)
-    set_threads(a.threads)
+    runtime.set_threads(a.threads)
     if a.interactive:
-        return run_interactive(a, policy, dtype, mesh)
+        return run_interactive(a, policy, sampling, dtype, mesh)
     ckpt, config, tokenizer, model, prompts = load(a, texts, dtype, mesh)
     gen = Generation(parse_config(config) if model is None else model.args, policy,
                      [len(p) for p in prompts], budget=a.budget, max_new_tokens=a.max_new_tokens,
                      block_size=a.block_size, prefill=a.prefill, evict_before_attend=a.evict_before_attend,
-                     kv_dtype=KV_DTYPES.get(a.kv_dtype), temperature=a.temperature, top_k=a.top_k or 0,
-                     top_p=1.0 if a.top_p is None else a.top_p, repetition_penalty=a.repetition_penalty,
-                     repeat_last_n=a.repeat_last_n, device=a.device)
+                     kv_dtype=KV_DTYPES.get(a.kv_dtype), sampling=sampling, device=a.device)
     if model is None:  # random weights: built once the KV cache it must leave room for is known
         model = tp.random_model(config, dtype, a.device, a.seed or 0, mesh, label=a.shapes,
                                 kv_bytes=gen.kv_bytes_needed(dtype))
-    else:  # the weights are in memory already: the caches must fit in what is left (a rank holds 1/N of them)
-        check_fits(f"the KV cache of {len(prompts)} sequence{'s' if len(prompts) > 1 else ''}", 0,
-                   gen.kv_dtype or dtype, a.device, gen.kv_bytes_needed(dtype) // mesh.world)
     dtype_name = str(dtype).removeprefix("torch.")
     weights = weights_format(model.config, dtype_name, a.shapes if a.random_weights else None, a.seed or 0)
     if a.speculate:
         return run_speculative(a, model, tokenizer, prompts[0], draft_policy, dtype, gen, weights)
-    gen.setup(model)
+    gen.setup(model)  # the caches, once checked against the memory the weights left
     if a.compile:
         gen.compile(model, prompts[0][0], a.compile_mode, a.compile_prefill, a.freeze,
                     around=lambda g: compile_log(g.compile_mode, g.compiled_prefill, a.freeze, is_verbose(a)))
@@ -109,26 +102,18 @@ def run(a) -> int:
     return 0
 
 
-def run_interactive(a, policy, dtype, mesh) -> int:
+def run_interactive(a, policy, sampling, dtype, mesh) -> int:
     """--interactive: a chat.Chat with the flags' settings (each default clamped to the model's context, a value
     given must fit), --compile's steps compiled before the first turn, then the REPL."""
     import chat
     _, _, tokenizer, model, _ = load(a, [], dtype, mesh)
-    ctx = model.args.max_seq_len
-    for flag, v in (("--block-size", a.block_size), ("--budget", a.budget), ("--max-new-tokens", a.max_new_tokens)):
-        if v is not None and v > ctx:
-            raise UserError(f"{flag} {v} is larger than the model's context ({ctx})")
-    if a.top_k is not None and a.top_k > model.args.vocab_size:
-        raise UserError(f"--top-k {a.top_k} exceeds the model's vocabulary ({model.args.vocab_size} tokens)")
-    conversation = chat.Chat(model, tokenizer, policy, a.budget,
-                             max_new_tokens=a.max_new_tokens or min(DEFAULT_NEW_TOKENS, ctx - 1),
-                             block_size=a.block_size or min(DEFAULT_BLOCK, ctx), prefill=a.prefill,
-                             temperature=a.temperature, top_k=a.top_k or 0, top_p=1.0 if a.top_p is None else a.top_p,
+    conversation = chat.Chat(model, tokenizer, policy, a.budget, max_new_tokens=a.max_new_tokens,
+                             block_size=a.block_size, prefill=a.prefill, sampling=sampling,
                              kv_dtype=KV_DTYPES.get(a.kv_dtype), chat_template=not a.no_chat,
                              evict_before_attend=a.evict_before_attend)
     if a.compile:
         conversation.compile(a.compile_mode, a.compile_prefill, a.freeze,
-                             around=lambda mode, prefill: compile_log(mode, prefill, a.freeze, is_verbose(a)))
+                             around=lambda g: compile_log(g.compile_mode, g.compiled_prefill, a.freeze, is_verbose(a)))
     return chat.repl(conversation, json_mode=a.json)
 
 
@@ -228,7 +213,8 @@ def print_result(a, gen, stats, outs, stream, tp_line) -> None:
         print(tp_line, file=sys.stderr)
     if gen.clamped:
         print(f"defaults clamped to the model's context ({gen.args.max_seq_len}): " +
-              ", ".join(f"{flag} {d} -> {v}" for flag, (d, v) in gen.clamped.items()), file=sys.stderr)
+              ", ".join(f"--{name.replace('_', '-')} {d} -> {v}" for name, (d, v) in gen.clamped.items()),
+              file=sys.stderr)
 
 
 def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, gen, weights: str) -> int:
@@ -259,11 +245,11 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, gen, weights:
             compile_prefill=a.compile_prefill,
             around=lambda mode, prefill: compile_log(mode, prefill, a.freeze, is_verbose(a)),
             eos_ids=set(tokenizer.eos_ids) if tokenizer else set(), on_token=None if a.json else stream,
-            on_prefill=on_prefill, **gen.sampling)
+            on_prefill=on_prefill, sampling=gen.sampling)
     stats.update(policy="full", budget=slots, draft_policy=a.draft_policy, draft_budget=draft_slots,
                  draft_checkpoint=a.draft_checkpoint, draft_prefill=a.draft_prefill, weights=weights,
                  device=a.device, max_new_tokens=N,
-                 clamped_to_context={flag[2:]: {"default": d, "used": v} for flag, (d, v) in gen.clamped.items()})
+                 clamped_to_context={name: {"default": d, "used": v} for name, (d, v) in gen.clamped.items()})
     if a.json:
         print(json.dumps({"text": None if a.random_weights else stream.decoded(out), "token_ids": out, **stats}))
         return 0

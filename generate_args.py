@@ -2,7 +2,6 @@
 (each refusal one line, exit 2) and the prompts the flags name: --prompt, --prompt-file (a .jsonl file is a
 batch), a document and a question, --random-weights' token ids."""
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -13,10 +12,11 @@ import speculative
 from cache import KV_DTYPES
 from checkpoint import MODELS
 from cli import COMPILE_LOG, Parser, check_writable
-from engine import (AOT, DEFAULT_BLOCK, DEFAULT_BUDGET, DEFAULT_NEW_TOKENS, DTYPES, MIN_TEMPERATURE, PREFILLS,
-                    check_run_settings)
-from engine import compute_dtype as engine_compute_dtype
-from errors import UserError
+from engine import DEFAULT_BLOCK, DEFAULT_BUDGET, DEFAULT_NEW_TOKENS, PREFILLS, check_kv_dtype
+from errors import UserError, check_int
+from runtime import AOT, DTYPES, check_device
+from runtime import compute_dtype as runtime_compute_dtype
+from sampling import MIN_TEMPERATURE, Sampling
 from files import jsonl_objects, read_capped
 
 MAX_PROMPT_BYTES = 64 << 20  # far more text than any supported model's context holds
@@ -180,20 +180,10 @@ def parse_args(argv=None, description: str | None = None):
 
 def check_args(a) -> None:
     kernels.check_form()
-    if a.batch_size is not None and a.batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {a.batch_size}")
-    if a.max_new_tokens is not None and a.max_new_tokens < 1:
-        raise UserError("--max-new-tokens must be >= 1")
-    if a.block_size is not None and a.block_size < 1:
-        raise UserError("--block-size must be >= 1")
-    if a.budget is not None and a.budget < 1:
-        raise UserError("--budget must be >= 1")
-    top_k, top_p = 0 if a.top_k is None else a.top_k, 1.0 if a.top_p is None else a.top_p
-    if not 0 <= a.temperature < math.inf or top_k < 0 or not 0 < top_p <= 1:  # NaN fails every comparison
-        raise UserError("need a finite --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
-    if a.repeat_last_n is not None and a.repetition_penalty == 1.0:
-        raise UserError("--repeat-last-n applies to --repetition-penalty, which is 1 (off)")
-    a.repeat_last_n = 64 if a.repeat_last_n is None else a.repeat_last_n
+    for name in ("batch_size", "max_new_tokens", "block_size", "budget"):
+        if getattr(a, name) is not None:
+            check_int(name, getattr(a, name), least=1)
+    sampling_of(a)
     if a.stop is not None and not all(a.stop):
         raise UserError("--stop takes a non-empty text")
     extras = [f for f, on in (("--repetition-penalty", a.repetition_penalty != 1.0), ("--stop", a.stop)) if on]
@@ -207,12 +197,9 @@ def check_args(a) -> None:
     check_interactive_flags(a)
     check_prompt_flags(a)
     check_speculate_flags(a)
-    seed = () if a.random_weights else (("--seed", a.seed),)  # random weights: --seed seeds them (and the prompt)
-    given = [flag for flag, v in (("--top-k", a.top_k), ("--top-p", a.top_p), *seed) if v is not None]
-    if given and a.temperature < MIN_TEMPERATURE:
-        raise UserError(f"{' / '.join(given)} {'apply' if len(given) > 1 else 'applies'} to sampling, and "
-                        f"--temperature {a.temperature:g} decodes greedily (sampling needs --temperature >= "
-                        f"{MIN_TEMPERATURE:g})")
+    if a.seed is not None and not a.random_weights and a.temperature < MIN_TEMPERATURE:  # random weights: it seeds them
+        raise UserError(f"--seed applies to sampling, and --temperature {a.temperature:g} decodes greedily "
+                        f"(sampling needs --temperature >= {MIN_TEMPERATURE:g})")
     if a.threads is not None and not 1 <= a.threads <= 1024:
         raise UserError(f"--threads must be between 1 and 1024, got {a.threads}")
     if a.profile is not None:
@@ -221,7 +208,8 @@ def check_args(a) -> None:
         check_writable(a.profile, "--profile")
     if (a.compile_prefill is not None or a.compile_mode is not None or a.freeze) and not a.compile:
         raise UserError("--compile-prefill / --no-compile-prefill / --compile-mode / --freeze need --compile")
-    check_run_settings(a.device, a.dtype, a.kv_dtype, a.prefill)
+    check_device(a.device)
+    check_kv_dtype(a.kv_dtype, compute_dtype(a))
     if a.compile_mode == AOT and (a.device != "cpu" or a.freeze):
         raise UserError("--compile-mode aot compiles the CPU decode step, unfrozen (its package takes the weights "
                         "as inputs): not with " + ("--freeze" if a.freeze else f"--device {a.device}"))
@@ -255,7 +243,13 @@ def check_speculate_flags(a) -> None:
 
 def compute_dtype(a) -> torch.dtype:
     """--dtype: auto is bfloat16 on CUDA, float32 on CPU."""
-    return engine_compute_dtype(a.dtype, a.device)
+    return runtime_compute_dtype(a.dtype, a.device)
+
+
+def sampling_of(a) -> Sampling:
+    """The sampling the flags give (a UserError naming the parameter, which the command line shows as its flag)."""
+    return Sampling(a.temperature, 0 if a.top_k is None else a.top_k, 1.0 if a.top_p is None else a.top_p,
+                    a.repetition_penalty, a.repeat_last_n)
 
 
 def check_interactive_flags(a) -> None:

@@ -3,8 +3,9 @@
 Every hyper-parameter comes from the checkpoint's `config.json` (`config.parse_config`), never from a name.
 Weights are in Hugging Face layout (q/k rows not permuted), so RoPE rotates halves (`apply_rope`), as HF does.
 The KV cache and everything a policy does live in `cache.py`; this file only calls `cache.update` before attention
-and `cache.evict` after it. The products and attention run on kernels.py's forms (`Linear`, `attention`); the engine
-runs each block as a compile region (engine.block_forward). Two forwards: `forward` (one block through every layer:
+and `cache.evict` after it. The products and attention run on kernels.py's forms (`Linear`, `attention`). While layer
+regions are on (`set_layer_regions`, runtime.py's decision), each block runs as a compile region: a compiled step
+traces one layer and stamps its graph out for every later layer that reads the same. Two forwards: `forward` (one block through every layer:
 block-wise prefill and decode) and `prefill_layer_major` (the whole prompt through one layer at a time, with a
 scratch cache per layer: the one-shot prefill).
 """
@@ -154,8 +155,33 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, x, cos, sin, input_pos, query_pos, cache=None) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, input_pos, query_pos, cache)
-        return x + self.feed_forward(self.ffn_norm(x))
+        return (block_region if regions_on() else block_layer)(self, x, cos, sin, input_pos, query_pos, cache)
+
+
+def block_layer(block: TransformerBlock, x, cos, sin, input_pos, query_pos, cache=None) -> Tensor:
+    x = x + block.attention(block.attention_norm(x), cos, sin, input_pos, query_pos, cache)
+    return x + block.feed_forward(block.ffn_norm(x))
+
+
+# A layer region (torch.compiler.nested_compile_region): a compiled step traces one layer and reuses its graph for
+# every later layer whose inputs and whatever it reads of its modules match (a layer that differs, say a policy
+# reading the layer's index, is traced again); one reuse entry per distinct layer trace. Eager, it is the function.
+block_region = torch.compiler.nested_compile_region(block_layer, max_reuse_entries=1024)
+layer_regions = False
+
+
+def set_layer_regions(on: bool) -> None:
+    """Whether the next traced step runs each block as a layer region; also marks regions_on a constant for dynamo
+    (here, not at import: the marker imports dynamo, which an eager run does not need)."""
+    global layer_regions
+    layer_regions = on
+    torch.compiler.assume_constant_result(regions_on)
+
+
+def regions_on() -> bool:
+    """layer_regions, read when dynamo traces a step and not guarded: steps traced with and without regions in one
+    process both keep running without a recompile."""
+    return layer_regions
 
 
 class Transformer(nn.Module):

@@ -64,7 +64,7 @@ GROUP_SIZES = (32, 64, 128)
 # Divides the in-features of every model in checkpoint.MODELS, and is the block of a Q4_1 / Q4_0 GGUF (the embedded
 # SmolLM2's): 64 would re-quantize two of its blocks per group (+41.8% perplexity, docs/quantization.md).
 DEFAULT_GROUPSIZE = 32
-MARKER = "budgetkv_quantization"  # the config.json entry that makes engine.load_model swap the Linears
+MARKER = "budgetkv_quantization"  # the config.json entry that makes loading.load_model swap the Linears
 LINEARS = ("wqkv", "wo", "w13", "w2", "output")  # the last component of every Linear's name in model.py
 
 

@@ -1,7 +1,128 @@
-"""What turns a step's logits into the next token, beyond temperature / top-k / top-p: the repetition penalty, as
-static-shaped tensor ops (no host sync, no shape that depends on the tokens), and stop strings, checked on the host
-where the text is decoded anyway (streaming)."""
+"""What turns a step's logits into the next token: a `Sampling` value (greedy, or temperature / top-k / top-p, and
+the repetition penalty), sampled as static-shaped tensor ops with no host sync (the exponential race), and stop
+strings, checked on the host where the text is decoded anyway (streaming)."""
+from dataclasses import dataclass
+
 import torch
+
+from errors import UserError, check_int, check_number
+
+MIN_TEMPERATURE = 1e-5  # below it sampling is greedy: logits / t would overflow, and exp() of the gaps is 0 anyway
+DEFAULT_LAST_N = 64  # the repetition penalty's window when repeat_last_n is not given (llama.cpp's)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a step's logits become the next token. Greedy at temperature 0 (any below MIN_TEMPERATURE); otherwise
+    drawn from softmax(logits / temperature) restricted to the top_k largest (0: all) and then to the smallest set
+    whose mass reaches top_p (1: all). repetition_penalty (1: off) divides a positive logit (multiplies a negative
+    one) of every token among its sequence's last repeat_last_n tokens (-1: the whole sequence; None: 64), as
+    llama.cpp and HF generate do. Checked when made: a UserError names the parameter."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    repeat_last_n: int | None = None
+
+    def __post_init__(self):
+        check_number("temperature", self.temperature, least=0.0)
+        check_int("top_k", self.top_k, least=0)
+        check_number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"`top_p` must be in (0, 1], got {self.top_p!r}")
+        check_number("repetition_penalty", self.repetition_penalty)
+        if not 0.01 <= self.repetition_penalty <= 100:
+            raise UserError(f"`repetition_penalty` must be between 0.01 and 100, got {self.repetition_penalty!r}")
+        if self.repeat_last_n is not None:
+            check_int("repeat_last_n", self.repeat_last_n, least=-1)
+            if self.repetition_penalty == 1.0:
+                raise UserError("`repeat_last_n` applies to `repetition_penalty`, which is 1 (off)")
+        given = [f"`{name}`" for name, on in (("top_k", self.top_k != 0), ("top_p", self.top_p != 1.0)) if on]
+        if given and self.greedy:
+            raise UserError(f"{' / '.join(given)} {'apply' if len(given) > 1 else 'applies'} to sampling, and "
+                            f"temperature={self.temperature:g} decodes greedily (sampling needs `temperature` >= "
+                            f"{MIN_TEMPERATURE:g})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def last_n(self) -> int:
+        return DEFAULT_LAST_N if self.repeat_last_n is None else self.repeat_last_n
+
+    def check_model(self, vocab_size: int, context: int) -> None:
+        """What depends on the model: top_k within the vocabulary, repeat_last_n within the context."""
+        if self.top_k > vocab_size:
+            raise UserError(f"top_k={self.top_k} exceeds the model's vocabulary ({vocab_size} tokens)")
+        if self.last_n > context:
+            raise UserError(f"repeat_last_n={self.last_n} is longer than the model's context ({context}): give -1 "
+                            "for the whole sequence")
+
+    def penalty(self, batch: int, vocab: int, device) -> "RepetitionPenalty | None":
+        """The repetition penalty's state for a batch (None when it is off)."""
+        if self.repetition_penalty == 1.0:
+            return None
+        return RepetitionPenalty(self.repetition_penalty, self.last_n, batch, vocab, device)
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """What sampling draws from (not greedy): softmax(logits / temperature) over [..., V], top-k and then top-p
+        applied (the tokens outside them 0). Not renormalised after top-p: divide by the sum for a distribution.
+        The largest logit is subtracted first, so that no finite row overflows into inf - inf = NaN."""
+        logits = (logits - logits.amax(-1, keepdim=True)) / self.temperature
+        if self.top_k > 0:
+            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(-1)
+        if self.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            outside = sorted_probs.cumsum(-1) - sorted_probs > self.top_p  # the smallest prefix whose mass reaches p
+            probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+        return probs
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> token ids [B] (the penalty not applied: see tokens)."""
+        return logits.argmax(-1) if self.greedy else race(self.probabilities(logits))
+
+    def tokens(self, logits: torch.Tensor, penalty: "RepetitionPenalty | None" = None) -> torch.Tensor:
+        """The next tokens [B], or -1 where a row's logits are not all finite (the check rides on the token's own
+        host sync). penalty: applied to the logits first, and told the tokens drawn."""
+        if penalty is not None:
+            logits = penalty(logits)
+        token = torch.where(torch.isfinite(logits).all(-1), self.sample(logits), -1)
+        if penalty is not None:
+            penalty.push(token)
+        return token
+
+
+GREEDY = Sampling()
+
+
+def race(weights: torch.Tensor) -> torch.Tensor:
+    """One index per row of non-negative weights [..., V], drawn with probability proportional to its weight (the
+    exponential race: argmax w / Exp(1), no normalisation and no host sync)."""
+    return (weights / torch.empty_like(weights).exponential_(1)).argmax(-1)
+
+
+class NonFiniteLogits(UserError):
+    """The model's logits were NaN or inf: generation stopped."""
+
+
+def check_finite(tok: int, step: int) -> None:
+    """NonFiniteLogits where Sampling.tokens gave -1 (at generated token step + 1)."""
+    if tok < 0:
+        raise NonFiniteLogits(f"the model's logits are not finite (NaN or inf) at generated token {step + 1}: "
+                              "generation stopped; check the checkpoint's weights and config.json, or run in float32")
+
+
+def first_tokens(logits: torch.Tensor, sampling: Sampling = GREEDY, penalty: "RepetitionPenalty | None" = None
+                 ) -> tuple[torch.Tensor, list]:
+    """Each sequence's first token from its prompt's last logits [B, vocab]: (the tokens [B], [[id], ...])."""
+    token = sampling.tokens(logits, penalty)
+    outs = [[tok] for tok in token.tolist()]  # the first tokens are needed on the host anyway (streaming, EOS)
+    for out in outs:
+        check_finite(out[0], 0)
+    return token, outs
 
 
 class RepetitionPenalty:

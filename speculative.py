@@ -41,8 +41,11 @@ import torch
 import torch.nn as nn
 
 import engine
+import loading
+import runtime
 from cache import is_scorer, kv_bytes
 from errors import UserError
+from sampling import GREEDY, Sampling, check_finite, race
 
 MAX_K = 16  # drafts per round: each costs a draft step, and the chance that a round keeps them all falls
 # geometrically with K
@@ -63,18 +66,16 @@ def draft_prefill_step(model, idx, input_pos):
     return model(idx, input_pos)
 
 
-EAGER = Steps(engine.prefill_step, draft_prefill_step, draft_step, verify_step)
+EAGER = Steps(runtime.prefill_step, draft_prefill_step, draft_step, verify_step)
 
 
 def compile_steps(device: str, mode: str | None = None, prefill: bool = False, freeze: bool = False) -> Steps:
-    """Steps with the draft decode step and the K+1 verification block each compiled once (fullgraph, static
-    shapes; on CUDA both under CUDA graphs, the decode mode); the prefill steps too when `prefill`. freeze: the
-    weights folded into each graph (engine.compile_steps; a packed copy per graph)."""
-    target_prefill, _ = engine.compile_steps(device, mode, prefill=prefill, freeze=freeze)  # + inductor's cache dir
-    prefill_mode, decode_mode = engine.step_modes(device, mode)
-    draft_prefill = engine.compile_step(draft_prefill_step, prefill_mode, freeze) if prefill else draft_prefill_step
-    return Steps(target_prefill, draft_prefill, engine.compile_step(draft_step, decode_mode, freeze),
-                 engine.compile_step(verify_step, decode_mode, freeze))
+    """Steps with the draft decode step and the K+1 verification block each compiled once (runtime.compile_steps:
+    fullgraph, static shapes; on CUDA both under CUDA graphs, the decode mode); the prefill steps too when
+    `prefill`. freeze: the weights folded into each graph (a packed copy per graph)."""
+    prefills, (draft, verify) = runtime.compile_fns(
+        device, mode, [runtime.prefill_step, draft_prefill_step] if prefill else [], [draft_step, verify_step], freeze)
+    return Steps(*(prefills or EAGER[:2]), draft, verify)
 
 
 def draft_model(model) -> nn.Module:
@@ -146,8 +147,8 @@ def load_draft(target, checkpoint: str | None, dtype: torch.dtype, device: str, 
         return draft_model(target)
     if random_seed is not None:
         config, shapes = shape_config(checkpoint)
-        return engine.random_model(config, dtype, device, random_seed, label=f"the draft ({shapes})")
-    return engine.load_model(resolve_checkpoint(checkpoint, "--draft-checkpoint"), dtype, device)
+        return loading.random_model(config, dtype, device, random_seed, label=f"the draft ({shapes})")
+    return loading.load_model(resolve_checkpoint(checkpoint, "draft_checkpoint"), dtype, device)
 
 
 def setup(target, draft, draft_policy, draft_budget: int | None, prompt_len: int, max_new_tokens: int,
@@ -205,12 +206,12 @@ def run(target, draft, prompt_ids: list[int], max_new_tokens: int, *, k: int, bl
     the prefill is compiled) when given, then generate() (kw: its sampling, eos_ids, on_token, on_prefill). The
     stats add the compile's seconds, the draft's tokens read per step, the target's prefill chunk
     (engine.dense_chunk), both caches' bytes and the bandwidth model's best case (every draft kept)."""
-    steps, compile_s, mode = EAGER, 0.0, None if mode == "auto" else mode
+    steps, compile_s = EAGER, 0.0
     if compile:
-        compile_prefill = device != "cpu" if compile_prefill is None else compile_prefill
+        mode, compile_prefill = runtime.compile_settings(target, "block", mode, compile_prefill, False, aot=False)
         steps = compile_steps(device, mode, prefill=compile_prefill)
         t = time.perf_counter()
-        name = engine.mode_name(mode, device)
+        name = runtime.mode_name(mode, device)
         with around(name, compile_prefill) if around is not None else contextlib.nullcontext():
             warm_up(target, draft, steps, prompt_ids[0], block_size, k, device, draft_one_shot)
         compile_s = time.perf_counter() - t
@@ -229,25 +230,25 @@ def normalized(probs: torch.Tensor) -> torch.Tensor:
     return probs / probs.sum(-1, keepdim=True)
 
 
-def draft_tokens(draft, step, token: torch.Tensor, p: int, k: int, temperature: float, top_k: int, top_p: float):
+def draft_tokens(draft, step, token: torch.Tensor, p: int, k: int, sampling: Sampling):
     """K draft decode steps from `token` [1, 1] at position p: the drafts [k] and, when sampling, the distribution
     each was drawn from [k, V] (None when greedy)."""
     drafts, dists = [], []
     for i in range(k):
         logits = step(draft, token, torch.tensor([p + i], device=token.device))
-        if temperature < engine.MIN_TEMPERATURE:
+        if sampling.greedy:
             t = logits.argmax(-1)
         else:
-            q = normalized(engine.probabilities(logits, temperature, top_k, top_p))
-            t = engine.race(q)
+            q = normalized(sampling.probabilities(logits))
+            t = race(q)
             dists.append(q[0])
         drafts.append(t)
         token = t.view(1, 1)
     return torch.cat(drafts), (torch.stack(dists) if dists else None)
 
 
-def accept(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, temperature: float, top_k: int,
-           top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def accept(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, sampling: Sampling
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, token): how many of the drafts [K] the target keeps, and its own next token, from the verification
     logits [K+1, V] (row i predicts the token after the block's i-th) and the draft distributions q [K, V] (None:
     greedy). Greedy: the drafts that equal the target's argmax, in a row, then its argmax. Sampling: d_i kept with
@@ -260,13 +261,13 @@ def accept(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, t
         best = logits.argmax(-1)
         n = (drafts == best[:K]).long().cumprod(0).sum()
         return n, torch.where(finite, best[n], -1)
-    p = normalized(engine.probabilities(logits, temperature, top_k, top_p))
+    p = normalized(sampling.probabilities(logits))
     pd, qd = (d.gather(-1, drafts[:, None])[:, 0] for d in (p[:K], q))
     kept = torch.rand(K, device=logits.device) * qd < pd  # P(u < p / q) = min(1, p / q)
     n = kept.long().cumprod(0).sum()
     residual = torch.cat([(p[:K] - q).clamp_min(0), p[K:]])[n]
     residual = torch.where(residual.sum() > 0, residual, p[n])
-    return n, torch.where(finite, engine.race(residual), -1)
+    return n, torch.where(finite, race(residual), -1)
 
 
 def rollback(model, last: int) -> None:
@@ -277,7 +278,7 @@ def rollback(model, last: int) -> None:
 
 @torch.inference_mode()
 def generate(target, draft, prompt_ids: list[int], max_new_tokens: int, *, k: int, block_size: int,
-             steps: Steps = EAGER, eos_ids=(), temperature=0.0, top_k=0, top_p=1.0, on_token=None, device="cpu",
+             steps: Steps = EAGER, eos_ids=(), sampling: Sampling = GREEDY, on_token=None, device="cpu",
              draft_one_shot=False, on_prefill=None, on_round=None) -> tuple[list, dict]:
     """Prefill both caches (the target block-wise, the draft one-shot when draft_one_shot, as setup planned it),
     then speculative rounds of k drafts (decode) until max_new_tokens or EOS; returns (generated ids, stats): the
@@ -297,8 +298,8 @@ def generate(target, draft, prompt_ids: list[int], max_new_tokens: int, *, k: in
     engine.sync(device)
     t0 = time.perf_counter()
     logits = prefill(target, draft, prompt, block_size, steps, draft_one_shot, on_prefill)
-    tok = int(engine.sample_finite(logits, temperature, top_k, top_p).item())
-    engine.check_finite(tok, 0)
+    tok = int(sampling.tokens(logits).item())
+    check_finite(tok, 0)
     t1 = time.perf_counter()
     stats.update(ttft_s=t1 - t0, prefill_tok_s=L / (t1 - t0), prefill_peak_bytes=mem.peak())
 
@@ -308,7 +309,7 @@ def generate(target, draft, prompt_ids: list[int], max_new_tokens: int, *, k: in
     mem.reset()
     t2 = time.perf_counter()
     kept, draft_steps = decode(target, draft, out, L, max_new_tokens, k=k, steps=steps, eos_ids=eos_ids,
-                               temperature=temperature, top_k=top_k, top_p=top_p, on_token=on_token,
+                               sampling=sampling, on_token=on_token,
                                on_round=on_round)
     engine.sync(device)
     t3 = time.perf_counter()
@@ -343,7 +344,7 @@ def prefill(target, draft, prompt: torch.Tensor, block_size: int, steps: Steps, 
 
 @torch.inference_mode()
 def decode(target, draft, out: list[int], p: int, max_new_tokens: int, *, k: int, steps: Steps = EAGER, eos_ids=(),
-           temperature=0.0, top_k=0, top_p=1.0, on_token=None, on_round=None) -> tuple[list[int], int]:
+           sampling: Sampling = GREEDY, on_token=None, on_round=None) -> tuple[list[int], int]:
     """Speculative rounds from out[-1], the last sampled token, at position p (written to neither cache), appending
     to `out` until it holds max_new_tokens or ends with an EOS; returns (drafts kept in each round, draft steps
     run). on_token(out) after each new token; on_round(out, n_kept) after each round's rollback."""
@@ -351,12 +352,12 @@ def decode(target, draft, out: list[int], p: int, max_new_tokens: int, *, k: int
     kept, draft_steps, tok = [], 0, out[-1]
     while len(out) < max_new_tokens and tok not in eos_ids:
         token = torch.tensor([[tok]], device=device)
-        drafts, q = draft_tokens(draft, steps.draft, token, p, k, temperature, top_k, top_p)
+        drafts, q = draft_tokens(draft, steps.draft, token, p, k, sampling)
         logits = steps.verify(target, torch.cat([token[0], drafts]).view(1, k + 1),
                               torch.arange(p, p + k + 1, device=device))
-        n, nxt = accept(drafts, q, logits, temperature, top_k, top_p)
+        n, nxt = accept(drafts, q, logits, sampling)
         *ids, n, nxt = torch.cat([drafts, n.view(1), nxt.view(1)]).tolist()  # the round's one host sync
-        engine.check_finite(nxt, len(out))
+        check_finite(nxt, len(out))
         draft_steps += k
         if n == k:  # nothing to roll back, but the draft has not seen dK yet
             steps.draft(draft, drafts[-1:].view(1, 1), torch.tensor([p + k], device=device))

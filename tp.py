@@ -353,41 +353,41 @@ def localize(model, mesh: Mesh):
 
 
 def random_model(config: dict, dtype, device: str, seed: int, mesh: Mesh, *, label: str, kv_bytes: int = 0):
-    """engine.random_model for this rank: the whole model's values (the same generator stream), each Linear
+    """loading.random_model for this rank: the whole model's values (the same generator stream), each Linear
     sliced as soon as it is made, so that a rank holds its shard plus one whole tensor at a time (Llama-3.1-70B on
     8 GPUs never needs the whole model on one). kv_bytes: the whole model's KV cache (a rank holds 1/N)."""
-    import engine
+    import loading
     from config import parse_config
     if mesh.world == 1:
-        return engine.random_model(config, dtype, device, seed, label=label, kv_bytes=kv_bytes)
+        return loading.random_model(config, dtype, device, seed, label=label, kv_bytes=kv_bytes)
     args = parse_config(config)
     check_shapes(args, mesh.world)
     n = weight_bytes_per_rank(config, mesh.world, dtype) // dtype.itemsize
-    model = engine.random_model(config, dtype, device, seed, label=label, kv_bytes=kv_bytes // mesh.world,
+    model = loading.random_model(config, dtype, device, seed, label=label, kv_bytes=kv_bytes // mesh.world,
                                 shard=lambda name, mod: shard_module(name, mod, args, mesh), n_params=n)
     return localize(model, mesh)
 
 
 def load_model(ckpt_dir, dtype, device: str, mesh: Mesh, config: dict | None = None):
-    """engine.load_model for this rank, then quantized Linears packed for its device's kernel. An engine file (a
+    """loading.load_model for this rank, then quantized Linears packed for its device's kernel. An engine file (a
     converted or quantized checkpoint) is read slice by slice: a rank reads only its slices of the sharded Linears
     (read_slices). A Hugging Face folder is read whole on the host, sharded there, and only the slices move to
     `device`."""
-    import engine
+    import loading
     from convert import ENGINE_FILE, read_config
     from config import parse_config
     if mesh.world == 1:
-        return engine.load_model(ckpt_dir, dtype, device, config)
+        return loading.load_model(ckpt_dir, dtype, device, config)
     if (ckpt_dir / ENGINE_FILE).is_file():
         config = config if config is not None else read_config(ckpt_dir)
         args = parse_config(config)
-        return engine.load_model(ckpt_dir, dtype, device, config, shard=lambda m: apply_tp(m, mesh),
-                                 read=lambda f: read_slices(f, args, mesh))
+        return loading.load_model(ckpt_dir, dtype, device, config, shard=lambda m: apply_tp(m, mesh),
+                                  read=lambda f: read_slices(f, args, mesh))
 
     def shard(model):
         apply_tp(model, mesh)
         model.to(device)
-    return engine.load_model(ckpt_dir, dtype, "cpu", config, shard=shard)
+    return loading.load_model(ckpt_dir, dtype, "cpu", config, shard=shard)
 
 
 def slice_rule(name: str, args):
@@ -450,9 +450,9 @@ def read_slices(f, args, mesh: Mesh) -> dict:
 def weight_bytes_per_rank(config: dict, world: int, dtype: torch.dtype) -> int:
     """Bytes of the weights one rank holds (float weights in dtype): the sharded Linears' 1/world (wqkv and w13
     with their biases, wo and w2), everything else whole (embeddings, output head, norms, wo's bias)."""
-    import engine
+    import loading
     from config import parse_config
-    return engine.weight_count(parse_config(config), world) * dtype.itemsize
+    return loading.weight_count(parse_config(config), world) * dtype.itemsize
 
 
 def memory_table(config: dict, worlds=(1, 2, 4, 8), contexts=(8192, 16384, 32768, 65536, 131072),
@@ -460,7 +460,7 @@ def memory_table(config: dict, worlds=(1, 2, 4, 8), contexts=(8192, 16384, 32768
     """A markdown table of one rank's weights and KV cache (GiB) for each world size: the full cache for each
     context (every token held: context + block slots per layer and KV head) against a budget (budget + block
     slots, whatever the context)."""
-    import engine
+    import loading
     from config import parse_config
     args = parse_config(config)
     gib = 2 ** 30
@@ -472,8 +472,8 @@ def memory_table(config: dict, worlds=(1, 2, 4, 8), contexts=(8192, 16384, 32768
             continue
         local = dataclasses.replace(args, n_kv_heads=args.n_kv_heads // n)
         w = weight_bytes_per_rank(config, n, dtype)
-        full = [engine.kv_cache_estimate(local, c + block, dtype) for c in contexts]
-        bud = engine.kv_cache_estimate(local, budget + block, dtype)
+        full = [loading.kv_cache_estimate(local, c + block, dtype) for c in contexts]
+        bud = loading.kv_cache_estimate(local, budget + block, dtype)
         rows.append("| " + " | ".join([str(n), f"{w / gib:.1f}"] + [f"{f / gib:.2f}" for f in full] +
                                       [f"{bud / gib:.2f}", f"{(w + full[-1]) / gib:.1f} vs {(w + bud) / gib:.1f}"])
                     + " |")

@@ -42,9 +42,8 @@ import policies  # noqa: E402
 from cache import KV_DTYPES, is_scorer  # noqa: E402
 from checkpoint import shape_config  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
-from engine import prefill_protocol, setup  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
-from scripts.benchlib import (bench_model, bench_settings, bench_source, bench_steps, check_common,  # noqa: E402
+from scripts.benchlib import (bench_model, bench_run, bench_settings, bench_source, check_common,  # noqa: E402
                               check_policy_flags, check_sizes, config_policy, json_result, kv_dtype, make_document,
                               noise_note, parser as common_parser, policy_flags, previous, random_prompt,
                               read_bandwidth_gb_s, run_one, save, short_weights, start, steps_label, time_policy,
@@ -143,15 +142,12 @@ def run(args) -> None:
     if args.one:
         label = args.one
         policy = config_policy(label)
-        budget = args.budget if is_scorer(policy) else len(ids) + args.decode_steps  # full, exact-topk hold all
-        protocol = prefill_protocol(policy, None)
-        model = bench_model(args, ckpt, config, budget + args.block_size)
-        setup(model, policy, budget, len(ids), args.decode_steps, args.block_size, prefill=protocol,
-              evict=label != "no-evict", kv_dtype=kv_dtype(args))
+        budget = args.budget if is_scorer(policy) else None  # full, exact-topk hold every token
+        model = bench_model(args, ckpt, config, (budget or len(ids) + args.decode_steps + 1) + args.block_size)
         t = time.perf_counter()
-        steps = bench_steps(args, model, protocol)
-        r = time_policy(model, ids, steps, args, args.device, one_shot=protocol == "one-shot")
-        r["protocol"] = protocol
+        gen = bench_run(args, model, policy, len(ids), budget, ids[0], evict=label != "no-evict")
+        r = time_policy(model, ids, gen, args)
+        r["protocol"] = gen.protocol
         r["wall_s"] = time.perf_counter() - t
         print(json.dumps(r))
         return

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import engine  # noqa: E402
+import runtime  # noqa: E402
 import kernels  # noqa: E402
 from checkpoint import shape_config  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
@@ -66,7 +67,7 @@ def run(a) -> int:
         raise UserError(f"--device {a.device}: this torch sees {torch.cuda.device_count()} CUDA GPU(s)")
     if device.type not in ("cpu", "cuda"):
         raise UserError(f"--device {a.device}: cpu or cuda")
-    engine.set_threads(a.threads)
+    runtime.set_threads(a.threads)
     dtype = getattr(torch, a.dtype)
     torch._dynamo.config.recompile_limit = 64
     config, label = shape_config(a.checkpoint)

@@ -29,11 +29,10 @@ import policies  # noqa: E402
 from cache import is_scorer  # noqa: E402
 from cli import check_writable, run_cli  # noqa: E402
 from config import parse_config  # noqa: E402
-from engine import (PeakMemory, decode, decode_bytes_per_step, kv_cache_estimate, prefill_protocol,  # noqa: E402
-                    prefill_step, setup_batch, sync, weight_count)
-from engine import prefill as engine_prefill  # noqa: E402
+from engine import PeakMemory, decode_bytes_per_step, prefill_protocol, sync  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
-from scripts.benchlib import (bench_model, bench_settings, bench_source, bench_steps, check_common,  # noqa: E402
+from loading import kv_cache_estimate, weight_count  # noqa: E402
+from scripts.benchlib import (bench_model, bench_run, bench_settings, bench_source, check_common,  # noqa: E402
                               check_policy_flags, check_sizes, config_policy, gemm_gflop_s, int_list, make_document,
                               parser as common_parser, policy_flags, random_prompt, read_bandwidth_gb_s, run_one,
                               save, start, weights_label)
@@ -87,10 +86,11 @@ def batch_budget(label: str, L: int, args) -> tuple:
     return policy, budget, prefill_protocol(policy, None)
 
 
-def batch_setup(model, label: str, L: int, B: int, args) -> int:
-    """Caches of B rows for `label` at prompt length L (engine.setup_batch); returns the slots per row."""
+def batch_run(model, label: str, L: int, B: int, first: int, args):
+    """The run of B rows for `label` at prompt length L (benchlib.bench_run: set up, and compiled and warmed up on
+    `first` with --compile)."""
     policy, budget, protocol = batch_budget(label, L, args)
-    return setup_batch(model, policy, budget, [L] * B, args.decode_steps + 1, args.block_size, prefill=protocol)
+    return bench_run(args, model, policy, L, budget, first, protocol, batch=B)
 
 
 def cache_state(model) -> list[dict]:
@@ -114,13 +114,13 @@ def copy_rows(model, state: list[dict]) -> None:
             t.copy_(s.expand_as(t))
 
 
-def decode_rows(model, first: int, L: int, B: int, steps: int, decode_fn, device: str) -> tuple[list, list]:
-    """`steps` greedy decode steps (engine.decode) of a batch of B rows whose caches hold an L-token prompt and whose
-    first token is `first`, each row at its own positions; (seconds per step, each row's tokens: first + one per
-    step)."""
+def decode_rows(model, gen, first: int, L: int, B: int) -> tuple[list, list]:
+    """The run's greedy decode steps (Generation.decode) of a batch of B rows whose caches hold an L-token prompt
+    and whose first token is `first`, each row at its own positions; (seconds per step, each row's tokens: first +
+    one per step)."""
     toks, times = [[first] for _ in range(B)], []
-    decode(model, decode_fn, torch.full((B,), first, dtype=torch.long, device=device), toks, [L] * B, 1 + steps,
-           on_step=lambda logits, s: times.append(s))
+    gen.decode(model, torch.full((B,), first, dtype=torch.long, device=gen.device), toks, [L] * B,
+               on_step=lambda logits, s: times.append(s))
     return times, toks
 
 
@@ -132,11 +132,12 @@ def batch_prefill_one(label: str, path: Path, args) -> dict:
     L = len(ids)
     _, budget, protocol = batch_budget(label, L, args)
     model = bench_model(args, ckpt, config, budget + args.block_size)
-    slots = batch_setup(model, label, L, 1, args)
+    eager = argparse.Namespace(**{**vars(args), "compile": False})  # the prefill is eager, whatever decode is
+    gen = batch_run(model, label, L, 1, ids[0], eager)
+    slots = gen.slots
     with torch.inference_mode():
         t = time.perf_counter()
-        logits = engine_prefill(model, torch.tensor(ids, device=args.device), args.block_size, prefill_step,
-                                protocol == "one-shot")
+        logits = gen.prefill(model, [ids])
         first = int(logits.argmax(-1).view(-1)[0])
         sync(args.device)
         prefill_s = time.perf_counter() - t
@@ -187,23 +188,23 @@ def batch_one(label: str, B: int, path: Path, args) -> dict:
     saved = torch.load(path, map_location=args.device, weights_only=True)
     _, budget, _ = batch_budget(label, saved["L"], args)
     model = bench_model(args, ckpt, config, B * (budget + args.block_size))
-    slots = batch_setup(model, label, saved["L"], B, args)
+    first, L = saved["first"], saved["L"]
+    gen = batch_run(model, label, L, B, first, args)  # with --compile: compiled and warmed up here
+    slots = gen.slots
     mem = PeakMemory(args.device)
     with torch.inference_mode():
         copy_rows(model, saved["state"])
-        first, L = saved["first"], saved["L"]
         del saved
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-        decode_fn = bench_steps(args, model)[1]
         mem.reset()
-        times, toks = decode_rows(model, first, L, B, args.decode_steps, decode_fn, args.device)
+        times, toks = decode_rows(model, gen, first, L, B)
         peak = mem.peak()
         products = products_ms(model, B, args.device)
     weights_b, kv_b = decode_bytes_per_step(model)  # kv_b: the whole batch's K and V read per step
     step = statistics.median(times[1:])
     return {"label": label, "batch": B, "slots": slots, "decode_step_ms": 1e3 * step, "decode_tok_s": B / step,
-            "warmup_s": times[0], "decode_peak_mib": peak / 2**20, "memory_measure": mem.measure,
+            "warmup_s": gen.compile_s, "decode_peak_mib": peak / 2**20, "memory_measure": mem.measure,
             "weights_bytes": weights_b, "kv_bytes_per_seq": kv_b / B, "flops": step_flops(model, B),
             "products_ms": products,
             "rows_identical": all(row == toks[0] for row in toks), "tokens": toks[0]}

@@ -29,9 +29,10 @@ import torch  # noqa: E402
 import policies  # noqa: E402
 from cli import check_writable, run_cli  # noqa: E402
 from config import parse_config  # noqa: E402
-from engine import PeakMemory, decode, decode_bytes_per_step, first_tokens, prefill_one_shot, setup, sync  # noqa: E402
+from engine import PeakMemory, decode_bytes_per_step, sync  # noqa: E402
 from errors import UserError  # noqa: E402
-from scripts.benchlib import (bench_model, bench_settings, bench_source, bench_steps, check_common,  # noqa: E402
+from sampling import first_tokens  # noqa: E402
+from scripts.benchlib import (bench_model, bench_run, bench_settings, bench_source, check_common,  # noqa: E402
                               int_list, noise_note, parser as common_parser, previous, run_one, save, start,
                               weights_label)
 from scripts.outputs import save_png  # noqa: E402
@@ -67,20 +68,19 @@ def figure_one(model, label: str, T: int, args) -> dict:
     """One configuration of the figure ("full" or "rocketkv-<t>") at prompt length T, in this process."""
     N = args.decode_steps
     vocab = min(1024, model.args.vocab_size)  # the paper's ids < 1024 (fewer in a tiny test vocabulary)
-    ids = torch.randint(0, vocab, (T,), generator=torch.Generator().manual_seed(0)).to(args.device)
-    policy = None
-    if label == "full":
-        budget = T + N
-    else:  # the paper's token budget t: storage C from its even split, t tokens read per step
+    ids = torch.randint(0, vocab, (T,), generator=torch.Generator().manual_seed(0)).tolist()
+    policy = budget = None  # full holds every token
+    if label != "full":  # the paper's token budget t: storage C from its even split, t tokens read per step
         t = int(label.split("-")[1])
         policy = policies.RocketKV(read=t)
         budget = policies.rocket_params(T + N, t, model.args.head_dim, N).C
-    budget = setup(model, policy, budget, T, N, args.block_size, prefill="one-shot")
-    decode_fn = bench_steps(args, model, "one-shot")[1]  # one configuration per process: its own graph
+    # one configuration per process: its own graph
+    gen = bench_run(args, model, policy, T, budget, ids[0], "one-shot", new_tokens=N)
+    budget = gen.slots
     mem = PeakMemory(args.device)
     with torch.inference_mode():
         t = time.perf_counter()
-        first, _ = first_tokens(prefill_one_shot(model, ids, args.block_size), 0.0, 0, 1.0)  # waits for the device
+        first, _ = first_tokens(gen.prefill(model, [ids]))  # waits for the device
         prefill_s = time.perf_counter() - t
         n0 = [int(layer.attention.kv_cache.n_valid().max()) for layer in model.layers]
         times, peaks = [], []
@@ -91,7 +91,7 @@ def figure_one(model, label: str, T: int, args) -> dict:
             mem.reset()
             sync(args.device)
             t = time.perf_counter()
-            decode(model, decode_fn, first, [[int(first)]], [T], N)  # N - 1 steps; each waits for its token
+            gen.decode(model, first, [[int(first)]], [T])  # N - 1 steps; each waits for its token
             times.append(time.perf_counter() - t)
             peaks.append(mem.peak())
             torch._dynamo.config.error_on_recompile = True  # a recompile inside the timed samples would be a bug
@@ -99,7 +99,7 @@ def figure_one(model, label: str, T: int, args) -> dict:
     c = model.layers[0].attention.kv_cache
     cache_b = sum(t.nbytes for l in model.layers for t in l.attention.kv_cache.buffers())
     return {"label": label, "T": T, "N": N, "cache_slots": budget, "prefill_s": prefill_s,
-            "warmup_s": times[0], "decode_s": statistics.median(times[1:]),
+            "warmup_s": gen.compile_s + times[0], "decode_s": statistics.median(times[1:]),
             "decode_step_ms": 1e3 * statistics.median(times[1:]) / (N - 1),
             "decode_peak_mib": max(peaks[1:]) / 2**20, "weights_mib": weights_b / 2**20,
             "cache_mib": cache_b / 2**20, "bytes_per_step": weights_b + kv_read_b,

@@ -27,7 +27,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import engine  # noqa: E402
+import runtime  # noqa: E402
+import loading  # noqa: E402
 import quantize  # noqa: E402
 from kernels import rowwise_linear  # noqa: E402
 from checkpoint import shape_config  # noqa: E402
@@ -72,10 +73,10 @@ def run(a) -> int:
         raise UserError(f"--rows takes comma-separated row counts (e.g. 1,2,5), not {a.rows!r}") from None
     if not all(1 <= r <= 64 for r in rows_list) or a.repeats < 1:
         raise UserError("--rows takes 1-64 rows per product and --repeats at least 1")
-    engine.set_threads(a.threads)
+    runtime.set_threads(a.threads)
     torch._dynamo.config.recompile_limit = 64
     config, label = shape_config(a.checkpoint)
-    model = engine.random_model(config, torch.float32, "cpu", label=label)
+    model = loading.random_model(config, torch.float32, "cpu", label=label)
     from scripts.benchlib import read_bandwidth_gb_s
     print(f"{label}: {sum(m.weight.numel() for m in linears(model)) * 4 / 2**20:.0f} MiB of fp32 weights in "
           f"{len(linears(model))} Linears, torch threads {torch.get_num_threads()}, "

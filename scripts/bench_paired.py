@@ -22,10 +22,11 @@ import torch  # noqa: E402
 import policies  # noqa: E402
 from cache import is_scorer  # noqa: E402
 from cli import run_cli  # noqa: E402
-from engine import AOT, decode, decode_bytes_per_step, first_tokens, setup, sync, use_layer_regions  # noqa: E402
-from engine import prefill as engine_prefill  # noqa: E402
+from engine import decode_bytes_per_step, sync  # noqa: E402
 from errors import UserError  # noqa: E402
-from scripts.benchlib import (bench_model, bench_settings, bench_source, bench_steps, check_common,  # noqa: E402
+from runtime import AOT  # noqa: E402
+from sampling import first_tokens  # noqa: E402
+from scripts.benchlib import (bench_model, bench_run, bench_settings, bench_source, check_common,  # noqa: E402
                               check_policy_flags, check_sizes, compiler_flags, config_policy, make_document,
                               parser as common_parser, policy_flags, random_prompt, save, start, timed_read,
                               weights_label)
@@ -84,8 +85,7 @@ def run_paired(args) -> None:
     check_sizes(config, args)
     ids = random_prompt(config, args.prompt_tokens) if args.random_weights else \
         make_document(load_tokenizer(ckpt), args.prompt_tokens)[1]
-    prompt = torch.tensor(ids, device=args.device)
-    models, frozen, modes = {}, {}, {}
+    models, frozen, modes, policies_of = {}, {}, {}, {}
     twins = ["", " (frozen)"] if args.freezing_twins else ["", " (aot)"] if args.aot_twins else [""]
     for label, policy in zip(labels, pols):
         for twin in twins:
@@ -95,31 +95,30 @@ def run_paired(args) -> None:
                 bench_model(args, ckpt, config, args.budget + args.block_size)
             frozen[name] = twin == " (frozen)"
             modes[name] = AOT if twin == " (aot)" else "default" if args.aot_twins else args.compile_mode
-            setup(model, policy, args.budget, len(ids), args.decode_steps, args.block_size, evict=label != "no-evict")
+            policies_of[name] = (policy, label != "no-evict")
     if args.profile:  # name each compiled kernel in the profile (inductor's CPU kernels are anonymous otherwise)
         torch._inductor.config.cpp.enable_kernel_profile = True
-    # one compiled step per configuration: dynamo treats a module's weights as inputs, so configurations that trace
-    # alike would share one graph, and a frozen twin would run its unfrozen sibling's
-    decode_fns = {label: bench_steps(args, model, freeze=frozen[label], mode=modes[label])[1]
-                  for label, model in models.items()}
+    # one run per configuration, compiled and warmed up as a user's is (its first step's graph traced then, with its
+    # own freezing): dynamo treats a module's weights as inputs, so configurations that trace alike share a graph
+    gens = {name: bench_run(args, model, policies_of[name][0], len(ids), args.budget, ids[0],
+                            evict=policies_of[name][1], freeze=frozen[name], mode=modes[name])
+            for name, model in models.items()}
     # Bandwidth probe, timed once per round of steps: each step's bandwidth-bound fraction is taken against the
     # read bandwidth measured next to it, since both drift together on a shared VM. The probe also flushes the
     # caches before each round, which a model smaller than the last-level cache would otherwise sit in.
     probe = torch.ones(2**26, device=args.device)
-    outs, first_s, probe_s = {}, {label: [] for label in models}, []
+    outs, probe_s = {}, []
+    first_s = {label: [gen.compile_s] for label, gen in gens.items()}
     with torch.inference_mode():
         for label, model in models.items():
-            outs[label] = first_tokens(engine_prefill(model, prompt, args.block_size), 0.0, 0, 1.0)[1][0]
-            use_layer_regions(args.device, frozen[label])  # both read when dynamo traces
-            with torch._inductor.config.patch(freezing=frozen[label]):  # the first step compiles this model's graph
-                one_step(model, decode_fns[label], outs[label], len(ids), first_s[label].append)
+            outs[label] = first_tokens(gens[label].prefill(model, [ids]))[1][0]
         step_s = {label: [] for label in models}
         with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile inside the timed steps would be a bug
             for i in range(args.decode_steps):  # rounds of one engine.decode step per configuration
                 probe_s.append(timed_read(probe, args.device))
                 order = list(models) if i % 2 == 0 else list(models)[::-1]  # neither side always goes first
                 for label in order:
-                    one_step(models[label], decode_fns[label], outs[label], len(ids), step_s[label].append)
+                    one_step(models[label], gens[label], outs[label], len(ids), step_s[label].append)
     bw = [probe.nbytes / t / 1e9 for t in probe_s]
     bw_q = statistics.quantiles(bw, n=4)
     mode = (args.compile_mode or "generate.py's mode") + (" + cpp_wrapper" if args.cpp_wrapper else "") \
@@ -151,13 +150,13 @@ def run_paired(args) -> None:
         save(args.json, args, bench_settings(args, ckpt, "paired"), read_gb_s=statistics.median(bw), rows=rows)
     if args.profile:
         with torch._dynamo.config.patch(error_on_recompile=True):  # profile the graphs just timed, not new ones
-            profile_steps(models, outs, len(ids), decode_fns, args)
+            profile_steps(models, outs, len(ids), gens, args)
 
 
 def weight_twin(model):
     """A model over `model`'s own weight tensors, its caches set up after: the random-weights configurations share
     one set of weights (a set per configuration would not fit one GPU at 8B shapes)."""
-    from engine import meta_model
+    from loading import meta_model
     twin = meta_model(model.config)
     weights = {k: t for k, t in model.state_dict().items() if ".kv_cache." not in k}  # not its caches
     twin.load_state_dict(weights, assign=True)
@@ -167,15 +166,15 @@ def weight_twin(model):
     return twin.eval()
 
 
-def one_step(model, decode_fn, out: list[int], prompt_len: int, timed) -> None:
-    """One greedy step of engine.decode after the tokens `out` (appended in place) of a prompt_len-token prompt;
-    timed(seconds) with the step's time."""
+def one_step(model, gen, out: list[int], prompt_len: int, timed) -> None:
+    """One greedy step of the run's decode loop after the tokens `out` (appended in place) of a prompt_len-token
+    prompt; timed(seconds) with the step's time."""
     token = torch.tensor(out[-1:], device=model.tok_embeddings.weight.device)
-    decode(model, decode_fn, token, [out], [prompt_len + len(out) - 1], len(out) + 1,
-           on_step=lambda logits, s: timed(s))
+    gen.decode(model, token, [out], [prompt_len + len(out) - 1], max_new_tokens=len(out) + 1,
+               on_step=lambda logits, s: timed(s))
 
 
-def profile_steps(models, outs, prompt_len, decode_fns, args, n_steps: int = 10) -> None:
+def profile_steps(models, outs, prompt_len, gens, args, n_steps: int = 10) -> None:
     """torch.profiler over n_steps decode steps (engine.decode) of each configuration, the top kernels by self
     time."""
     from torch.profiler import ProfilerActivity, profile
@@ -184,8 +183,8 @@ def profile_steps(models, outs, prompt_len, decode_fns, args, n_steps: int = 10)
     for label, model in models.items():
         out = outs[label]
         with torch.inference_mode(), profile(activities=activities) as prof:
-            decode(model, decode_fns[label], torch.tensor(out[-1:], device=args.device), [out],
-                   [prompt_len + len(out) - 1], len(out) + n_steps)
+            gens[label].decode(model, torch.tensor(out[-1:], device=args.device), [out], [prompt_len + len(out) - 1],
+                               max_new_tokens=len(out) + n_steps)
             sync(args.device)
         print(f"\n{label}: {n_steps} decode steps, top kernels by self time\n")
         print(prof.key_averages().table(sort_by=sort_by, row_limit=args.profile, max_name_column_width=60))

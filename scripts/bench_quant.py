@@ -20,9 +20,9 @@ from cli import run_cli  # noqa: E402
 from config import parse_config  # noqa: E402
 import quantize  # noqa: E402
 from scripts import eval as ev  # noqa: E402
-from engine import load_model, setup  # noqa: E402
+from loading import load_model  # noqa: E402
 from errors import UserError  # noqa: E402
-from scripts.benchlib import (bench_model, bench_settings, bench_source, bench_steps, check_common,  # noqa: E402
+from scripts.benchlib import (bench_model, bench_run, bench_settings, bench_source, check_common,  # noqa: E402
                               make_document, parser as common_parser, previous, random_prompt, run_one, save, start,
                               steps_label, time_policy)
 from tokenizer import load_tokenizer  # noqa: E402
@@ -85,7 +85,7 @@ def run(args) -> None:
 
 def quant_one(mode: str, args) -> dict:
     """One row in this process: --checkpoint in fp32 / bf16, or its quantize.py checkpoint (int8; int4-gN =
-    group size N; written beside it on first use, as a user would) loaded by engine.load_model; decode tok/s and
+    group size N; written beside it on first use, as a user would) loaded by loading.load_model; decode tok/s and
     bytes read per step with the `full` cache on the synthetic document (block-wise prefill, as the main table);
     perplexity of the evaluation harness's fidelity text (teacher-forced continuations, scripts/eval.py)."""
     import math
@@ -107,12 +107,11 @@ def quant_one(mode: str, args) -> dict:
         ckpt = qdir
     model = load_model(ckpt, torch.bfloat16 if mode == "bfloat16" else torch.float32, args.device)
     _, ids = make_document(tok, args.prompt_tokens)
-    setup(model, None, len(ids) + args.decode_steps, len(ids), args.decode_steps, args.block_size)
-    steps = bench_steps(args, model)
-    r = time_policy(model, ids, steps, args, args.device)
+    gen = bench_run(args, model, None, len(ids), None, ids[0])
+    r = time_policy(model, ids, gen, args)
     texts = ev.fidelity_texts(tok, args.ppl_texts, args.ppl_prefix + args.ppl_tokens, seed=0)
     records = ev.fidelity(model, texts, args.ppl_prefix, [("block", "full", None)], block_size=args.block_size,
-                          steps=steps)
+                          steps=gen.steps)
     r["nll"] = sum(x["nll"] for x in records) / len(records)
     r["ppl"] = math.exp(r["nll"])
     r["mode"] = mode
@@ -131,8 +130,7 @@ def quant_random(mode: str, args) -> dict:
     if mode.startswith("int"):
         kind, _, g = mode.removesuffix("-qhead").partition("-g")
         quantize.quantize_model(model, kind, int(g) if g else None, head=True if mode.endswith("-qhead") else None)
-    setup(model, None, len(ids) + args.decode_steps, len(ids), args.decode_steps, args.block_size)
-    r = time_policy(model, ids, bench_steps(args, model), args, args.device)
+    r = time_policy(model, ids, bench_run(args, model, None, len(ids), None, ids[0]), args)
     return r | {"mode": mode, "ppl": None, "kernels": quantize.summary(model)["kernels"]}
 
 

@@ -42,13 +42,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import engine  # noqa: E402
+import runtime  # noqa: E402
+import loading  # noqa: E402
 import policies  # noqa: E402
 from cache import is_scorer  # noqa: E402
 import speculative  # noqa: E402
 from cli import Parser, check_writable, run_cli  # noqa: E402
 from errors import UserError  # noqa: E402
 from config import parse_config  # noqa: E402
-from engine import set_layer_regions  # noqa: E402
+from model import set_layer_regions  # noqa: E402
 from scripts.benchlib import int_list, make_document  # noqa: E402
 from scripts.outputs import save_png, write_atomic  # noqa: E402
 
@@ -125,8 +127,8 @@ def source(a):
 def make_model(a, ckpt, config, weights: str):
     import quantize
     dtype = WEIGHTS[weights]
-    model = (engine.random_model(config, dtype, a.device, 0) if a.random_weights else
-             engine.load_model(ckpt, dtype, a.device, config))
+    model = (loading.random_model(config, dtype, a.device, 0) if a.random_weights else
+             loading.load_model(ckpt, dtype, a.device, config))
     if weights == "int8":
         quantize.quantize_model(model, "int8")
     return model
@@ -224,14 +226,14 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
             logits, prefill_s = timed(lambda: engine.prefill(model, torch.tensor(ids, device=a.device), block),
                                       a.device)
         first, margins = int(logits.argmax(-1)), [top2_gap(logits)]
-        mode = engine.default_compile_mode(a.device, WEIGHTS[weights], weights == "int8", a.freeze)
-        mode = None if mode == engine.AOT else mode  # plain decode compiled as speculation's steps are (torch.compile)
+        mode = runtime.default_compile_mode(a.device, WEIGHTS[weights], weights == "int8", a.freeze)
+        mode = None if mode == runtime.AOT else mode  # plain decode compiled as speculation's steps are (torch.compile)
 
         def plain_step():  # (re)compiled after each dynamo reset, and run once untimed
             torch._dynamo.reset()
             if not a.compile:
-                return engine.model_step
-            fn = engine.compile_steps(a.device, mode, False, a.freeze)[1]
+                return runtime.model_step
+            fn = runtime.compile_steps(a.device, mode, False, a.freeze)[1]
             plain_decode(model, fn, first, L, 3, a.device)
             return fn
         step = plain_step()

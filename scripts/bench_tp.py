@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 import engine  # noqa: E402
+import runtime  # noqa: E402
 import policies  # noqa: E402
 import tp  # noqa: E402
 from checkpoint import shape_config  # noqa: E402
@@ -59,7 +60,7 @@ def run(a) -> int:
     policy = policies.make(a.policy)
     mesh = tp.start(None, a.device, policy)
     device = tp.rank_device(a.device, mesh)
-    engine.set_threads(a.threads)
+    runtime.set_threads(a.threads)
     dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16}[a.dtype]
     config, label = shape_config(a.checkpoint)
@@ -69,8 +70,8 @@ def run(a) -> int:
     engine.setup(model, policy, a.budget if policy is not None else L + 2 * a.steps + 2, L, 2 * a.steps + 2,
                  a.block_size)
     ids = torch.randint(0, model.args.vocab_size, (L,), generator=torch.Generator().manual_seed(0)).to(device)
-    prefill, decode = engine.compile_steps(device.split(":")[0]) if a.compile else (engine.prefill_step,
-                                                                                      engine.model_step)
+    prefill, decode = runtime.compile_steps(device.split(":")[0]) if a.compile else (runtime.prefill_step,
+                                                                                      runtime.model_step)
     engine.prefill(model, ids, a.block_size, prefill)
     times, kinds = {True: [], False: []}, []
 

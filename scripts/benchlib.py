@@ -18,14 +18,14 @@ import torch
 import policies
 from cache import KV_DTYPES, is_scorer, kv_bytes
 from checkpoint import resolve_checkpoint, shape_config
-from cli import Parser, check_device, check_writable
+from cli import Parser, check_writable
 from config import parse_config
 from convert import read_config
-from engine import (AOT, PeakMemory, compile_settings, compile_steps, decode, decode_bytes_per_step, first_tokens,
-                    kv_cache_estimate, load_model, model_step, prefill_step, random_model, release_free_memory, sync,
-                    warm_up)
-from engine import prefill as engine_prefill
+from engine import Generation, PeakMemory, decode_bytes_per_step, sync
 from errors import EnvironmentFailure, UserError
+from loading import kv_cache_estimate, load_model, random_model
+from runtime import AOT, check_device, release_free_memory
+from sampling import first_tokens
 from scripts.outputs import check_settings, checkpoint_identity, read_json, write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
@@ -351,15 +351,32 @@ def check_sizes(config: dict, args) -> dict:
     return config
 
 
-def bench_steps(args, model, protocol: str = "block", freeze: bool | None = None, mode: str | None = None):
-    """(prefill, decode) steps for `model`: eager, or compiled as generate.py compiles them (engine.compile_settings:
-    the prefill-block step too unless --no-compile-prefill or a one-shot `protocol`, which never runs it; frozen
-    with --freeze, or as `freeze` says; in --compile-mode, or `mode`)."""
-    if not args.compile:
-        return prefill_step, model_step
-    freeze = getattr(args, "freeze", False) if freeze is None else freeze
-    mode, prefill = compile_settings(model, protocol, mode or args.compile_mode, not args.no_compile_prefill, freeze)
-    return compile_steps(args.device, mode, prefill=prefill, freeze=freeze)
+def bench_run(args, model, policy, prompt_len: int, budget: int | None, first_id: int, protocol: str | None = None,
+              *, evict: bool = True, freeze: bool | None = None, mode: str | None = None, batch: int = 1,
+              new_tokens: int | None = None) -> Generation:
+    """The run a configuration times, as a user's takes it: an engine.Generation of `policy` at `budget` (None:
+    the run's default) over `batch` prompts of prompt_len tokens and new_tokens new ones (default --decode-steps +
+    1: the first, then one per step), in --block-size blocks, set up and, with
+    --compile, compiled as generate.py compiles (the prefill-block step too unless --no-compile-prefill; frozen
+    with --freeze, or as `freeze` says; in --compile-mode, or `mode`) and warmed up on first_id. evict=False: the
+    no-evict baseline."""
+    gen = Generation(model.args, policy, [prompt_len] * batch, budget=budget,
+                     max_new_tokens=new_tokens or 1 + args.decode_steps,
+                     block_size=args.block_size, prefill=protocol, kv_dtype=kv_dtype(args), device=args.device,
+                     evict=evict)
+    gen.setup(model)
+    if args.compile:
+        freeze = getattr(args, "freeze", False) if freeze is None else freeze
+        gen.compile(model, first_id, mode or args.compile_mode, not args.no_compile_prefill, freeze)
+    else:
+        gen.compile_s = timed(lambda: gen.warm_up(model, first_id))  # first calls' costs, untimed as compiled ones
+    return gen
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def noise_note(repeats: int) -> None:
@@ -373,48 +390,36 @@ def steps_label(args) -> str:
     return ("compiled (decode only)" if args.no_compile_prefill else "compiled") if args.compile else "eager"
 
 
-def time_policy(model, ids, steps, args, device, one_shot=False) -> dict:
-    """Median prefill time (block-wise, or one-shot: dense layer-major prefill then one compression, eager even with
-    --compile, as in generate.py; it ends with the first token's argmax, so it is also the TTFT) and median decode
-    step time over repeats (and per repeat), per-phase peak memory, and the greedy tokens (the first + one per
-    decode step) of the last repeat."""
-    prefill_fn, decode_fn = steps
-    prompt = torch.tensor(ids, device=device)
-    mem = PeakMemory(device)
+def time_policy(model, ids, gen: Generation, args) -> dict:
+    """Median prefill time of a run set up by bench_run (block-wise, or one-shot: dense layer-major prefill then
+    one compression, eager even with --compile, as in generate.py; it ends with the first token's argmax, so it is
+    also the TTFT) and median decode step time over repeats (and per repeat), per-phase peak memory, and the greedy
+    tokens (the first + one per decode step) of the last repeat."""
+    mem = PeakMemory(args.device)
     prefill_s, step_s, prefill_peak, decode_peak, per_repeat = [], [], [], [], []
-
-    def prefill():
-        return engine_prefill(model, prompt, args.block_size, prefill_fn, one_shot)
-
     with torch.inference_mode():
-        t = time.perf_counter()  # warm-up: compiles (or loads) both steps as a run does, so no repeat pays for it
-        warm_up(model, steps, ids[0], args.block_size, device)
-        warmup_s = time.perf_counter() - t
         dynamo = args.compile and "torch._dynamo" in sys.modules  # not imported: eager, or the AOT decode step alone
         if dynamo:  # a recompile inside the timed loop would be a bug
             torch._dynamo.config.error_on_recompile = True
         for _ in range(args.repeats):
-            for layer in model.layers:
-                layer.attention.kv_cache.reset()
             mem.reset()
-            sync(device)
+            sync(args.device)
             t0 = time.perf_counter()
-            token, (toks,) = first_tokens(prefill(), 0.0, 0, 1.0)  # its host copy waits for the device
+            token, (toks,) = first_tokens(gen.prefill(model, [ids]))  # its host copy waits for the device
             prefill_s.append(time.perf_counter() - t0)
             prefill_peak.append(mem.peak())
             release_free_memory()
             mem.reset()
             mine = []
-            decode(model, decode_fn, token, [toks], [len(ids)], 1 + args.decode_steps,
-                   on_step=lambda logits, s: mine.append(s))
+            gen.decode(model, token, [toks], [len(ids)], on_step=lambda logits, s: mine.append(s))
             decode_peak.append(mem.peak())
             step_s += mine
             per_repeat.append(1 / statistics.median(mine))
         if dynamo:
             torch._dynamo.config.error_on_recompile = False
     weights_b, kv_read_b = decode_bytes_per_step(model)
-    return {"warmup_s": warmup_s, "prefill_s": statistics.median(prefill_s), "ttft_s": statistics.median(prefill_s),
-            "prefill_tok_s": len(ids) / statistics.median(prefill_s),
+    return {"warmup_s": gen.compile_s, "prefill_s": statistics.median(prefill_s),
+            "ttft_s": statistics.median(prefill_s), "prefill_tok_s": len(ids) / statistics.median(prefill_s),
             "decode_step_ms": 1e3 * statistics.median(step_s), "decode_tok_s": 1 / statistics.median(step_s),
             "decode_tok_s_repeats": per_repeat, "tokens": toks,  # the last repeat's greedy tokens
             "prefill_peak_mib": max(prefill_peak) / 2**20, "decode_peak_mib": max(decode_peak) / 2**20,

@@ -49,12 +49,14 @@ from tqdm import tqdm  # noqa: E402
 import policies  # noqa: E402
 from cache import is_scorer  # noqa: E402
 from checkpoint import resolve_checkpoint  # noqa: E402
-from cli import Parser, check_device, check_writable, run_cli  # noqa: E402
+from cli import Parser, check_writable, run_cli  # noqa: E402
 from convert import read_config  # noqa: E402
-from engine import (compile_steps, decode, decode_inputs, first_tokens, load_model, model_step,  # noqa: E402
-                    prefill_step, setup)
+from engine import Generation, decode, decode_inputs  # noqa: E402
 from engine import prefill as engine_prefill  # noqa: E402
 from errors import UserError  # noqa: E402
+from loading import load_model  # noqa: E402
+from runtime import check_device, compile_steps, model_step, prefill_step  # noqa: E402
+from sampling import first_tokens  # noqa: E402
 from config import parse_config  # noqa: E402
 from scripts import eval_tasks  # noqa: E402
 from scripts.eval_journal import JOURNAL, read_journal, run_settings  # noqa: E402
@@ -78,14 +80,16 @@ QUICK = dict(policies=["full", "sink", "snapkv", "keydiff"], budgets=[128, 256],
 
 def use(model, policy: str, budget: int, block_size: int, prompt_len: int = 0, new_tokens: int = 0,
         protocol: str = "block"):
-    """Caches for `policy` (a spec, 'full' = no eviction) holding `budget` slots per layer and KV head, set up as
-    generate.py does (engine.setup plans the policy for this prompt). Kept when nothing changed."""
+    """Caches for `policy` (a spec, 'full' = no eviction) holding `budget` slots per layer and KV head, set up by a
+    run as generate.py's (engine.Generation: checked, and the policy planned for this prompt). Kept when nothing
+    changed."""
     pol = policies.make(policy)
     per_prompt = pol is not None and (pol.protocol == "one-shot" or pol.decode == "append")  # planned per prompt
     key = (policy, budget, block_size, protocol) + ((prompt_len, new_tokens) if per_prompt else ())
     if getattr(model, "eval_caches", None) == key:
         return
-    setup(model, pol, budget, prompt_len, new_tokens, block_size, prefill=protocol)
+    Generation(model.args, pol, [max(prompt_len, 1)], budget=budget, max_new_tokens=max(new_tokens, 1),
+               block_size=block_size, prefill=protocol).setup(model)
     model.eval_caches = key
 
 
@@ -110,7 +114,7 @@ def teacher_force(model, logits, pos: int, targets: list[int], steps) -> torch.T
 
 def greedy(model, logits, pos: int, max_new: int, eos: set, steps) -> list[int]:
     """The greedy continuation of the prompt whose last logits are `logits`, from position `pos` (engine.decode)."""
-    token, outs = first_tokens(logits, 0.0, 0, 1.0)
+    token, outs = first_tokens(logits)
     decode(model, steps[1], token, outs, [pos], max_new, eos_ids=eos)
     return outs[0]
 

@@ -58,9 +58,9 @@ import torch  # noqa: E402
 import policies  # noqa: E402
 from cache import is_scorer  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
-from engine import (compile_steps, generate, load_model, model_step, prefill_protocol, prefill_step,  # noqa: E402
-                    setup, sync, warm_up)
+from engine import Generation, sync  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
+from loading import load_model  # noqa: E402
 from scripts.benchlib import (bench_model, bench_source, int_list, json_result, make_document,  # noqa: E402
                               read_bandwidth_gb_s)
 
@@ -123,16 +123,18 @@ def graph_check(model, spec: str, prompt: list[int], new_tokens: int, block_size
     (prefill eager), under error_on_recompile; inductor's cudagraph-skip counter, the graphs dynamo compiled, and
     the median decode step of each."""
     policy = None if spec == "full" else policies.make(spec)
-    protocol = prefill_protocol(policy, None)
-    setup(model, policy, graph_budget(policy, len(prompt), new_tokens), len(prompt), new_tokens, block_size,
-          prefill=protocol)
-    run = dict(block_size=block_size, device=device, one_shot=protocol == "one-shot")
-    eager = generate(model, prompt, new_tokens, steps=(prefill_step, model_step), **run)
+    gen = Generation(model.args, policy, [len(prompt)], budget=graph_budget(policy, len(prompt), new_tokens),
+                     max_new_tokens=new_tokens, block_size=block_size, device=device)
+    gen.setup(model)
+
+    def run():
+        outs, stats = gen.generate(model, [prompt])
+        return outs[0], stats
+    eager = run()
 
     def compiled():
-        steps = compile_steps(device, mode, prefill=False)
-        warm_up(model, steps, prompt[0], block_size, device)
-        return generate(model, prompt, new_tokens, steps=steps, **run)
+        gen.compile(model, prompt[0], mode, prefill=False)
+        return run()
     return compare_compiled(spec, eager, compiled, device)
 
 
@@ -143,9 +145,10 @@ def speculate_check(model, draft_spec: str, prompt: list[int], new_tokens: int, 
     error_on_recompile; the same fields as graph_check, graphs expected: 2."""
     import speculative
     draft_policy = policies.make(draft_spec)
-    setup(model, None, len(prompt) + new_tokens, len(prompt), new_tokens, block_size)
-    plain = generate(model, prompt, new_tokens, steps=(prefill_step, model_step), block_size=block_size,
-                     device=device)
+    gen = Generation(model.args, None, [len(prompt)], max_new_tokens=new_tokens, block_size=block_size, device=device)
+    gen.setup(model)
+    outs, stats = gen.generate(model, [prompt])
+    plain = outs[0], stats
     draft = speculative.draft_model(model)
     speculative.setup(model, draft, draft_policy, graph_budget(draft_policy, len(prompt), new_tokens), len(prompt),
                       new_tokens, block_size, k)
@@ -220,7 +223,7 @@ def run_graphs(args) -> list[dict]:
     torch.backends.cuda.matmul.allow_tf32 = False  # eager and compiled in the same precision
     _, prompt = make_document(load_tokenizer(ckpt), args.graph_prompt)
     prompt = (prompt * -(-args.graph_prompt // len(prompt)))[:args.graph_prompt]  # a small tokenizer's few tokens
-    mode = "reduce-overhead" if args.device.startswith("cuda") else None  # CPU (tests): no graphs to capture
+    mode = "reduce-overhead" if args.device.startswith("cuda") else "default"  # CPU (tests): no graphs to capture
     rows = []
     for spec in policies.spec_list(args.policies):
         try:

@@ -32,6 +32,8 @@ import torch  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import engine  # noqa: E402
+import runtime  # noqa: E402
+import loading  # noqa: E402
 import policies  # noqa: E402
 from model import ModelArgs  # noqa: E402
 
@@ -217,7 +219,7 @@ def run_engine(case: dict, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarra
 
 def run_model(model, case: dict, ids: list[int], after_step, capture: list | None = None) -> None:
     """The whole model on token ids through one case's steps, as the engine runs them (engine.setup, engine.prefill,
-    engine.model_step), the decode tokens teacher-forced (ids[L:], not sampled): after_step(i) after step i.
+    runtime.model_step), the decode tokens teacher-forced (ids[L:], not sampled): after_step(i) after step i.
     capture: gets layer 0's (q, k, v) [1, H, T, D] of each block-wise step."""
     L = len(ids) - NEW_TOKENS
     kv_dtype = {"float32": None, "int8": torch.int8}[case["kv_dtype"]]
@@ -235,7 +237,7 @@ def run_model(model, case: dict, ids: list[int], after_step, capture: list | Non
         if one_shot:
             after_step(next(done))
         for p in range(L, len(ids)):
-            engine.model_step(model, *engine.decode_inputs(ids[p:p + 1], torch.tensor([p])))
+            runtime.model_step(model, *engine.decode_inputs(ids[p:p + 1], torch.tensor([p])))
             after_step(next(done))
 
 
@@ -245,7 +247,7 @@ def model_inputs() -> dict[str, np.ndarray]:
     from checkpoint import resolve_checkpoint
     from tokenizer import load_tokenizer
     ckpt = resolve_checkpoint(CHECKPOINT)
-    model = engine.load_model(ckpt, torch.float32, "cpu")
+    model = loading.load_model(ckpt, torch.float32, "cpu")
     Hq, Hkv, D, L = SHAPES[REAL]
     assert load_tokenizer(ckpt).encode(TEXT, add_bos=False) == IDS and len(IDS) == L + NEW_TOKENS
     assert (model.args.head_dim, model.args.n_heads // model.args.n_kv_heads) == (D, Hq // Hkv), model.args

@@ -180,7 +180,8 @@ def generate_compiled(model, prompt, max_new_tokens: int, block_size: int, one_s
                       device: str = "cpu") -> list:
     """generate() with both steps compiled (fullgraph=True, inductor) under error_on_recompile; resets dynamo and
     inductor's freezing flag afterwards so later tests start clean."""
-    from engine import compile_steps, generate
+    from engine import generate
+    from runtime import compile_steps
     torch._dynamo.reset()
     steps = compile_steps(device)
     try:
@@ -228,7 +229,8 @@ def one_shot_equals_reference(model, ref, ids: list, new_tokens: int, block: int
     """The engine (set up for a one-shot prefill) and a reference RefModel whose layers record `seen` side by side:
     one-shot prefill, then eager greedy decode steps on the engine's logits. The first token's logits, then at every
     step each (layer, query head)'s attended positions and the logits agree (atol 1e-4)."""
-    from engine import model_step, prefill_one_shot
+    from engine import prefill_one_shot
+    from runtime import model_step
     logs = [spy_on(layer.attention.kv_cache) for layer in model.layers]
     T = len(ids)
     with torch.inference_mode():

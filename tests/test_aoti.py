@@ -13,7 +13,9 @@ import aoti
 import kernels
 import policies
 from conftest import REPO
-from engine import generate, generate_batch, load_model, model_step, prefill_protocol, prefill_step, setup, setup_batch
+from engine import generate, generate_batch, prefill_protocol, setup, setup_batch
+from runtime import model_step, prefill_step
+from loading import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -144,7 +146,7 @@ def main_compiled(argv: list) -> tuple[int, int]:
     compiled would count as recompiles); its exit code and the dynamo graphs it compiled. Resets dynamo, inductor's
     freezing flag and the layer regions afterwards."""
     import generate
-    from engine import set_layer_regions
+    from model import set_layer_regions
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()

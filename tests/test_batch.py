@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import policies
-from engine import generate, generate_batch, model_step, prefill_protocol, prefill_step, setup, setup_batch
-from engine import load_model
+from engine import generate, generate_batch, prefill_protocol, setup, setup_batch
+from runtime import model_step, prefill_step
+from loading import load_model
 from errors import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -138,7 +139,7 @@ def test_compiled_batch_never_recompiles(hf_tiny, spec, prefill, budget):
     lengths are no shape (one-shot prompts are re-planned one by one: the decode step's guards still hold).
     Compiled == eager. One policy per protocol: the batch's shapes and guards are the protocol's, and
     test_conformance compiles every policy's own steps."""
-    from engine import compile_steps
+    from runtime import compile_steps
     _, ckpt = hf_tiny("llama")
     model = load_model(ckpt, torch.float32, "cpu")
     prompts = LONG_PROMPTS if spec == "sagekv" else PROMPTS
@@ -177,7 +178,7 @@ def test_compiled_batch_replays_as_cuda_graphs(hf_tiny):
     error_on_recompile: no cudagraph skip, and each sequence's tokens are its eager batch-1 tokens."""
     from torch._dynamo.utils import counters
 
-    from engine import compile_steps
+    from runtime import compile_steps
     _, ckpt = hf_tiny("llama")
     torch.backends.cuda.matmul.allow_tf32 = False
     model = load_model(ckpt, torch.float32, "cuda")

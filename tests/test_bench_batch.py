@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import policies
-from engine import generate, load_model, model_step, prefill, prefill_protocol, prefill_step, setup, setup_batch
+from engine import Generation, generate, prefill, prefill_protocol, setup, setup_batch
+from runtime import model_step, prefill_step
+from loading import load_model
 from scripts import bench_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,9 +38,11 @@ def test_copied_rows_decode_as_the_batch_one_sequence(hf_tiny, spec, budget):
         setup_batch(model, policies.make(spec), budget, [L], NEW, BLOCK, prefill=protocol)
         first = int(prefill(model, torch.tensor(PROMPT), BLOCK, one_shot=one_shot).argmax(-1)[0])
         state = bench_batch.cache_state(model)
-        setup_batch(model, policies.make(spec), budget, [L] * 3, NEW, BLOCK, prefill=protocol)
+        gen = Generation(model.args, policies.make(spec), [L] * 3, budget=budget, max_new_tokens=NEW, block_size=BLOCK,
+                         prefill=protocol)
+        gen.setup(model)
         bench_batch.copy_rows(model, state)
-        _, rows = bench_batch.decode_rows(model, first, L, 3, NEW - 1, model_step, "cpu")
+        _, rows = bench_batch.decode_rows(model, gen, first, L, 3)
     assert len(want) == NEW and len(set(want)) > 1  # a real sequence, not one token repeated
     assert rows == [want] * 3
     # the cases with policy state beyond K, V and positions (per slot, per layer): it travelled with the rows

@@ -187,10 +187,12 @@ def llama(prompt, tmp_path, *argv) -> dict:
 def budgetkv_full(ids, n_new):
     """budgetkv's greedy tokens with the full cache (policy None), fp32 on CPU (README, "Python API")."""
     import engine
+    import runtime
+    import loading
     from checkpoint import resolve_checkpoint
-    model = engine.load_model(resolve_checkpoint("smollm2-135m"), torch.float32, "cpu")
+    model = loading.load_model(resolve_checkpoint("smollm2-135m"), torch.float32, "cpu")
     engine.setup(model, None, budget=len(ids) + n_new, prompt_len=len(ids), max_new_tokens=n_new, block_size=128)
-    out, _ = engine.generate(model, ids, n_new, block_size=128, steps=(engine.prefill_step, engine.model_step))
+    out, _ = engine.generate(model, ids, n_new, block_size=128, steps=(runtime.prefill_step, runtime.model_step))
     return out
 
 

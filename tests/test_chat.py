@@ -17,7 +17,9 @@ from chat import Chat, TurnRefused, repl, stats_line
 from conftest import make_policy
 from errors import UserError
 from engine import generate as one_shot_generate
-from engine import load_model, model_step, prefill_step, setup
+from engine import setup
+from runtime import model_step, prefill_step
+from loading import load_model
 from tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -316,11 +318,11 @@ def test_refusals_leave_the_conversation_unchanged(loaded):
 
 
 def test_a_compiled_chat_does_not_recompile_between_turns(loaded):
-    from engine import compile_steps
     model, tok = loaded
     torch._dynamo.reset()
     try:
-        chat = Chat(model, tok, "keydiff", budget=24, max_new_tokens=4, block_size=8, steps=compile_steps("cpu"))
+        chat = Chat(model, tok, "keydiff", budget=24, max_new_tokens=4, block_size=8)
+        chat.compile("default", prefill=True)  # torch.compile's graphs, the prefill block's too
         no_eos(chat)
         chat.send(TURNS[0])
         with torch._dynamo.config.patch(error_on_recompile=True):
@@ -402,7 +404,7 @@ def test_fifty_turns_through_stdin_keep_memory_flat(chat_ckpt):
     (["--random-weights", "--prompt-tokens", "4"], "--interactive needs a tokenizer"),
     (["--profile", "t.json"], "--profile"),
     (["--policy", "snapkv", "--budget", "8"], "must exceed the observation window"),  # before the first turn
-    (["--budget", "100", "--max-new-tokens", "100"], "--budget must be >= prompt + max-new-tokens"),
+    (["--budget", "100", "--max-new-tokens", "100"], "--budget must be >= prompt + --max-new-tokens"),
     (["--budget", "5000"], "larger than the model's context (2048)"),
 ])
 def test_bad_interactive_flags_get_one_line(chat_ckpt, capsys, extra, message):
@@ -463,7 +465,6 @@ def test_a_chat_on_cuda_graphs_answers_as_eager(chat_ckpt):
     graphs' memory pool) answers every turn as an eager conversation does, without a recompile or a cudagraph skip."""
     from torch._dynamo.utils import counters
 
-    from engine import compile_steps
     torch.backends.cuda.matmul.allow_tf32 = False
     model, tok = load_model(chat_ckpt, torch.float32, "cuda"), load_tokenizer(chat_ckpt)
     eager = Chat(model, tok, "keydiff", budget=24, max_new_tokens=4, block_size=8)
@@ -472,7 +473,8 @@ def test_a_chat_on_cuda_graphs_answers_as_eager(chat_ckpt):
     torch._dynamo.reset()
     counters.clear()
     try:
-        chat = Chat(model, tok, "keydiff", budget=24, max_new_tokens=4, block_size=8, steps=compile_steps("cuda"))
+        chat = Chat(model, tok, "keydiff", budget=24, max_new_tokens=4, block_size=8)
+        chat.compile()  # CUDA graphs for decode
         no_eos(chat)
         got = converse(chat, TURNS[:1])  # compiles
         with torch._dynamo.config.patch(error_on_recompile=True):

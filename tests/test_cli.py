@@ -109,7 +109,7 @@ def test_narrow_kv_run_reports_the_smaller_buffer(tiny_ckpt, capsys, kv_dtype, s
             code, out, err = run_main(argv + ["--dtype", dtype], capsys)
             assert code == 2 and not out and err.strip().splitlines() == [
                 f"error: --kv-dtype bfloat16 halves a float32 run's cache; this run computes in {dtype}, whose own "
-                "cache is as small: drop --kv-dtype or add --dtype float32"], err
+                "cache is as small: drop --kv-dtype or give --dtype float32"], err
 
 
 BAD = [
@@ -132,7 +132,7 @@ BAD = [
     (["--device", "cuda"], "CUDA is not available"),
     (["--batch-size", "3", "--prompt", "the fox", "--prompt", "the dog"], "--batch-size 3 with 2 prompts"),
     (["--budget", "abc"], "invalid int value"),
-    (["--policy", "full", "--budget", "4"], "must be >= prompt + max-new-tokens"),
+    (["--policy", "full", "--budget", "4"], "must be >= prompt + --max-new-tokens"),
     (["--top-p", "0"], "top-p"),
     (["--policy", "sink", "--budget", "3"], "must exceed the 4 sink tokens"),
     (["--policy", "snapkv", "--budget", "16"], "observation window"),
@@ -152,15 +152,15 @@ BAD = [
     (["--policy", "full:budget=3"], "policy full has no parameters"),
     (["--policy", "rocketkv:read=0"], "read must be >= 1"),
     (["--policy", "exact-topk:k=-1"], "k must be >= 1"),
-    (["--policy", "exact-topk", "--budget", "2"], "must be >= prompt + max-new-tokens"),
+    (["--policy", "exact-topk", "--budget", "2"], "must be >= prompt + --max-new-tokens"),
     (["--prefill", "sideways"], "invalid choice"),
     (["--kv-dtype", "int4"], "invalid choice"),
     (["--policy", "sagekv", "--budget", "64", "--evict-before-attend"], "--evict-before-attend applies"),
     (["--policy", "keydiff", "--budget", "8", "--block-size", "16", "--evict-before-attend"],
      "needs --budget >= --block-size (8 < 16)"),
     (["--policy", "caote:sink"], "unknown policy"),
-    (["--temperature", "nan"], "finite --temperature"),
-    (["--temperature", "inf"], "finite --temperature"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
     (["--seed", "99999999999999999999999"], "--seed must be in [0, 2**63)"),
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--prompt", "the fox", "--prompt", "  "], "prompt 2 of the batch is empty"),
@@ -176,7 +176,8 @@ BAD = [
     (["--policy", "caote:tova:heads=all", "--budget", "16"], "heads=all is not supported"),
     (["--policy", "snapkv++", "--compile", "--compile-prefill"], "apply to --prefill block"),
     (["--top-k", "5"], "--top-k applies to sampling"),
-    (["--temperature", "1e-9", "--top-p", "0.9", "--seed", "1"], "--top-p / --seed apply to sampling"),
+    (["--temperature", "1e-9", "--top-p", "0.9", "--seed", "1"], "--top-p applies to sampling"),
+    (["--temperature", "1e-9", "--seed", "1"], "--seed applies to sampling"),
     (["--compile-mode", "auto"], "need --compile"),
 ]
 
@@ -255,7 +256,7 @@ def test_defaults_are_clamped_to_the_context_and_said_so(tiny_ckpt, tmp_path, ca
     stats = json.loads(out)
     L = stats["prompt_tokens"]
     assert stats["budget"] == 256 and stats["max_new_tokens"] == 256 - L < 200
-    assert stats["clamped_to_context"] == {"max-new-tokens": {"default": 200, "used": 256 - L},
+    assert stats["clamped_to_context"] == {"max_new_tokens": {"default": 200, "used": 256 - L},
                                            "budget": {"default": 2048, "used": 256}}
     code, _, err = run_main(["--checkpoint", str(tiny_ckpt), *prompt, "--max-new-tokens", "200"], capsys)
     assert code == 2 and "exceeds the model's context (256)" in err
@@ -337,7 +338,7 @@ print("control dynamo", "torch._dynamo" in sys.modules)
 
 def test_eager_run_never_imports_the_compiler(tiny_ckpt):
     """An eager generation (loading on the meta device, prefill, decode) never imports dynamo: ~70 MiB of RSS and
-    ~1.3 s of startup that only --compile needs (model.on_meta, engine.set_layer_regions, generate.py's counters).
+    ~1.3 s of startup that only --compile needs (model.on_meta, model.set_layer_regions, generate.py's counters).
     One process runs each policy in turn and looks after each run (a module once imported stays imported), then
     imports the compiler: the control, which the check must see."""
     policies = ["keydiff", "full"]
@@ -437,7 +438,7 @@ def test_bench_paired_table_and_profile(tiny_ckpt):
     ("cpu", "default", ("default", "default")),
 ])
 def test_compile_modes_of_the_two_steps(device, mode, want):
-    from engine import step_modes
+    from runtime import step_modes
     assert step_modes(device, mode) == want
 
 
@@ -504,7 +505,7 @@ def test_generate_and_the_api_choose_the_wait_policy_before_torch_loads():
     finally:
         spinner.kill()
     order = (REPO / "generate.py").read_text()
-    assert order.index("import threads") < order.index("import torch")
+    assert order.index("import runtime") < order.index("import torch")  # runtime imports threads first
 
 
 def test_the_summary_names_the_weight_format_and_source():

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from conftest import REPO
-from engine import PeakMemory, load_model, random_model, setup
+from engine import PeakMemory, setup
+from loading import load_model, random_model
 
 pytestmark = pytest.mark.cuda
 

@@ -1,7 +1,6 @@
-"""The docs stay true to the code: docs/architecture.md's module table lists exactly the modules beside it, the
-porter's path names line ranges that start where it says, within the issue's bounds (a scorer <= 500 lines, a
-selector <= 800, each in <= 3 files counting the page itself), and every command README.md and docs/*.md write is
-run here at tiny sizes or names where it runs instead."""
+"""The docs stay true to the code: docs/architecture.md's module table lists exactly the modules beside it, its
+porter's path and decode-step path name definitions and files that exist, and every command README.md and
+docs/*.md write is run here at tiny sizes or names where it runs instead."""
 import importlib.util
 import io
 import json
@@ -23,24 +22,26 @@ def test_module_table_is_the_modules_on_disk():
     assert listed == {p.name for p in REPO.glob("*.py")}
 
 
-def porter_path(title: str) -> list[tuple[str, int, int, str]]:
+def section(title: str) -> str:
     part = DOC[DOC.index(title):]
-    part = part[:part.index("\n### ", 1) if "\n### " in part[1:] else part.index("\n## ")]
-    return [(f, int(a), int(b), start) for f, a, b, start in
-            re.findall(r"^\| `(\w+\.py):(\d+)-(\d+)` \| `([^`]+)` \|", part, re.M)]
+    return part[:part.index("\n## ", 1)]
 
 
-def test_porters_path_ranges_start_where_they_say_and_fit():
-    for title, bound in (("### A scorer: KeyDiff", 500), ("### A selector: RocketKV", 800)):
-        ranges = porter_path(title)
-        assert ranges, title
-        for f, a, b, start in ranges:
-            lines = (REPO / f).read_text().splitlines()
-            assert a <= b <= len(lines) and lines[a - 1].lstrip().startswith(start), (f, a, lines[a - 1])
-        total = sum(b - a + 1 for _, a, b, _ in ranges)
-        assert total <= bound and len({f for f, *_ in ranges}) + 1 <= 3, (title, total)
-        stated = int(re.search(r"\((\d+) lines in", DOC[DOC.index(title):]).group(1))
-        assert stated == total, (title, stated, total)
+def test_the_porters_path_and_the_decode_step_name_what_exists():
+    """Every `module.Name` or `module.Name.method` they name is defined there, every file they name exists (by
+    name, never by line range: an edit above a definition does not move the path)."""
+    for title in ("## Porting a policy", "## A decode step, module by module"):
+        text = section(title)
+        for path in re.findall(r"`((?:examples|scripts)/\w+\.py)`", text):
+            assert (REPO / path).is_file(), path
+        for module, *names in (ref.split(".") for ref in re.findall(r"`((?:[a-z_]+)(?:\.[A-Za-z_]+)+)`", text)):
+            if not (REPO / f"{module}.py").is_file() or names == ["py"]:  # a file named, not a definition
+                continue
+            source = (REPO / f"{module}.py").read_text()
+            for name in names[:1]:
+                assert re.search(rf"^\s*(def|class) {name}\b|^{name} = ", source, re.M), f"{module}.{name}"
+            if len(names) == 2:
+                assert re.search(rf"^\s+def {names[1]}\b", source, re.M), f"{module}.{'.'.join(names)}"
 
 
 # ------------------------------------------------------------------------------------ the commands the docs write

@@ -9,9 +9,14 @@ import torch
 from conftest import REPO
 
 from cache import setup_caches
-from engine import compile_steps, generate, load_model, model_step, prefill_step, set_layer_regions, setup
+from engine import generate, setup
+from runtime import model_step, prefill_step
+from loading import load_model
+from model import set_layer_regions
+from runtime import compile_steps
 import policies
 from policies import RandomScores
+from sampling import Sampling
 
 EAGER = (prefill_step, model_step)
 
@@ -21,7 +26,7 @@ def ids_of(n, seed=3, vocab=512):
 
 
 def padded_blocks(model, idx, input_pos):
-    """The eager step, but not engine.prefill_step itself: engine.prefill then pads every block to block_size."""
+    """The eager step, but not runtime.prefill_step itself: engine.prefill then pads every block to block_size."""
     return prefill_step(model, idx, input_pos)
 
 
@@ -40,7 +45,8 @@ def test_block_size_invariance(hf_tiny):
 def test_decode_on_step_sees_each_steps_logits_and_time(hf_tiny):
     """engine.decode's on_step (the benchmarks' per-step clock): called once per step, after its tokens, with the
     logits that chose them and a positive time; the tokens are those of a decode without it."""
-    from engine import decode, first_tokens, prefill
+    from engine import decode, prefill
+    from sampling import first_tokens
     _, ckpt = hf_tiny("llama")
     model = load_model(ckpt, torch.float32, "cpu")
     prompt = ids_of(40)
@@ -49,7 +55,7 @@ def test_decode_on_step_sees_each_steps_logits_and_time(hf_tiny):
         seen = []
         setup(model, None, 40 + 8, 40, 8, 16)
         with torch.inference_mode():
-            token, outs = first_tokens(prefill(model, torch.tensor(prompt), 16), 0.0, 0, 1.0)
+            token, outs = first_tokens(prefill(model, torch.tensor(prompt), 16))
             n = decode(model, model_step, token, outs, [40], 8,
                        on_step=(lambda logits, s: seen.append((logits.argmax(-1).tolist(), s))) if hook else None)
         runs.append(outs[0])
@@ -274,7 +280,9 @@ import json, sys, torch
 sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
 from conftest import make_hf_checkpoint
 from cache import setup_caches
-from engine import generate, load_model, model_step, prefill_step, PeakMemory
+from engine import generate, PeakMemory
+from runtime import model_step, prefill_step
+from loading import load_model
 import policies
 from policies import RandomScores
 from pathlib import Path
@@ -346,18 +354,6 @@ def test_one_shot_window_is_a_fraction_of_the_budget(hf_tiny):
             assert sorted(pos[h][pos[h] >= 0].tolist()) == want
 
 
-def test_sample_below_min_temperature_is_greedy():
-    """A temperature too small to divide by (engine.MIN_TEMPERATURE) samples greedily; above it, the largest logit
-    is subtracted first, so that even huge logits never overflow into NaN."""
-    from engine import MIN_TEMPERATURE, sample
-    logits = torch.tensor([[1.0, 3e38, -3e38, 2.0], [0.5, 0.25, 0.75, 0.0]])
-    for t in (0.0, 5e-324, 1e-45, MIN_TEMPERATURE / 2):
-        assert sample(logits, t, 0, 1.0).tolist() == [1, 2]
-    for t, top_k, top_p in ((MIN_TEMPERATURE, 0, 1.0), (1e-3, 2, 0.9), (1.0, 0, 1.0)):
-        tok = sample(logits, t, top_k, top_p)
-        assert tok[0] == 1 and 0 <= tok[1] < 4  # the 3e38 gap leaves no mass elsewhere
-
-
 def test_non_finite_logits_stop_generation(hf_tiny):
     """A decode step whose logits are not finite stops generate() with one line (UserError) after the tokens that
     were good, instead of sampling token 0 from NaN."""
@@ -372,16 +368,16 @@ def test_non_finite_logits_stop_generation(hf_tiny):
         logits = model_step(model, idx, pos)
         return logits if len(calls) < 3 else logits.masked_fill(torch.arange(logits.shape[-1]) == 7, float("inf"))
     with pytest.raises(UserError, match="not finite .* at generated token 4: generation stopped"):
-        generate(model, ids_of(20), 10, block_size=8, steps=(prefill_step, decode), temperature=0.7,
+        generate(model, ids_of(20), 10, block_size=8, steps=(prefill_step, decode), sampling=Sampling(0.7),
                  on_token=lambda out: seen.append(list(out)))
     assert len(seen[-1]) == 3  # the first token and two decode steps, nothing from the bad step
 
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.bfloat16])
 def test_kv_estimate_is_what_setup_allocates(hf_tiny, kv_dtype):
-    """engine.kv_cache_estimate (what a random model must leave free) counts the bytes the caches then hold."""
+    """loading.kv_cache_estimate (what a random model must leave free) counts the bytes the caches then hold."""
     from cache import kv_bytes
-    from engine import kv_cache_estimate
+    from loading import kv_cache_estimate
     _, ckpt = hf_tiny("llama")
     model = load_model(ckpt, torch.float32, "cpu")
     setup_caches(model, 3, 40, 8, RandomScores(), kv_dtype=kv_dtype)

@@ -8,7 +8,9 @@ import sys
 import pytest
 import torch
 
-from engine import generate, load_model, model_step, prefill_step
+from engine import generate
+from runtime import model_step, prefill_step
+from loading import load_model
 from scripts import eval as ev
 from scripts import eval_report
 

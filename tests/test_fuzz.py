@@ -360,12 +360,12 @@ CASES += [
         write("p.jsonl", '{"prompt": "hi"}\n')),
     gen("question-empty", ["--prompt-file", "{tmp}/p.txt", "--prompt", " "], 2, "the question (--prompt) is empty",
         write("p.txt", "a document"), prompt=False),
-    gen("repetition-penalty-zero", ["--repetition-penalty", "0"], 2, "--repetition-penalty between 0.01 and 100"),
-    gen("repetition-penalty-nan", ["--repetition-penalty", "nan"], 2, "--repetition-penalty between 0.01 and 100"),
-    gen("repetition-penalty-tiny", ["--repetition-penalty", "1e-300"], 2, "--repetition-penalty between 0.01"),
-    gen("repeat-last-n", ["--repetition-penalty", "1.2", "--repeat-last-n", "-2"], 2, "--repeat-last-n from -1"),
+    gen("repetition-penalty-zero", ["--repetition-penalty", "0"], 2, "--repetition-penalty must be between 0.01 and 100"),
+    gen("repetition-penalty-nan", ["--repetition-penalty", "nan"], 2, "--repetition-penalty must be a finite number"),
+    gen("repetition-penalty-tiny", ["--repetition-penalty", "1e-300"], 2, "--repetition-penalty must be between 0.01"),
+    gen("repeat-last-n", ["--repetition-penalty", "1.2", "--repeat-last-n", "-2"], 2, "--repeat-last-n must be >= -1"),
     gen("repeat-last-n-huge", ["--repetition-penalty", "1.2", "--repeat-last-n", "99999999999999999999"], 2,
-        "--repeat-last-n from -1"),
+        "is longer than the model's context (256)"),
     gen("repeat-last-n-alone", ["--repeat-last-n", "5"], 2, "--repeat-last-n applies to --repetition-penalty"),
     gen("stop-empty", ["--stop", ""], 2, "--stop takes a non-empty text"),
     gen("stop-interactive", ["--interactive", "--stop", "x"], 2, "--stop applies to a plain generation",
@@ -397,28 +397,28 @@ CASES += [
     gen("max-new-neg", ["--max-new-tokens", "-3"], 2, "--max-new-tokens must be >= 1"),
     gen("max-new-float", ["--max-new-tokens", "1e3"], 2, "invalid int value"),
     gen("max-new-empty", ["--max-new-tokens", ""], 2, "invalid int value"),
-    gen("max-new-past-context", ["--max-new-tokens", "300"], 2, "exceeds the model's context (256)"),
+    gen("max-new-past-context", ["--max-new-tokens", "300"], 2, "--max-new-tokens 300 is larger than the model's context (256)"),
     gen("budget-neg", ["--budget", "-5"], 2, "--budget must be >= 1"),
     gen("budget-past-context", ["--policy", "keydiff", "--budget", "257"], 2, "larger than the model's context"),
     gen("block-past-context", ["--block-size", "257"], 2, "larger than the model's context"),
     gen("block-neg", ["--block-size", "-1"], 2, "--block-size must be >= 1"),
-    gen("temperature-neg", ["--temperature", "-1"], 2, "finite --temperature"),
+    gen("temperature-neg", ["--temperature", "-1"], 2, "--temperature must be a finite number >= 0"),
     gen("temperature-text", ["--temperature", "warm"], 2, "invalid float value"),
-    gen("top-k-neg", ["--temperature", "1", "--top-k", "-1"], 2, "--top-k >= 0"),
+    gen("top-k-neg", ["--temperature", "1", "--top-k", "-1"], 2, "--top-k must be >= 0"),
     gen("top-k-greedy", ["--top-k", "5"], 2, "--top-k applies to sampling"),
     gen("top-k-tiny-temperature", ["--temperature", "1e-45", "--top-k", "5"], 2, "decodes greedily"),
     gen("top-k-past-vocab", ["--temperature", "1", "--top-k", "513"], 2, "exceeds the model's vocabulary (512"),
-    gen("top-p-big", ["--temperature", "1", "--top-p", "1.5"], 2, "--top-p <= 1"),
-    gen("top-p-nan", ["--temperature", "1", "--top-p", "nan"], 2, "--top-p <= 1"),
+    gen("top-p-big", ["--temperature", "1", "--top-p", "1.5"], 2, "--top-p must be in (0, 1]"),
+    gen("top-p-nan", ["--temperature", "1", "--top-p", "nan"], 2, "--top-p must be a finite number"),
     gen("top-p-greedy", ["--top-p", "0.9"], 2, "--top-p applies to sampling"),
     gen("seed-neg", ["--temperature", "1", "--seed", "-1"], 2, "--seed must be in"),
     gen("seed-greedy", ["--seed", "7"], 2, "--seed applies to sampling"),
-    gen("sampling-flags-greedy", ["--seed", "7", "--top-k", "3"], 2, "--top-k / --seed apply to sampling"),
+    gen("sampling-flags-greedy", ["--seed", "7", "--top-k", "3"], 2, "--top-k applies to sampling"),
     gen("dtype", ["--dtype", "float8"], 2, "invalid choice"),
     gen("kv-dtype", ["--kv-dtype", "fp8"], 2, "invalid choice"),
-    gen("device-tpu", ["--device", "tpu"], 2, "unsupported --device"),
-    gen("device-cuda-x", ["--device", "cuda:x"], 2, "unsupported --device"),
-    gen("device-cpu-0", ["--device", "cpu:0"], 2, "unsupported --device"),
+    gen("device-tpu", ["--device", "tpu"], 2, "--device 'tpu' is not a device"),
+    gen("device-cuda-x", ["--device", "cuda:x"], 2, "--device 'cuda:x' is not a device"),
+    gen("device-cpu-0", ["--device", "cpu:0"], 2, "--device 'cpu:0' is not a device"),
     gen("compile-mode-alone", ["--compile-mode", "auto"], 2, "need --compile"),
     gen("compile-prefill-one-shot", ["--policy", "snapkv++", "--compile", "--no-compile-prefill"], 2,
         "apply to --prefill block"),
@@ -620,52 +620,62 @@ def test_bad_input_is_one_line(tiny_ckpt, tmp_path, capfd, entry, argv, setup, c
     assert snapshot(tmp_path, tiny_ckpt) == before  # nothing written, nothing left half-written
 
 
-# generate_text's settings that generate.py refuses (by argparse's choices or check_args): a UserError naming the flag,
-# before the checkpoint is looked at; None: the command line's own flags give the same line
+# generate_text's settings that generate.py refuses (by argparse's choices or check_args): a UserError naming the
+# parameter, before the checkpoint is looked at; None: the command line's own flags give the same line in its words
 API = [
-    (dict(kv_dtype="fp8"), "unsupported --kv-dtype 'fp8' (auto, int8, bfloat16)", None),
-    (dict(kv_dtype=None), "unsupported --kv-dtype None", None),
-    (dict(dtype="int8"), "unsupported --dtype 'int8' (auto, float32, bfloat16, float16)", None),
-    (dict(dtype="float8_e4m3fn"), "unsupported --dtype 'float8_e4m3fn'", None),
-    (dict(prefill="both"), "unsupported --prefill 'both' (block, one-shot)", None),
-    (dict(prefill=""), "unsupported --prefill ''", None),
-    (dict(device="tpu"), "unsupported --device 'tpu' (cpu, cuda or cuda:N)", ["--device", "tpu"]),
-    (dict(device="cpu:0"), "unsupported --device 'cpu:0'", ["--device", "cpu:0"]),
-    (dict(device="cuda:x"), "unsupported --device 'cuda:x'", ["--device", "cuda:x"]),
-    (dict(device="cuda:99"), "--device cuda", ["--device", "cuda:99"]),
-    (dict(dtype="float16", kv_dtype="bfloat16"), "--kv-dtype bfloat16 halves a float32 run's cache; this run "
+    (dict(kv_dtype="fp8"), "kv_dtype='fp8' is not one of auto, int8, bfloat16", None),
+    (dict(kv_dtype=None), "kv_dtype=None is not one of auto", None),
+    (dict(dtype="int8"), "dtype='int8' is not one of auto, float32, bfloat16, float16", None),
+    (dict(dtype="float8_e4m3fn"), "dtype='float8_e4m3fn' is not one of", None),
+    (dict(prefill="both"), "prefill='both' is not one of block, one-shot", None),
+    (dict(prefill=""), "prefill='' is not one of", None),
+    (dict(device="tpu"), "device='tpu' is not a device: cpu, cuda or cuda:N", ["--device", "tpu"]),
+    (dict(device="cpu:0"), "device='cpu:0' is not a device", ["--device", "cpu:0"]),
+    (dict(device="cuda:x"), "device='cuda:x' is not a device", ["--device", "cuda:x"]),
+    (dict(device="cuda:99"), "device=cuda:99", ["--device", "cuda:99"]),
+    (dict(dtype="float16", kv_dtype="bfloat16"), "kv_dtype=bfloat16 halves a float32 run's cache; this run "
      "computes in float16", ["--dtype", "float16", "--kv-dtype", "bfloat16"]),
 ]
 
 
 @pytest.mark.parametrize("kw, message, flags", API, ids=[m[:40] for _, m, _ in API])
 def test_the_api_refuses_what_the_cli_refuses_in_one_line(tiny_ckpt, capfd, kw, message, flags):
+    """One check for both: the API's line names the parameter; the command line's is the same line with its flags
+    (cli.as_flags)."""
     import engine
+    from cli import as_flags
     from errors import UserError
     with pytest.raises(UserError) as e:
         engine.generate_text("the fox", checkpoint="/no/such/model", **kw)
     assert message in str(e.value) and "\n" not in str(e.value)
     if flags is not None:
-        assert run_entry("generate", ["--checkpoint", str(tiny_ckpt), *PROMPT, *flags]) == 2
-        assert capfd.readouterr().err == f"error: {e.value}\n"
+        argv = ["--checkpoint", str(tiny_ckpt), *PROMPT, *flags]
+        assert run_entry("generate", argv) == 2
+        assert capfd.readouterr().err == f"error: {as_flags(str(e.value), generate.parse_args(argv))}\n"
 
 
-CHAT_SETTINGS = [(dict(top_k=10 ** 6), "--top-k 1000000 exceeds the model's vocabulary"),
-                 (dict(top_p=0.0), "0 < --top-p <= 1"), (dict(temperature=float("nan")), "a finite --temperature"),
-                 (dict(budget=0), "--budget must be >= 1, got 0"), (dict(block_size=-2), "--block-size must be >= 1")]
+CHAT_SETTINGS = [(dict(sampling=dict(temperature=1.0, top_k=10 ** 6)), "top_k=1000000 exceeds the model's vocabulary"),
+                 (dict(budget=0), "`budget` must be >= 1, got 0"),
+                 (dict(block_size=-2), "`block_size` must be >= 1, got -2"),
+                 (dict(budget=10 ** 6), "budget=1000000 is larger than the model's context"),
+                 (dict(max_new_tokens=1.5), "`max_new_tokens` must be an integer, got 1.5")]
 
 
 @pytest.mark.parametrize("kw, message", CHAT_SETTINGS, ids=[m[:30] for _, m in CHAT_SETTINGS])
 def test_a_chat_refuses_what_a_generation_refuses_with_its_line(tiny_ckpt, kw, message):
-    """chat.Chat and engine.Generation check sizes and sampling through one function: the same UserError line."""
+    """chat.Chat checks its settings through engine.Generation: the same UserError line, before any cache."""
     import torch
 
     import chat
     import engine
+    import loading
     import policies
     from errors import UserError
+    from sampling import Sampling
     from tokenizer import load_tokenizer
-    model = engine.load_model(tiny_ckpt, torch.float32, "cpu")
+    model = loading.load_model(tiny_ckpt, torch.float32, "cpu")
+    if "sampling" in kw:
+        kw = kw | {"sampling": Sampling(**kw["sampling"])}
     with pytest.raises(UserError) as from_chat:
         chat.Chat(model, load_tokenizer(tiny_ckpt), "keydiff", **kw)
     with pytest.raises(UserError) as from_generation:
@@ -715,7 +725,7 @@ def test_nan_logits_mid_generation(tiny_ckpt, capfd, monkeypatch):
 
 
 def test_tiny_temperature_is_greedy(tiny_ckpt, capfd):
-    """--temperature below engine.MIN_TEMPERATURE decodes greedily (as --help says), and never NaN."""
+    """--temperature below sampling.MIN_TEMPERATURE decodes greedily (as --help says), and never NaN."""
     runs = []
     for t in ("0", "1e-45", "5e-324", "9e-6"):
         assert generate.main(["--checkpoint", str(tiny_ckpt), *PROMPT[:2], "--max-new-tokens", "6", "--json",
@@ -937,7 +947,8 @@ def test_caches_larger_than_the_free_memory_are_one_line_before_they_are_allocat
     """Real weights, as random ones are: the KV caches a run needs are checked against the memory left once the
     weights are loaded, before setup allocates them (here the free memory is made smaller than one cache)."""
     import engine
-    monkeypatch.setattr(engine, "free_memory", lambda device: 1000)
+    import loading
+    monkeypatch.setattr(loading, "free_memory", lambda device: 1000)
     allocated = []
     monkeypatch.setattr(engine, "setup_batch", lambda *a, **k: allocated.append(a))  # Generation.setup's allocation
     code = run_entry("generate", ["--checkpoint", str(tiny_ckpt), *PROMPT, "--batch-size", str(batch)])

@@ -86,7 +86,7 @@ CASES = [
     (["eval.py", "--policies", "snapkv", "--budgets", "16"], {}, 2, "observation window"),
     (["eval.py", "--max-new-tokens", "-1"], {}, 2, "--max-new-tokens"),
     (["eval.py", "--threads", "-1"], {}, 2, "--threads"),
-    (["eval.py", "--device", "mps"], {}, 2, "--device 'mps': cpu, cuda or cuda:N"),
+    (["eval.py", "--device", "mps"], {}, 2, "--device 'mps' is not a device: cpu, cuda or cuda:N"),
     (["eval.py", "--device", "cpu:1"], {}, 2, "--device 'cpu:1'"),
     (["eval.py", "--device", "cuda:7"], {}, 2, "--device cuda"),
     (["eval.py", "--dtype", "int8"], {}, 2, "invalid choice: 'int8'"),

@@ -6,9 +6,12 @@ import pytest
 import torch
 
 import engine
+import runtime
 import generate
 import policies
-from engine import Generation, load_model
+from engine import Generation
+from loading import load_model
+from sampling import Sampling
 
 PROMPTS = [[(7 * i + 3) % 500 + 1 for i in range(72)], [(11 * i + 5) % 500 + 1 for i in range(72)]]
 
@@ -21,8 +24,9 @@ def tiny(hf_tiny):
 
 def run(model, policy, prompts, penalty=1.3, last_n=8, steps=None, budget=48):
     holds_all = policy is None or not policy.scores  # full, exact-topk: the budget is every token
+    sampling = Sampling(repetition_penalty=penalty, repeat_last_n=last_n if penalty != 1.0 else None)
     gen = Generation(model.args, policy, [len(p) for p in prompts], budget=None if holds_all else budget,
-                     max_new_tokens=16, block_size=8, repetition_penalty=penalty, repeat_last_n=last_n)
+                     max_new_tokens=16, block_size=8, sampling=sampling)
     gen.setup(model)
     if steps is not None:
         gen.steps = steps
@@ -53,7 +57,7 @@ def test_penalty_compiled_without_recompile(tiny):
     _, model = tiny
     policy = policies.make("keydiff")
     eager = run(model, policy, PROMPTS)
-    steps = engine.compile_steps("cpu", None, prefill=False)
+    steps = runtime.compile_steps("cpu", None, prefill=False)
     try:
         run(model, policy, PROMPTS, steps=steps)  # compiles
         with torch._dynamo.config.patch(error_on_recompile=True):
@@ -94,7 +98,7 @@ def test_document_then_question(tiny_ckpt, tmp_path, capsys):
     assert asked == cli(tiny_ckpt, capsys, "--prompt", "the lazy dog sleeps. the quick fox runs.\n\nwho runs?") | {
         k: asked[k] for k in asked if k.endswith(("_s", "tok_s", "bytes", "gb_s"))}
     api = engine.generate_text("who runs?", document=doc.read_text(), checkpoint=str(tiny_ckpt), max_new_tokens=24,
-                               chat_template=False, repetition_penalty=1.0)
+                               chat_template=False)
     assert api["token_ids"] == asked["token_ids"]
 
 
@@ -114,14 +118,62 @@ def test_an_attention_form_that_is_none_is_one_line(tiny, monkeypatch):
         Generation(tiny[1].args, None, [4])
 
 
-def test_the_api_refuses_what_the_cli_refuses(tiny_ckpt):
+API_REFUSALS = [
+    (dict(max_new_tokens=0), "`max_new_tokens` must be >= 1, got 0"),
+    (dict(max_new_tokens="24"), "`max_new_tokens` must be an integer, got '24'"),
+    (dict(budget=-5, policy="keydiff"), "`budget` must be >= 1, got -5"),
+    (dict(budget=True, policy="keydiff"), "`budget` must be an integer, got True"),
+    (dict(budget=10 ** 6, policy="keydiff"), "budget=1000000 is larger than the model's context (2048)"),
+    (dict(block_size=2.0), "`block_size` must be an integer, got 2.0"),
+    (dict(sampling=dict(temperature=float("nan"))), "`temperature` must be a finite number >= 0, got nan"),
+    (dict(sampling=dict(top_p=0.0, temperature=1.0)), "`top_p` must be in (0, 1], got 0.0"),
+    (dict(sampling=dict(repetition_penalty=1e-300)), "`repetition_penalty` must be between 0.01 and 100"),
+    (dict(sampling=dict(top_k=5)), "`top_k` applies to sampling, and temperature=0 decodes greedily"),
+    (dict(sampling=dict(repeat_last_n=8)), "`repeat_last_n` applies to `repetition_penalty`"),
+    (dict(sampling=dict(temperature=1.0, top_k=10 ** 6)), "top_k=1000000 exceeds the model's vocabulary"),
+    (dict(stop=[""]), "`stop` is empty"),
+    (dict(stop=5), "stop=5 is not a list of texts"),
+    (dict(document=5), "document=5 is not a text"),
+    (dict(prompt="the \ud800 fox"), "`prompt` is not valid Unicode text"),  # not blamed on the chat template
+    (dict(prompt=["the fox", 7]), "prompt=7 is not a text"),
+    (dict(prompt=[]), "neither a text nor a non-empty list"),
+    (dict(seed=-1), "`seed` must be between 0 and"),
+    (dict(kv_dtype="int4"), "kv_dtype='int4' is not one of auto, int8, bfloat16"),
+    (dict(dtype="half"), "dtype='half' is not one of auto"),
+    (dict(device="tpu"), "device='tpu' is not a device"),
+    (dict(prefill="dense"), "prefill='dense' is not one of block, one-shot"),
+    (dict(policy="snapkv++", prefill="block"), "policy=snapkv++ compresses the prompt once"),
+]
+
+
+@pytest.mark.parametrize("kw, message", API_REFUSALS, ids=[str(i) for i in range(len(API_REFUSALS))])
+def test_the_api_refuses_what_the_cli_refuses(tiny_ckpt, kw, message):
+    """generate_text checks what generate.py checks, in one place each (a Sampling, a Generation's sizes, the
+    texts, the run settings), before anything is allocated: one UserError naming the parameter."""
     from errors import UserError
-    for kw in (dict(max_new_tokens=0), dict(budget=-5, policy="keydiff"), dict(temperature=float("nan")),
-               dict(top_p=0.0), dict(stop=[""]), dict(repetition_penalty=1e-300)):
-        with pytest.raises(UserError):
-            engine.generate_text("the fox", checkpoint=str(tiny_ckpt), chat_template=False, **kw)
-    with pytest.raises(UserError):
-        engine.generate_text([], checkpoint=str(tiny_ckpt))
+    kw = {"prompt": "the fox"} | kw
+    with pytest.raises(UserError) as e:
+        engine.generate_text(kw.pop("prompt"), checkpoint=str(tiny_ckpt), chat_template=False, **kw)
+    assert message in str(e.value)
+
+
+def test_the_api_checks_memory_before_allocating(tiny_ckpt, monkeypatch):
+    """A KV cache that does not fit the device's free memory is refused before it is allocated, from
+    generate_text and from a Chat (as generate.py refuses it)."""
+    import chat
+    import loading
+    from errors import UserError
+    from tokenizer import load_tokenizer
+    model = load_model(tiny_ckpt, torch.float32, "cpu")
+    monkeypatch.setattr(loading, "free_memory", lambda device: 2 ** 20)  # 1 MiB free
+    with pytest.raises(UserError, match=r"the KV cache of 1 sequence .* more than the 0.0 GiB free on cpu"):
+        engine.generate_text("the fox", checkpoint=str(tiny_ckpt), chat_template=False, budget=2048,
+                             policy="keydiff")
+    with pytest.raises(UserError, match=r"the KV cache of 1 sequence .* more than the 0.0 GiB free on cpu"):
+        chat.Chat(model, load_tokenizer(tiny_ckpt), "keydiff", budget=2048)
+
+
+def test_the_api_keeps_one_string_stop(tiny_ckpt):
     one = engine.generate_text("the quick brown fox", checkpoint=str(tiny_ckpt), chat_template=False,
                                max_new_tokens=24)
     stop = one["text"][6:9]

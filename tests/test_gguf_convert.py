@@ -61,7 +61,7 @@ def test_plain_llama_converts_and_loads(tmp_path):
     pytest.importorskip("transformers")
     import torch
 
-    from engine import load_model
+    from loading import load_model
     out = convert_gguf(write_tiny_llama(tmp_path / "t.gguf"), tmp_path / "out")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["rope_scaling"] is None and cfg["rms_norm_eps"] == 1e-5 and cfg["num_key_value_heads"] == N_KV

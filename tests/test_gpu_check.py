@@ -12,7 +12,8 @@ import torch
 
 from conftest import FAMILIES, REPO
 import policies
-from engine import step_modes, warm_up
+from engine import Generation
+from runtime import step_modes
 from errors import UserError
 from scripts import gpu_check as gc
 
@@ -47,12 +48,14 @@ def test_graph_check_sets_up_at_the_graph_budget_and_compares_with_eager(hf_tiny
     test_graphs_section_on_the_tiny_model_evicts_and_matches_eager): the policy's cache at graph_budget's budget,
     which evicts a 200-token prompt, and the two generations' tokens side by side; no graph compiled, so the row
     fails."""
-    from engine import load_model, model_step, prefill_step
+    import runtime
+    from loading import load_model
+    from runtime import model_step, prefill_step
     _, ckpt = hf_tiny("llama")
     model = load_model(ckpt, torch.float32, "cpu")
-    monkeypatch.setattr(gc, "compile_steps", lambda device, mode, prefill: (prefill_step, model_step))
+    monkeypatch.setattr(runtime, "compile_steps", lambda device, mode, prefill, freeze: (prefill_step, model_step))
     prompt = torch.randint(0, 512, (GRAPH_PROMPT,), generator=torch.Generator().manual_seed(3)).tolist()
-    r = gc.graph_check(model, "keydiff", prompt, GRAPH_TOKENS, GRAPH_BLOCK, "cpu", mode=None)
+    r = gc.graph_check(model, "keydiff", prompt, GRAPH_TOKENS, GRAPH_BLOCK, "cpu", mode="default")
     assert model.layers[0].attention.kv_cache.spec.budget == 56  # graph_budget: 48 + 8 new, it evicts (200 prompt)
     assert r["compiled"] == r["eager"] and len(r["eager"]) == GRAPH_TOKENS and r["graphs"] == 0
     assert gc.graph_row(r)["detail"] == "0 graphs compiled"
@@ -69,8 +72,12 @@ def test_graph_budget_evicts_or_refuses():
 
 
 def test_warm_up_calls_prefill_once_then_decode_twice_with_fresh_tensors(hf_tiny):
-    """CUDA graph trees warm up on a graph's first call and record on its second: warm_up makes both before any
-    timed step, each decode input [B, 1] as engine.decode makes it (decode_inputs: other strides would recompile)."""
+    """CUDA graph trees warm up on a graph's first call and record on its second: Generation.warm_up makes both
+    before any timed step, each decode input [B, 1] as engine.decode makes it (decode_inputs: other strides would
+    recompile)."""
+    from loading import load_model
+    _, ckpt = hf_tiny("llama")
+    args = load_model(ckpt, torch.float32, "cpu").args
     calls = []
 
     def prefill(model, idx, pos):
@@ -79,11 +86,15 @@ def test_warm_up_calls_prefill_once_then_decode_twice_with_fresh_tensors(hf_tiny
     def decode(model, idx, pos):
         calls.append(("decode", tuple(idx.shape), idx.stride() == pos.stride() == (1, 1), pos.tolist()))
 
-    warm_up(None, (prefill, decode), 7, 16, "cpu")
+    gen = Generation(args, None, [20], block_size=16)
+    gen.steps = (prefill, decode)
+    gen.warm_up(None, 7)
     assert calls == [("prefill", (1, 16), [0, -1], True), ("decode", (1, 1), True, [[1]]),
                      ("decode", (1, 1), True, [[1]])]
     calls.clear()  # a batch of 3: positions per sequence
-    warm_up(None, (prefill, decode), 7, 16, "cpu", batch=3)
+    gen = Generation(args, None, [20] * 3, block_size=16)
+    gen.steps = (prefill, decode)
+    gen.warm_up(None, 7)
     assert calls[0] == ("prefill", (3, 16), [[0, -1], [0, -1]], True)
     assert calls[1:] == [("decode", (3, 1), True, [[1], [1], [1]])] * 2
 
@@ -329,7 +340,8 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
 def test_paired_random_weights_configurations_share_one_set_of_weights():
     """bench_paired.py's weight_twin (the eviction section at 8B shapes: six sets would not fit one GPU): the
     twin's parameters are the model's tensors, its modules and caches its own, and its logits the model's."""
-    from engine import random_model, setup
+    from engine import setup
+    from loading import random_model
     from scripts.bench_paired import weight_twin
     model = random_model(dict(FAMILIES["qwen2"]), torch.float32, "cpu")  # tied embeddings, q/k/v bias
     twin = weight_twin(model)

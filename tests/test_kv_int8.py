@@ -6,7 +6,9 @@ import torch
 from conftest import generate_compiled, make_policy
 
 from cache import dequantize_rows, kv_bytes, quantize_rows, setup_caches
-from engine import generate, load_model, model_step, prefill_step
+from engine import generate
+from runtime import model_step, prefill_step
+from loading import load_model
 
 EAGER = (prefill_step, model_step)
 

@@ -12,7 +12,8 @@ import policies
 import torch.nn.functional as F
 
 from cache import CacheSpec, KVCache, compress_into
-from engine import block_inputs, generate, model_step, prefill_one_shot, prefill_step, setup
+from engine import block_inputs, generate, prefill_one_shot, setup
+from runtime import model_step, prefill_step
 from model import ModelArgs, Transformer
 from policies import (KVec, PolicyError, Run, SnapKVPlusPlus, biased_scores, cross_head, focus, head_spread, kept_any,
                       kvec_coverage, pool_votes, window_means)

@@ -40,7 +40,8 @@ import torch
 from conftest import REPO
 
 from conftest import make_policy
-from engine import load_model, prefill_one_shot, setup
+from engine import prefill_one_shot, setup
+from loading import load_model
 
 KV_PY = REPO / ".venv-kv" / "bin" / "python"
 L, BLOCK, RATIOS = 300, 64, (0.5, 0.75)

@@ -4,7 +4,9 @@ import torch
 from conftest import FAMILIES
 
 from cache import eager_blocks, setup_caches
-from engine import block_inputs, load_model, model_step
+from engine import block_inputs
+from runtime import model_step
+from loading import load_model
 from convert import ENGINE_FILE, convert_hf_dir
 
 PROMPT_LEN, NEW, BLOCK = 300, 12, 64

@@ -176,7 +176,7 @@ def test_snapkv_ring_spans_blocks():
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "llama31"])
 def test_reference_forward_matches_hf(hf_tiny, family):
-    from engine import load_model
+    from loading import load_model
     hf, ckpt = hf_tiny(family)
     model = load_model(ckpt, torch.float32, "cpu")
     ids = torch.randint(0, 512, (120,), generator=torch.Generator().manual_seed(5))
@@ -222,7 +222,7 @@ def tiny_model(hf_tiny):
     keys of exactly the same norm, and KeyL2Norm's choice between them would come down to RoPE rounding, which
     differs between the engine and the reference and between CPUs (one CI run failed so). Exact ties have their own
     test (test_engine_tie_rule_keeps_newest)."""
-    from engine import load_model
+    from loading import load_model
     _, ckpt = hf_tiny("llama_vocab2k")
     return load_model(ckpt, torch.float32, "cpu")
 
@@ -271,7 +271,8 @@ def compare_run(model, name, params, ids, budget, block, n_decode, atol=1e-4, de
     """Run the engine and the reference side by side; assert equal kept sets and logits after every step.
     Decode feeds the engine's greedy token, or `decode_ids` when given."""
     from cache import setup_caches
-    from engine import block_inputs, model_step
+    from engine import block_inputs
+    from runtime import model_step
     policy = engine_policy(name, params, budget, block)
     setup_caches(model, 1, budget, block, policy)
     ref = RefModel(model, budget, name, params)
@@ -335,7 +336,7 @@ def test_engine_equals_reference_on_a_1000_token_prompt(tiny_model, case):
                          ids=_case_id)
 def test_engine_equals_reference_sliding_window(hf_tiny, case):
     """Mistral's sliding window (48 < budget 64): the mask and the policies' attention weights both honour it."""
-    from engine import load_model
+    from loading import load_model
     _, ckpt = hf_tiny("mistral")
     model = load_model(ckpt, torch.float32, "cpu")
     name, params = case
@@ -358,7 +359,7 @@ def test_engine_equals_reference_fill_during_decode(tiny_model, case):
 def zero_key_model(hf_tiny):
     """The tiny model with every key projection zeroed: all keys are exactly 0, so KeyDiff (cos 0), KeyL2Norm
     (norm 0) and TOVA (uniform attention) score every candidate exactly equal and only the tie rule decides."""
-    from engine import load_model
+    from loading import load_model
     _, ckpt = hf_tiny("llama")
     model = load_model(ckpt, torch.float32, "cpu")
     a = model.args

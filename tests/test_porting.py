@@ -142,11 +142,11 @@ def test_real_cases_keep_what_the_whole_model_keeps_at_layer_0():
     import torch
     from safetensors.numpy import load_file
 
-    import engine
+    import loading
     from tokenizer import load_tokenizer
     ckpt = checkpoint.resolve_checkpoint(make_vectors.CHECKPOINT)
     assert load_tokenizer(ckpt).encode(make_vectors.TEXT, add_bos=False) == make_vectors.IDS
-    model = engine.load_model(ckpt, torch.float32, "cpu")
+    model = loading.load_model(ckpt, torch.float32, "cpu")
     stored = load_file(str(VECTORS / "inputs" / f"{make_vectors.REAL}.safetensors"))
     real = [c for c in check_port.read_manifest(VECTORS)["cases"] if c["inputs"] == make_vectors.REAL]
     assert {c["policy"] for c in real} == set(make_vectors.REAL_POLICIES)

@@ -123,7 +123,7 @@ def test_ticker_silent_off_a_terminal_or_when_quiet(case, monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_model(hf_tiny):
     import torch
-    from engine import load_model
+    from loading import load_model
     _, ckpt = hf_tiny("llama")
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: threads only cost here
@@ -136,7 +136,8 @@ def test_generate_reports_prefill_progress(tiny_model, protocol):
     """on_prefill(done, 45): after each block of 16 tokens (16, 32, 45), or one-shot after each of the 2 layers (22,
     45); the tokens generated are those of a run without the callback."""
     import policies
-    from engine import generate, model_step, prefill_step, setup
+    from engine import generate, setup
+    from runtime import model_step, prefill_step
     prompt = list(range(1, 46))
     one_shot = protocol == "one-shot"
     runs = []

@@ -1,6 +1,6 @@
 """quantize.py: round-trip error bounds per mode against a dequantizer written here from the format's definition,
 hand-computed cases, the fused kernels against a plain matmul, quantized tiny models against fp32 (through the
-checkpoint, engine.load_model and the CLIs: scripts/quantize.py, generate.py), compiled decode without recompiles, and bad input."""
+checkpoint, loading.load_model and the CLIs: scripts/quantize.py, generate.py), compiled decode without recompiles, and bad input."""
 import json
 
 import pytest
@@ -16,7 +16,10 @@ import quantize
 from cache import setup_caches
 from checkpoint import embedded_gguf, resolve_checkpoint
 from convert import ENGINE_FILE, CheckpointError
-from engine import block_inputs, compile_steps, load_model, model_step, prefill_step
+from engine import block_inputs
+from runtime import model_step, prefill_step
+from loading import load_model
+from runtime import compile_steps
 from errors import UserError
 from scripts import quantize as quantize_script
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import engine
+import loading
 import generate
 from checkpoint import CONFIGS, MODELS, shape_config, shipped_configs
 from conftest import FAMILIES, REPO, bounded_runs
@@ -33,11 +33,11 @@ def test_every_short_name_ships_its_config():
 def test_shipped_config_has_the_published_parameter_count(name):
     config, shapes = shape_config(name)
     assert shapes == name
-    model = engine.meta_model(config)  # the meta device: nothing allocated, even for 70B
+    model = loading.meta_model(config)  # the meta device: nothing allocated, even for 70B
     assert all(p.is_meta for p in model.parameters())
-    n = engine.parameter_count(model)
+    n = loading.parameter_count(model)
     assert abs(n / PUBLISHED[name] - 1) < 0.01, f"{name}: {n / 1e9:.3f}e9 parameters, published {PUBLISHED[name]}"
-    assert engine.weight_count(model.args) == n
+    assert loading.weight_count(model.args) == n
 
 
 SHARDED = ("attention.wqkv.", "attention.wo.weight", "feed_forward.w13.", "feed_forward.w2.weight")
@@ -48,11 +48,11 @@ SHARDED = ("attention.wqkv.", "attention.wo.weight", "feed_forward.w13.", "feed_
 def test_weight_count_is_what_the_model_holds(config):
     """The closed form counts, per tensor-parallel rank too, what the meta model holds (biases and a tied head
     included): a rank keeps 1/world of each sharded Linear's tensors (tp.shard_module)."""
-    model = engine.meta_model(config)
+    model = loading.meta_model(config)
     for world in (1, 2):
         held = sum(p.numel() // world if any(s in name for s in SHARDED) else p.numel()
                    for name, p in model.named_parameters())  # a tied head: one tensor
-        assert engine.weight_count(model.args, world) == held
+        assert loading.weight_count(model.args, world) == held
 
 
 @pytest.mark.parametrize("sizes", [dict(num_hidden_layers=10 ** 6), dict(num_hidden_layers=10 ** 6,
@@ -123,8 +123,8 @@ def test_same_seed_same_tokens_other_seed_other_weights(tiny_config_dir, capsys)
         runs.append(r["token_ids"])
     assert runs[0] == runs[1]
     config = json.loads((tiny_config_dir / "config.json").read_text())
-    a, b = (engine.random_model(config, torch.float32, "cpu", seed) for seed in (3, 4))
-    assert torch.equal(a.layers[0].attention.wqkv.weight, engine.random_model(config, torch.float32, "cpu",
+    a, b = (loading.random_model(config, torch.float32, "cpu", seed) for seed in (3, 4))
+    assert torch.equal(a.layers[0].attention.wqkv.weight, loading.random_model(config, torch.float32, "cpu",
                                                                               3).layers[0].attention.wqkv.weight)
     assert not torch.equal(a.layers[0].attention.wqkv.weight, b.layers[0].attention.wqkv.weight)
 
@@ -148,7 +148,7 @@ class Allocations(TorchDispatchMode):
 def test_random_model_is_made_in_the_dtype_on_the_device(family):
     config = dict(FAMILIES[family])
     with Allocations() as seen:
-        model = engine.random_model(config, torch.bfloat16, "cpu", seed=0)
+        model = loading.random_model(config, torch.bfloat16, "cpu", seed=0)
     params = dict(model.named_parameters())
     assert params and all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in params.values())
     # no float32 copy of anything weight-sized was ever made (only RoPE's frequencies, head_dim / 2 of them)
@@ -201,7 +201,7 @@ def test_a_checkpoint_with_weights_is_refused_and_ids_need_random_weights(hf_tin
 
 
 def test_a_model_too_large_is_refused_before_allocating(monkeypatch, capsys):
-    monkeypatch.setattr(engine, "free_memory", lambda device: 2 << 30)
+    monkeypatch.setattr(loading, "free_memory", lambda device: 2 << 30)
     with Allocations() as seen:  # a weight allocated would show here (the embedding alone: 262M elements)
         code, _, err = run_main(["--checkpoint", "llama3.2-1b", "--random-weights", "--prompt-tokens", "16",
                                  "--max-new-tokens", "2", "--budget", "1024", "--policy", "keydiff",

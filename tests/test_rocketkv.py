@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 import policies
 from cache import CacheSpec, KVCache, compress_into
-from engine import generate, load_model, model_step, prefill_step, setup
+from engine import generate, setup
+from runtime import model_step, prefill_step
+from loading import load_model
 from errors import UserError
 from policies import (ExactTopK, RocketKV, SnapKVPlusPlus, adaptive_kernel, build_pages, hybrid_scores, pool_votes,
                       rocket_params, rocket_sizes, stable_topk, token_scores, update_page)

@@ -18,7 +18,9 @@ from conftest import make_policy, one_shot_equals_reference
 import torch.nn.functional as F
 
 from cache import CacheSpec, KVCache, compress_into
-from engine import load_model, model_step, prefill_one_shot, prefill_step, setup
+from engine import prefill_one_shot, setup
+from runtime import model_step, prefill_step
+from loading import load_model
 from model import ModelArgs, Transformer
 from policies import PolicyError, Run, SageKV, SageLayout, sage_sizes
 from reference.model import RefModel

@@ -60,3 +60,51 @@ def test_stop_strings_cut_and_hold_back():
     assert stops.shown("The answer is 4.\n") == "The answer is 4."
     assert stops.shown("one #") == "one " and stops.shown("one # two") == "one # two"
     assert stops.shown("done ### more") == "done "
+
+
+def test_sample_below_min_temperature_is_greedy():
+    """A temperature too small to divide by (sampling.MIN_TEMPERATURE) samples greedily; above it, the largest logit
+    is subtracted first, so that even huge logits never overflow into NaN."""
+    from sampling import MIN_TEMPERATURE, Sampling
+    logits = torch.tensor([[1.0, 3e38, -3e38, 2.0], [0.5, 0.25, 0.75, 0.0]])
+    for t in (0.0, 5e-324, 1e-45, MIN_TEMPERATURE / 2):
+        assert Sampling(t).sample(logits).tolist() == [1, 2]
+    for t, top_k, top_p in ((MIN_TEMPERATURE, 0, 1.0), (1e-3, 2, 0.9), (1.0, 0, 1.0)):
+        tok = Sampling(t, top_k, top_p).sample(logits)
+        assert tok[0] == 1 and 0 <= tok[1] < 4  # the 3e38 gap leaves no mass elsewhere
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(temperature=float("nan")), "`temperature` must be a finite number >= 0, got nan"),
+    (dict(temperature="0.7"), "`temperature` must be a finite number >= 0, got '0.7'"),
+    (dict(temperature=-1.0), "`temperature` must be a finite number >= 0, got -1.0"),
+    (dict(temperature=1.0, top_k=True), "`top_k` must be an integer, got True"),
+    (dict(temperature=1.0, top_k=2.5), "`top_k` must be an integer, got 2.5"),
+    (dict(temperature=1.0, top_k=-1), "`top_k` must be >= 0, got -1"),
+    (dict(temperature=1.0, top_p=0.0), "`top_p` must be in (0, 1], got 0.0"),
+    (dict(temperature=1.0, top_p=float("inf")), "`top_p` must be a finite number, got inf"),
+    (dict(top_k=5), "`top_k` applies to sampling, and temperature=0 decodes greedily"),
+    (dict(temperature=1e-9, top_k=5, top_p=0.9), "`top_k` / `top_p` apply to sampling"),
+    (dict(repeat_last_n=8), "`repeat_last_n` applies to `repetition_penalty`, which is 1 (off)"),
+    (dict(repetition_penalty=0.0), "`repetition_penalty` must be between 0.01 and 100, got 0.0"),
+    (dict(repetition_penalty=1.1, repeat_last_n=-2), "`repeat_last_n` must be >= -1, got -2"),
+    (dict(repetition_penalty=1.1, repeat_last_n=4.0), "`repeat_last_n` must be an integer, got 4.0"),
+])
+def test_a_sampling_is_checked_when_made(kw, message):
+    """Every setting the command line refuses is refused by the value itself, naming the parameter (the command
+    line shows it as its flag): the Python API and generate.py check through one place."""
+    from errors import UserError
+    from sampling import Sampling
+    with pytest.raises(UserError) as e:
+        Sampling(**kw)
+    assert message in str(e.value)
+
+
+def test_a_sampling_is_checked_against_the_model():
+    from errors import UserError
+    from sampling import Sampling
+    with pytest.raises(UserError, match=r"top_k=600 exceeds the model's vocabulary \(512 tokens\)"):
+        Sampling(1.0, 600).check_model(512, 2048)
+    with pytest.raises(UserError, match="repeat_last_n=4096 is longer than the model's context"):
+        Sampling(repetition_penalty=1.1, repeat_last_n=4096).check_model(512, 2048)
+    Sampling(1.0, 512, repetition_penalty=1.1, repeat_last_n=-1).check_model(512, 2048)  # the bounds themselves

@@ -8,7 +8,9 @@ import torch
 
 from cache import setup_caches
 from checkpoint import embedded_gguf, resolve_checkpoint
-from engine import generate, load_model, model_step, prefill_step
+from engine import generate
+from runtime import model_step, prefill_step
+from loading import load_model
 from test_tokenizer import TEXT
 from tokenizer import Tokenizer, load_tokenizer, write_gguf_tokenizer
 

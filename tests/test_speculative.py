@@ -9,14 +9,16 @@ import pytest
 import torch
 
 import engine
+import runtime
+import sampling
 import generate
 import policies
 import speculative
-from engine import load_model
+from loading import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PLAIN = (engine.prefill_step, engine.model_step)
+PLAIN = (runtime.prefill_step, runtime.model_step)
 # every registered policy that drafts over the target's own weights; exact-topk keeps every token (refused below)
 DRAFTS = [name for name in policies.REGISTRY if name != "exact-topk"]
 
@@ -182,13 +184,13 @@ def chi_square(counts: dict, probs: dict, n: int) -> tuple[float, float]:
     return stat, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def wrong_accept(drafts, q, logits, temperature, top_k, top_p):
+def wrong_accept(drafts, q, logits, s):
     """A classic bug: on rejection resample from p instead of norm(max(0, p - q))."""
     K = drafts.numel()
-    p = speculative.normalized(engine.probabilities(logits, temperature, top_k, top_p))
+    p = speculative.normalized(s.probabilities(logits))
     pd, qd = (d.gather(-1, drafts[:, None])[:, 0] for d in (p[:K], q))
     n = (torch.rand(K) * qd < pd).long().cumprod(0).sum()
-    return n, engine.race(p[n])
+    return n, sampling.race(p[n])
 
 
 def accept_draws(accept, p, q, n_draws):
@@ -198,8 +200,8 @@ def accept_draws(accept, p, q, n_draws):
     counts = {}
     torch.manual_seed(0)
     for _ in range(n_draws):
-        d = engine.race(q)
-        n, tok = accept(d, q, logits, 1.0, 0, 1.0)
+        d = sampling.race(q)
+        n, tok = accept(d, q, logits, sampling.Sampling(1.0))
         first = int(d) if int(n) == 1 else int(tok)
         counts[first] = counts.get(first, 0) + 1
     return counts
@@ -217,7 +219,7 @@ def test_accept_rule_by_hand():
         kept, resampled = 0, {}
         torch.manual_seed(0)
         for _ in range(1000):
-            n, tok = speculative.accept(torch.tensor([d]), qt, logits, 1.0, 0, 1.0)
+            n, tok = speculative.accept(torch.tensor([d]), qt, logits, sampling.Sampling(1.0))
             kept += int(n)
             if int(n) == 0:
                 resampled[int(tok)] = resampled.get(int(tok), 0) + 1
@@ -237,7 +239,7 @@ def test_greedy_accept_keeps_the_agreeing_prefix():
     logits = torch.full((4, 6), -5.0)
     logits[0, 2] = logits[1, 4] = logits[2, 1] = logits[3, 5] = 5.0  # the target's argmaxes: 2, 4, 1, 5
     for drafts, want in (([2, 4, 1], (3, 5)), ([2, 4, 0], (2, 1)), ([3, 4, 1], (0, 2))):
-        n, tok = speculative.accept(torch.tensor(drafts), None, logits, 0.0, 0, 1.0)
+        n, tok = speculative.accept(torch.tensor(drafts), None, logits, sampling.GREEDY)
         assert (int(n), int(tok)) == want
 
 
@@ -274,7 +276,7 @@ def test_sampling_matches_the_target_distribution(tiny, monkeypatch):
         L = len(prompt)
 
         def dist(logits):
-            return speculative.normalized(engine.probabilities(logits, T, top_k, 1.0))
+            return speculative.normalized(sampling.Sampling(T, top_k).probabilities(logits))
 
         exact = {}
         top2 = dist(speculative.verify_step(tiny, torch.tensor([[first, 0, 0]]), torch.arange(L, L + 3)))[0]
@@ -293,7 +295,7 @@ def test_sampling_matches_the_target_distribution(tiny, monkeypatch):
             restore(state, tiny, draft)
             torch.manual_seed(seed)
             out = [first]
-            kept, _ = speculative.decode(tiny, draft, out, L, 4, k=k, temperature=T, top_k=top_k)
+            kept, _ = speculative.decode(tiny, draft, out, L, 4, k=k, sampling=sampling.Sampling(T, top_k))
             rounds += kept
             counts[tuple(out[1:])] = counts.get(tuple(out[1:]), 0) + 1
         return counts, rounds

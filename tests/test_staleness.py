@@ -65,8 +65,8 @@ def gguf_embedding(path: Path) -> torch.Tensor:
 
 
 def served(ckpt: Path, name="tok_embeddings.weight") -> torch.Tensor:
-    """What engine.load_model loads for `name` (it reads the engine file whenever there is one)."""
-    from engine import load_model
+    """What loading.load_model loads for `name` (it reads the engine file whenever there is one)."""
+    from loading import load_model
     return dict(load_model(ckpt, torch.float32, "cpu").state_dict())[name]
 
 
@@ -653,7 +653,7 @@ def test_a_quantization_replaced_after_its_check_is_never_loaded(hf_src, tmp_pat
 
     import quantize
     import tp
-    from engine import load_model
+    from loading import load_model
     q = tmp_path / "q"
     quantize.quantize_dir(hf_src, "int8", out=q)
     other = Path(shutil.copytree(hf_src, tmp_path / "other"))

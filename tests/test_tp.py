@@ -241,7 +241,7 @@ def test_reading_slices_equals_sharding_the_whole(hf_tiny, tmp_path, mode):
     process group is needed to check that (a stand-in group)."""
     import types
 
-    import engine
+    import loading
     import tp
     from convert import ENGINE_FILE, read_hf_dir
     from quantize import quantize_dir
@@ -257,7 +257,7 @@ def test_reading_slices_equals_sharding_the_whole(hf_tiny, tmp_path, mode):
     for rank in (0, 1):
         mesh = tp.Mesh(rank, 2, rank, types.SimpleNamespace(group_name="stand-in"))
         sliced = tp.load_model(ckpt, torch.float32, "cpu", mesh).state_dict()
-        whole = engine.load_model(ckpt, torch.float32, "cpu", shard=lambda m: tp.apply_tp(m, mesh)).state_dict()
+        whole = loading.load_model(ckpt, torch.float32, "cpu", shard=lambda m: tp.apply_tp(m, mesh)).state_dict()
         assert sliced.keys() == whole.keys()
         for k in whole:
             assert torch.equal(sliced[k], whole[k]), k

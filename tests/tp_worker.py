@@ -20,7 +20,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import engine  # noqa: E402
+import runtime  # noqa: E402
+import loading  # noqa: E402
 import policies  # noqa: E402
 import tp  # noqa: E402
 from engine import generate, setup  # noqa: E402
@@ -40,7 +41,7 @@ PROMPT_LEN, NEW, BUDGET, BLOCK, SEED = 100, 10, 48, 16, 1
 def tiny_model(name: str):
     """Seeded random weights (std 0.08, as conftest's checkpoints: wide enough for clear logit margins), random
     biases and norms: the same on every rank."""
-    model = engine.random_model(MODELS[name], torch.float32, "cpu", seed=SEED, std=0.08)
+    model = loading.random_model(MODELS[name], torch.float32, "cpu", seed=SEED, std=0.08)
     gen = torch.Generator().manual_seed(SEED + 1)
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -61,7 +62,7 @@ def recording(fn, logits: list):
     return step
 
 
-def run(model, spec: str, prefill: str, steps=(engine.prefill_step, engine.model_step)):
+def run(model, spec: str, prefill: str, steps=(runtime.prefill_step, runtime.model_step)):
     """Greedy tokens, each step's logits, and the caches' kept positions per layer [H, n] (sorted, per KV head)."""
     policy = policies.make(spec)
     L = PROMPT_LEN
@@ -177,13 +178,13 @@ def compiled_suite(mesh, out_dir: Path):
         tok, pos = torch.zeros(1, 1, dtype=torch.long), torch.tensor([PROMPT_LEN])
         setup(shard, policies.make(spec), BUDGET, PROMPT_LEN, NEW, BLOCK, prefill=prefill)  # (run() sets up again)
         with torch.inference_mode():
-            exp = torch._dynamo.explain(engine.model_step)(shard, tok, pos)
+            exp = torch._dynamo.explain(runtime.model_step)(shard, tok, pos)
         results[f"kv2|{spec}|explain"] = dict(graphs=exp.graph_count, breaks=exp.graph_break_count,
                                               all_reduces=sum(calls_in(g, "all_reduce(") for g in exp.graphs),
                                               all_gathers=sum(calls_in(g, "all_gather") for g in exp.graphs))
         torch._dynamo.reset()
         compiling_in_turn(mesh, out_dir)
-        steps = engine.compile_steps("cpu", prefill=prefill == "block")
+        steps = runtime.compile_steps("cpu", prefill=prefill == "block")
         t = time.perf_counter()
         with torch._dynamo.config.patch(error_on_recompile=True):
             got = run(shard, spec, prefill, steps)
