@@ -3,8 +3,8 @@ argparse whose errors are one line, and run_cli, the one place where a failure b
 
 Exit codes (docs/errors.md): 0 done; 2 bad input (a flag, a file or a checkpoint that is wrong: the project's
 error types); 1 the environment failed (an OS error such as a full disk or a refused permission, out of memory) or
-an internal error (a bug: one line, the traceback in ERROR_LOG, or printed with -v / BUDGETKV_VERBOSE=1);
-130 interrupted."""
+an internal error (a bug: one line, the traceback in the error log, or printed with -v / BUDGETKV_VERBOSE=1);
+130 interrupted; 128 + the signal for SIGTERM (143) and SIGHUP (129). Logs are private to the user (files.open_log)."""
 import argparse
 import os
 import re
@@ -15,17 +15,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from errors import EnvironmentFailure, UserError
+from files import log_dir, open_log
 from progress import Ticker
-
-ERROR_LOG = Path(tempfile.gettempdir()) / "budgetkv-error.log"  # the last internal error's traceback
-COMPILE_LOG = Path(tempfile.gettempdir()) / "budgetkv-compile.log"  # what torch.compile printed, last compile
 
 
 class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.add_argument("-v", "--verbose", action="store_true",
-                          help=f"on an internal error print the traceback instead of writing it to {ERROR_LOG} "
+                          help="on an internal error print the traceback instead of writing it to "
+                               f"{log_dir() / 'error.log'} "
                                "(also BUDGETKV_VERBOSE=1)")
 
     def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
@@ -38,18 +37,20 @@ def is_verbose(a) -> bool:
 
 
 @contextmanager
-def stderr_to_log(log: Path, verbose: bool):
-    """Send file descriptor 2 (torch.compile's autotune tables, the C++ compiler's and Python's warnings) to `log`
-    for the block, and yield a text stream on the terminal's own stderr, for a progress line. verbose, or a log that
-    cannot be opened: stderr stays as it is."""
+def stderr_to_log(name: str, verbose: bool):
+    """Send file descriptor 2 (torch.compile's autotune tables, the C++ compiler's and Python's warnings) to the log
+    `name` (files.open_log) for the block, and yield a text stream on the terminal's own stderr, for a progress line.
+    verbose, or a log that cannot be opened: stderr stays as it is; a log opened elsewhere than usual is named."""
     sys.stderr.flush()
     try:
         if verbose:
             raise OSError
-        log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        log_fd, log, note = open_log(name)
     except OSError:
         yield sys.stderr
         return
+    if note:
+        print(f"note: {note}: this log is {log}", file=sys.stderr)
     saved, saved_stream = os.dup(2), sys.stderr
     os.dup2(log_fd, 2)
     os.close(log_fd)
@@ -70,7 +71,7 @@ def compile_log(mode: str, compile_prefill: bool, freeze: bool = False, verbose:
     the terminal gets one line while it compiles (erased at the end): "compiling the decode step (aot) ... 12 s".
     Yields the terminal's stream (what must not go to the log)."""
     what = ("the prefill and decode steps" if compile_prefill else "the decode step") + (" (frozen)" if freeze else "")
-    with stderr_to_log(COMPILE_LOG, verbose) as terminal, Ticker(f"compiling {what} ({mode})", stream=terminal):
+    with stderr_to_log("compile.log", verbose) as terminal, Ticker(f"compiling {what} ({mode})", stream=terminal):
         yield terminal
 
 
@@ -143,18 +144,54 @@ def safetensors_os_error(e: Exception) -> OSError | None:
     return OSError(errno, os.strerror(errno), filename)
 
 
+SECRET_WORDS = {"token", "secret", "password", "passwd", "credentials", "key", "apikey"}
+
+
+def is_secret(name: str) -> bool:
+    """A flag or variable name whose value is a secret: one of its words (split at - and _) is SECRET_WORDS'
+    (--hf-token, HF_TOKEN, --db-password; not --max-new-tokens)."""
+    return any(w in SECRET_WORDS for w in re.split(r"[-_]+", name.lower()))
+
+
+def redacted(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv with each secret value replaced by ***: --hf-token X, --hf-token=X, HF_TOKEN=X; the values replaced)."""
+    out, values = list(argv), []
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if eq and is_secret(name.lstrip("-")):
+            out[i] = f"{name}=***"
+        elif arg.startswith("-") and not eq and is_secret(arg.lstrip("-")) and i + 1 < len(argv):
+            out[i + 1] = "***"
+            value = argv[i + 1]
+        else:
+            continue
+        values.append(value)
+    return out, values
+
+
+def redact(argv: list[str], text: str) -> str:
+    """The command line (secrets redacted) and `text`, in which every secret of the command line and of the
+    environment (a variable named as is_secret says) long enough not to be an ordinary word is replaced by ***."""
+    line, values = redacted(argv)
+    values += [v for k, v in os.environ.items() if is_secret(k)]
+    for value in sorted((v for v in values if len(v) >= 8), key=len, reverse=True):
+        text = text.replace(value, "***")
+    return " ".join(line) + "\n" + text
+
+
 def internal_error(e: BaseException, verbose: bool) -> int:
-    """A bug: one line plus where the traceback is (ERROR_LOG), or the traceback itself with -v."""
+    """A bug: one line plus where the traceback is (the error log, headed by the command line, secrets redacted), or
+    the traceback itself with -v."""
     if verbose:
         traceback.print_exception(e, file=sys.stderr)
         return 1
-    where = f"traceback in {ERROR_LOG}; or rerun with -v"
     try:
-        with open(ERROR_LOG, "w") as f:
-            f.write(f"{' '.join(sys.argv)}\n")
-            traceback.print_exception(e, file=f)
+        fd, log, note = open_log("error.log")
+        with open(fd, "w") as f:
+            f.write(redact(sys.argv, "".join(traceback.format_exception(e))))
+        where = f"traceback in {log}{f' ({note})' if note else ''}; or rerun with -v"
     except OSError as log_error:
-        where = f"could not write the traceback to {ERROR_LOG} ({log_error.strerror}); rerun with -v"
+        where = f"could not write the traceback to {log_dir() / 'error.log'} ({log_error.strerror}); rerun with -v"
     print(f"internal error: {type(e).__name__}: {one_line(e)} ({where})", file=sys.stderr)
     return 1
 

@@ -12,12 +12,12 @@ import kernels
 import speculative
 from cache import KV_DTYPES
 from checkpoint import MODELS
-from cli import COMPILE_LOG, Parser, check_writable
+from cli import Parser, check_writable
 from engine import (AOT, DEFAULT_BLOCK, DEFAULT_BUDGET, DEFAULT_NEW_TOKENS, DTYPES, MIN_TEMPERATURE, PREFILLS,
                     check_run_settings)
 from engine import compute_dtype as engine_compute_dtype
 from errors import UserError
-from files import jsonl_objects, read_capped
+from files import jsonl_objects, log_dir, read_capped
 
 MAX_PROMPT_BYTES = 64 << 20  # far more text than any supported model's context holds
 
@@ -109,7 +109,7 @@ def parse_args(argv=None, description: str | None = None):
                          "into build/aot-steps (docs/performance.md has the times), and later runs load it in "
                          "a fraction of a second. On CUDA torch.compile (fullgraph, CUDA graphs for decode) caches "
                          "its graphs in build/inductor-cache (TORCHINDUCTOR_CACHE_DIR). What the compiler prints "
-                         "goes to " + str(COMPILE_LOG) + " (-v: to the terminal)")
+                         "goes to " + str(log_dir() / "compile.log") + " (-v: to the terminal)")
     ap.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
                     help="with --compile: also compile the prefill-block step. Default: yes on CUDA, no on CPU, where "
                          "it doubles a cold compile for little prefill speed (docs/performance.md). "

@@ -21,7 +21,6 @@ import dataclasses
 import math
 import os
 import sys
-import tempfile
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from errors import EnvironmentFailure, UserError
+from files import log_dir, open_log
 
 TIMEOUT_S = 120.0  # no rank waits longer in a collective (BUDGETKV_TP_TIMEOUT: another number of seconds)
 
@@ -154,7 +154,7 @@ def naming_lost_ranks(run):
             raise EnvironmentFailure(
                 f"tensor parallel: {who} of {world} stopped answering rank {rank} (it failed, or stalled past the "
                 f"group's timeout, BUDGETKV_TP_TIMEOUT, default 120 s; a rank's own error is in "
-                f"{Path(tempfile.gettempdir()) / 'budgetkv-rank<R>.log'}): {' '.join(str(e).split())[:200]}") from None
+                f"{log_dir() / 'rank<R>.log'}): {' '.join(str(e).split())[:200]}") from None
     return call
 
 
@@ -198,21 +198,29 @@ def rank_device(device: str, mesh: Mesh) -> str:
 
 def quiet_other_ranks() -> Path | None:
     """Only rank 0 prints (under torchrun; call it first thing, so that a bad flag is one line too): the other
-    ranks' stdout goes to /dev/null and their stderr to a log file (returned), which a failure on that rank alone
-    can be read from."""
+    ranks' stdout goes to /dev/null and their stderr to a log (files.open_log: rank<R>.log, returned), which a
+    failure on that rank alone can be read from. A log opened elsewhere than usual is said in one line, on the
+    rank's own stderr; where none can be opened, that stderr stays."""
     try:
         rank, world, _ = torchrun_env()
     except UserError:  # said in one line by the command's own check (start), on this process's own stderr
         return None
     if world == 1 or rank == 0:
         return None
-    log = Path(tempfile.gettempdir()) / f"budgetkv-rank{rank}.log"
     sys.stdout.flush()
     sys.stderr.flush()
-    for fd, path, flags in ((1, os.devnull, os.O_WRONLY), (2, log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
-        new = os.open(path, flags, 0o644)
-        os.dup2(new, fd)
-        os.close(new)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    try:
+        fd, log, note = open_log(f"rank{rank}.log")
+    except OSError as e:
+        print(f"note: rank {rank} keeps its stderr here: no log could be opened ({e.strerror or e})", file=sys.stderr)
+        return None
+    if note:
+        print(f"note: rank {rank}: {note}: its stderr goes to {log}", file=sys.stderr)
+    os.dup2(fd, 2)
+    os.close(fd)
     return log
 
 

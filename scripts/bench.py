@@ -273,7 +273,7 @@ def run_llamacpp(gguf: Path, ids: list[int], variant: str, args) -> dict:
         if variant.startswith("F32"):
             cmd += ["--dequantize", str(REPO / "build" / f"{gguf.stem}.F32.gguf")]
         return json_result(subprocess.run(cmd, capture_output=True, text=True), f"llama.cpp {variant}",
-                           "budgetkv-bench-llamacpp")
+                           "bench-llamacpp")
 
 
 def llama_label(variant: str, x: dict) -> str:

@@ -9,7 +9,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from engine import (AOT, PeakMemory, compile_settings, compile_steps, decode, de
                     warm_up)
 from engine import prefill as engine_prefill
 from errors import EnvironmentFailure, UserError
+from files import open_log
 from scripts.outputs import check_settings, checkpoint_identity, read_json, write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
@@ -267,7 +267,7 @@ def run_one(script: str, argv: list[str], what: str) -> dict:
     with one line; the process's whole output goes to a log."""
     r = subprocess.run([sys.executable, script, *sys.argv[1:], *argv], capture_output=True, text=True)
     try:
-        return json_result(r, what, "budgetkv-bench")
+        return json_result(r, what, "bench")
     except EnvironmentFailure as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
@@ -275,16 +275,21 @@ def run_one(script: str, argv: list[str], what: str) -> dict:
 
 def json_result(r: subprocess.CompletedProcess, what: str, log_name: str) -> dict:
     """The JSON line a measuring subprocess printed last; or EnvironmentFailure naming its last stderr line and a
-    log holding its whole output."""
+    log holding its whole output (files.open_log: <log_name>-<pid>.log)."""
     lines = r.stdout.strip().splitlines()
     if r.returncode == 0 and lines:
         try:
             return json.loads(lines[-1])
         except json.JSONDecodeError:
             pass
-    log = Path(tempfile.gettempdir()) / f"{log_name}-{os.getpid()}.log"
-    log.write_text(r.stdout + r.stderr)
     last = (r.stderr.strip().splitlines() or ["no result"])[-1].removeprefix("error: ")
+    try:
+        fd, log, _ = open_log(f"{log_name}-{os.getpid()}.log")
+        with open(fd, "w") as f:
+            f.write(r.stdout + r.stderr)
+    except OSError as e:
+        raise EnvironmentFailure(f"{what} failed (exit {r.returncode}): {last} (its whole output could not be "
+                                 f"logged: {e.strerror or e})") from None
     raise EnvironmentFailure(f"{what} failed (exit {r.returncode}): {last} (whole output: {log})")
 
 

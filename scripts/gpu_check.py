@@ -349,7 +349,7 @@ def run_figure(args, out: Path, read_gb_s: float) -> list[dict]:
     gptfast = {}
     for T in int_list(args.contexts, "--contexts"):  # the paper's baseline: full with masked SDPA, its own process
         r = bench("bench_figure.py", [*figure, "--one", f"full@{T}"], args, form="sdpa")
-        gptfast[T] = json_result(r, f"gpt-fast baseline at {T}", "budgetkv-gpu-check")
+        gptfast[T] = json_result(r, f"gpt-fast baseline at {T}", "gpu-check")
     return figure_rows(json.loads((fig_dir / "rocketkv_figure.json").read_text())["rows"], gptfast, read_gb_s)
 
 

@@ -3,6 +3,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -48,10 +49,12 @@ def test_tiny_run_prints_summary(tiny_ckpt, capsys):
     assert stats["compile_cache"] is None
 
 
-def test_stderr_goes_to_the_compile_log_and_progress_to_the_terminal(tmp_path, capfd):
+def test_stderr_goes_to_the_compile_log_and_progress_to_the_terminal(tmp_path, capfd, monkeypatch):
+    import tempfile
+
     from cli import stderr_to_log
-    log = tmp_path / "compile.log"
-    with stderr_to_log(log, verbose=False) as terminal:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with stderr_to_log("compile.log", verbose=False) as terminal:
         os.write(2, b"AUTOTUNE table from C\n")
         print("a Python warning", file=sys.stderr)
         terminal.write("compiling ... 3 s")
@@ -59,11 +62,109 @@ def test_stderr_goes_to_the_compile_log_and_progress_to_the_terminal(tmp_path, c
     print("after", file=sys.stderr)
     err = capfd.readouterr().err
     assert err == "compiling ... 3 safter\n"
+    log = tmp_path / f"budgetkv-{os.getuid()}" / "compile.log"
     assert log.read_text() == "AUTOTUNE table from C\na Python warning\n"
-    with stderr_to_log(log, verbose=True) as terminal:  # -v: everything stays on the terminal
+    with stderr_to_log("compile.log", verbose=True) as terminal:  # -v: everything stays on the terminal
         os.write(2, b"noise\n")
         assert terminal is sys.stderr
     assert capfd.readouterr().err == "noise\n"
+
+
+LOGS_SCRIPT = """
+import argparse, os, sys
+sys.path.insert(0, {repo!r})
+import cli, tp
+with cli.compile_log("default", False):  # what a compile writes to stderr
+    os.write(2, b"compiler noise\\n")
+print(cli.run_cli(lambda a: 1 / 0, argparse.Namespace()))  # an internal error
+tp.quiet_other_ranks()  # rank 1 of 2 under torchrun
+print("rank noise", file=sys.stderr)
+"""
+
+
+def plant(tmp_path, how: str):
+    """A victim file, links to it at the three logs' old fixed names, and in the private folder's place `how`:
+    links to the victim at each log's name, a folder at each name, the folder itself a link to a folder of such
+    links, or the folder another user's. Returns the victim."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    for name in ("error", "compile", "rank1"):
+        (tmp_path / f"budgetkv-{name}.log").symlink_to(victim)
+    folder = tmp_path / f"budgetkv-{os.getuid()}"
+    target = tmp_path / "elsewhere" if how == "folder link" else folder
+    target.mkdir(mode=0o700)
+    for name in ("error", "compile", "rank1"):
+        if how == "folders":
+            (target / f"{name}.log").mkdir()
+        else:
+            (target / f"{name}.log").symlink_to(victim)
+    if how == "folder link":
+        folder.symlink_to(target, target_is_directory=True)
+    if how == "another user's folder":
+        os.chown(folder, 4242, 4242)
+    return victim
+
+
+@pytest.mark.parametrize("how", ["links", "folders", "folder link", "another user's folder"])
+def test_logs_are_private_and_never_follow_a_planted_link(tmp_path, how):
+    """The error log, the compile log and a rank's log, with links to a victim file planted at their old fixed
+    names and, in the user's private folder's place, links, folders, the folder a link, or another user's folder:
+    the victim is untouched, each log lands in a regular file of mode 0600 under the temporary folder, and the
+    lines that name a log name the one written (a note for the compile and rank logs, the internal error's line);
+    no traceback."""
+    if how == "another user's folder" and os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    victim = plant(tmp_path, how)
+    env = {**os.environ, "TMPDIR": str(tmp_path), "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+           "TORCHELASTIC_RUN_ID": "x", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    env.pop("BUDGETKV_VERBOSE", None)
+    r = subprocess.run([sys.executable, "-c", LOGS_SCRIPT.format(repo=str(REPO))], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout == "1\n" and "Traceback" not in r.stderr, r.stderr
+    assert victim.read_text() == "precious"
+    lines = r.stderr.splitlines()
+    named = [re.search(r"(?:this log is|its stderr goes to|traceback in) (\S+)", line).group(1) for line in lines]
+    assert len(lines) == 3 and all(f"cannot use {tmp_path}/budgetkv-{os.getuid()}/" in line for line in lines), lines
+    for path, text in zip(named, ("compiler noise", "Traceback (most recent call last)", "rank noise")):
+        st = os.lstat(path)
+        assert path.startswith(f"{tmp_path}/budgetkv-") and stat.S_ISREG(st.st_mode), path
+        assert stat.S_IMODE(st.st_mode) == 0o600 and text in open(path).read()
+
+
+def test_logs_go_to_a_private_folder(tmp_path, monkeypatch, capfd):
+    """Nothing planted: every log in $TMPDIR/budgetkv-<uid> (0700), each 0600; no note."""
+    import tempfile
+
+    import files
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    fd, path, note = files.open_log("error.log")
+    os.close(fd)
+    assert (path, note) == (tmp_path / f"budgetkv-{os.getuid()}" / "error.log", None)
+    assert stat.S_IMODE(os.lstat(path.parent).st_mode) == 0o700 and stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+    path.chmod(0o644)  # a log left readable by an older run: made private again
+    os.close(files.open_log("error.log")[0])
+    assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+
+
+def test_the_error_log_redacts_secrets(tmp_path, monkeypatch, capfd):
+    """The command line heading the error log, and the traceback under it, hold no token, secret or password: not
+    --hf-token X, --hf-token=X, HF_TOKEN=X on the command line, nor the environment's HF_TOKEN; other flags stay."""
+    import tempfile
+
+    import cli
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("HF_TOKEN", "hf_fromtheenvironment")
+    monkeypatch.setattr(sys, "argv", ["scripts/download.py", "--hf-token", "hf_given_apart", "--max-new-tokens", "5",
+                                      "--api-token=hf_given_with_equals", "MY_SECRET=s3cr3t-value", "--password",
+                                      "pw"])
+    assert cli.internal_error(ValueError("refused for hf_given_apart and hf_fromtheenvironment"), False) == 1
+    log = (tmp_path / f"budgetkv-{os.getuid()}" / "error.log").read_text()
+    assert log.splitlines()[0] == ("scripts/download.py --hf-token *** --max-new-tokens 5 --api-token=*** "
+                                   "MY_SECRET=*** --password ***")
+    assert "ValueError: refused for *** and ***" in log
+    for secret in ("hf_given_apart", "hf_fromtheenvironment", "hf_given_with_equals", "s3cr3t-value"):
+        assert secret not in log
+    assert f"traceback in {tmp_path}/budgetkv-{os.getuid()}/error.log;" in capfd.readouterr().err
 
 
 def test_threads_flag_sets_torch_threads(tiny_ckpt, capsys):
@@ -534,7 +635,7 @@ def test_bench_compile_measures_eager_cold_and_warm(tiny_ckpt, tmp_path, capsys)
     assert r.returncode == 0, r.stderr
     # bench_compile.py's own progress line per run, nothing from inductor or the C++ compiler in generate.py's runs
     assert [line.split(":")[0] for line in r.stderr.splitlines()] == ["  cold", "  eager", "  warm"], r.stderr
-    assert (tmp_path / "budgetkv-compile.log").is_file()
+    assert (tmp_path / f"budgetkv-{os.getuid()}" / "compile.log").is_file()
     runs = json.loads(out.read_text())["runs"]
     assert [x["run"] for x in runs] == ["cold", "eager", "warm"]
     assert [x["compile_cache"] for x in runs] == ["miss", None, "hit"]

@@ -17,6 +17,7 @@ processes with torchrun's environment), tiny GQA models with 2 and 4 KV heads, f
 """
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -187,6 +188,21 @@ def test_cli_under_torchrun(tmp_path, capsys):
     import tp  # each rank built only its shard of the random weights (tp.random_model), with one process's values
     config = json.loads((ckpt / "config.json").read_text())
     assert got["weight_bytes_per_rank"] == [tp.weight_bytes_per_rank(config, 2, torch.float32)] * 2
+
+
+def test_a_rank_log_that_cannot_be_opened_is_one_line(tmp_path):
+    """Rank 1's log path is a folder: rank 1 says in one line where its stderr goes instead (a private file of a
+    unique name) and the run goes on; no traceback, no torchrun report."""
+    log = tmp_path / f"budgetkv-{os.getuid()}" / "rank1.log"
+    log.mkdir(parents=True)
+    log.parent.chmod(0o700)
+    p = torchrun(["generate.py", *gen_args(tiny_config(tmp_path), "--policy", "keydiff", "--json")], 180,
+                 TMPDIR=str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    (line,) = p.stderr.splitlines()
+    other = re.fullmatch(rf"note: rank 1: cannot use {log}: Is a directory: its stderr goes to (\S+)", line).group(1)
+    assert other.startswith(f"{tmp_path}/budgetkv-rank1-") and os.stat(other).st_mode & 0o777 == 0o600
+    assert json.loads(p.stdout)["tp_world"] == 2
 
 
 def test_cli_loads_checkpoints(hf_tiny, tmp_path, capsys):
