@@ -6,10 +6,14 @@ error types); 1 the environment failed (an OS error such as a full disk or a ref
 an internal error (a bug: one line, the traceback in the error log, or printed with -v / BUDGETKV_VERBOSE=1);
 130 interrupted; 128 + the signal for SIGTERM (143) and SIGHUP (129). Logs are private to the user (files.open_log)."""
 import argparse
+import ctypes
 import os
 import re
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -213,16 +217,89 @@ def run_ranks(run_fn, parse_args) -> int:
         tp.finish()
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP (args[0]: the signal), raised where the main thread is, so that `finally` blocks and
+    context managers run (temporary files and folders removed, child processes stopped). Not an Exception: no
+    `except Exception` swallows it."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
+@contextmanager
+def terminated_raises():
+    """SIGTERM and SIGHUP raise Terminated inside the block (in the main thread; elsewhere nothing changes), and
+    their handlers are restored after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
+LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
+PR_SET_PDEATHSIG = 1
+
+
+def dies_with_parent() -> None:
+    """preexec_fn of a child process: on Linux it gets SIGTERM when the process that started it ends, however it
+    ends (SIGKILL included), and runs its own cleanup."""
+    if LIBC is not None:
+        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_child(cmd: list[str], **kw) -> subprocess.Popen:
+    """A child process of a command line: stopped with it (dies_with_parent); stop it with stop_child."""
+    return subprocess.Popen(cmd, preexec_fn=dies_with_parent, **kw)
+
+
+def stop_child(p: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM (its cleanup runs), then SIGKILL if it is still there after grace_s."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_child(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, **kw) for a command line: the child is stopped
+    (stop_child) when this process stops waiting for it early, for any reason (an error, Ctrl-C, Terminated), and
+    dies with this process if it is killed."""
+    with start_child(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw) as p:
+        try:
+            out, err = p.communicate()
+        except BaseException:
+            stop_child(p)
+            raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 def run_cli(run_fn, a) -> int:
-    """Run a command; every failure becomes one line on stderr (the exit codes are in this module's docstring).
-    Shared by every entry point (generate.py and scripts/)."""
+    """Run a command; every failure becomes one line on stderr (the exit codes are in this module's docstring), and
+    SIGTERM and SIGHUP end it through its `finally` blocks (Terminated), with the line `terminated`. Shared by every
+    entry point (generate.py and scripts/)."""
     from safetensors import SafetensorError
     verbose = is_verbose(a)
     if sys.stdout is None:  # started with stdout closed (>&-): print() would fail on None
         print("error: standard output is closed: give it a file or /dev/null", file=sys.stderr)
         return 1
     try:
-        return run_fn(a)
+        with terminated_raises():
+            return run_fn(a)
+    except Terminated as e:
+        try:
+            print("terminated", file=sys.stderr)
+        except OSError:  # SIGHUP: the terminal may be gone
+            pass
+        return 128 + e.args[0]
     except (UserError, EnvironmentFailure) as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 1 if isinstance(e, EnvironmentFailure) else 2

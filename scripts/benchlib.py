@@ -17,7 +17,7 @@ import torch
 import policies
 from cache import KV_DTYPES, is_scorer, kv_bytes
 from checkpoint import resolve_checkpoint, shape_config
-from cli import Parser, check_device, check_writable
+from cli import Parser, check_device, check_writable, run_child
 from config import parse_config
 from convert import read_config
 from engine import (AOT, PeakMemory, compile_settings, compile_steps, decode, decode_bytes_per_step, first_tokens,
@@ -265,7 +265,7 @@ def save(path, args, settings: dict, **out) -> None:
 def run_one(script: str, argv: list[str], what: str) -> dict:
     """One configuration in a fresh process (`script` with this process's arguments and `argv` added); its JSON line. A failure ends the run
     with one line; the process's whole output goes to a log."""
-    r = subprocess.run([sys.executable, script, *sys.argv[1:], *argv], capture_output=True, text=True)
+    r = run_child([sys.executable, script, *sys.argv[1:], *argv])
     try:
         return json_result(r, what, "bench")
     except EnvironmentFailure as e:

@@ -3,9 +3,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO, env_with_tmpdir
@@ -692,3 +695,157 @@ def test_python_api_generates_what_the_command_line_does(tiny_ckpt, tmp_path, ca
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout) == cli["token_ids"]
+
+
+# ---------------------------------------------------------------------------------- SIGTERM and child processes
+
+def long_with_tempfile(tmp_path, signum):
+    """A command whose work holds a temporary file in a `with` block while the signal arrives."""
+    import tempfile
+    made = []
+
+    def run(a):
+        with tempfile.NamedTemporaryFile(dir=tmp_path) as f:
+            made.append(Path(f.name))
+            os.kill(os.getpid(), signum)
+            time.sleep(60)
+    return run, made
+
+
+def long_aot_compile(tmp_path, signum, monkeypatch):
+    """aoti.compile_package, its compiler (faked) signalled while it writes into its temporary folder."""
+    import torch._inductor
+
+    import aoti
+
+    def compile_and_package(ep, package_path):
+        Path(package_path).write_bytes(b"half a package")
+        os.kill(os.getpid(), signum)
+        time.sleep(60)
+    monkeypatch.setattr(aoti, "export_step", lambda *a: None)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_and_package)
+    return lambda a: aoti.compile_package(None, None, None, tmp_path / "steps" / "k.pt2", [], print), []
+
+
+def long_atomic_write(tmp_path, signum):
+    """files.write_atomic signalled while it writes its temporary file."""
+    import files
+
+    def write(tmp):
+        tmp.write_text("half")
+        os.kill(os.getpid(), signum)
+        time.sleep(60)
+    return lambda a: files.write_text(tmp_path / "out.txt", "") or files.write_atomic(tmp_path / "out.txt", write), []
+
+
+@pytest.mark.parametrize("work,signum", [("tempfile", signal.SIGTERM), ("tempfile", signal.SIGHUP),
+                                         ("aot compile", signal.SIGTERM), ("atomic write", signal.SIGTERM)])
+def test_sigterm_ends_a_command_through_its_cleanup(tmp_path, monkeypatch, capfd, work, signum):
+    """SIGTERM (or SIGHUP) during a long run_cli command: its `finally` blocks and context managers run (a
+    temporary file, aoti's budgetkv-aot-* folder, files.write_atomic's .budgetkv-tmp-* file are removed), one line
+    `terminated`, exit 128 + the signal; the signal's handler is the old one again afterwards."""
+    import argparse
+    import tempfile
+
+    import cli
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    run, made = {"tempfile": lambda: long_with_tempfile(tmp_path, signum),
+                 "aot compile": lambda: long_aot_compile(tmp_path, signum, monkeypatch),
+                 "atomic write": lambda: long_atomic_write(tmp_path, signum)}[work]()
+    before = signal.getsignal(signum)
+    code = cli.run_cli(run, argparse.Namespace())
+    assert (code, capfd.readouterr().err) == (128 + signum, "terminated\n")
+    assert signal.getsignal(signum) == before
+    left = sorted(p.name for p in tmp_path.rglob("*") if p.is_file() or p.name.startswith("budgetkv-aot-"))
+    assert left == (["out.txt"] if work == "atomic write" else []), left
+    assert made == [] or not made[0].exists()
+
+
+def alive_children(pid: int) -> list[int]:
+    """The live (not zombie) processes whose parent is `pid`."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split() if d.name.isdigit() else None
+        except OSError:
+            continue
+        if fields and int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(d.name))
+    return out
+
+
+def gone(pids: list[int]) -> bool:
+    def alive(pid):
+        try:
+            return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+        except OSError:
+            return False
+    return not any(alive(p) for p in pids)
+
+
+def signal_once_children_run(cmd: list[str], signum, want=lambda pid: True, **kw):
+    """Start cmd, wait until a child of it that `want` accepts runs, send the signal; (the process after it ended,
+    its stderr, the children seen, whether they are gone within 15 s)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    try:
+        deadline = time.monotonic() + 120
+        while not (kids := [c for c in alive_children(p.pid) if want(c)]):
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < deadline, "no child process started"
+            time.sleep(0.05)
+        p.send_signal(signum)
+        _, err = p.communicate(timeout=60)
+        deadline = time.monotonic() + 15
+        while not gone(kids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return p, err, kids, gone(kids)
+    finally:
+        p.kill()
+        for c in alive_children(p.pid):
+            os.kill(c, signal.SIGKILL)
+
+
+FAKE_BENCH_THREADS = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from scripts import bench_threads
+calls = []
+def run_generate(setting, mode, prompt, a):  # the untimed run, the idle one, then the busy one: it never ends
+    calls.append(1)
+    if len(calls) == 3:
+        time.sleep(600)
+    return {{"prefill_tok_s": 1.0, "decode_tok_s": 1.0}}
+bench_threads.run_generate = run_generate
+sys.exit(bench_threads.main(["--modes", "eager", "--settings", "default", "--repeats", "1"]))
+"""
+
+
+@pytest.mark.parametrize("child,signum", [("generate.py", signal.SIGTERM), ("spinner", signal.SIGTERM),
+                                          ("spinner", signal.SIGKILL)])
+def test_bench_threads_leaves_no_process_behind(child, signum):
+    """scripts/bench_threads.py stopped while its child runs (a generate.py run, or the busy loop beside the busy
+    runs): the child is gone within seconds; SIGTERM is `terminated`, exit 143. SIGKILL, which no cleanup sees: the
+    child gets SIGTERM from the kernel (PR_SET_PDEATHSIG, cli.dies_with_parent)."""
+    if child == "generate.py":
+        cmd = [sys.executable, str(REPO / "scripts" / "bench_threads.py"), "--modes", "eager", "--settings",
+               "default", "--repeats", "1", "--prompt-bytes", "10", "--new-tokens", "2"]
+    else:
+        cmd = [sys.executable, "-c", FAKE_BENCH_THREADS.format(repo=str(REPO))]
+    p, err, kids, ended = signal_once_children_run(cmd, signum)
+    assert ended, f"left behind: {kids}"
+    if signum == signal.SIGTERM:
+        assert p.returncode == 143 and err.strip().splitlines()[-1] == "terminated", (p.returncode, err)
+
+
+def test_bench_leaves_no_measuring_child_behind(tiny_ckpt, tmp_path):
+    """scripts/bench.py stopped by SIGTERM while a configuration is measured in its child process: the child gets
+    SIGTERM and is gone within seconds; the script says `terminated`, exit 143."""
+    shapes = tmp_path / "shapes"
+    shapes.mkdir()
+    shutil.copy(tiny_ckpt / "config.json", shapes)
+    cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "--checkpoint", str(shapes), "--random-weights",
+           "--policies", "keydiff", "--prompt-tokens", "64", "--budget", "16", "--block-size", "16",
+           "--decode-steps", "2", "--repeats", "1", "--device", "cpu", "--threads", "1"]
+    p, err, kids, ended = signal_once_children_run(cmd, signal.SIGTERM)
+    assert ended, f"left behind: {kids}"
+    assert p.returncode == 143 and err.strip().splitlines()[-1] == "terminated", (p.returncode, err)
