@@ -202,7 +202,7 @@ def internal_error(e: BaseException, verbose: bool) -> int:
 
 def run_ranks(run_fn, parse_args) -> int:
     """A command line that may run under torchrun (tp.py): only rank 0 prints, a lost rank is one line naming it,
-    bad input is one line and a clean exit on every rank (tp.exit_code), and the group is left at the end."""
+    bad input is one line and exit 2 on rank 0 alone (tp.exit_code), and the group is left at the end."""
     import tp
     tp.quiet_other_ranks()
     try:

@@ -51,7 +51,8 @@ def parse_args(argv=None, description: str | None = None):
     ap.add_argument("--prompt", action="append",
                     help="the prompt text; repeat it for a batch (one sequence per --prompt)")
     ap.add_argument("--prompt-file", type=Path,
-                    help="read the prompt from this file; a .jsonl file is a batch: one JSON object per line, "
+                    help="read the prompt from this file (- : standard input; under torchrun rank 0 reads it and "
+                         'sends it to the others); a .jsonl file is a batch: one JSON object per line, '
                          '{"prompt": "..."}, one sequence each')
     ap.add_argument("--random-weights", action="store_true",
                     help="no weights: build --checkpoint's shapes (a short name's shipped configs/<name>.json, or a "
@@ -356,7 +357,8 @@ def checked_utf8(text: str) -> str:
 def read_prompt(a, check_empty: bool = True) -> str:
     if a.prompt_file is not None:
         try:
-            data = read_capped(a.prompt_file, MAX_PROMPT_BYTES)  # /dev/zero must not fill the memory
+            path = Path("/dev/stdin") if str(a.prompt_file) == "-" else a.prompt_file
+            data = read_capped(path, MAX_PROMPT_BYTES)  # /dev/zero must not fill the memory
             if len(data) > MAX_PROMPT_BYTES:
                 raise UserError(f"prompt file {a.prompt_file} is larger than {MAX_PROMPT_BYTES >> 20} MiB")
             text = data.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark is not part of the prompt

@@ -159,17 +159,40 @@ def naming_lost_ranks(run):
 
 
 def exit_code(code: int) -> int:
-    """The exit code of a torchrun worker: bad input (2) exits 0 on every rank (rank 0 printed the line, and every
-    rank refused the same flags): a non-zero exit would add torchrun's own report, a ChildFailedError of some 40
-    lines, after the one line (or restart the workers where --max-restarts allows). A malformed torchrun
-    environment keeps its 2."""
+    """The exit code of a torchrun worker: its own, but bad input (2) on a rank other than 0 exits 0. Every rank
+    refuses the same input (the same flags, the prompt sent by rank 0); rank 0 printed the line and exits 2, so
+    torchrun exits 1 with a report that names rank 0 alone (each other failed rank would add its own entry). A
+    malformed torchrun environment keeps its 2."""
     if code != 2 or "TORCHELASTIC_RUN_ID" not in os.environ:
         return code
     try:
-        torchrun_env()
+        rank = torchrun_env()[0]
     except UserError:
         return code
-    return 0
+    return code if rank == 0 else 0
+
+
+def from_rank0(read, mesh: Mesh):
+    """read() on rank 0 alone, its value sent to every rank (broadcast_object_list): input that one process only can
+    read (a pipe, a FIFO, stdin), read once. Its refusal (UserError) is raised on every rank; any other failure
+    on rank 0 ends the others with one line (EnvironmentFailure). A world of 1: read()."""
+    if mesh.world == 1:
+        return read()
+    box = [None]
+    if mesh.rank == 0:
+        try:
+            box[0] = ("value", read())
+        except BaseException as e:
+            box[0] = ("refused", str(e)) if isinstance(e, UserError) else ("failed", type(e).__name__)
+            dist.broadcast_object_list(box, src=0, group=mesh.group)
+            raise
+    dist.broadcast_object_list(box, src=0, group=mesh.group)
+    kind, value = box[0]
+    if kind == "refused":
+        raise UserError(value)
+    if kind == "failed":
+        raise EnvironmentFailure(f"rank 0 failed while reading the input ({value}): its line is on its stderr")
+    return value
 
 
 def start(requested: int | None, device: str, policy, *, interactive: bool = False, speculate: bool = False,
