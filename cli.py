@@ -3,29 +3,32 @@ argparse whose errors are one line, and run_cli, the one place where a failure b
 
 Exit codes (docs/errors.md): 0 done; 2 bad input (a flag, a file or a checkpoint that is wrong: the project's
 error types); 1 the environment failed (an OS error such as a full disk or a refused permission, out of memory) or
-an internal error (a bug: one line, the traceback in ERROR_LOG, or printed with -v / BUDGETKV_VERBOSE=1);
-130 interrupted."""
+an internal error (a bug: one line, the traceback in the error log, or printed with -v / BUDGETKV_VERBOSE=1);
+130 interrupted; 128 + the signal for SIGTERM (143) and SIGHUP (129). Logs are private to the user (files.open_log)."""
 import argparse
+import ctypes
 import os
 import re
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
 from errors import EnvironmentFailure, UserError
+from files import log_dir, open_log
 from progress import Ticker
-
-ERROR_LOG = Path(tempfile.gettempdir()) / "budgetkv-error.log"  # the last internal error's traceback
-COMPILE_LOG = Path(tempfile.gettempdir()) / "budgetkv-compile.log"  # what torch.compile printed, last compile
 
 
 class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.add_argument("-v", "--verbose", action="store_true",
-                          help=f"on an internal error print the traceback instead of writing it to {ERROR_LOG} "
+                          help="on an internal error print the traceback instead of writing it to "
+                               f"{log_dir() / 'error.log'} "
                                "(also BUDGETKV_VERBOSE=1)")
 
     def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
@@ -38,18 +41,20 @@ def is_verbose(a) -> bool:
 
 
 @contextmanager
-def stderr_to_log(log: Path, verbose: bool):
-    """Send file descriptor 2 (torch.compile's autotune tables, the C++ compiler's and Python's warnings) to `log`
-    for the block, and yield a text stream on the terminal's own stderr, for a progress line. verbose, or a log that
-    cannot be opened: stderr stays as it is."""
+def stderr_to_log(name: str, verbose: bool):
+    """Send file descriptor 2 (torch.compile's autotune tables, the C++ compiler's and Python's warnings) to the log
+    `name` (files.open_log) for the block, and yield a text stream on the terminal's own stderr, for a progress line.
+    verbose, or a log that cannot be opened: stderr stays as it is; a log opened elsewhere than usual is named."""
     sys.stderr.flush()
     try:
         if verbose:
             raise OSError
-        log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        log_fd, log, note = open_log(name)
     except OSError:
         yield sys.stderr
         return
+    if note:
+        print(f"note: {note}: this log is {log}", file=sys.stderr)
     saved, saved_stream = os.dup(2), sys.stderr
     os.dup2(log_fd, 2)
     os.close(log_fd)
@@ -70,7 +75,7 @@ def compile_log(mode: str, compile_prefill: bool, freeze: bool = False, verbose:
     the terminal gets one line while it compiles (erased at the end): "compiling the decode step (aot) ... 12 s".
     Yields the terminal's stream (what must not go to the log)."""
     what = ("the prefill and decode steps" if compile_prefill else "the decode step") + (" (frozen)" if freeze else "")
-    with stderr_to_log(COMPILE_LOG, verbose) as terminal, Ticker(f"compiling {what} ({mode})", stream=terminal):
+    with stderr_to_log("compile.log", verbose) as terminal, Ticker(f"compiling {what} ({mode})", stream=terminal):
         yield terminal
 
 
@@ -145,25 +150,61 @@ def safetensors_os_error(e: Exception) -> OSError | None:
     return OSError(errno, os.strerror(errno), filename)
 
 
+SECRET_WORDS = {"token", "secret", "password", "passwd", "credentials", "key", "apikey"}
+
+
+def is_secret(name: str) -> bool:
+    """A flag or variable name whose value is a secret: one of its words (split at - and _) is SECRET_WORDS'
+    (--hf-token, HF_TOKEN, --db-password; not --max-new-tokens)."""
+    return any(w in SECRET_WORDS for w in re.split(r"[-_]+", name.lower()))
+
+
+def redacted(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv with each secret value replaced by ***: --hf-token X, --hf-token=X, HF_TOKEN=X; the values replaced)."""
+    out, values = list(argv), []
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if eq and is_secret(name.lstrip("-")):
+            out[i] = f"{name}=***"
+        elif arg.startswith("-") and not eq and is_secret(arg.lstrip("-")) and i + 1 < len(argv):
+            out[i + 1] = "***"
+            value = argv[i + 1]
+        else:
+            continue
+        values.append(value)
+    return out, values
+
+
+def redact(argv: list[str], text: str) -> str:
+    """The command line (secrets redacted) and `text`, in which every secret of the command line and of the
+    environment (a variable named as is_secret says) long enough not to be an ordinary word is replaced by ***."""
+    line, values = redacted(argv)
+    values += [v for k, v in os.environ.items() if is_secret(k)]
+    for value in sorted((v for v in values if len(v) >= 8), key=len, reverse=True):
+        text = text.replace(value, "***")
+    return " ".join(line) + "\n" + text
+
+
 def internal_error(e: BaseException, verbose: bool) -> int:
-    """A bug: one line plus where the traceback is (ERROR_LOG), or the traceback itself with -v."""
+    """A bug: one line plus where the traceback is (the error log, headed by the command line, secrets redacted), or
+    the traceback itself with -v."""
     if verbose:
         traceback.print_exception(e, file=sys.stderr)
         return 1
-    where = f"traceback in {ERROR_LOG}; or rerun with -v"
     try:
-        with open(ERROR_LOG, "w") as f:
-            f.write(f"{' '.join(sys.argv)}\n")
-            traceback.print_exception(e, file=f)
+        fd, log, note = open_log("error.log")
+        with open(fd, "w") as f:
+            f.write(redact(sys.argv, "".join(traceback.format_exception(e))))
+        where = f"traceback in {log}{f' ({note})' if note else ''}; or rerun with -v"
     except OSError as log_error:
-        where = f"could not write the traceback to {ERROR_LOG} ({log_error.strerror}); rerun with -v"
+        where = f"could not write the traceback to {log_dir() / 'error.log'} ({log_error.strerror}); rerun with -v"
     print(f"internal error: {type(e).__name__}: {one_line(e)} ({where})", file=sys.stderr)
     return 1
 
 
 def run_ranks(run_fn, parse_args) -> int:
     """A command line that may run under torchrun (tp.py): only rank 0 prints, a lost rank is one line naming it,
-    bad input is one line and a clean exit on every rank (tp.exit_code), and the group is left at the end."""
+    bad input is one line and exit 2 on rank 0 alone (tp.exit_code), and the group is left at the end."""
     import tp
     tp.quiet_other_ranks()
     try:
@@ -178,16 +219,89 @@ def run_ranks(run_fn, parse_args) -> int:
         tp.finish()
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP (args[0]: the signal), raised where the main thread is, so that `finally` blocks and
+    context managers run (temporary files and folders removed, child processes stopped). Not an Exception: no
+    `except Exception` swallows it."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
+@contextmanager
+def terminated_raises():
+    """SIGTERM and SIGHUP raise Terminated inside the block (in the main thread; elsewhere nothing changes), and
+    their handlers are restored after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
+LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
+PR_SET_PDEATHSIG = 1
+
+
+def dies_with_parent() -> None:
+    """preexec_fn of a child process: on Linux it gets SIGTERM when the process that started it ends, however it
+    ends (SIGKILL included), and runs its own cleanup."""
+    if LIBC is not None:
+        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_child(cmd: list[str], **kw) -> subprocess.Popen:
+    """A child process of a command line: stopped with it (dies_with_parent); stop it with stop_child."""
+    return subprocess.Popen(cmd, preexec_fn=dies_with_parent, **kw)
+
+
+def stop_child(p: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM (its cleanup runs), then SIGKILL if it is still there after grace_s."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_child(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, **kw) for a command line: the child is stopped
+    (stop_child) when this process stops waiting for it early, for any reason (an error, Ctrl-C, Terminated), and
+    dies with this process if it is killed."""
+    with start_child(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw) as p:
+        try:
+            out, err = p.communicate()
+        except BaseException:
+            stop_child(p)
+            raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 def run_cli(run_fn, a) -> int:
-    """Run a command; every failure becomes one line on stderr (the exit codes are in this module's docstring).
-    Shared by every entry point (generate.py and scripts/)."""
+    """Run a command; every failure becomes one line on stderr (the exit codes are in this module's docstring), and
+    SIGTERM and SIGHUP end it through its `finally` blocks (Terminated), with the line `terminated`. Shared by every
+    entry point (generate.py and scripts/)."""
     from safetensors import SafetensorError
     verbose = is_verbose(a)
     if sys.stdout is None:  # started with stdout closed (>&-): print() would fail on None
         print("error: standard output is closed: give it a file or /dev/null", file=sys.stderr)
         return 1
     try:
-        return run_fn(a)
+        with terminated_raises():
+            return run_fn(a)
+    except Terminated as e:
+        try:
+            print("terminated", file=sys.stderr)
+        except OSError:  # SIGHUP: the terminal may be gone
+            pass
+        return 128 + e.args[0]
     except (UserError, EnvironmentFailure) as e:
         print(f"error: {as_flags(one_line(e), a)}", file=sys.stderr)
         return 1 if isinstance(e, EnvironmentFailure) else 2

@@ -2,13 +2,15 @@
 <name>), is given the permissions of the file it replaces (else the umask's: safetensors creates 0600), fsynced and
 renamed into place, and the folder fsynced, so a reader sees the old file or the whole new one. A killed run's
 temporary files are removed by the next run that writes into the same folder (their process is gone). A failed
-write is one line (EnvironmentFailure, exit 1) naming the file."""
+write is one line (EnvironmentFailure, exit 1) naming the file. Logs are opened in one place, open_log: private to
+the user, never through a link."""
 import errno
 import json
 import os
 import re
 import shutil
 import stat
+import tempfile
 from pathlib import Path
 
 from errors import EnvironmentFailure
@@ -54,6 +56,61 @@ def unreachable(path: Path) -> str | None:
     except ValueError:  # a NUL byte in the path
         return "not a valid path"
     return None
+
+
+def log_dir() -> Path:
+    """Where the logs go: a folder of this user's in the temporary folder, $TMPDIR/budgetkv-<uid>."""
+    return Path(tempfile.gettempdir()) / f"budgetkv-{os.getuid()}"
+
+
+def not_private(folder: Path) -> str | None:
+    """Why `folder` is not a folder only this user can enter (None when it is); made (0700) when missing. lstat: a
+    link is not followed."""
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{folder} is not a folder"
+    if st.st_uid != os.getuid():
+        return f"{folder} is another user's"
+    if st.st_mode & 0o077:
+        return f"{folder} is open to others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def open_private(path: Path) -> int:
+    """`path` opened for writing, emptied, mode 0600: only a regular file, never through a link (O_NOFOLLOW), never
+    waiting on a named pipe."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.ftruncate(fd, 0)
+        os.fchmod(fd, 0o600)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_log(name: str) -> tuple[int, Path, str | None]:
+    """The one place logs are opened: log_dir()/name, for writing, private to this user (the folder 0700 and this
+    user's, the file 0600 and not a link). Where that cannot be (the folder or the file is a link, a folder, another
+    user's), a new file of a unique name in the temporary folder instead (budgetkv-<name>-XXXXXXXX.log, 0600).
+    Returns (fd, path, note): note says why the usual path was not used (None when it was). OSError when neither
+    can be opened."""
+    path = log_dir() / name
+    try:
+        problem = not_private(path.parent)
+        if problem is None:
+            return open_private(path), path, None
+    except OSError as e:
+        problem = "a symbolic link" if e.errno == errno.ELOOP else e.strerror or str(e)
+    fd, other = tempfile.mkstemp(prefix=f"budgetkv-{Path(name).stem}-", suffix=".log")
+    return fd, Path(other), f"cannot use {path}: {problem}"
 
 
 def read_capped(path: Path, limit: int) -> bytes:

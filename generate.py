@@ -72,7 +72,7 @@ def run(a) -> int:
     if a.prefill == "one-shot" and a.compile_prefill is not None:
         raise UserError("--compile-prefill / --no-compile-prefill apply to --prefill block: a one-shot prefill never "
                         "runs the block step")
-    texts = None if a.random_weights or a.interactive else read_prompts(a)
+    texts = None if a.random_weights or a.interactive else tp.from_rank0(lambda: read_prompts(a), mesh)
     dtype = compute_dtype(a)
     torch.manual_seed(a.seed or 0)
     runtime.set_threads(a.threads)

@@ -11,13 +11,13 @@ import kernels
 import speculative
 from cache import KV_DTYPES
 from checkpoint import MODELS
-from cli import COMPILE_LOG, Parser, check_writable
+from cli import Parser, check_writable
 from engine import DEFAULT_BLOCK, DEFAULT_BUDGET, DEFAULT_NEW_TOKENS, PREFILLS, check_kv_dtype
 from errors import UserError, check_int
+from files import jsonl_objects, log_dir, read_capped
 from runtime import AOT, DTYPES, check_device
 from runtime import compute_dtype as runtime_compute_dtype
 from sampling import MIN_TEMPERATURE, Sampling
-from files import jsonl_objects, read_capped
 
 MAX_PROMPT_BYTES = 64 << 20  # far more text than any supported model's context holds
 
@@ -51,7 +51,8 @@ def parse_args(argv=None, description: str | None = None):
     ap.add_argument("--prompt", action="append",
                     help="the prompt text; repeat it for a batch (one sequence per --prompt)")
     ap.add_argument("--prompt-file", type=Path,
-                    help="read the prompt from this file; a .jsonl file is a batch: one JSON object per line, "
+                    help="read the prompt from this file (- : standard input; under torchrun rank 0 reads it and "
+                         'sends it to the others); a .jsonl file is a batch: one JSON object per line, '
                          '{"prompt": "..."}, one sequence each')
     ap.add_argument("--random-weights", action="store_true",
                     help="no weights: build --checkpoint's shapes (a short name's shipped configs/<name>.json, or a "
@@ -109,7 +110,7 @@ def parse_args(argv=None, description: str | None = None):
                          "into build/aot-steps (docs/performance.md has the times), and later runs load it in "
                          "a fraction of a second. On CUDA torch.compile (fullgraph, CUDA graphs for decode) caches "
                          "its graphs in build/inductor-cache (TORCHINDUCTOR_CACHE_DIR). What the compiler prints "
-                         "goes to " + str(COMPILE_LOG) + " (-v: to the terminal)")
+                         "goes to " + str(log_dir() / "compile.log") + " (-v: to the terminal)")
     ap.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
                     help="with --compile: also compile the prefill-block step. Default: yes on CUDA, no on CPU, where "
                          "it doubles a cold compile for little prefill speed (docs/performance.md). "
@@ -350,7 +351,8 @@ def checked_utf8(text: str) -> str:
 def read_prompt(a, check_empty: bool = True) -> str:
     if a.prompt_file is not None:
         try:
-            data = read_capped(a.prompt_file, MAX_PROMPT_BYTES)  # /dev/zero must not fill the memory
+            path = Path("/dev/stdin") if str(a.prompt_file) == "-" else a.prompt_file
+            data = read_capped(path, MAX_PROMPT_BYTES)  # /dev/zero must not fill the memory
             if len(data) > MAX_PROMPT_BYTES:
                 raise UserError(f"prompt file {a.prompt_file} is larger than {MAX_PROMPT_BYTES >> 20} MiB")
             text = data.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark is not part of the prompt

@@ -21,7 +21,6 @@ import dataclasses
 import math
 import os
 import sys
-import tempfile
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from errors import EnvironmentFailure, UserError
+from files import log_dir, open_log
 
 TIMEOUT_S = 120.0  # no rank waits longer in a collective (BUDGETKV_TP_TIMEOUT: another number of seconds)
 
@@ -154,22 +154,45 @@ def naming_lost_ranks(run):
             raise EnvironmentFailure(
                 f"tensor parallel: {who} of {world} stopped answering rank {rank} (it failed, or stalled past the "
                 f"group's timeout, BUDGETKV_TP_TIMEOUT, default 120 s; a rank's own error is in "
-                f"{Path(tempfile.gettempdir()) / 'budgetkv-rank<R>.log'}): {' '.join(str(e).split())[:200]}") from None
+                f"{log_dir() / 'rank<R>.log'}): {' '.join(str(e).split())[:200]}") from None
     return call
 
 
 def exit_code(code: int) -> int:
-    """The exit code of a torchrun worker: bad input (2) exits 0 on every rank (rank 0 printed the line, and every
-    rank refused the same flags): a non-zero exit would add torchrun's own report, a ChildFailedError of some 40
-    lines, after the one line (or restart the workers where --max-restarts allows). A malformed torchrun
-    environment keeps its 2."""
+    """The exit code of a torchrun worker: its own, but bad input (2) on a rank other than 0 exits 0. Every rank
+    refuses the same input (the same flags, the prompt sent by rank 0); rank 0 printed the line and exits 2, so
+    torchrun exits 1 with a report that names rank 0 alone (each other failed rank would add its own entry). A
+    malformed torchrun environment keeps its 2."""
     if code != 2 or "TORCHELASTIC_RUN_ID" not in os.environ:
         return code
     try:
-        torchrun_env()
+        rank = torchrun_env()[0]
     except UserError:
         return code
-    return 0
+    return code if rank == 0 else 0
+
+
+def from_rank0(read, mesh: Mesh):
+    """read() on rank 0 alone, its value sent to every rank (broadcast_object_list): input that one process only can
+    read (a pipe, a FIFO, stdin), read once. Its refusal (UserError) is raised on every rank; any other failure
+    on rank 0 ends the others with one line (EnvironmentFailure). A world of 1: read()."""
+    if mesh.world == 1:
+        return read()
+    box = [None]
+    if mesh.rank == 0:
+        try:
+            box[0] = ("value", read())
+        except BaseException as e:
+            box[0] = ("refused", str(e)) if isinstance(e, UserError) else ("failed", type(e).__name__)
+            dist.broadcast_object_list(box, src=0, group=mesh.group)
+            raise
+    dist.broadcast_object_list(box, src=0, group=mesh.group)
+    kind, value = box[0]
+    if kind == "refused":
+        raise UserError(value)
+    if kind == "failed":
+        raise EnvironmentFailure(f"rank 0 failed while reading the input ({value}): its line is on its stderr")
+    return value
 
 
 def start(requested: int | None, device: str, policy, *, interactive: bool = False, speculate: bool = False,
@@ -198,21 +221,29 @@ def rank_device(device: str, mesh: Mesh) -> str:
 
 def quiet_other_ranks() -> Path | None:
     """Only rank 0 prints (under torchrun; call it first thing, so that a bad flag is one line too): the other
-    ranks' stdout goes to /dev/null and their stderr to a log file (returned), which a failure on that rank alone
-    can be read from."""
+    ranks' stdout goes to /dev/null and their stderr to a log (files.open_log: rank<R>.log, returned), which a
+    failure on that rank alone can be read from. A log opened elsewhere than usual is said in one line, on the
+    rank's own stderr; where none can be opened, that stderr stays."""
     try:
         rank, world, _ = torchrun_env()
     except UserError:  # said in one line by the command's own check (start), on this process's own stderr
         return None
     if world == 1 or rank == 0:
         return None
-    log = Path(tempfile.gettempdir()) / f"budgetkv-rank{rank}.log"
     sys.stdout.flush()
     sys.stderr.flush()
-    for fd, path, flags in ((1, os.devnull, os.O_WRONLY), (2, log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
-        new = os.open(path, flags, 0o644)
-        os.dup2(new, fd)
-        os.close(new)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    try:
+        fd, log, note = open_log(f"rank{rank}.log")
+    except OSError as e:
+        print(f"note: rank {rank} keeps its stderr here: no log could be opened ({e.strerror or e})", file=sys.stderr)
+        return None
+    if note:
+        print(f"note: rank {rank}: {note}: its stderr goes to {log}", file=sys.stderr)
+    os.dup2(fd, 2)
+    os.close(fd)
     return log
 
 

@@ -25,7 +25,6 @@ scripts/bench_quant.py, self-speculative decoding scripts/bench_speculate.py.
 """
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ import torch  # noqa: E402
 import policies  # noqa: E402
 from cache import KV_DTYPES, is_scorer  # noqa: E402
 from checkpoint import shape_config  # noqa: E402
-from cli import Parser, run_cli  # noqa: E402
+from cli import Parser, run_child, run_cli  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
 from scripts.benchlib import (bench_model, bench_run, bench_settings, bench_source, check_common,  # noqa: E402
                               check_policy_flags, check_sizes, config_policy, json_result, kv_dtype, make_document,
@@ -75,7 +74,7 @@ def run_kvpress(ckpt_dir: Path, ids: list[int], policy: str, budget: int, args) 
     cmd = [str(py), str(REPO / "scripts" / "bench_kvpress.py"), *model, "--press", KVPRESS.get(policy, "none"),
            "--budget", str(budget), "--ids-file", str(ids_file), "--decode-steps", str(args.decode_steps),
            "--repeats", str(args.repeats), "--dtype", args.dtype, "--device", args.device]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = run_child(cmd)
     if r.returncode != 0:
         print(f"  kvpress run failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}", file=sys.stderr)
         return None
@@ -268,8 +267,8 @@ def run_llamacpp(gguf: Path, ids: list[int], variant: str, args) -> dict:
                "--threads", str(torch.get_num_threads()), *LLAMACPP_VARIANTS[variant]]
         if variant.startswith("F32"):
             cmd += ["--dequantize", str(REPO / "build" / f"{gguf.stem}.F32.gguf")]
-        return json_result(subprocess.run(cmd, capture_output=True, text=True), f"llama.cpp {variant}",
-                           "budgetkv-bench-llamacpp")
+        return json_result(run_child(cmd), f"llama.cpp {variant}",
+                           "bench-llamacpp")
 
 
 def llama_label(variant: str, x: dict) -> str:

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +30,7 @@ from errors import check_python  # noqa: E402
 check_python()  # one line, not a traceback, in a Python without the requirements
 
 from checkpoint import resolve_checkpoint  # noqa: E402
-from cli import Parser, check_writable, run_cli  # noqa: E402
+from cli import Parser, check_writable, run_child, run_cli  # noqa: E402
 from errors import UserError  # noqa: E402
 from scripts.benchlib import make_document  # noqa: E402
 from scripts.outputs import write_atomic  # noqa: E402
@@ -81,7 +80,7 @@ def generate_run(args, prompt_file: Path | None, cache: Path, compiled: bool) ->
     if compiled:
         cmd += ["--compile", "--compile-mode", args.compile_mode] + (["--freeze"] if args.freeze else [])
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "BUDGETKV_AOT_DIR": str(cache / "aot-steps")}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    r = run_child(cmd, env=env)
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["no output"])[-1]
         raise UserError(f"generate.py failed ({' '.join(cmd[2:])}): {last}")

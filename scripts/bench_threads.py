@@ -13,14 +13,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from cli import Parser  # noqa: E402
+from cli import Parser, run_child, run_cli, start_child, stop_child  # noqa: E402
 from errors import UserError  # noqa: E402
 
 SETTINGS = {"default": ({}, []), "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, []),
@@ -34,28 +33,32 @@ def run_generate(setting: str, mode: str, prompt: Path, a) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | env_set
     cmd = [sys.executable, str(REPO / "generate.py"), "--policy", "keydiff", "--budget", "512", "--prompt-file",
            str(prompt), "--no-chat", "--max-new-tokens", str(a.new_tokens), "--json", *flags, *MODES[mode]]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    r = run_child(cmd, env=env)
     if r.returncode != 0:
         raise UserError(f"{setting} {mode}: generate.py exited {r.returncode}: {r.stderr.strip()[-300:]}")
     return json.loads(r.stdout)
 
 
-def main(argv=None) -> int:
+def parser() -> Parser:
     ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-bytes", type=int, default=6000, help="bytes of LICENSE in the prompt")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--modes", default="eager,compile")
     ap.add_argument("--settings", default=",".join(SETTINGS))
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    return run_cli(run, parser().parse_args(argv))
+
+
+def run(a) -> int:
     modes, settings = a.modes.split(","), a.settings.split(",")
     if a.repeats < 1 or a.prompt_bytes < 1 or a.new_tokens < 1:
-        print("error: --repeats, --prompt-bytes and --new-tokens must be >= 1", file=sys.stderr)
-        return 2
+        raise UserError("--repeats, --prompt-bytes and --new-tokens must be >= 1")
     if bad := [m for m in modes if m not in MODES] + [s for s in settings if s not in SETTINGS]:
-        print(f"error: unknown mode or setting {bad[0]!r} (modes {list(MODES)}, settings {list(SETTINGS)})",
-              file=sys.stderr)
-        return 2
+        raise UserError(f"unknown mode or setting {bad[0]!r} (modes {list(MODES)}, settings {list(SETTINGS)})")
     if os.getloadavg()[0] > 0.5:
         print(f"warning: load average {os.getloadavg()[0]:.2f}: the 'idle' rows are not idle", file=sys.stderr)
     results = {}
@@ -66,7 +69,7 @@ def main(argv=None) -> int:
             for s in settings:
                 run_generate(s, mode, Path(prompt.name), a)
         for load in ("idle", "busy"):
-            spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if load == "busy" else None
+            spinner = start_child([sys.executable, "-c", "while True: pass"]) if load == "busy" else None
             try:
                 for _ in range(a.repeats):
                     for mode in modes:
@@ -79,7 +82,7 @@ def main(argv=None) -> int:
                                   f"{st['decode_tok_s']:.1f} tok/s", file=sys.stderr)
             finally:
                 if spinner is not None:
-                    spinner.kill()
+                    stop_child(spinner)
     for mode in modes:
         print(f"\n{mode} (tok/s, median of {a.repeats}; KeyDiff 512, {a.new_tokens} new tokens)\n")
         print("| setting | idle prefill | idle decode | busy prefill | busy decode |")
@@ -92,8 +95,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(main())

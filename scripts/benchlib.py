@@ -9,7 +9,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -18,11 +17,12 @@ import torch
 import policies
 from cache import KV_DTYPES, is_scorer, kv_bytes
 from checkpoint import resolve_checkpoint, shape_config
-from cli import Parser, check_writable
+from cli import Parser, check_writable, run_child
 from config import parse_config
 from convert import read_config
 from engine import Generation, PeakMemory, decode_bytes_per_step, sync
 from errors import EnvironmentFailure, UserError
+from files import open_log
 from loading import kv_cache_estimate, load_model, random_model
 from runtime import AOT, check_device, release_free_memory
 from sampling import first_tokens
@@ -265,9 +265,9 @@ def save(path, args, settings: dict, **out) -> None:
 def run_one(script: str, argv: list[str], what: str) -> dict:
     """One configuration in a fresh process (`script` with this process's arguments and `argv` added); its JSON line. A failure ends the run
     with one line; the process's whole output goes to a log."""
-    r = subprocess.run([sys.executable, script, *sys.argv[1:], *argv], capture_output=True, text=True)
+    r = run_child([sys.executable, script, *sys.argv[1:], *argv])
     try:
-        return json_result(r, what, "budgetkv-bench")
+        return json_result(r, what, "bench")
     except EnvironmentFailure as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
@@ -275,16 +275,21 @@ def run_one(script: str, argv: list[str], what: str) -> dict:
 
 def json_result(r: subprocess.CompletedProcess, what: str, log_name: str) -> dict:
     """The JSON line a measuring subprocess printed last; or EnvironmentFailure naming its last stderr line and a
-    log holding its whole output."""
+    log holding its whole output (files.open_log: <log_name>-<pid>.log)."""
     lines = r.stdout.strip().splitlines()
     if r.returncode == 0 and lines:
         try:
             return json.loads(lines[-1])
         except json.JSONDecodeError:
             pass
-    log = Path(tempfile.gettempdir()) / f"{log_name}-{os.getpid()}.log"
-    log.write_text(r.stdout + r.stderr)
     last = (r.stderr.strip().splitlines() or ["no result"])[-1].removeprefix("error: ")
+    try:
+        fd, log, _ = open_log(f"{log_name}-{os.getpid()}.log")
+        with open(fd, "w") as f:
+            f.write(r.stdout + r.stderr)
+    except OSError as e:
+        raise EnvironmentFailure(f"{what} failed (exit {r.returncode}): {last} (its whole output could not be "
+                                 f"logged: {e.strerror or e})") from None
     raise EnvironmentFailure(f"{what} failed (exit {r.returncode}): {last} (whole output: {log})")
 
 

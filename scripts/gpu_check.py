@@ -57,7 +57,7 @@ import torch  # noqa: E402
 
 import policies  # noqa: E402
 from cache import is_scorer  # noqa: E402
-from cli import Parser, run_cli  # noqa: E402
+from cli import Parser, run_child, run_cli  # noqa: E402
 from engine import Generation, sync  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
 from loading import load_model  # noqa: E402
@@ -80,8 +80,8 @@ def row(section: str, check: str, ok: bool | None, value: str, target: str = "",
 def run_tests(out: Path) -> list[dict]:
     """The CUDA-only tests (marked `cuda`), one row each from pytest's JUnit XML."""
     xml = out.with_name(out.name + "_tests.xml")
-    r = subprocess.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "tests",
-                        f"--junitxml={xml}"], cwd=REPO, capture_output=True, text=True)
+    r = run_child([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "tests", f"--junitxml={xml}"],
+                  cwd=REPO)
     if not xml.is_file():
         return [row("tests", "pytest -m cuda", False, "did not run", detail=last_line(r.stderr or r.stdout))]
     return test_rows(xml)
@@ -254,8 +254,7 @@ def bench(script: str, argv: list[str], args, form: str = "") -> subprocess.Comp
     fails."""
     import os
     cmd = [PY, str(REPO / "scripts" / script), *bench_argv(args, script != "bench_speculate.py"), *argv]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                       env={**os.environ, "BUDGETKV_ATTENTION": form})
+    r = run_child(cmd, cwd=REPO, env={**os.environ, "BUDGETKV_ATTENTION": form})
     if "--json" in argv:
         Path(argv[argv.index("--json") + 1]).with_suffix(".log").write_text(r.stdout + r.stderr)
     if r.returncode != 0:
@@ -352,7 +351,7 @@ def run_figure(args, out: Path, read_gb_s: float) -> list[dict]:
     gptfast = {}
     for T in int_list(args.contexts, "--contexts"):  # the paper's baseline: full with masked SDPA, its own process
         r = bench("bench_figure.py", [*figure, "--one", f"full@{T}"], args, form="sdpa")
-        gptfast[T] = json_result(r, f"gpt-fast baseline at {T}", "budgetkv-gpu-check")
+        gptfast[T] = json_result(r, f"gpt-fast baseline at {T}", "gpu-check")
     return figure_rows(json.loads((fig_dir / "rocketkv_figure.json").read_text())["rows"], gptfast, read_gb_s)
 
 

@@ -3,8 +3,12 @@ import json
 import os
 import re
 import shutil
+import signal
+import stat
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO, env_with_tmpdir
@@ -48,10 +52,12 @@ def test_tiny_run_prints_summary(tiny_ckpt, capsys):
     assert stats["compile_cache"] is None
 
 
-def test_stderr_goes_to_the_compile_log_and_progress_to_the_terminal(tmp_path, capfd):
+def test_stderr_goes_to_the_compile_log_and_progress_to_the_terminal(tmp_path, capfd, monkeypatch):
+    import tempfile
+
     from cli import stderr_to_log
-    log = tmp_path / "compile.log"
-    with stderr_to_log(log, verbose=False) as terminal:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with stderr_to_log("compile.log", verbose=False) as terminal:
         os.write(2, b"AUTOTUNE table from C\n")
         print("a Python warning", file=sys.stderr)
         terminal.write("compiling ... 3 s")
@@ -59,11 +65,109 @@ def test_stderr_goes_to_the_compile_log_and_progress_to_the_terminal(tmp_path, c
     print("after", file=sys.stderr)
     err = capfd.readouterr().err
     assert err == "compiling ... 3 safter\n"
+    log = tmp_path / f"budgetkv-{os.getuid()}" / "compile.log"
     assert log.read_text() == "AUTOTUNE table from C\na Python warning\n"
-    with stderr_to_log(log, verbose=True) as terminal:  # -v: everything stays on the terminal
+    with stderr_to_log("compile.log", verbose=True) as terminal:  # -v: everything stays on the terminal
         os.write(2, b"noise\n")
         assert terminal is sys.stderr
     assert capfd.readouterr().err == "noise\n"
+
+
+LOGS_SCRIPT = """
+import argparse, os, sys
+sys.path.insert(0, {repo!r})
+import cli, tp
+with cli.compile_log("default", False):  # what a compile writes to stderr
+    os.write(2, b"compiler noise\\n")
+print(cli.run_cli(lambda a: 1 / 0, argparse.Namespace()))  # an internal error
+tp.quiet_other_ranks()  # rank 1 of 2 under torchrun
+print("rank noise", file=sys.stderr)
+"""
+
+
+def plant(tmp_path, how: str):
+    """A victim file, links to it at the three logs' old fixed names, and in the private folder's place `how`:
+    links to the victim at each log's name, a folder at each name, the folder itself a link to a folder of such
+    links, or the folder another user's. Returns the victim."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    for name in ("error", "compile", "rank1"):
+        (tmp_path / f"budgetkv-{name}.log").symlink_to(victim)
+    folder = tmp_path / f"budgetkv-{os.getuid()}"
+    target = tmp_path / "elsewhere" if how == "folder link" else folder
+    target.mkdir(mode=0o700)
+    for name in ("error", "compile", "rank1"):
+        if how == "folders":
+            (target / f"{name}.log").mkdir()
+        else:
+            (target / f"{name}.log").symlink_to(victim)
+    if how == "folder link":
+        folder.symlink_to(target, target_is_directory=True)
+    if how == "another user's folder":
+        os.chown(folder, 4242, 4242)
+    return victim
+
+
+@pytest.mark.parametrize("how", ["links", "folders", "folder link", "another user's folder"])
+def test_logs_are_private_and_never_follow_a_planted_link(tmp_path, how):
+    """The error log, the compile log and a rank's log, with links to a victim file planted at their old fixed
+    names and, in the user's private folder's place, links, folders, the folder a link, or another user's folder:
+    the victim is untouched, each log lands in a regular file of mode 0600 under the temporary folder, and the
+    lines that name a log name the one written (a note for the compile and rank logs, the internal error's line);
+    no traceback."""
+    if how == "another user's folder" and os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    victim = plant(tmp_path, how)
+    env = {**os.environ, "TMPDIR": str(tmp_path), "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+           "TORCHELASTIC_RUN_ID": "x", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    env.pop("BUDGETKV_VERBOSE", None)
+    r = subprocess.run([sys.executable, "-c", LOGS_SCRIPT.format(repo=str(REPO))], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout == "1\n" and "Traceback" not in r.stderr, r.stderr
+    assert victim.read_text() == "precious"
+    lines = r.stderr.splitlines()
+    named = [re.search(r"(?:this log is|its stderr goes to|traceback in) (\S+)", line).group(1) for line in lines]
+    assert len(lines) == 3 and all(f"cannot use {tmp_path}/budgetkv-{os.getuid()}/" in line for line in lines), lines
+    for path, text in zip(named, ("compiler noise", "Traceback (most recent call last)", "rank noise")):
+        st = os.lstat(path)
+        assert path.startswith(f"{tmp_path}/budgetkv-") and stat.S_ISREG(st.st_mode), path
+        assert stat.S_IMODE(st.st_mode) == 0o600 and text in open(path).read()
+
+
+def test_logs_go_to_a_private_folder(tmp_path, monkeypatch, capfd):
+    """Nothing planted: every log in $TMPDIR/budgetkv-<uid> (0700), each 0600; no note."""
+    import tempfile
+
+    import files
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    fd, path, note = files.open_log("error.log")
+    os.close(fd)
+    assert (path, note) == (tmp_path / f"budgetkv-{os.getuid()}" / "error.log", None)
+    assert stat.S_IMODE(os.lstat(path.parent).st_mode) == 0o700 and stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+    path.chmod(0o644)  # a log left readable by an older run: made private again
+    os.close(files.open_log("error.log")[0])
+    assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+
+
+def test_the_error_log_redacts_secrets(tmp_path, monkeypatch, capfd):
+    """The command line heading the error log, and the traceback under it, hold no token, secret or password: not
+    --hf-token X, --hf-token=X, HF_TOKEN=X on the command line, nor the environment's HF_TOKEN; other flags stay."""
+    import tempfile
+
+    import cli
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("HF_TOKEN", "hf_fromtheenvironment")
+    monkeypatch.setattr(sys, "argv", ["scripts/download.py", "--hf-token", "hf_given_apart", "--max-new-tokens", "5",
+                                      "--api-token=hf_given_with_equals", "MY_SECRET=s3cr3t-value", "--password",
+                                      "pw"])
+    assert cli.internal_error(ValueError("refused for hf_given_apart and hf_fromtheenvironment"), False) == 1
+    log = (tmp_path / f"budgetkv-{os.getuid()}" / "error.log").read_text()
+    assert log.splitlines()[0] == ("scripts/download.py --hf-token *** --max-new-tokens 5 --api-token=*** "
+                                   "MY_SECRET=*** --password ***")
+    assert "ValueError: refused for *** and ***" in log
+    for secret in ("hf_given_apart", "hf_fromtheenvironment", "hf_given_with_equals", "s3cr3t-value"):
+        assert secret not in log
+    assert f"traceback in {tmp_path}/budgetkv-{os.getuid()}/error.log;" in capfd.readouterr().err
 
 
 def test_threads_flag_sets_torch_threads(tiny_ckpt, capsys):
@@ -535,7 +639,7 @@ def test_bench_compile_measures_eager_cold_and_warm(tiny_ckpt, tmp_path, capsys)
     assert r.returncode == 0, r.stderr
     # bench_compile.py's own progress line per run, nothing from inductor or the C++ compiler in generate.py's runs
     assert [line.split(":")[0] for line in r.stderr.splitlines()] == ["  cold", "  eager", "  warm"], r.stderr
-    assert (tmp_path / "budgetkv-compile.log").is_file()
+    assert (tmp_path / f"budgetkv-{os.getuid()}" / "compile.log").is_file()
     runs = json.loads(out.read_text())["runs"]
     assert [x["run"] for x in runs] == ["cold", "eager", "warm"]
     assert [x["compile_cache"] for x in runs] == ["miss", None, "hit"]
@@ -592,3 +696,157 @@ def test_python_api_generates_what_the_command_line_does(tiny_ckpt, tmp_path, ca
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout) == cli["token_ids"]
+
+
+# ---------------------------------------------------------------------------------- SIGTERM and child processes
+
+def long_with_tempfile(tmp_path, signum):
+    """A command whose work holds a temporary file in a `with` block while the signal arrives."""
+    import tempfile
+    made = []
+
+    def run(a):
+        with tempfile.NamedTemporaryFile(dir=tmp_path) as f:
+            made.append(Path(f.name))
+            os.kill(os.getpid(), signum)
+            time.sleep(60)
+    return run, made
+
+
+def long_aot_compile(tmp_path, signum, monkeypatch):
+    """aoti.compile_package, its compiler (faked) signalled while it writes into its temporary folder."""
+    import torch._inductor
+
+    import aoti
+
+    def compile_and_package(ep, package_path):
+        Path(package_path).write_bytes(b"half a package")
+        os.kill(os.getpid(), signum)
+        time.sleep(60)
+    monkeypatch.setattr(aoti, "export_step", lambda *a: None)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_and_package)
+    return lambda a: aoti.compile_package(None, None, None, tmp_path / "steps" / "k.pt2", [], print), []
+
+
+def long_atomic_write(tmp_path, signum):
+    """files.write_atomic signalled while it writes its temporary file."""
+    import files
+
+    def write(tmp):
+        tmp.write_text("half")
+        os.kill(os.getpid(), signum)
+        time.sleep(60)
+    return lambda a: files.write_text(tmp_path / "out.txt", "") or files.write_atomic(tmp_path / "out.txt", write), []
+
+
+@pytest.mark.parametrize("work,signum", [("tempfile", signal.SIGTERM), ("tempfile", signal.SIGHUP),
+                                         ("aot compile", signal.SIGTERM), ("atomic write", signal.SIGTERM)])
+def test_sigterm_ends_a_command_through_its_cleanup(tmp_path, monkeypatch, capfd, work, signum):
+    """SIGTERM (or SIGHUP) during a long run_cli command: its `finally` blocks and context managers run (a
+    temporary file, aoti's budgetkv-aot-* folder, files.write_atomic's .budgetkv-tmp-* file are removed), one line
+    `terminated`, exit 128 + the signal; the signal's handler is the old one again afterwards."""
+    import argparse
+    import tempfile
+
+    import cli
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    run, made = {"tempfile": lambda: long_with_tempfile(tmp_path, signum),
+                 "aot compile": lambda: long_aot_compile(tmp_path, signum, monkeypatch),
+                 "atomic write": lambda: long_atomic_write(tmp_path, signum)}[work]()
+    before = signal.getsignal(signum)
+    code = cli.run_cli(run, argparse.Namespace())
+    assert (code, capfd.readouterr().err) == (128 + signum, "terminated\n")
+    assert signal.getsignal(signum) == before
+    left = sorted(p.name for p in tmp_path.rglob("*") if p.is_file() or p.name.startswith("budgetkv-aot-"))
+    assert left == (["out.txt"] if work == "atomic write" else []), left
+    assert made == [] or not made[0].exists()
+
+
+def alive_children(pid: int) -> list[int]:
+    """The live (not zombie) processes whose parent is `pid`."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split() if d.name.isdigit() else None
+        except OSError:
+            continue
+        if fields and int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(d.name))
+    return out
+
+
+def gone(pids: list[int]) -> bool:
+    def alive(pid):
+        try:
+            return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+        except OSError:
+            return False
+    return not any(alive(p) for p in pids)
+
+
+def signal_once_children_run(cmd: list[str], signum, want=lambda pid: True, **kw):
+    """Start cmd, wait until a child of it that `want` accepts runs, send the signal; (the process after it ended,
+    its stderr, the children seen, whether they are gone within 15 s)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    try:
+        deadline = time.monotonic() + 120
+        while not (kids := [c for c in alive_children(p.pid) if want(c)]):
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < deadline, "no child process started"
+            time.sleep(0.05)
+        p.send_signal(signum)
+        _, err = p.communicate(timeout=60)
+        deadline = time.monotonic() + 15
+        while not gone(kids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return p, err, kids, gone(kids)
+    finally:
+        p.kill()
+        for c in alive_children(p.pid):
+            os.kill(c, signal.SIGKILL)
+
+
+FAKE_BENCH_THREADS = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from scripts import bench_threads
+calls = []
+def run_generate(setting, mode, prompt, a):  # the untimed run, the idle one, then the busy one: it never ends
+    calls.append(1)
+    if len(calls) == 3:
+        time.sleep(600)
+    return {{"prefill_tok_s": 1.0, "decode_tok_s": 1.0}}
+bench_threads.run_generate = run_generate
+sys.exit(bench_threads.main(["--modes", "eager", "--settings", "default", "--repeats", "1"]))
+"""
+
+
+@pytest.mark.parametrize("child,signum", [("generate.py", signal.SIGTERM), ("spinner", signal.SIGTERM),
+                                          ("spinner", signal.SIGKILL)])
+def test_bench_threads_leaves_no_process_behind(child, signum):
+    """scripts/bench_threads.py stopped while its child runs (a generate.py run, or the busy loop beside the busy
+    runs): the child is gone within seconds; SIGTERM is `terminated`, exit 143. SIGKILL, which no cleanup sees: the
+    child gets SIGTERM from the kernel (PR_SET_PDEATHSIG, cli.dies_with_parent)."""
+    if child == "generate.py":
+        cmd = [sys.executable, str(REPO / "scripts" / "bench_threads.py"), "--modes", "eager", "--settings",
+               "default", "--repeats", "1", "--prompt-bytes", "10", "--new-tokens", "2"]
+    else:
+        cmd = [sys.executable, "-c", FAKE_BENCH_THREADS.format(repo=str(REPO))]
+    p, err, kids, ended = signal_once_children_run(cmd, signum)
+    assert ended, f"left behind: {kids}"
+    if signum == signal.SIGTERM:
+        assert p.returncode == 143 and err.strip().splitlines()[-1] == "terminated", (p.returncode, err)
+
+
+def test_bench_leaves_no_measuring_child_behind(tiny_ckpt, tmp_path):
+    """scripts/bench.py stopped by SIGTERM while a configuration is measured in its child process: the child gets
+    SIGTERM and is gone within seconds; the script says `terminated`, exit 143."""
+    shapes = tmp_path / "shapes"
+    shapes.mkdir()
+    shutil.copy(tiny_ckpt / "config.json", shapes)
+    cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "--checkpoint", str(shapes), "--random-weights",
+           "--policies", "keydiff", "--prompt-tokens", "64", "--budget", "16", "--block-size", "16",
+           "--decode-steps", "2", "--repeats", "1", "--device", "cpu", "--threads", "1"]
+    p, err, kids, ended = signal_once_children_run(cmd, signal.SIGTERM)
+    assert ended, f"left behind: {kids}"
+    assert p.returncode == 143 and err.strip().splitlines()[-1] == "terminated", (p.returncode, err)

@@ -11,6 +11,7 @@ test's own folder). A new flag or entry point gets its bad values here. All in-p
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -749,26 +750,25 @@ def run_generate_raising(tiny_ckpt, monkeypatch, capfd, exc, *extra):
 
 
 def test_internal_error_is_one_line_and_a_log(tiny_ckpt, tmp_path, monkeypatch, capfd):
-    import cli
     monkeypatch.delenv("BUDGETKV_VERBOSE", raising=False)
-    monkeypatch.setattr(cli, "ERROR_LOG", tmp_path / "budgetkv-error.log")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     code, err = run_generate_raising(tiny_ckpt, monkeypatch, capfd, ZeroDivisionError("division by zero"))
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
-    assert err.startswith(f"internal error: ZeroDivisionError: division by zero (traceback in {tmp_path}/"
-                          "budgetkv-error.log; or rerun with -v)")
-    log = (tmp_path / "budgetkv-error.log").read_text()
+    log = tmp_path / f"budgetkv-{os.getuid()}" / "error.log"
+    assert err.startswith(f"internal error: ZeroDivisionError: division by zero (traceback in {log}; or rerun with "
+                          "-v)")
+    log = log.read_text()
     assert "Traceback (most recent call last)" in log and "in boom" in log and "ZeroDivisionError" in log
 
 
 @pytest.mark.parametrize("how", ["-v", "--verbose", "env"])
 def test_verbose_prints_the_traceback(tiny_ckpt, tmp_path, monkeypatch, capfd, how):
-    import cli
-    monkeypatch.setattr(cli, "ERROR_LOG", tmp_path / "budgetkv-error.log")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     if how == "env":
         monkeypatch.setenv("BUDGETKV_VERBOSE", "1")
     code, err = run_generate_raising(tiny_ckpt, monkeypatch, capfd, KeyError("x"), *([how] if how != "env" else []))
     assert code == 1 and err.startswith("Traceback (most recent call last)") and "in boom" in err
-    assert not (tmp_path / "budgetkv-error.log").exists()
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("exc,code,line", [

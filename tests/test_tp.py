@@ -11,12 +11,13 @@ processes with torchrun's environment), tiny GQA models with 2 and 4 KV heads, f
   sharded Linear on the fused bfloat16 kernels against the whole one);
 - the command line under torchrun: only rank 0 prints, the summary's per-rank KV bytes, the tokens of one process;
   bad input (world-size mismatch, --device cuda without CUDA, 2 ranks for 1 KV head, an int4 group size, too few
-  GPUs): one line on rank 0, exit 2 on every rank, no hang; a lost rank does not hang the other (the group's
-  timeout); a policy's refusal (none of the registered ones refuses: K-VEC and tova:heads=all gather the heads they
-  read) is one line.
+  GPUs): one line on rank 0, exit 2 on rank 0 and 0 on rank 1, no hang; a prompt from a pipe reaches both ranks; a
+  lost rank does not hang the other (the group's timeout); a policy's refusal (none of the registered ones refuses:
+  K-VEC and tova:heads=all gather the heads they read) is one line.
 """
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -42,10 +43,11 @@ def env(**extra) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
 
 
-def torchrun(args: list, timeout: int, **extra) -> subprocess.CompletedProcess:
+def torchrun(args: list, timeout: int, input: str | None = None, **extra) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), *args]
-    return subprocess.run(cmd, cwd=REPO, env=env(**extra), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env=env(**extra), capture_output=True, text=True, timeout=timeout,
+                          input=input)
 
 
 def suites(names: str, out, timeout: int) -> list[dict]:
@@ -189,11 +191,64 @@ def test_cli_under_torchrun(tmp_path, capsys):
     assert got["weight_bytes_per_rank"] == [tp.weight_bytes_per_rank(config, 2, torch.float32)] * 2
 
 
+def test_a_rank_log_that_cannot_be_opened_is_one_line(tmp_path):
+    """Rank 1's log path is a folder: rank 1 says in one line where its stderr goes instead (a private file of a
+    unique name) and the run goes on; no traceback, no torchrun report."""
+    log = tmp_path / f"budgetkv-{os.getuid()}" / "rank1.log"
+    log.mkdir(parents=True)
+    log.parent.chmod(0o700)
+    p = torchrun(["generate.py", *gen_args(tiny_config(tmp_path), "--policy", "keydiff", "--json")], 180,
+                 TMPDIR=str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    (line,) = p.stderr.splitlines()
+    other = re.fullmatch(rf"note: rank 1: cannot use {log}: Is a directory: its stderr goes to (\S+)", line).group(1)
+    assert other.startswith(f"{tmp_path}/budgetkv-rank1-") and os.stat(other).st_mode & 0o777 == 0o600
+    assert json.loads(p.stdout)["tp_world"] == 2
+
+
+def test_a_prompt_from_a_pipe_reaches_every_rank(hf_tiny, tmp_path):
+    """--prompt-file - under torchrun: rank 0 reads the pipe and sends the prompt to rank 1 (tp.from_rank0), so both
+    ranks generate from the whole prompt: the tokens of one process reading the same pipe. An empty pipe is refused
+    on both ranks: one line, exit 2 on rank 0 alone, no hang."""
+    from conftest import with_tiny_tokenizer
+    _, src = hf_tiny("llama")
+    tiny = with_tiny_tokenizer(src, tmp_path / "tok", "the quick brown fox jumps over the lazy dog")
+    prompt = "the quick brown fox jumps over the lazy dog " * 4
+    args = ["generate.py", "--checkpoint", str(tiny), "--prompt-file", "-", "--max-new-tokens", "5", "--json",
+            "--threads", "1"]
+    one = subprocess.run([sys.executable, *args], cwd=REPO, env=env(), input=prompt, capture_output=True, text=True,
+                         timeout=180)
+    assert one.returncode == 0, one.stderr
+    p = torchrun(args, 180, input=prompt)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got, want = json.loads(p.stdout), json.loads(one.stdout)
+    assert got["tp_world"] == 2 and (got["token_ids"], got["prompt_tokens"]) == (want["token_ids"],
+                                                                                 want["prompt_tokens"])
+    p = torchrun(args, 180, input="")
+    assert p.returncode == 1 and [ln for ln in p.stderr.splitlines() if ln.startswith("error")] == [
+        "error: prompt file - is empty"], p.stderr
+    assert p.stderr.count("exitcode  : 2") == 1, p.stderr  # rank 0 only: rank 1 refused it too, and exits 0
+
+
+REPORT_LINES = 42  # torchrun's report after a failed rank: 33 lines naming rank 0; 7 more for a rank it stopped
+
+
+def test_bad_input_under_torchrun_is_a_failure_with_a_short_report(tmp_path):
+    """A bad flag under torchrun: one line from rank 0, and torchrun exits non-zero with a report that names rank 0
+    (exit 2) and no other rank that refused the input (they exit 0): at most REPORT_LINES lines in all, where a rank
+    torchrun stopped while it was still starting adds its own entry."""
+    p = torchrun(["generate.py", *gen_args(tiny_config(tmp_path), "--budget", "0")], 180)
+    lines = p.stderr.splitlines()
+    assert p.returncode == 1 and len(lines) <= REPORT_LINES, p.stderr
+    assert [ln for ln in lines if ln.startswith("error")] == ["error: --budget must be >= 1"]
+    assert p.stderr.count("exitcode  : 2") == 1 and "rank      : 0 (local_rank: 0)" in p.stderr, p.stderr
+
+
 def test_cli_loads_checkpoints(hf_tiny, tmp_path, capsys):
     """A float checkpoint on 2 ranks (torchrun's environment; torchrun itself: test_cli_under_torchrun) gives one
     process's tokens; an int4 one (quantized Linears sharded before they are packed for the CPU kernel) runs; an
-    int4 group size that does not divide a rank's in-features of wo (64 > 32) is one line, and a clean exit on every
-    rank (tp.exit_code: no torchrun report after it); rank 1 prints nothing."""
+    int4 group size that does not divide a rank's in-features of wo (64 > 32) is one line, exit 2 on rank 0 and 0 on
+    rank 1 (tp.exit_code: torchrun's report names rank 0 alone); rank 1 prints nothing."""
     from conftest import with_tiny_tokenizer
     from quantize import quantize_dir
     _, src = hf_tiny("llama")
@@ -210,7 +265,7 @@ def test_cli_loads_checkpoints(hf_tiny, tmp_path, capsys):
     assert json.loads(r0.stdout)["token_ids"] == one["token_ids"] and r1.stdout == r1.stderr == ""
     for groupsize, refused in ((32, False), (64, True)):
         r0, r1 = ranks[f"int4-g{groupsize}"]
-        assert (r0.returncode, r1.returncode) == (0, 0), r0.stderr + r1.stderr
+        assert (r0.returncode, r1.returncode) == (2 if refused else 0, 0), r0.stderr + r1.stderr
         if not refused:
             got = json.loads(r0.stdout)
             assert got["generated_tokens"] == 5 and got["tp_world"] == 2
@@ -325,13 +380,13 @@ def bad_input_ranks(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
-def test_bad_input_is_one_line_and_a_clean_exit_on_every_rank(bad_input_ranks, case):
-    """Every rank refuses the same flags: rank 0 prints the one line, and every rank exits 0 so that torchrun adds
-    no report of its own (tp.exit_code)."""
+def test_bad_input_is_one_line_and_exit_2_on_rank_0(bad_input_ranks, case):
+    """Every rank refuses the same flags: rank 0 prints the one line and exits 2, the other ranks exit 0, so that
+    torchrun's report names rank 0 alone (tp.exit_code)."""
     if case == "cuda" and torch.cuda.is_available():
         pytest.skip("checks a machine without CUDA")
     r0, r1 = bad_input_ranks[case]
-    assert (r0.returncode, r1.returncode) == (0, 0), (r0.stderr, r1.stderr)
+    assert (r0.returncode, r1.returncode) == (2, 0), (r0.stderr, r1.stderr)
     lines = r0.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), r0.stderr
     assert BAD_INPUT[case][2] in lines[0]
