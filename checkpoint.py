@@ -16,7 +16,7 @@ from pathlib import Path
 
 from convert import (ENGINE_FILE, CheckpointError, checkpoint_files, convert_gguf, convert_hf_dir, hf_sources,
                      hf_weights, read_config, read_gguf, read_identity, stale, verified)
-from cli import check_out_dir
+from files import check_out_dir
 from errors import EnvironmentFailure, UserError
 from files import remove_stale_tmp, unreachable
 

@@ -12,11 +12,9 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import traceback
 from contextlib import contextmanager
-from pathlib import Path
 
 from errors import EnvironmentFailure, UserError
 from files import log_dir, open_log
@@ -77,38 +75,6 @@ def compile_log(mode: str, compile_prefill: bool, freeze: bool = False, verbose:
     what = ("the prefill and decode steps" if compile_prefill else "the decode step") + (" (frozen)" if freeze else "")
     with stderr_to_log("compile.log", verbose) as terminal, Ticker(f"compiling {what} ({mode})", stream=terminal):
         yield terminal
-
-
-def check_writable(path: Path, flag: str) -> None:
-    """Fail before the work, not after it, when an output file cannot be written (the permission bits alone do not
-    tell: root passes them, and /proc refuses anyway). The output is renamed into place: only a regular file is
-    replaced."""
-    existed = path.exists()
-    if existed and not path.is_file() and not path.is_dir():  # a pipe would block the open, a device be replaced
-        raise UserError(f"{flag} {path}: cannot write there (not a regular file: the output replaces what is there)")
-    try:
-        with open(path, "a"):
-            pass
-    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
-        raise UserError(f"{flag} {path}: cannot write there ({getattr(e, 'strerror', None) or e})") from None
-    if not existed:
-        path.unlink()
-
-
-def check_out_dir(path: Path, flag: str) -> None:
-    """An output directory: a directory or nothing yet, under a folder this process can write in. Creates nothing."""
-    if path.exists() and not path.is_dir():
-        raise UserError(f"cannot create {flag} {path}: a file of that name exists")
-    parent = path
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UserError(f"cannot create {flag} {path}: {parent} is a file")
-    try:
-        with tempfile.TemporaryFile(dir=parent):
-            pass
-    except OSError as e:
-        raise UserError(f"cannot create {flag} {path}: {parent} is not writable ({e.strerror or e})") from None
 
 
 def one_line(e: BaseException) -> str:

@@ -13,7 +13,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from errors import EnvironmentFailure
+from errors import EnvironmentFailure, UserError
 
 TMP_PREFIX = ".budgetkv-tmp-"  # + "<pid>-<name>": removed by the next run once that process is gone
 
@@ -125,6 +125,39 @@ def read_capped(path: Path, limit: int) -> bytes:
             return f.read(limit + 1)
     finally:
         os.close(fd)
+
+
+def check_writable(path: Path, what: str) -> None:
+    """Fail before the work, not after it, when an output file cannot be written (the permission bits alone do not
+    tell: root passes them, and /proc refuses anyway). The output is renamed into place: only a regular file is
+    replaced. what: how the error line names it (a command line's flag)."""
+    existed = path.exists()
+    if existed and not path.is_file() and not path.is_dir():  # a pipe would block the open, a device be replaced
+        raise UserError(f"{what} {path}: cannot write there (not a regular file: the output replaces what is there)")
+    try:
+        with open(path, "a"):
+            pass
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        raise UserError(f"{what} {path}: cannot write there ({getattr(e, 'strerror', None) or e})") from None
+    if not existed:
+        path.unlink()
+
+
+def check_out_dir(path: Path, what: str) -> None:
+    """An output directory: a directory or nothing yet, under a folder this process can write in. Creates nothing.
+    what: how the error line names it (a command line's flag)."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"cannot create {what} {path}: a file of that name exists")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"cannot create {what} {path}: {parent} is a file")
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise UserError(f"cannot create {what} {path}: {parent} is not writable ({e.strerror or e})") from None
 
 
 def tmp_path(path: Path) -> Path:

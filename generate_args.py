@@ -11,7 +11,8 @@ import kernels
 import speculative
 from cache import KV_DTYPES
 from checkpoint import MODELS
-from cli import Parser, check_writable
+from cli import Parser
+from files import check_writable
 from engine import DEFAULT_BLOCK, DEFAULT_BUDGET, DEFAULT_NEW_TOKENS, PREFILLS, check_kv_dtype
 from errors import UserError, check_int
 from files import jsonl_objects, log_dir, read_capped

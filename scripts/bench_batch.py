@@ -27,7 +27,8 @@ import torch  # noqa: E402
 
 import policies  # noqa: E402
 from cache import is_scorer  # noqa: E402
-from cli import check_writable, run_cli  # noqa: E402
+from cli import run_cli  # noqa: E402
+from files import check_writable  # noqa: E402
 from config import parse_config  # noqa: E402
 from engine import PeakMemory, decode_bytes_per_step, prefill_protocol, sync  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402

@@ -30,7 +30,8 @@ from errors import check_python  # noqa: E402
 check_python()  # one line, not a traceback, in a Python without the requirements
 
 from checkpoint import resolve_checkpoint  # noqa: E402
-from cli import Parser, check_writable, run_child, run_cli  # noqa: E402
+from cli import Parser, run_child, run_cli  # noqa: E402
+from files import check_writable  # noqa: E402
 from errors import UserError  # noqa: E402
 from scripts.benchlib import make_document  # noqa: E402
 from scripts.outputs import write_atomic  # noqa: E402

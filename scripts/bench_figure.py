@@ -27,7 +27,8 @@ check_python()  # one line, not a traceback, in a Python without the requirement
 import torch  # noqa: E402
 
 import policies  # noqa: E402
-from cli import check_writable, run_cli  # noqa: E402
+from cli import run_cli  # noqa: E402
+from files import check_writable  # noqa: E402
 from config import parse_config  # noqa: E402
 from engine import PeakMemory, decode_bytes_per_step, sync  # noqa: E402
 from errors import UserError  # noqa: E402

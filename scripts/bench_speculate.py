@@ -47,7 +47,8 @@ import loading  # noqa: E402
 import policies  # noqa: E402
 from cache import is_scorer  # noqa: E402
 import speculative  # noqa: E402
-from cli import Parser, check_writable, run_cli  # noqa: E402
+from cli import Parser, run_cli  # noqa: E402
+from files import check_writable  # noqa: E402
 from errors import UserError  # noqa: E402
 from config import parse_config  # noqa: E402
 from model import set_layer_regions  # noqa: E402

@@ -17,7 +17,8 @@ import torch
 import policies
 from cache import KV_DTYPES, is_scorer, kv_bytes
 from checkpoint import resolve_checkpoint, shape_config
-from cli import Parser, check_writable, run_child
+from cli import Parser, run_child
+from files import check_writable
 from config import parse_config
 from convert import read_config
 from engine import Generation, PeakMemory, decode_bytes_per_step, sync

@@ -20,7 +20,8 @@ from errors import check_python  # noqa: E402
 check_python()  # one line, not a traceback, in a Python without the requirements
 
 from checkpoint import gguf_folder  # noqa: E402
-from cli import Parser, check_out_dir, check_writable, run_cli  # noqa: E402
+from cli import Parser, run_cli  # noqa: E402
+from files import check_out_dir, check_writable  # noqa: E402
 from convert import ENGINE_FILE, convert_gguf, convert_hf_dir  # noqa: E402
 from errors import UserError  # noqa: E402
 from files import unreachable  # noqa: E402

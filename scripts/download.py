@@ -15,7 +15,8 @@ from errors import check_python  # noqa: E402
 check_python()  # one line, not a traceback, in a Python without the requirements
 
 from checkpoint import DownloadError, DownloadRefused, download  # noqa: E402,F401  (the errors: for callers)
-from cli import Parser, check_out_dir, run_cli  # noqa: E402
+from cli import Parser, run_cli  # noqa: E402
+from files import check_out_dir  # noqa: E402
 from errors import UserError  # noqa: E402
 
 

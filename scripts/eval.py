@@ -49,7 +49,8 @@ from tqdm import tqdm  # noqa: E402
 import policies  # noqa: E402
 from cache import is_scorer  # noqa: E402
 from checkpoint import resolve_checkpoint  # noqa: E402
-from cli import Parser, check_writable, run_cli  # noqa: E402
+from cli import Parser, run_cli  # noqa: E402
+from files import check_writable  # noqa: E402
 from convert import read_config  # noqa: E402
 from engine import Generation, decode, decode_inputs  # noqa: E402
 from engine import prefill as engine_prefill  # noqa: E402

@@ -16,7 +16,8 @@ check_python()  # one line, not a traceback, in a Python without the requirement
 import quantize  # noqa: E402
 import progress  # noqa: E402
 from checkpoint import resolve_checkpoint  # noqa: E402
-from cli import Parser, check_out_dir, run_cli  # noqa: E402
+from cli import Parser, run_cli  # noqa: E402
+from files import check_out_dir  # noqa: E402
 from errors import UserError  # noqa: E402
 
 
