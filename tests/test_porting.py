@@ -266,14 +266,33 @@ def test_rocketkv_cases_tell_apart_each_documented_choice(reading, tmp_path, mon
     assert "[selection]" in capsys.readouterr().out
 
 
-def test_kvec_three_layer_case_needs_the_coverage_term(tmp_path, monkeypatch):
-    """A K-VEC port that ignores the earlier layers' counts (n_t = 0 at every layer) fails the three-layer case."""
+def kvec_reading(reading: str, monkeypatch) -> None:
+    """Patch policies to another reading of K-VEC (docs/policies.md#kvec)."""
+    if reading == "no coverage term":  # n_t = 0 at every layer: the earlier layers' kept sets ignored
+        focus = policies.focus
+        monkeypatch.setattr(policies, "focus", lambda I, n, layer: focus(I, n * 0, layer))
+        return
+    swap, before = policies.cross_head, {}  # "pins by the score before the swap"
+
+    def remember(P, *a, **kw):
+        before["P"] = P
+        return swap(P, *a, **kw)
+
+    def pins_before_swap(P, focus_t, cand, pos, lam, K, pin_value):
+        pinned = policies.best_slots(before["P"].masked_fill(~cand, -float("inf")), pos, K) & cand
+        return (P + lam * focus_t).masked_fill(pinned, pin_value)
+    monkeypatch.setattr(policies, "cross_head", remember)
+    monkeypatch.setattr(policies, "biased_scores", pins_before_swap)
+
+
+@pytest.mark.parametrize("reading, case", [("no coverage term", "kvec-gqa-3l-oneshot"),
+                                           ("pins by the score before the swap", "kvec-smollm2-oneshot")])
+def test_kvec_cases_tell_apart_its_documented_readings(reading, case, tmp_path, monkeypatch):
     from safetensors.numpy import save_file
-    case = next(c for c in check_port.read_manifest(VECTORS)["cases"] if c["case"] == "kvec-gqa-3l-oneshot")
-    inputs = check_port.load(VECTORS / "inputs" / "gqa-3l.safetensors")
-    focus = policies.focus
-    monkeypatch.setattr(policies, "focus", lambda I, n, layer: focus(I, n * 0, layer))
-    save_file(make_vectors.run_engine(case, inputs), str(tmp_path / f"{case['case']}.safetensors"))
+    entry = next(c for c in check_port.read_manifest(VECTORS)["cases"] if c["case"] == case)
+    inputs = check_port.load(VECTORS / "inputs" / f"{entry['inputs']}.safetensors")
+    kvec_reading(reading, monkeypatch)
+    save_file(make_vectors.run_engine(entry, inputs), str(tmp_path / f"{case}.safetensors"))
     monkeypatch.undo()
     assert check_port.main([str(VECTORS), str(tmp_path)]) == 1
 
