@@ -62,7 +62,7 @@ REAL, CHECKPOINT = "smollm2", "smollm2-135m"
 TEXT = ("The lighthouse keeper climbed the narrow stairs every evening at dusk. He lit the great lamp, wound the "
         "clock, and wrote the weather in his log: wind from the west, rain")
 IDS = [504, 33059, 40061, 30324, 260, 6260, 24224, 897, 9053, 418, 33937, 30, 909, 1150, 260, 1109, 17559, 28, 8376,
-       260, 9191, 28, 284, 4150, 260, 3947, 281, 650, 1993, 42, 2251, 429, 260, 5846, 28, 5249]  # no BOS: SmolLM2 adds none
+       260, 9191, 28, 284, 4150, 260, 3947, 281, 650, 1993, 42, 2251, 429, 260, 5846, 28, 5249]  # SmolLM2: no BOS
 REAL_FILE = REPO / "tests" / "vectors" / "inputs" / f"{REAL}.safetensors"
 REAL_POLICIES = ("keydiff", "keynorm", "h2o", "tova", "snapkv", "snapkv++", "rocketkv", "kvec")  # protocol's first run
 LAYERED_POLICIES = ("kvec",)  # also on gqa-3l: the only rule that reads other layers

@@ -5,7 +5,6 @@ of the embedded model."""
 import shutil
 import sys
 
-import numpy as np
 import pytest
 import torch
 from conftest import REPO

@@ -170,7 +170,8 @@ def run_with_mistake(mistake: str, case: dict, inputs: dict, monkeypatch) -> dic
 MISTAKE_CAUSES = {"tie": ("tie", "tie"), "window+1": ("window", "one position too wide"),
                   "window-1": ("window", "one position too narrow"), "evict-first": ("order", "attend before evict"),
                   "gqa": ("gqa", "j mod H_kv"), "fp16": ("precision", "float32"),
-                  "noncausal": ("noncausal", "non-causal attention rows"), "budget+1": ("count", "what the budget counts")}
+                  "noncausal": ("noncausal", "non-causal attention rows"),
+                  "budget+1": ("count", "what the budget counts")}
 
 
 SPECIFIC = {cause for cause, _ in MISTAKE_CAUSES.values()}
@@ -370,7 +371,8 @@ def test_ports_with_noncausal_rows_or_another_grouping_are_told_so(tmp_path, cap
 
     def noncausal(ctx, h, queries, cand):  # every query sees every candidate
         G = ctx["group"]
-        logits = np.einsum("qgd,nd->qgn", ctx["q"][queries][:, h * G:(h + 1) * G], ctx["k"][cand, h]) / np.sqrt(ctx["D"])
+        q = ctx["q"][queries][:, h * G:(h + 1) * G]
+        logits = np.einsum("qgd,nd->qgn", q, ctx["k"][cand, h]) / np.sqrt(ctx["D"])
         w = np.exp(logits - logits.max(-1, keepdims=True))
         return (w / w.sum(-1, keepdims=True)).mean(1)
 
