@@ -73,6 +73,50 @@ def hf_to_engine(get, names: set[str], n_layers: int, tied: bool, on_layer=None)
     return out
 
 
+def write_hf(ckpt_dir: Path, out_dir: Path) -> Path:
+    """Write an HF-loadable copy of a converted budgetkv checkpoint (transformers' `from_pretrained(out_dir)`):
+    model.safetensors in HF names (q/k/v and gate/up split again; the layout is already HF's rotate-half), config.json
+    and the tokenizer files. A quantized checkpoint cannot be written (HF has no such weights). Returns out_dir."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, save_file
+    config = read_config(ckpt_dir)
+    try:
+        engine = load_file(str(ckpt_dir / ENGINE_FILE))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read {ckpt_dir / ENGINE_FILE} (not a converted checkpoint?): {e}") from None
+    if any(name.endswith((".scales", ".scales_and_zeros")) for name in engine):
+        raise CheckpointError(f"{ckpt_dir} is quantized: write the HF copy from the float checkpoint it came from")
+    D = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * D, config["num_key_value_heads"] * D
+    out = {"model.embed_tokens.weight": engine["tok_embeddings.weight"], "model.norm.weight": engine["norm.weight"]}
+    if "output.weight" in engine:
+        out["lm_head.weight"] = engine["output.weight"]
+    for i in range(config["num_hidden_layers"]):
+        p, e = f"model.layers.{i}.", f"layers.{i}."
+        out[p + "input_layernorm.weight"] = engine[e + "attention_norm.weight"]
+        out[p + "post_attention_layernorm.weight"] = engine[e + "ffn_norm.weight"]
+        for kind in ("weight", "bias"):
+            if e + f"attention.wqkv.{kind}" in engine:
+                for x, part in zip("qkv", engine[e + f"attention.wqkv.{kind}"].split([q, kv, kv])):
+                    out[p + f"self_attn.{x}_proj.{kind}"] = part
+            if e + f"attention.wo.{kind}" in engine:
+                out[p + f"self_attn.o_proj.{kind}"] = engine[e + f"attention.wo.{kind}"]
+        gate, up = engine[e + "feed_forward.w13.weight"].chunk(2)
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
+        out[p + "mlp.down_proj.weight"] = engine[e + "feed_forward.w2.weight"]
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create {out_dir}: {e.strerror or e}") from None
+    for name in TOKENIZER_FILES:
+        if (ckpt_dir / name).is_file():
+            write_atomic(out_dir / name, lambda tmp, src=ckpt_dir / name: shutil.copyfile(src, tmp))
+    write_text(out_dir / "config.json", json.dumps(config, indent=2))
+    write_atomic(out_dir / "model.safetensors", lambda tmp: save_file(
+        {k: v.contiguous() for k, v in out.items()}, str(tmp), metadata={"format": "pt"}))
+    return out_dir
+
+
 def read_hf_dir(ckpt_dir: Path, dtype: torch.dtype | None = None,
                 progress: str | None = None) -> dict[str, torch.Tensor]:
     """Engine-named tensors from an HF directory's *.safetensors (sharded or not), read lazily one at a time.

@@ -6,6 +6,10 @@ engine file lands beside the HF files, as gpt-fast does); a GGUF becomes a new d
 
     python scripts/convert_hf_checkpoint.py --checkpoint checkpoints/meta-llama/Llama-3.1-8B-Instruct
     python scripts/convert_hf_checkpoint.py --checkpoint model.gguf --out-dir checkpoints/my-model
+    python scripts/convert_hf_checkpoint.py --checkpoint smollm2-135m --to-hf /tmp/smollm2-hf
+
+--to-hf writes an HF transformers copy of any checkpoint --checkpoint names (a short name, an HF folder, a GGUF file,
+a converted folder; converted first if need be): `AutoModelForCausalLM.from_pretrained(OUT)` loads it.
 
 Nothing is ever unpickled: only safetensors (and GGUF) are read.
 """
@@ -19,10 +23,10 @@ from errors import check_python  # noqa: E402
 
 check_python()  # one line, not a traceback, in a Python without the requirements
 
-from checkpoint import gguf_folder  # noqa: E402
+from checkpoint import gguf_folder, resolve_checkpoint  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
+from convert import ENGINE_FILE, convert_gguf, convert_hf_dir, write_hf  # noqa: E402
 from files import check_out_dir, check_writable  # noqa: E402
-from convert import ENGINE_FILE, convert_gguf, convert_hf_dir  # noqa: E402
 from errors import UserError  # noqa: E402
 from files import unreachable  # noqa: E402
 import progress  # noqa: E402
@@ -30,10 +34,13 @@ import progress  # noqa: E402
 
 def parse_args(argv=None):
     ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", type=Path, required=True, help="HF directory or .gguf file")
+    ap.add_argument("--checkpoint", type=Path, required=True,
+                    help="HF directory or .gguf file (with --to-hf: anything --checkpoint accepts elsewhere)")
     ap.add_argument("--out-dir", type=Path, help="output directory for a GGUF (default: where generate.py looks for "
                                                  "it, checkpoints/<gguf stem>-<hash of its path>); an HF directory is "
                                                  "converted in place, so it takes no --out-dir")
+    ap.add_argument("--to-hf", type=Path, metavar="OUT",
+                    help="write an HF transformers copy (model.safetensors, config.json, tokenizer) to OUT instead")
     ap.add_argument("--quiet", action="store_true",
                     help="no progress line (one goes to stderr only when it is a terminal and the work takes more "
                          "than a second, and is erased when it is done)")
@@ -43,6 +50,11 @@ def parse_args(argv=None):
 def check_args(a) -> None:
     """What the conversion needs, before it reads gigabytes: an input of the right kind, an output it may write."""
     src = a.checkpoint
+    if a.to_hf is not None:
+        if a.out_dir is not None:
+            raise UserError("--out-dir and --to-hf exclude each other (--to-hf names the HF copy's folder)")
+        check_out_dir(a.to_hf, "--to-hf")
+        return
     if why := unreachable(src):
         raise UserError(f"--checkpoint {src}: {why}")
     if src.suffix.lower() == ".gguf":
@@ -71,7 +83,9 @@ def check_args(a) -> None:
 def run(a) -> int:
     progress.quiet = a.quiet
     check_args(a)
-    if a.checkpoint.suffix.lower() == ".gguf":
+    if a.to_hf is not None:
+        out = write_hf(resolve_checkpoint(str(a.checkpoint)), a.to_hf)
+    elif a.checkpoint.suffix.lower() == ".gguf":
         out = convert_gguf(a.checkpoint, a.out_dir or gguf_folder(a.checkpoint))
     else:
         out = convert_hf_dir(a.checkpoint)

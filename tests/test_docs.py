@@ -114,6 +114,11 @@ COMMANDS = {
     **{f"python examples/port_{p}.py tests/vectors /tmp/{p} && python scripts/check_port.py tests/vectors /tmp/{p}":
        "tests/test_porting.py" for p in ("keydiff", "snapkv", "tova", "h2o")},
     "python scripts/make_vectors.py": "tests/test_porting.py (regenerates the vectors, kept sets compared bit for bit)",
+    "python scripts/convert_hf_checkpoint.py --checkpoint smollm2-135m --to-hf /tmp/smollm2-hf":
+        "tests/test_hf_port.py::test_keydiff_port_into_hf_keeps_budgetkvs_positions_at_every_layer_and_head",
+    "python examples/port_hf_keydiff.py /tmp/smollm2-hf --budget 20":
+        "tests/test_hf_port.py (its generate(), on the copy the line above writes)",
+    "scripts/convert_hf_checkpoint.py --checkpoint CKPT --to-hf OUT": "a template: CKPT is any checkpoint",
     # quantization.md
     f"{PY}scripts/quantize.py --checkpoint smollm2-135m --mode int8": RUN,
     f"{PY}scripts/quantize.py --checkpoint smollm2-135m --mode int4": RUN,
