@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -312,16 +313,16 @@ def run_bench(monkeypatch, capsys, tmp_path, ckpt, argv, flag, kind, fail_on=Non
     module = {"quant": bench_quant, "figure": bench_figure}.get(kind, bench)
     started = []
 
-    def fake_run(cmd, capture_output, text):
+    def fake_run(cmd, **kw):
         what = cmd[cmd.index(flag) + 1]
         started.append(what)
         if what == fail_on:
             return SimpleNamespace(returncode=1, stdout="", stderr="Traceback (most recent call last):\n"
                                    "RuntimeError: boom\n")
         return SimpleNamespace(returncode=0, stdout=json.dumps(fake_row(kind, what)) + "\n", stderr="")
-    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.setattr(benchlib, "run_child", fake_run)
     monkeypatch.setattr(module, "read_bandwidth_gb_s", lambda device: 10.0, raising=False)
-    monkeypatch.setattr(bench.tempfile, "gettempdir", lambda: str(tmp_path))  # a failed child's log
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))  # a failed child's log
     sizes = {"table": ["--prompt-tokens", "100", "--budget", "32"], "quant": ["--prompt-tokens", "100"], "figure": []}
     monkeypatch.setattr(sys, "argv", [module.__file__, "--checkpoint", str(ckpt), "--decode-steps", "8", "--threads",
                                       "1", "--device", "cpu", *sizes[kind], *argv])

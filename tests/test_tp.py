@@ -240,7 +240,7 @@ def test_bad_input_under_torchrun_is_a_failure_with_a_short_report(tmp_path):
     p = torchrun(["generate.py", *gen_args(tiny_config(tmp_path), "--budget", "0")], 180)
     lines = p.stderr.splitlines()
     assert p.returncode == 1 and len(lines) <= REPORT_LINES, p.stderr
-    assert [ln for ln in lines if ln.startswith("error")] == ["error: --budget must be >= 1"]
+    assert [ln for ln in lines if ln.startswith("error")] == ["error: --budget must be >= 1, got 0"]
     assert p.stderr.count("exitcode  : 2") == 1 and "rank      : 0 (local_rank: 0)" in p.stderr, p.stderr
 
 
