@@ -594,15 +594,16 @@ def one_sequence(stats: dict) -> dict:
     return stats
 
 
-def check_text(name: str, value, empty_ok: bool = False) -> str:
-    """A text parameter: a str, valid Unicode (UTF-8 encodable), not blank unless empty_ok; UserError naming it."""
+def check_text(name: str, value, blank_ok: bool = False) -> str:
+    """A text parameter: a str, valid Unicode (UTF-8 encodable), not empty, nor blank unless blank_ok; UserError
+    naming it."""
     if not isinstance(value, str):
         raise UserError(f"{name}={value!r} is not a text (str)")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
         raise UserError(f"`{name}` is not valid Unicode text (a lone surrogate at character {e.start + 1})") from None
-    if not empty_ok and not value.strip():
+    if not value or (not blank_ok and not value.strip()):
         raise UserError(f"`{name}` is empty")
     return value
 
@@ -644,7 +645,7 @@ def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", 
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list | tuple):
         raise UserError(f"stop={stop!r} is not a list of texts")
-    stop = [check_text("stop", s) for s in stop]
+    stop = [check_text("stop", s, blank_ok=True) for s in stop]
     document = None if document is None else check_text("document", document)
     check_int("seed", seed, least=0, most=2 ** 63 - 1)
     policy = policies.make(policy) if isinstance(policy, str) else policy

@@ -10,11 +10,13 @@ from config import parse_config
 from convert import ENGINE_FILE, CheckpointError, check_loaded, read_config, read_hf_dir
 from errors import UserError
 from model import ModelArgs, RMSNorm, Transformer, on_meta, rope_inv_freq
+from runtime import check_device, compute_dtype
 
 
-def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | None = None, shard=None,
+def load_model(ckpt_dir: Path, dtype: torch.dtype | str, device: str, config: dict | None = None, shard=None,
                read=None) -> Transformer:
-    """Build the model from config.json and load weights without a second copy (meta init + assign).
+    """Build the model from config.json and load weights without a second copy (meta init + assign). dtype: a torch
+    dtype or its name ("float32", "bfloat16", "float16", "auto": bfloat16 on CUDA, float32 on CPU).
 
     `config`: the checkpoint's config.json when the caller has read it already (read here otherwise); the model
     carries it as `model.config`, so that nobody reads it twice. A checkpoint written by scripts/quantize.py (a
@@ -23,6 +25,7 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, device: str, config: dict | N
     (tp.apply_tp: each rank keeps its slice of every Linear); with read(handle), which reads an engine file's
     tensors already sliced through its safe_open handle (tp.read_slices), shard is applied to the empty model before
     the loading instead. An engine file is read only with the identity its resolve verified (convert.check_loaded)."""
+    dtype = compute_dtype(dtype, check_device(device)) if isinstance(dtype, str) else dtype
     if config is None:
         config = read_config(ckpt_dir)
     args = parse_config(config)

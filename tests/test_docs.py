@@ -244,3 +244,18 @@ def test_doc_command_runs_at_tiny_sizes(command, tiny, tmp_path, monkeypatch, ca
         assert out.startswith(f"{argv[argv.index('--policy') + 1]}:") if "--policy" in argv else "--budget" in out
     else:  # the summary (--json: its object; --interactive: a turn's)
         assert re.search(r"\d+ generated|\"generated_tokens\"| held", out + err), out + err
+
+
+def test_the_readmes_python_api_runs_as_written(tmp_path):
+    """README's Python API blocks, in order, in one fresh process from the repository root, on the embedded model at
+    a tiny size (max_new_tokens 8; no compile, which tests/test_aoti.py covers): every call succeeds."""
+    import subprocess
+    text = (REPO / "README.md").read_text()
+    api = text[text.index("## Python API"):text.index("## Adding a policy")]
+    code = "\n".join(re.findall(r"```python\n(.*?)```", api, re.S))
+    assert "generate_text" in code and "Generation" in code and "Chat(" in code
+    code = code.replace("max_new_tokens=100", "max_new_tokens=8").replace("compile=True", "compile=False")
+    code = code.replace("run.compile(model, ids[0][0])", "pass")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Paris" in r.stdout
