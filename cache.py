@@ -51,7 +51,7 @@ def dequantize_rows(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
 class Storage:
     """How K and V rows are stored: in the compute dtype, in bfloat16 (half an fp32 buffer; policies read the rows
     widened, attention gets them as stored: model.attention widens), or in int8 with one scale per row and head
-    (~2x smaller than bf16; every reader gets them dequantized). The buffers are the cache's; this converts rows."""
+    (about half of bf16; every reader gets them dequantized). The buffers are the cache's; this converts rows."""
 
     def __init__(self, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
         self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
@@ -82,7 +82,7 @@ def position_order(pos: Tensor) -> Tensor:
 
 def flat_rows(slot: Tensor, C: int) -> Tensor:
     """Row numbers [B*H*n] in a [B, H, C, ...] buffer viewed as [B*H*C, ...] of per-head slots slot [B, H, n]: one
-    index_select over rows (on CPU ~3x faster than an element-wise gather)."""
+    index_select over rows (on CPU cheaper than an element-wise gather)."""
     B, H = slot.shape[:2]
     return (slot + C * torch.arange(B * H, device=slot.device).view(B, H, 1)).view(-1)
 
@@ -141,8 +141,8 @@ def evict_fill_holes(scores: Tensor, budget: int, buffers: list[Tensor], pos: Te
         # Stable sort puts the surviving tail slots (flag 0) first, in slot order: they pair with the holes.
         src = budget + torch.argsort(tail_dropped.clamp_max(1), dim=-1, stable=True)
     # index_put_ on each buffer itself, never through a view: compiled, a mutation through a view (an index_copy_ of
-    # flat rows; before that a scatter_) made inductor copy the whole K and V buffers onto themselves in every layer
-    # and step, O(budget) traffic the hole filling exists to avoid (tests/test_engine.py checks the kernels).
+    # flat rows, a scatter_) makes inductor copy the whole K and V buffers onto themselves in every layer and step,
+    # O(budget) traffic the hole filling exists to avoid (tests/test_engine.py checks the kernels).
     B, H = drop.shape[:2]
     b = torch.arange(B, device=drop.device).view(B, 1, 1).expand_as(drop)
     h = torch.arange(H, device=drop.device).view(1, H, 1).expand_as(drop)
@@ -172,15 +172,20 @@ def attention_weights(q: Tensor, q_pos: Tensor, keys: Tensor, pos: Tensor, windo
 class View:
     """What a policy sees of one layer's cache in one step: the first S slots, read-only (state excepted).
 
-    keys, values [B, H_kv, S, D] in the compute dtype (dequantized when stored as int8, widened from bf16); pos
-    [B, H_kv, S] int32 (-1 = empty); state: the per-slot tensors the policy declared, [B, H_kv, S, ...] (observe may
-    update them in place); layer_state: its per-layer tensors; shared: cross-layer state the engine owns for one
-    forward (a dict, fresh for each one-shot prefill). The step: q [B, H_q, T, D] post-RoPE queries, input_pos [T]
-    (shared by the batch) or [B, T] (each sequence its own) their positions (-1 = padding), query_pos of the same
-    shape (padding rows query as their sequence's last real token), slot [T] the slots just written (or [B, T] when
-    the sequences wrote different slots: a batch with `full` or appending after a one-shot compression).
-    budget: the slots the layer holds (--budget); keep: how many of the prompt a one-shot compression keeps;
-    positions: every position the slots hold is below it (a chat's re-compression holds a later turn than S)."""
+    What most scorers read: `keys`, `values` [B, H_kv, S, D] (compute dtype: int8 dequantized, bf16 widened), `pos`
+    [B, H_kv, S] int32 (each slot's absolute position, -1 = empty), `newest` (each sequence's newest position,
+    [1 or B, 1, 1]: recent windows count back from it), `budget` (the slots the layer holds: windows are fractions of
+    it) and `attention(q, q_pos)` / `last_query()` (a small separate softmax for the few query rows a rule needs).
+
+    The rest: q [B, H_q, T, D] the step's post-RoPE queries, input_pos [T] (shared by the batch) or [B, T] (each
+    sequence its own) their positions (-1 = padding), query_pos of the same shape (padding rows query as their
+    sequence's last real token), slot [T] the slots just written (or [B, T] when the sequences wrote different slots:
+    a batch with `full` or appending after a one-shot compression); state: the per-slot tensors the policy declared,
+    [B, H_kv, S, ...] (observe may update them in place); layer_state: its per-layer tensors; shared: cross-layer
+    state the engine owns for one forward (a dict, fresh for each one-shot prefill); keep: how many slots a one-shot
+    compression keeps (the prompt's share of the budget); positions: every position the slots hold is below it (a
+    chat's re-compression holds a later turn than S); head0, tp_group: tensor parallel's first KV head here and the
+    group a rule that reads every head gathers over."""
 
     def __init__(self, cache: "KVCache", S: int, q=None, input_pos=None, query_pos=None, slot=None, shared=None,
                  budget: int | None = None, keep: int | None = None):
@@ -600,7 +605,7 @@ def take_rows(x: Tensor, slot: Tensor) -> Tensor:
 
 def take_slots(x: Tensor, idx: Tensor) -> Tensor:
     """x[b, h, idx[b, h, j]] for x [B, H, C, ...] and idx [B, H, n]: whole slots, one index_select over the flat
-    rows (on CPU ~3x faster than torch.gather, which indexes element by element)."""
+    rows (on CPU cheaper than torch.gather, which indexes element by element)."""
     B, H, C = x.shape[:3]
     return x.reshape(B * H * C, *x.shape[3:]).index_select(0, flat_rows(idx, C)).view(B, H, idx.shape[-1], *x.shape[3:])
 

@@ -52,6 +52,7 @@ import torch
 
 from cache import compress_into, eager_blocks, is_scorer, scratch_cache
 import engine
+import policies
 from engine import Generation, PeakMemory, block_inputs, prefill_one_shot, sync
 from runtime import prefill_step
 from errors import UserError
@@ -81,7 +82,6 @@ class Chat:
     def __init__(self, model, tokenizer, policy=None, budget: int | None = None, *, max_new_tokens: int | None = None,
                  block_size: int | None = None, prefill: str | None = None, sampling: Sampling = GREEDY,
                  kv_dtype: torch.dtype | None = None, chat_template: bool = True, evict_before_attend: bool = False):
-        import policies
         if isinstance(policy, str):
             policy = policies.make(policy)
         if isinstance(sampling, Sampling) and sampling.repetition_penalty != 1.0:

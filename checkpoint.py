@@ -16,9 +16,9 @@ from pathlib import Path
 
 from convert import (ENGINE_FILE, CheckpointError, checkpoint_files, convert_gguf, convert_hf_dir, hf_sources,
                      hf_weights, read_config, read_gguf, read_identity, stale, verified)
-from files import check_out_dir
+from files import check_out_dir, remove_stale_tmp, unreachable
 from errors import EnvironmentFailure, UserError
-from files import remove_stale_tmp, unreachable
+import quantize
 
 REPO = Path(__file__).resolve().parent
 
@@ -256,7 +256,6 @@ def legacy_dir(d: Path, config: dict, quant, depth: int) -> Path:
 
 
 def requantize(src: Path, out: Path, q: dict) -> None:
-    import quantize
     head = "quantize" if q.get("head") else "float"
     quantize.quantize_dir(src, q.get("mode"), q.get("groupsize"), head, out)
 

@@ -29,6 +29,7 @@ import torch
 from errors import UserError
 from files import fsync_path, remove_stale_tmp, tmp_path, write_atomic, write_error, write_text
 from progress import Progress, Ticker
+from tokenizer import TokenizerError, write_gguf_tokenizer
 
 ENGINE_FILE = "budgetkv.safetensors"
 # Recorded in every engine file's identity; a file written by another converter version is converted again
@@ -533,7 +534,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path, opened=None) -> Path:
 def write_gguf_companions(reader, config: dict, out_dir: Path, stats: dict) -> dict:
     """The tokenizer files (staged in a temporary folder, then renamed one by one) and config.json, each atomically;
     returns {name: sha256} of what was written, for the engine file's identity."""
-    from tokenizer import TokenizerError, write_gguf_tokenizer
     stage = tmp_path(out_dir / "tokenizer")
     try:
         stage.mkdir()

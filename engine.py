@@ -9,13 +9,16 @@ import runtime  # noqa: I001  (first: threads.py's choice before torch loads Ope
 import torch
 
 import kernels
-from cache import KV_DTYPES, compress_into, eager_blocks, is_scorer, kv_bytes, row_cache, scratch_cache, setup_caches
-from errors import UserError, check_int
+import policies
+from cache import compress_into, eager_blocks, is_scorer, kv_bytes, row_cache, scratch_cache, setup_caches
+from checkpoint import resolve_checkpoint
+from errors import UserError, check_int, check_text
 from loading import check_fits, kv_cache_estimate, load_model
 from model import ModelArgs
 from policies import Run
 from runtime import model_step, prefill_step
 from sampling import GREEDY, Sampling, StopStrings, check_finite, first_tokens
+from tokenizer import check_prompt_ids, load_tokenizer
 
 
 # ----------------------------------------------------------------------------------------------------- generation
@@ -594,31 +597,6 @@ def one_sequence(stats: dict) -> dict:
     return stats
 
 
-def check_text(name: str, value, blank_ok: bool = False) -> str:
-    """A text parameter: a str, valid Unicode (UTF-8 encodable), not empty, nor blank unless blank_ok; UserError
-    naming it."""
-    if not isinstance(value, str):
-        raise UserError(f"{name}={value!r} is not a text (str)")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise UserError(f"`{name}` is not valid Unicode text (a lone surrogate at character {e.start + 1})") from None
-    if not value or (not blank_ok and not value.strip()):
-        raise UserError(f"`{name}` is empty")
-    return value
-
-
-def check_prompt_ids(ids: list[int], vocab_size: int, which: str, source: str, how: str = "") -> list[int]:
-    """A tokenized prompt: not empty (tokenized `how`), every id inside the model's vocabulary (`source` names the
-    tokenizer)."""
-    if not ids:
-        raise UserError(f"{which} is empty once tokenized{how}")
-    if max(ids) >= vocab_size:
-        raise UserError(f"the tokenizer of {source} gives token id {max(ids)}, outside the model's vocab_size "
-                        f"{vocab_size}: tokenizer and weights do not belong together")
-    return ids
-
-
 def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", policy="full",
                   budget: int | None = None, max_new_tokens: int | None = None, block_size: int | None = None,
                   prefill: str | None = None, sampling: Sampling | dict | None = None, stop: list[str] = (),
@@ -631,12 +609,9 @@ def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", 
     "token_ids", **stats}; a list of prompts, one batch, {"texts", "token_ids" (one list per prompt), **stats}.
     document: put before the prompt (the question goes last, as the one-shot policies assume); stop: strings that
     end a sequence, cut from its text."""
-    import policies
-    from checkpoint import resolve_checkpoint
-    from tokenizer import load_tokenizer
     device = runtime.check_device(device or runtime.default_device())
     compute = runtime.compute_dtype(dtype, device)
-    kv = check_kv_dtype(kv_dtype, compute)
+    kv = runtime.check_kv_dtype(kv_dtype, compute)
     sampling = Sampling(**sampling) if isinstance(sampling, dict) else sampling or GREEDY
     texts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(texts, list | tuple) or not texts:
@@ -671,15 +646,3 @@ def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", 
     if isinstance(prompt, str):
         return {"text": decoded[0], "token_ids": outs[0], **stats}
     return {"texts": decoded, "token_ids": outs, **stats}
-
-
-def check_kv_dtype(kv_dtype: str, compute: torch.dtype) -> torch.dtype | None:
-    """kv_dtype ("auto", "int8", "bfloat16") as the caches' storage (None: the compute dtype); bfloat16 only halves
-    a float32 run's cache."""
-    if not isinstance(kv_dtype, str) or kv_dtype not in ("auto", *KV_DTYPES):
-        raise UserError(f"kv_dtype={kv_dtype!r} is not one of auto, {', '.join(KV_DTYPES)}")
-    if kv_dtype == "bfloat16" and compute != torch.float32:
-        raise UserError(f"kv_dtype=bfloat16 halves a float32 run's cache; this run computes in "
-                        f"{str(compute).removeprefix('torch.')}, whose own cache is as small: drop `kv_dtype` or "
-                        "give dtype=float32")
-    return KV_DTYPES.get(kv_dtype)

@@ -40,6 +40,20 @@ def check_number(name: str, value, least: float | None = None) -> float:
     return float(value)
 
 
+def check_text(name: str, value, blank_ok: bool = False) -> str:
+    """A text parameter: a str, valid Unicode (UTF-8 encodable), not empty, nor blank unless blank_ok; UserError
+    naming it."""
+    if not isinstance(value, str):
+        raise UserError(f"{name}={value!r} is not a text (str)")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"`{name}` is not valid Unicode text (a lone surrogate at character {e.start + 1})") from None
+    if not value or (not blank_ok and not value.strip()):
+        raise UserError(f"`{name}` is empty")
+    return value
+
+
 def check_python() -> None:
     """One line and exit 1 when this Python lacks the requirements (the system Python instead of the project's
     venv), instead of a ModuleNotFoundError traceback from the first import; an OMP_NUM_THREADS that is not a thread

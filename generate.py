@@ -32,11 +32,12 @@ from checkpoint import resolve_checkpoint, shape_config, weights_format  # noqa:
 from cli import compile_log, is_verbose, run_ranks  # noqa: E402
 from config import parse_config  # noqa: E402
 from convert import read_config  # noqa: E402
-from engine import Generation, check_prompt_ids, prefill_protocol, sync  # noqa: E402
+from engine import Generation, prefill_protocol, sync  # noqa: E402
 from files import export_trace  # noqa: E402
 from generate_args import batch_of, check_args, compute_dtype, prompt_ids, read_prompts, sampling_of  # noqa: E402
 from progress import prefill_progress  # noqa: E402
 from sampling import StopStrings  # noqa: E402
+from tokenizer import check_prompt_ids  # noqa: E402
 
 CACHE_NOTES = {"hit": "from the compile cache", "miss": "now cached for the next run",
                "bypass": "not cacheable: compiles again next run", "off": "cache off"}

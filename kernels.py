@@ -18,8 +18,8 @@ from torch import Tensor
 
 from errors import UserError
 
-ROWWISE_MAX_ROWS = 8  # past ~8 rows the row-wise loop becomes compute-bound and MKL's GEMM catches up
-ROWWISE_MAX_QUERY_ROWS = 16  # past ~20 query rows SDPA's kernel catches up (docs/performance.md)
+ROWWISE_MAX_ROWS = 8  # past it the row-wise loop is compute-bound and MKL's GEMM wins (docs/performance.md)
+ROWWISE_MAX_QUERY_ROWS = 16  # past it SDPA's kernel wins (docs/performance.md)
 MATMUL_MAX_QUERY_ROWS = 64  # CUDA: up to a verification block of a few tokens times the GQA group
 MATMUL_EAGER_MIN_SLOTS = 8192  # CUDA eager: SDPA's one kernel wins at 2K slots, the products at 16K (performance.md)
 FORM = os.environ.get("BUDGETKV_ATTENTION", "")  # "flex" or "sdpa": every attention in that form; "": chosen

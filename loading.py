@@ -9,6 +9,7 @@ from cache import Storage
 from config import parse_config
 from convert import ENGINE_FILE, CheckpointError, check_loaded, read_config, read_hf_dir
 from errors import UserError
+import quantize
 from model import ModelArgs, RMSNorm, Transformer, on_meta, rope_inv_freq
 from runtime import check_device, compute_dtype
 
@@ -51,7 +52,6 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype | str, device: str, config: di
     with on_meta():
         model = Transformer(args)
         if quant is not None:
-            import quantize
             quantize.swap_linears(model, quant)
     sliced = read is not None and engine_file.is_file()
     if shard is not None and sliced:

@@ -46,7 +46,7 @@ class ModelArgs:
 def on_meta():
     """Build modules on the meta device with their parameters left uninitialised (a load assigns them, as
     transformers' no_init_weights does): an init op on a meta tensor runs a Python reference kernel that imports
-    the compiler, ~70 MiB of RSS and ~1.3 s that an eager run never needs."""
+    the compiler, memory and seconds that an eager run never needs."""
     names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "xavier_uniform_",
              "xavier_normal_", "ones_", "zeros_", "constant_")
     saved = {n: getattr(nn.init, n) for n in names}

@@ -19,7 +19,6 @@ layer index, head counts, declared state, the step's queries):
 the run needs. cache.py does every buffer write. docs/architecture.md gives the call order.
 """
 import dataclasses
-import inspect
 import math
 import types
 from dataclasses import dataclass, field
@@ -228,7 +227,7 @@ class Sink(Scorer):
 
     def plan(self, run):
         if run.budget <= self.n_sink:
-            raise PolicyError(f"sink: --budget {run.budget} must exceed the {self.n_sink} sink tokens")
+            raise PolicyError(f"sink: budget={run.budget} must exceed the {self.n_sink} sink tokens")
 
     def score(self, view):
         pos = view.pos
@@ -327,7 +326,7 @@ class SnapKV(Scorer):
 
     def plan(self, run):
         if run.budget <= self.window:
-            raise PolicyError(f"{self.name}: --budget {run.budget} must exceed the observation window "
+            raise PolicyError(f"{self.name}: budget={run.budget} must exceed the observation window "
                               f"({self.window})")
 
     def ring_size(self) -> int:
@@ -598,7 +597,7 @@ def hybrid_scores(Q: Tensor, pages: Tensor, r: int) -> tuple[Tensor, Tensor]:
 
 def stable_topk(scores: Tensor, k: int) -> Tensor:
     """Indices of the k highest fp32 scores along the last dim, ties to the lower index (the selection never
-    depends on torch.topk's tie order), in ascending order (contiguous reads). A stable argsort costs ~8x a topk on
+    depends on torch.topk's tie order), in ascending order (contiguous reads). A stable argsort costs several topks on
     CPU, so the topk runs on a float64 key that breaks ties without reordering distinct fp32 scores:
     s - |s| i 2^-50 + (n - i) 2^-1000 for index i < n <= 2^20 (the first term moves a score by < 2^-30 of itself,
     below fp32's spacing; the second only separates exact zeros). +-inf scores stay +-inf."""
@@ -636,14 +635,14 @@ class SnapKVPlusPlus(SnapKV):
     run_kernel = None
 
     def plan(self, run):
-        self.check_prompt_budget(run, f"--budget {run.budget} - max_new_tokens {run.max_new_tokens}")
+        self.check_prompt_budget(run, f"budget={run.budget} - max_new_tokens={run.max_new_tokens}")
         self.run_kernel = self.kernel or adaptive_kernel(run.prompt_len, run.args)
 
     def check_prompt_budget(self, run, how):
         P = self.prompt_keep(run)
         if run.prompt_len > P and P < self.window:
             raise PolicyError(f"{self.name} keeps {how} = {P} prompt tokens, fewer than its observation window "
-                              f"({self.window}): raise --budget")
+                              f"({self.window}): raise `budget`")
 
     def layer_state(self, spec):
         return super().layer_state(spec) if spec.mode == "scratch" else {}  # the query ring lives in the prefill scratch
@@ -755,12 +754,12 @@ def sage_sizes(B: int, G: int, sink: int | None = None, topk: int | None = None)
     S = B // 4 if sink is None else sink
     if topk is None:
         if B < 2 * G:
-            raise PolicyError(f"sagekv: B = --budget + 1 = {B} is below 2 x the GQA group ({G}): no token to select "
+            raise PolicyError(f"sagekv: B = `budget` + 1 = {B} is below 2 x the GQA group ({G}): no token to select "
                               "per query head (sagekv:topk=0 keeps sink + recent only)")
         topk = 1 << ((B // (2 * G)).bit_length() - 1)  # the largest power of two <= B / (2G)
     W = B - S - G * topk
     if W < 1:
-        raise PolicyError(f"sagekv: B = --budget + 1 = {B} leaves no recent window: sink {S} + {G} query heads x "
+        raise PolicyError(f"sagekv: B = `budget` + 1 = {B} leaves no recent window: sink {S} + {G} query heads x "
                           f"top-k {topk} = {S + G * topk} slots")
     return S, topk, W
 
@@ -1000,7 +999,7 @@ class KVec(SnapKVPlusPlus):
 
     def plan(self, run):
         if self.prompt_keep(run) <= self.window:
-            raise PolicyError(f"kvec: --budget {run.budget} - max_new_tokens {run.max_new_tokens} must exceed the "
+            raise PolicyError(f"kvec: budget={run.budget} - max_new_tokens={run.max_new_tokens} must exceed the "
                               f"recent window ({self.window})")
 
     def ring_size(self):  # the query ring holds the last max(O, O') prompt queries
@@ -1124,23 +1123,3 @@ def make(spec: str):
             raise PolicyError(f"policy parameter {key!r} given twice in {spec!r}")
         values[key] = parse_value(cls, fields[key], text.strip())
     return cls(**values)
-
-
-def describe(cls) -> str:
-    """A policy's parameters, one per line, for `--policy NAME --help`."""
-    prefill = "one-shot only" if cls.protocol == "one-shot" else "block (default) or one-shot"
-    lines = [f"{cls.name}: {cls.summary} (prefill: {prefill})", "", inspect.cleandoc(cls.__doc__ or ""), "",
-             "parameters (--policy NAME:key=value,...):"]
-    for f in parameters(cls):
-        choices = f.metadata.get("choices")
-        kind = "|".join(map(str, choices)) if choices else type_name(f.type)
-        lines.append(f"  {f.name} ({kind}, default {f.default}): {f.metadata.get('help', '')}")
-    if not parameters(cls):
-        lines.append("  (none)")
-    return "\n".join(lines)
-
-
-def table() -> str:
-    """One line per policy, for --help."""
-    return "\n".join([f"  {'full':<17} keep every token (the baseline; --budget >= prompt + new tokens)"] +
-                     [f"  {n:<17} {p.summary}" for n, p in REGISTRY.items()])

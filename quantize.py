@@ -9,8 +9,8 @@ What is quantized: every Linear of the transformer (attention.wqkv, attention.wo
 and the output head. Biases, embeddings and norms stay float. A tied head (SmolLM2, Qwen2.5 <= 3B, Llama 3.2) gets
 its own quantized copy of the embedding matrix: decode reads the whole head every step but only one embedding row,
 so the head is where the bytes are (21% of SmolLM2's weights). `--head auto` (default) quantizes it with int8 and
-keeps it float (and tied) with int4: measured on SmolLM2-135M (scripts/bench_quant.py), a 4-bit head alone costs
-+6.4% perplexity where the int4 g32 body costs +0.02%, and an int8 head -0.2%. `--head quantize|float` overrides.
+keeps it float (and tied) with int4, whose 4-bit head costs far more perplexity than its body (docs/quantization.md,
+scripts/bench_quant.py). `--head quantize|float` overrides.
 
 The checkpoint is a new directory (default `<checkpoint>-int8`, `<checkpoint>-int4-g32`): config.json with a
 "budgetkv_quantization" entry ({"mode", "groupsize", "head", "source"}), budgetkv.safetensors and the tokenizer
@@ -189,7 +189,7 @@ class Int4Linear(nn.Module):
         if self.kernel == "int4pack_cpu":
             # aten._weight_int4pack_mm_for_cpu's kernel, called as inductor's lowering calls it: the group size a
             # tensor of the module's, since the constant that lowering makes of it reaches the kernel wrong inside
-            # a compiled layer region (engine.block_region, torch 2.13)
+            # a compiled layer region (model.block_region)
             return fused_matmul(torch.ops.quantized.int4mm_packed_weight_cpu, x, self.bias, self.weight,
                                 self.group_size, self.scales_and_zeros)
         if self.kernel == "int4pack_cuda":
@@ -227,9 +227,8 @@ def linears(model: nn.Module, head: bool):
 # ---------------------------------------------------------------------------------------- kernels (load time)
 
 # The fused kernels run in bfloat16 whatever the model's dtype: torch's CPU kernels are vectorised for bfloat16 only
-# (measured on this AVX-512 CPU, one thread, a 3072x576 Linear at decode: int8 0.12 ms and int4 0.10 ms in bfloat16,
-# 1.3 ms and 3.0 ms in float32, against 0.28 ms for the float32 matmul they replace), and tinygemm takes bfloat16
-# only; gpt-fast casts to bfloat16 for int4 too. Rounding the activations to bfloat16 (2^-9 relative) adds less
+# (in float32 they are slower than the float32 matmul they replace), and tinygemm takes bfloat16 only; gpt-fast casts
+# to bfloat16 for int4 too. Rounding the activations to bfloat16 (2^-9 relative) adds less
 # error than rounding the weights to int8 (up to scale / 2 = max|w_row| / 254 per weight).
 FUSED_DTYPE = torch.bfloat16
 FUSED = {"int8": {"cpu": "int8pack"}, "int4": {"cpu": "int4pack_cpu", "cuda": "int4pack_cuda"}}

@@ -25,6 +25,7 @@ import torch
 
 import aoti
 import kernels
+from cache import KV_DTYPES
 from errors import UserError
 from model import set_layer_regions
 
@@ -55,6 +56,18 @@ def compute_dtype(dtype: str, device: str) -> torch.dtype:
         raise UserError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     auto = torch.bfloat16 if device.startswith("cuda") else torch.float32
     return auto if dtype == "auto" else getattr(torch, dtype)
+
+
+def check_kv_dtype(kv_dtype: str, compute: torch.dtype) -> torch.dtype | None:
+    """kv_dtype ("auto", "int8", "bfloat16") as the caches' storage (None: the compute dtype); bfloat16 only halves
+    a float32 run's cache."""
+    if not isinstance(kv_dtype, str) or kv_dtype not in ("auto", *KV_DTYPES):
+        raise UserError(f"kv_dtype={kv_dtype!r} is not one of auto, {', '.join(KV_DTYPES)}")
+    if kv_dtype == "bfloat16" and compute != torch.float32:
+        raise UserError(f"kv_dtype=bfloat16 halves a float32 run's cache; this run computes in "
+                        f"{str(compute).removeprefix('torch.')}, whose own cache is as small: drop `kv_dtype` or "
+                        "give dtype=float32")
+    return KV_DTYPES.get(kv_dtype)
 
 
 def set_threads(n: int | None) -> None:

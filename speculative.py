@@ -41,9 +41,11 @@ import torch
 import torch.nn as nn
 
 import engine
+import policies
 import loading
 import runtime
 from cache import is_scorer, kv_bytes
+from checkpoint import resolve_checkpoint, shape_config
 from errors import UserError
 from sampling import GREEDY, Sampling, check_finite, race
 
@@ -132,7 +134,6 @@ def check_draft(policy, budget: int, target_capacity: int, same_weights: bool) -
 def draft_policy(target_policy, spec: str | None, draft_checkpoint: str | None, prefill: str | None):
     """(spec, policy, prefill protocol) of the draft cache: `spec` (default sink, full with a draft checkpoint)
     with `prefill` (None: the policy's default); the target's policy must be full (check_target)."""
-    import policies
     check_target(target_policy)
     spec = spec or ("full" if draft_checkpoint else "sink")
     policy = policies.make(spec)
@@ -142,7 +143,6 @@ def draft_policy(target_policy, spec: str | None, draft_checkpoint: str | None, 
 def load_draft(target, checkpoint: str | None, dtype: torch.dtype, device: str, random_seed: int | None = None):
     """The draft model: the target's own weights over a second cache (checkpoint None: draft_model), or
     `checkpoint` (a short name, a directory, a .gguf) loaded, or with random_seed its shapes with random weights."""
-    from checkpoint import resolve_checkpoint, shape_config
     if checkpoint is None:
         return draft_model(target)
     if random_seed is not None:
@@ -166,8 +166,8 @@ def setup(target, draft, draft_policy, draft_budget: int | None, prompt_len: int
     n = max_new_tokens + k
     capacity = target_budget or prompt_len + n
     default = "" if draft_budget is not None else \
-        f" (--draft-budget {min(DEFAULT_DRAFT_BUDGET, capacity // 2)} is the default, half the target's {capacity} " \
-        "slots: give --draft-budget, or a longer prompt)"  # a default the user never gave is named as one
+        f" (draft_budget={min(DEFAULT_DRAFT_BUDGET, capacity // 2)} is the default, half the target's {capacity} " \
+        "slots: give `draft_budget`, or a longer prompt)"  # a default the user never gave is named as one
     if draft_budget is None:
         draft_budget = min(DEFAULT_DRAFT_BUDGET, capacity // 2) if is_scorer(draft_policy) else capacity
     check_draft(draft_policy, draft_budget, capacity, draft.tok_embeddings is target.tok_embeddings)
@@ -176,9 +176,9 @@ def setup(target, draft, draft_policy, draft_budget: int | None, prompt_len: int
     try:
         draft_slots = engine.setup(draft, draft_policy, draft_budget, prompt_len, n, block_size, prefill=protocol,
                                    kv_dtype=kv_dtype)
-    except UserError as e:  # the draft's policy and budget are --draft-policy's and --draft-budget's
-        line = re.sub(r"--(budget|policy)\b", r"--draft-\1", str(e))
-        raise type(e)(line + (default if "--draft-budget" in line else "")) from None
+    except UserError as e:  # the draft's policy and budget are the parameters draft_policy and draft_budget
+        line = re.sub(r"(?<![\w-])(`?)(budget|policy)\b", r"\1draft_\2", str(e))
+        raise type(e)(line + (default if "draft_budget" in line else "")) from None
     return slots, draft_slots
 
 

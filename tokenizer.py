@@ -198,6 +198,17 @@ def _read_tiktoken(path: Path) -> dict[bytes, int] | None:
         raise TokenizerError(f"corrupt tiktoken file {path}: a line is not 'base64 rank'") from None
 
 
+def check_prompt_ids(ids: list[int], vocab_size: int, which: str, source: str, how: str = "") -> list[int]:
+    """A tokenized prompt: not empty (tokenized `how`), every id inside the model's vocabulary (`source` names the
+    tokenizer)."""
+    if not ids:
+        raise UserError(f"{which} is empty once tokenized{how}")
+    if max(ids) >= vocab_size:
+        raise UserError(f"the tokenizer of {source} gives token id {max(ids)}, outside the model's vocab_size "
+                        f"{vocab_size}: tokenizer and weights do not belong together")
+    return ids
+
+
 def load_tokenizer(ckpt_dir) -> Tokenizer:
     d = Path(ckpt_dir)
     tok_cfg = _read_json(d / "tokenizer_config.json")

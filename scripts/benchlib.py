@@ -18,12 +18,11 @@ import policies
 from cache import KV_DTYPES, is_scorer, kv_bytes
 from checkpoint import resolve_checkpoint, shape_config
 from cli import Parser, run_child
-from files import check_writable
+from files import check_writable, open_log
 from config import parse_config
 from convert import read_config
 from engine import Generation, PeakMemory, decode_bytes_per_step, sync
 from errors import EnvironmentFailure, UserError
-from files import open_log
 from loading import kv_cache_estimate, load_model, random_model
 from runtime import AOT, check_device, release_free_memory
 from sampling import first_tokens

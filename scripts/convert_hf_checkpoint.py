@@ -26,9 +26,8 @@ check_python()  # one line, not a traceback, in a Python without the requirement
 from checkpoint import gguf_folder, resolve_checkpoint  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
 from convert import ENGINE_FILE, convert_gguf, convert_hf_dir, write_hf  # noqa: E402
-from files import check_out_dir, check_writable  # noqa: E402
+from files import check_out_dir, check_writable, unreachable  # noqa: E402
 from errors import UserError  # noqa: E402
-from files import unreachable  # noqa: E402
 import progress  # noqa: E402
 
 

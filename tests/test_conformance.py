@@ -21,9 +21,8 @@ from conftest import REPO, make_policy
 import policies
 from cache import KVCache, dequantize_rows, is_scorer, is_selector, quantize_rows
 from engine import block_inputs, generate, prefill_one_shot, setup
-from runtime import model_step, prefill_step
+from runtime import compile_steps, model_step, prefill_step
 from loading import load_model
-from runtime import compile_steps
 from reference.engine_scorer import EngineScorer
 from reference.model import RefModel
 

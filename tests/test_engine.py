@@ -10,10 +10,9 @@ from conftest import REPO
 
 from cache import setup_caches
 from engine import generate, setup
-from runtime import model_step, prefill_step
 from loading import load_model
 from model import set_layer_regions
-from runtime import compile_steps
+from runtime import compile_steps, model_step, prefill_step
 import policies
 from policies import RandomScores
 from sampling import Sampling

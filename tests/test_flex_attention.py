@@ -15,9 +15,8 @@ import torch.nn.functional as F
 import kernels
 import policies
 from engine import generate, setup
-from runtime import model_step, prefill_step
+from runtime import compile_steps, model_step, prefill_step
 from loading import load_model
-from runtime import compile_steps
 from test_batch import BLOCK, CASES, LONG_PROMPTS, NEW, PROMPTS, batched
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),

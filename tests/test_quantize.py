@@ -17,9 +17,8 @@ from cache import setup_caches
 from checkpoint import embedded_gguf, resolve_checkpoint
 from convert import ENGINE_FILE, CheckpointError
 from engine import block_inputs
-from runtime import model_step, prefill_step
+from runtime import compile_steps, model_step, prefill_step
 from loading import load_model
-from runtime import compile_steps
 from errors import UserError
 from scripts import quantize as quantize_script
 
