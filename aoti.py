@@ -74,7 +74,7 @@ def describe(value, seen: set, depth: int = 0) -> str:
 # of the key, so that editing them does not recompile. Every other module, a new one included, is hashed.
 UNTRACED_MODULES = {"generate.py", "generate_args.py", "cli.py", "chat.py", "progress.py", "checkpoint.py", "convert.py",
                     "tokenizer.py", "files.py", "errors.py", "engine.py", "speculative.py", "loading.py", "runtime.py",
-                    "sampling.py", "threads.py"}
+                    "sampling.py"}
 
 
 def cpu_features() -> str:
@@ -91,9 +91,10 @@ def cpu_features() -> str:
     return f"cpu {torch.backends.cpu.get_cpu_capability()}, flags {flags}"
 
 
-def step_recipe(model, idx: Tensor, input_pos: Tensor) -> list[str]:
+def step_recipe(model, idx: Tensor, input_pos: Tensor, threads: int | None = None) -> list[str]:
     """What a package is built from, one line each: the traced modules' source (by hash), torch's version, the
-    thread count and whether inductor names its kernels for a profiler, the attention form and the CPU's
+    thread count it is compiled for (threads, else torch's now; its kernels read the count they run with) and
+    whether inductor names its kernels for a profiler, the attention form and the CPU's
     instruction sets, every input's name, shape, stride, dtype and device, and every module's plain attributes."""
     sources = hashlib.sha256()
     for path in sorted(ROOT.glob("*.py")):
@@ -101,7 +102,7 @@ def step_recipe(model, idx: Tensor, input_pos: Tensor) -> list[str]:
             sources.update(path.name.encode() + path.read_bytes())
     inductor = sys.modules.get("torch._inductor.config")  # not imported: its defaults (a warm run never imports it)
     profiled = bool(inductor and inductor.cpp.enable_kernel_profile)  # named kernels, for bench_paired --profile
-    lines = [f"sources {sources.hexdigest()}", f"torch {torch.__version__}, threads {torch.get_num_threads()}"
+    lines = [f"sources {sources.hexdigest()}", f"torch {torch.__version__}, threads {threads or torch.get_num_threads()}"
              + (", kernels profiled" if profiled else ""),
              f"attention {kernels.FORM or 'chosen'}", cpu_features()]
     names, tensors = step_inputs(model)
@@ -118,8 +119,8 @@ def recipe_key(recipe: list[str]) -> str:
     return hashlib.sha256("\n".join(recipe).encode()).hexdigest()[:32]
 
 
-def step_key(model, idx: Tensor, input_pos: Tensor) -> str:
-    return recipe_key(step_recipe(model, idx, input_pos))
+def step_key(model, idx: Tensor, input_pos: Tensor, threads: int | None = None) -> str:
+    return recipe_key(step_recipe(model, idx, input_pos, threads))
 
 
 class _Step(torch.nn.Module):
@@ -194,10 +195,12 @@ def save_package(built: Path, path: Path, recipe: list[str]) -> None:
     write_text(record_path(path), json.dumps(record, indent=0))
 
 
-def compile_package(model, idx: Tensor, input_pos: Tensor, path: Path, recipe: list[str], say):
-    """Export and compile the step, load it, and save it as `path` with its record; the loader. A folder that cannot
-    be written is found before the compile, and a save that fails (a full disk) leaves the loaded step running:
-    either is one line through say(line), naming the folder."""
+def compile_package(model, idx: Tensor, input_pos: Tensor, path: Path, recipe: list[str], say,
+                    threads: int | None = None):
+    """Export and compile the step for `threads` threads (None: torch's count now), its kernels reading the count
+    they run with (inductor's dynamic threads), load it, and save it as `path` with its record; the loader. A folder
+    that cannot be written is found before the compile, and a save that fails (a full disk) leaves the loaded step
+    running: either is one line through say(line), naming the folder."""
     import torch._inductor
     unwritable = folder_problem(path.parent)
     if unwritable:
@@ -206,7 +209,13 @@ def compile_package(model, idx: Tensor, input_pos: Tensor, path: Path, recipe: l
     ep = export_step(model, idx, input_pos)
     with tempfile.TemporaryDirectory(prefix="budgetkv-aot-") as tmp:
         built = Path(tmp) / path.name
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(built))
+        now = torch.get_num_threads()
+        torch.set_num_threads(threads or now)
+        try:
+            with torch._inductor.config.patch({"cpp.dynamic_threads": True}):
+                torch._inductor.aoti_compile_and_package(ep, package_path=str(built))
+        finally:
+            torch.set_num_threads(now)
         loader = load_package(built)
         if loader is None:
             raise EnvironmentFailure(f"the decode step just compiled cannot be loaded by this torch "
@@ -236,9 +245,11 @@ class AotStep:
     policy or a cache through engine.setup, which makes new caches. A package is loaded only when its record names
     this key's recipe and its bytes hash to the recorded sha256; any other (swapped, damaged, unrecorded, or one
     torch fails to load) is compiled again in its place, with one line saying why (to `stream`, else stderr).
-    `compiled` and `loaded` count the binds."""
+    `compiled` and `loaded` count the binds. threads: the count it is compiled for (runtime.THREADS.usable), whatever
+    the count runs with later (None: torch's at the bind)."""
 
-    def __init__(self):
+    def __init__(self, threads: int | None = None):
+        self.threads = threads
         self.loaders, self.bound, self.tensors, self.loader = {}, None, None, None
         self.compiled = self.loaded = 0
         self.stream = None
@@ -263,13 +274,13 @@ class AotStep:
             why = "torch could not load it"
         if why:
             self.say(f"note: compiled step {path} not loaded ({why}): compiling it again")
-        loader = compile_package(model, idx, input_pos, path, recipe, self.say)
+        loader = compile_package(model, idx, input_pos, path, recipe, self.say, self.threads)
         self.compiled += 1
         return loader
 
     def bind(self, model, idx: Tensor, input_pos: Tensor) -> None:
         self.tensors = None
-        recipe = step_recipe(model, idx, input_pos)
+        recipe = step_recipe(model, idx, input_pos, self.threads)
         key = recipe_key(recipe)
         if key not in self.loaders:
             self.loaders[key] = self.load_or_compile(model, idx, input_pos, key, recipe)

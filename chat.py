@@ -53,6 +53,7 @@ import torch
 from cache import compress_into, eager_blocks, is_scorer, scratch_cache
 import engine
 import policies
+import runtime
 from engine import Generation, PeakMemory, block_inputs, prefill_one_shot, sync
 from runtime import prefill_step
 from errors import UserError
@@ -333,6 +334,7 @@ def prefill_at(model, prompt: torch.Tensor, start: int, block_size: int, step=pr
     evicts back to its budget after every block, as in one run); returns the last position's logits [1, vocab]."""
     with eager_blocks(model, start, start + prompt.numel(), step is prefill_step):
         for s in range(0, prompt.numel(), block_size):
+            runtime.THREADS.tick()
             idx, pos = block_inputs(prompt, s, block_size)
             logits = step(model, idx, shifted(pos, start))
     return logits

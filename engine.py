@@ -1,11 +1,10 @@
-"""The engine: a fixed-budget run of a model (block-wise or one-shot prefill, then the decode loop) and `Generation`,
-the one lifecycle every entry point drives: setup (the caches), compile (the steps, as runtime.py decides), prefill,
-decode, measure. generate.py is its command line; loading.py builds the model, sampling.py draws the tokens."""
+"""The engine: a fixed-budget run of a model (block-wise or one-shot prefill, the decode loop, timing and memory) and
+`Generation`, the lifecycle every entry point drives. generate.py is its command line; loading.py builds models."""
 import contextlib
 import dataclasses
 import time
 
-import runtime  # noqa: I001  (first: threads.py's choice before torch loads OpenMP)
+import runtime
 import torch
 
 import kernels
@@ -66,6 +65,7 @@ def prefill_one_shot(model, prompt: torch.Tensor, block_size: int, shared: dict 
         return scratch_cache(model.layers[i].attention.kv_cache, n_blocks * block_size, L)
 
     def done(i, scratch):
+        runtime.THREADS.tick()
         c = layer_cache(i)
         if on_layer is not None:
             on_layer(i, scratch)
@@ -96,6 +96,7 @@ def prefill(model, prompt: torch.Tensor, block_size: int, step=prefill_step, one
             end = min(start + (dense or block_size), L)
             inputs = (prompt[None, start:end], torch.arange(start, end, device=prompt.device)) if dense else \
                 block_inputs(prompt, start, block_size)
+            runtime.THREADS.tick()
             logits = step(model, *inputs)
             if on_prefill is not None:
                 on_prefill(end, L)
@@ -187,6 +188,7 @@ def prefill_batch(model, prompts: list[torch.Tensor], block_size: int, step=pref
     rows = [None] * len(prompts)
     with eager_blocks(model, 0, longest, step is prefill_step):
         for i, start in enumerate(range(0, longest, block_size)):
+            runtime.THREADS.tick()
             logits = step(model, *batch_block_inputs(prompts, start, block_size))
             for b in (b for b, last in enumerate(last_block) if last == i):
                 rows[b] = logits[b].clone()
@@ -235,6 +237,7 @@ def decode(model, step, token: torch.Tensor, outs: list[list[int]], positions: l
             on_done(b, out)
     pos, n_steps = torch.tensor(positions, device=token.device), 0
     while any(live) and not (stop is not None and stop()):
+        runtime.THREADS.tick()
         n_steps += 1
         t = time.perf_counter()
         logits = step(model, *decode_inputs(token.clamp_min(0), pos))
@@ -417,11 +420,10 @@ def bounded_budget(args: ModelArgs) -> int:
 
 
 class Generation:
-    """The run: one lifecycle that every entry point drives (generate.py, generate_text, chat.Chat, the benchmarks,
-    eval). The settings are resolved against the model's context and the prompts' lengths when it is made (one
-    UserError naming the parameter); then setup() (the caches, after checking they fit in memory), compile() (the
-    steps, as runtime.py decides, warmed up), and generate() (prefill, the decode loop, the stats), or prefill()
-    and decode() for a caller that times or drives the phases itself.
+    """The run every entry point drives (generate.py, generate_text, chat.Chat, the benchmarks, eval): its settings
+    resolved against the model's context and the prompts' lengths when made (a UserError naming the parameter),
+    then setup() (the caches, once they fit in memory), compile() (as runtime.py decides, warmed up), generate() (or
+    prefill() and decode(), for a caller that times the phases itself).
 
     None is the default: max_new_tokens 200 (fewer where the context ends first), block_size 128, budget
     prompt + max_new_tokens for the policies that hold every token (full, exact-topk) and 2048 for the others, each
@@ -578,7 +580,7 @@ class Generation:
         return dict(budget=self.budget, slots_held=self.slots,
                     slots_read_per_step=model.layers[0].attention.kv_cache.read_tokens(), block_size=self.block_size,
                     prefill_chunk=one_block_wise and dense_chunk(model, self.block_size, self.steps[0]) or
-                    self.block_size, prefill=self.protocol, threads=torch.get_num_threads(),
+                    self.block_size, prefill=self.protocol, **runtime.THREADS.report(),
                     compiled=self.steps[1] is not model_step, compiled_prefill=self.compiled_prefill,
                     frozen=self.frozen, compile_mode=self.compile_mode, compile_s=round(self.compile_s, 2),
                     compile_cache=self.compile_cache, kv_cache_bytes=kv_bytes(model), weight_bytes=weight_b,

@@ -20,7 +20,7 @@ check_python()  # first: Ctrl-C from here on is one line
 import json  # noqa: E402
 from contextlib import nullcontext  # noqa: E402
 
-import runtime  # noqa: E402  (first: threads.py's choice before torch loads OpenMP)
+import runtime  # noqa: E402
 import torch  # noqa: E402
 
 import generate_args  # noqa: E402
@@ -199,7 +199,7 @@ def print_result(a, gen, stats, outs, stream, tp_line) -> None:
           f"policy {a.policy} ({a.prefill} prefill), budget {gen.budget} slots{slots}, "
           f"{count(stats['slots_read_per_step'])} slots read per decode step | prefill {stats['prefill_chunk']} "
           f"tokens a step, "
-          f"{stats['weights']} on {a.device} ({stats['threads']} thread{'s' if stats['threads'] > 1 else ''})"
+          f"{stats['weights']} on {a.device} ({threads_said(stats)})"
           f"{compiled_note}\n"
           f"TTFT {stats['ttft_s']:.3f} s | prefill {stats['prefill_tok_s']:.1f} tok/s | "
           f"decode {stats['decode_tok_s']:.2f} tok/s | bandwidth {stats['bandwidth_gb_s']:.2f} GB/s "
@@ -270,6 +270,18 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, gen, weights:
           f"({stats['memory_measure']}): prefill {stats['prefill_peak_bytes'] / mib:.1f} MiB, decode "
           f"{stats['decode_peak_bytes'] / mib:.1f} MiB", file=sys.stderr)
     return 0
+
+
+def threads_said(stats: dict) -> str:
+    """'2 threads', or how an adaptive count moved: '1 thread (adaptive, up to 2; 2 -> 1 at 3.1 s: 1.0 cores of
+    other work)'."""
+    n, moves = stats["threads"], stats["thread_changes"]
+    said = f"{n} thread{'s' if n > 1 else ''}"
+    if not moves:
+        return said
+    last = "; ".join(f"{t} at {s} s: {c} cores of other work" for s, t, c in moves[-3:])
+    k = stats["thread_moves"]
+    return f"{said} ({stats['thread_policy']}; {k} change{'s' if k > 1 else ''}, last: {last})"
 
 
 def count(x: float) -> str:

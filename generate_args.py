@@ -127,10 +127,10 @@ def parse_args(argv=None, description: str | None = None):
                          "The others are torch.compile modes for every step ('default': no CUDA graphs). The prefill "
                          "step never runs under CUDA graphs; reduce-overhead is refused on CPU, aot on CUDA")
     ap.add_argument("--threads", type=int, default=None,
-                    help="CPU threads torch uses (intra-op and inter-op; default: one per core). Threads spin while "
-                         "they wait when the machine is idle at start-up and wait passively beside a busy process, "
-                         "which would make spinning threads collapse (threads.py; OMP_WAIT_POLICY or GOMP_SPINCOUNT "
-                         "in the environment are kept)")
+                    help="CPU threads, fixed (default: adaptive: one per core this process may use, less the cores "
+                         "other processes keep busy, judged again about once a second while it runs; the summary and "
+                         "--json say which ran and why: runtime.py). OMP_WAIT_POLICY or GOMP_SPINCOUNT in the "
+                         "environment are kept")
     ap.add_argument("--tp", type=int, metavar="N",
                     help="tensor parallel over N ranks: run under torchrun --nproc-per-node N (which sets the ranks; "
                          "this flag only checks that the world size is N). docs/tensor_parallel.md")

@@ -14,7 +14,7 @@ from model import ModelArgs, RMSNorm, Transformer, on_meta, rope_inv_freq
 from runtime import check_device, compute_dtype
 
 
-def load_model(ckpt_dir: Path, dtype: torch.dtype | str, device: str, config: dict | None = None, shard=None,
+def load_model(ckpt_dir: Path | str, dtype: torch.dtype | str, device: str, config: dict | None = None, shard=None,
                read=None) -> Transformer:
     """Build the model from config.json and load weights without a second copy (meta init + assign). dtype: a torch
     dtype or its name ("float32", "bfloat16", "float16", "auto": bfloat16 on CUDA, float32 on CPU).
@@ -27,6 +27,7 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype | str, device: str, config: di
     tensors already sliced through its safe_open handle (tp.read_slices), shard is applied to the empty model before
     the loading instead. An engine file is read only with the identity its resolve verified (convert.check_loaded)."""
     dtype = compute_dtype(dtype, check_device(device)) if isinstance(dtype, str) else dtype
+    ckpt_dir = Path(ckpt_dir)
     if config is None:
         config = read_config(ckpt_dir)
     args = parse_config(config)

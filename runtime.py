@@ -1,6 +1,6 @@
 """Every compile and runtime decision, made here and asked by everything else: eager, torch.compile, CUDA graphs or
 the CPU decode step compiled ahead of time (AOT, aoti.py); freezing; layer regions; the inductor cache folder; the
-device and the compute dtype; CPU threads (and how they wait: threads.py, before torch loads).
+device and the compute dtype; CPU threads.
 
 The rules:
 - `--compile-mode auto` (None): on CPU the decode step is AOT (no tracing on a warm start, no compiler in the
@@ -14,13 +14,23 @@ The rules:
   CUDA graphs (docs/performance.md).
 - Compiled graphs are cached on disk in the repository's build/inductor-cache (TORCHINDUCTOR_CACHE_DIR overrides;
   torch's default under /tmp is emptied by a reboot).
+- CPU threads (`THREADS`): by default as many as the cores this process may use (its CPU affinity, a cgroup CPU
+  quota) less the cores other processes keep busy, judged again about once a second while a run works (between
+  steps and prefill blocks): two on an idle 2-core machine, one beside a busy process, two again once it is gone.
+  Compiled CPU kernels read the count when they run (inductor's dynamic threads), so a compiled step follows it too.
+  `set_threads(n)` (--threads N), or OMP_NUM_THREADS in the environment, fixes it: a fixed count reproduces a run's
+  logits bit for bit, a count that moves can change their last bits. Between parallel regions OpenMP's threads spin
+  briefly, then sleep (libgomp's default): nothing is set when a module is imported, so the import order does not
+  matter, and an OMP_WAIT_POLICY or GOMP_SPINCOUNT the user set is left as it is.
 """
+import collections
 import ctypes
+import math
 import os
 import re
+import time
 from pathlib import Path
 
-import threads  # noqa: F401  (before torch: how its OpenMP threads wait)
 import torch
 
 import aoti
@@ -70,16 +80,132 @@ def check_kv_dtype(kv_dtype: str, compute: torch.dtype) -> torch.dtype | None:
     return KV_DTYPES.get(kv_dtype)
 
 
+class Threads:
+    """The CPU thread count of torch's pools (the module docstring's rule). start(n): fixed at n, or adaptive (None)
+    from `usable` cores down to 1; tick() between steps judges the other processes' load about once an INTERVAL
+    and moves the count; `changes` keeps the last 20 moves (seconds since start, threads, other processes' cores),
+    `moves` counts them all."""
+    INTERVAL = 1.0  # seconds between two readings of the machine's load
+    BUSY = 0.6  # cores of other work from which one thread fewer is used
+
+    def __init__(self):
+        self.fixed, self.usable, self.count, self.last, self.t0 = None, 1, None, None, 0.0
+        self.changes, self.moves = collections.deque(maxlen=20), 0
+
+    def ensure(self) -> None:
+        """Adaptive from now on, unless start() chose already (the Python API's first run starts it here)."""
+        if self.count is None:
+            self.start()
+
+    def start(self, n: int | None = None) -> None:
+        """Fixed at n, or at OMP_NUM_THREADS when the environment sets it, or adaptive."""
+        n = n or omp_num_threads()
+        self.fixed, self.usable = n, n or usable_cores()
+        self.changes.clear()
+        self.moves, self.last, self.t0 = 0, None, time.monotonic()
+        self.count = None  # set even where torch's count was changed behind this object's back
+        self.use(self.usable)
+
+    def use(self, n: int) -> None:
+        if n != self.count:
+            torch.set_num_threads(n)
+            self.count = n
+
+    def tick(self) -> None:
+        self.ensure()
+        if self.fixed is not None or self.usable == 1:
+            return
+        now = time.monotonic()
+        if self.last is not None and now - self.last[0] < self.INTERVAL:
+            return
+        sample = load_sample()
+        if sample is not None and self.last is not None and self.last[1] is not None:
+            others = other_cores(self.last[1], sample, now - self.last[0])
+            want = max(1, self.usable - int(others + 1 - self.BUSY))
+            if want != self.count:
+                self.use(want)
+                self.changes.append((round(now - self.t0, 1), want, round(others, 2)))
+                self.moves += 1
+        self.last = (now, sample)
+
+    def report(self) -> dict:
+        """What a run's stats say of its threads: the count at the end, how it was chosen, its moves, and how idle
+        threads wait."""
+        self.ensure()
+        return {"threads": torch.get_num_threads(),
+                "thread_policy": "fixed" if self.fixed is not None else f"adaptive (up to {self.usable})",
+                "thread_changes": list(self.changes), "thread_moves": self.moves,
+                "wait_policy": os.environ.get("OMP_WAIT_POLICY") or (
+                    f"GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}" if "GOMP_SPINCOUNT" in os.environ else
+                    "default (spin briefly, then sleep)")}
+
+
+THREADS = Threads()
+
+
 def set_threads(n: int | None) -> None:
-    """n CPU threads for torch's intra-op and inter-op pools (None: torch's default, one per core). The inter-op
-    pool can be sized once per process, before any parallel work: a later call leaves it as it is."""
-    if n is None:
-        return
-    torch.set_num_threads(n)
+    """The run's CPU threads: fixed at n, or adaptive (None: the module docstring's rule). The inter-op pool is
+    sized once per process, before any parallel work: a later call leaves it as it is."""
+    THREADS.start(n)
     try:
-        torch.set_num_interop_threads(n)
+        torch.set_num_interop_threads(THREADS.usable)
     except RuntimeError:
         pass
+
+
+def omp_num_threads() -> int | None:
+    """OMP_NUM_THREADS's count, when the environment sets one (errors.check_python refuses a malformed one)."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0]
+    return int(first) if first.isdigit() and int(first) > 0 else None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, capped by a cgroup CPU quota (a container's cpu.max)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cgroup_quota()
+    return max(1, min(n, math.ceil(quota))) if quota else n
+
+
+CGROUP_QUOTAS = (("/sys/fs/cgroup/cpu.max", None),  # v2: "<quota> <period>" or "max <period>"
+                 ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"))  # v1
+
+
+def cgroup_quota(files=CGROUP_QUOTAS) -> float | None:
+    """The cgroup's CPU quota in cores (cgroup v2's cpu.max, v1's cfs quota / period); None without one."""
+    for path, period_path in files:
+        try:
+            fields = open(path).read().split()
+            quota = fields[0]
+            period = fields[1] if period_path is None else open(period_path).read().split()[0]
+        except (OSError, IndexError):
+            continue
+        if quota in ("max", "-1"):
+            return None
+        try:
+            return int(quota) / int(period)
+        except (ValueError, ZeroDivisionError):
+            return None
+    return None
+
+
+def load_sample() -> tuple[int, int] | None:
+    """(busy clock ticks of the whole machine, this process's own) from /proc/stat and /proc/self/stat; None where
+    they cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            own = f.read()
+        rest = own[own.rindex(")") + 2:].split()
+        return sum(fields) - fields[3] - fields[4], int(rest[11]) + int(rest[12])  # less idle, iowait; utime + stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def other_cores(before: tuple[int, int], after: tuple[int, int], seconds: float) -> float:
+    """Cores the other processes kept busy between two load_samples `seconds` apart."""
+    ticks = os.sysconf("SC_CLK_TCK") * seconds
+    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / ticks) if ticks > 0 else 0.0
 
 
 def release_free_memory() -> None:
@@ -170,7 +296,9 @@ def compile_fns(device: str, mode: str | None, prefill=(), decode=(), freeze: bo
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE))
     if mode == AOT:
         prefill_steps = compile_fns(device, None, prefill, (), freeze)[0] if prefill else []
-        return prefill_steps, [aoti.AotStep() for _ in decode]
+        THREADS.ensure()
+        return prefill_steps, [aoti.AotStep(THREADS.usable) for _ in decode]
+    torch._inductor.config.cpp.dynamic_threads = True  # compiled kernels read the count THREADS moves, as they run
     # Dynamo reads the global flag when it traces (frozen, the weights are constants, not graph inputs): it holds
     # until another compile. In the options too, so that a frozen and an unfrozen step never share a graph.
     torch._inductor.config.freezing = freeze

@@ -24,7 +24,7 @@ from convert import read_config
 from engine import Generation, PeakMemory, decode_bytes_per_step, sync
 from errors import EnvironmentFailure, UserError
 from loading import kv_cache_estimate, load_model, random_model
-from runtime import AOT, check_device, release_free_memory
+from runtime import AOT, check_device, release_free_memory, set_threads
 from sampling import first_tokens
 from scripts.outputs import check_settings, checkpoint_identity, read_json, write_atomic
 
@@ -44,9 +44,12 @@ def parser(doc: str, decode_steps: int | None = 32, steps_help: str | None = Non
                     help="default: generate.py's (on CPU aot, the decode step compiled ahead of time, or "
                          "max-autotune-no-cudagraphs for frozen graphs; on CUDA decode under CUDA graphs); the others "
                          "are torch.compile modes")
-    ap.add_argument("--no-compile-prefill", action="store_true",
-                    help="with --compile: compile the decode step only, prefill stays eager (what generate.py "
-                         "--compile does on CPU)")
+    prefill = ap.add_mutually_exclusive_group()
+    prefill.add_argument("--compile-prefill", dest="compile_prefill", action="store_true", default=None,
+                         help="with --compile: compile the prefill-block step too (default: as generate.py --compile "
+                              "does: on CUDA, not on CPU)")
+    prefill.add_argument("--no-compile-prefill", dest="compile_prefill", action="store_false",
+                         help="with --compile: the prefill-block step stays eager")
     ap.add_argument("--random-weights", action="store_true",
                     help="--checkpoint's shapes (a short name's configs/<name>.json, or a folder with only a "
                          "config.json) with seeded random weights (seed 0) and random prompt ids")
@@ -91,7 +94,9 @@ MAX_REPEATS = 1000
 
 def check_common(args) -> None:
     """The shared flags' bad input, before any model is loaded."""
-    for k in ("compile_mode", "cpp_wrapper", "no_compile_prefill", "freeze"):
+    if args.compile_prefill is not None and not args.compile:
+        raise UserError(f"--{'' if args.compile_prefill else 'no-'}compile-prefill needs --compile")
+    for k in ("compile_mode", "cpp_wrapper", "freeze"):
         if getattr(args, k, None) not in (None, False) and not args.compile:
             raise UserError(f"--{k.replace('_', '-')} needs --compile")
     if args.compile_mode == AOT and (getattr(args, "freeze", False) or args.device != "cpu"):
@@ -112,9 +117,9 @@ def check_common(args) -> None:
 
 
 def start(args) -> None:
-    """The process-wide settings a run asks for: torch threads, inductor's C++ wrapper."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    """The process-wide settings a run asks for: its CPU threads (runtime.set_threads: --threads, else adaptive, as
+    a user's run), inductor's C++ wrapper."""
+    set_threads(args.threads)
     if getattr(args, "cpp_wrapper", False):
         torch._inductor.config.cpp_wrapper = True
 
@@ -362,7 +367,8 @@ def bench_run(args, model, policy, prompt_len: int, budget: int | None, first_id
     """The run a configuration times, as a user's takes it: an engine.Generation of `policy` at `budget` (None:
     the run's default) over `batch` prompts of prompt_len tokens and new_tokens new ones (default --decode-steps +
     1: the first, then one per step), in --block-size blocks, set up and, with
-    --compile, compiled as generate.py compiles (the prefill-block step too unless --no-compile-prefill; frozen
+    --compile, compiled as generate.py compiles (the prefill-block step as --compile-prefill says, by default as
+    generate.py decides; frozen
     with --freeze, or as `freeze` says; in --compile-mode, or `mode`) and warmed up on first_id. evict=False: the
     no-evict baseline."""
     gen = Generation(model.args, policy, [prompt_len] * batch, budget=budget,
@@ -372,7 +378,7 @@ def bench_run(args, model, policy, prompt_len: int, budget: int | None, first_id
     gen.setup(model)
     if args.compile:
         freeze = getattr(args, "freeze", False) if freeze is None else freeze
-        gen.compile(model, first_id, mode or args.compile_mode, not args.no_compile_prefill, freeze)
+        gen.compile(model, first_id, mode or args.compile_mode, args.compile_prefill, freeze)
     else:
         gen.compile_s = timed(lambda: gen.warm_up(model, first_id))  # first calls' costs, untimed as compiled ones
     return gen
@@ -392,7 +398,8 @@ def noise_note(repeats: int) -> None:
 
 
 def steps_label(args) -> str:
-    return ("compiled (decode only)" if args.no_compile_prefill else "compiled") if args.compile else "eager"
+    prefill = {True: ", prefill too", False: ", decode only", None: ""}[args.compile_prefill]
+    return f"compiled{prefill}" if args.compile else "eager"
 
 
 def time_policy(model, ids, gen: Generation, args) -> dict:

@@ -2,11 +2,10 @@ import os
 import sys
 from pathlib import Path
 
-# The suite keeps both cores busy (`pytest -n 2`, and the processes its tests start): every process it starts waits
-# passively. threads.py would choose from the load at the instant a worker imports engine, and a child that spins
-# beside a busy worker makes both crawl. A value the user set is kept, as threads.py keeps it; the tests of that rule
-# set their own environment.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The suite keeps both cores busy (`pytest -n 2`, and the processes its tests start): every process runs one thread,
+# fixed (runtime.THREADS takes OMP_NUM_THREADS as a fixed count), so that runs compare bit for bit and none spins
+# beside another. The tests of the adaptive count set their own environment.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -15,11 +14,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / "build" / "inductor-cache"))
-# `pytest -n 2` (the README's command): a core per worker. More torch threads would only contend, and so would
-# inductor's pool of C++ compile processes (each imports torch): kernels compile in the process that compiles (and in
-# its children, which inherit the variable).
+# `pytest -n 2` (the README's command): a core per worker. Inductor's pool of C++ compile processes (each imports
+# torch) would only contend: kernels compile in the process that compiles (and in its children, which inherit it).
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 # `pytest -n 2 --dist loadfile` hands each worker the next file when it is almost done with its own. The files that

@@ -92,8 +92,8 @@ COMMANDS = {
         "tests/test_conformance.py::test_readme_example_is_one_scorer_tested_here (the example, tested unregistered)",
     "generate.py --checkpoint llama3.2-1b --random-weights --prompt-tokens 2048 --policy keydiff --budget 512": RUN,
     # performance.md
-    'python3 -c "while True: pass"': "the busy process beside a timing: it runs until killed",
-    "python scripts/bench_threads.py": "times the embedded model under each thread setting (no --checkpoint)",
+    f"{PY}scripts/bench_threads.py --repeats 3": "times the embedded model under each thread setting and case",
+    "python3 -c": "a pipeline's reader, named in prose",
     f"{PY}scripts/bench_compile.py --policy keydiff --budget 512 --prompt-tokens 4096 --new-tokens 128 --threads 2 "
     "--repeats 2": "tests/test_cli.py::test_bench_compile_measures_eager_cold_and_warm",
     f"{PY}scripts/bench_paired.py --compile --policies keydiff --decode-steps 64 --threads 2":
