@@ -183,8 +183,7 @@ class View:
     a batch with `full` or appending after a one-shot compression); state: the per-slot tensors the policy declared,
     [B, H_kv, S, ...] (observe may update them in place); layer_state: its per-layer tensors; shared: cross-layer
     state the engine owns for one forward (a dict, fresh for each one-shot prefill); keep: how many slots a one-shot
-    compression keeps (the prompt's share of the budget); positions: every position the slots hold is below it (a
-    chat's re-compression holds a later turn than S); head0, tp_group: tensor parallel's first KV head here and the
+    compression keeps (the prompt's share of the budget); head0, tp_group: tensor parallel's first KV head here and the
     group a rule that reads every head gathers over."""
 
     def __init__(self, cache: "KVCache", S: int, q=None, input_pos=None, query_pos=None, slot=None, shared=None,
@@ -194,7 +193,7 @@ class View:
         self.shared = {} if shared is None else shared
         self.n_heads, self.n_kv_heads, self.head_dim, self.dtype = spec.n_heads, spec.kv_heads, spec.head_dim, spec.dtype
         # tensor parallel: the model's index of the first KV head here (not 0 on rank > 0), the group of all ranks
-        self.head0, self.tp_group, self.window, self.positions = spec.head0, spec.tp_group, spec.window, spec.positions
+        self.head0, self.tp_group, self.window = spec.head0, spec.tp_group, spec.window
         self.budget = budget or spec.keep_budget
         self.keep = keep or self.budget
         self.pos = cache.pos[:, :, :S]
@@ -311,14 +310,13 @@ class CacheSpec:
     layer: int = 0  # this layer's index in the model
     keep: int | None = None  # the prompt slots a one-shot compression into this cache keeps (budget)
     keep_budget: int | None = None  # the budget a recent window is a fraction of (budget; a scratch: its layer's)
-    positions: int | None = None  # every position a slot holds is below it (budget; a chat's re-compression: more)
     evict_first: bool = False  # --evict-before-attend: evict, then attend over the kept slots only
     head0: int = 0  # tensor parallel (tp.py): the model's index of this buffer's first KV head
     tp_group: str | None = None  # the group a rule that reads every head of a layer gathers over (None: one device)
 
     def __post_init__(self):
         defaults = dict(mode=cache_mode(self.policy), n_heads=self.kv_heads, keep=self.budget,
-                        keep_budget=self.budget, positions=self.budget)
+                        keep_budget=self.budget)
         for name, value in defaults.items():
             if not getattr(self, name):
                 object.__setattr__(self, name, value)
@@ -569,13 +567,13 @@ def row_cache(cache: KVCache, b: int) -> KVCache:
     return row
 
 
-def scratch_cache(cache: KVCache, slots: int, end: int, positions: int | None = None) -> KVCache:
+def scratch_cache(cache: KVCache, slots: int, end: int) -> KVCache:
     """A one-shot prefill's scratch for the layer cache `cache`: one sequence, `slots` slots in mode scratch (the
     policy's prefill state, no selector). The caller runs its blocks eagerly (model.prefill_layer_major): they
-    fill it from slot 0 up to `end` (fill_eagerly). positions: see CacheSpec."""
+    fill it from slot 0 up to `end` (fill_eagerly)."""
     spec = cache.spec
     scratch = KVCache(replace(spec, batch=1, budget=slots, mode="scratch", keep=None, keep_budget=spec.budget,
-                              positions=positions, evict_first=False))
+                              evict_first=False))
     scratch.fill_eagerly(0, end)
     return scratch
 

@@ -354,7 +354,7 @@ def recompress(model, prompt: torch.Tensor, start: int, block_size: int, shared:
     def scratch(i):
         c = model.layers[i].attention.kv_cache
         n = int(c.n_valid().max())
-        s = scratch_cache(c, n + n_blocks * block_size, n + prompt.numel(), positions=start + n_blocks * block_size)
+        s = scratch_cache(c, n + n_blocks * block_size, n + prompt.numel())
         for dst, src in zip([s.pos, *s.slot_buffers()], [c.pos, *c.slot_buffers()], strict=True):
             dst[:, :, :n] = src[:, :, :n]
         s.fill_eagerly(n, n + prompt.numel(), one_mask=bool((s.pos[:, :, :n] == s.pos[:, :1, :n]).all()))

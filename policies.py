@@ -1016,7 +1016,7 @@ class KVec(SnapKVPlusPlus):
         P = cross_head(P, P2, cand, self.delta, lambda x: all_heads(x, view), view.head0)
         n_cov = view.shared.get("n_cov")
         if view.layer == 0 or n_cov is None:  # a new prompt: no layer has kept anything yet
-            n_pos = view.positions  # past every position in the scratch (chat.py's re-compression: a later turn)
+            n_pos = int(pos.max()) + 1  # past every position held (an eager one-shot compression: a host read)
             n_cov = view.shared["n_cov"] = torch.zeros(pos.shape[0], n_pos, dtype=torch.int32, device=pos.device)
             view.shared["prompt"] = pos[:, 0] >= 0  # the scratch's slot s holds position s (or padding)
         n = n_cov.gather(1, pos.clamp_min(0).long().flatten(1)).view_as(pos)

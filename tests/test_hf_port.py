@@ -52,7 +52,7 @@ def test_keydiff_port_into_hf_keeps_budgetkvs_positions_at_every_layer_and_head(
     """The example's KeyDiff over a DynamicCache (blocks of 16, then greedy decode) against the engine on the same
     tokens (its generated ones teacher-forced): the same kept positions after every step, at each of the 30 layers
     and 3 KV heads. Without absolute position_ids (RoPE at the slot index after the first eviction) they differ."""
-    sys.path[:0] = [str(REPO / "examples"), str(REPO / "scripts")]
+    sys.path += [str(REPO / "examples"), str(REPO / "scripts")]  # after the repository (scripts/quantize.py)
     import make_vectors
     import port_hf_keydiff
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.append(str(REPO / "scripts"))  # after the repository: scripts/quantize.py is not quantize.py
 import check_port  # noqa: E402
 import checkpoint  # noqa: E402
 import make_vectors  # noqa: E402
