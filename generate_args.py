@@ -44,7 +44,7 @@ def parse_args(argv=None, description: str | None = None):
     """generate.py's flags (argv None: sys.argv); description: the --help text above the flags."""
     import policies
     policy_help(sys.argv[1:] if argv is None else argv)
-    ap = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = Parser(description=description,
                 epilog="policies (--policy NAME[:key=value,...]):\n" + policies.table())
     ap.add_argument("--checkpoint", default="smollm2-135m",
                     help=f"short name ({', '.join(MODELS)}), an HF model directory, a budgetkv directory or a "

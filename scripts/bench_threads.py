@@ -9,7 +9,6 @@ Settings: `default` (what generate.py picks by itself: threads.py), `passive` (O
 passive). "busy": `python -c "while True: pass"` runs beside each run. The prompt is the first bytes of LICENSE
 (raw text, --no-chat), the policy KeyDiff at --budget 512. Runs alternate settings within each repeat, so that a
 drift of the machine spreads over all of them. Prints one table of medians (tok/s) per mode."""
-import argparse
 import json
 import os
 import statistics
@@ -40,12 +39,12 @@ def run_generate(setting: str, mode: str, prompt: Path, a) -> dict:
 
 
 def parser() -> Parser:
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__)
     ap.add_argument("--prompt-bytes", type=int, default=6000, help="bytes of LICENSE in the prompt")
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--modes", default="eager,compile")
-    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each mode and setting (median)")
+    ap.add_argument("--modes", default="eager,compile", help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated thread settings to time")
     return ap
 
 

@@ -30,7 +30,6 @@ then at the end results.json (config, every sample, summaries), results.md (one 
 (+protocol), columns budgets), fidelity.png, <task>.png (score vs budget, one line per policy) and
 niah_heatmap_<policy>_<budget>[_one-shot].png. An interrupted run goes on with the same command and --resume.
 """
-import argparse
 import json
 import random
 import sys
@@ -356,7 +355,7 @@ def csv(kind):
 
 
 def parse_args(argv=None):
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__)
     ap.add_argument("--checkpoint", default="smollm2-135m", help="as in generate.py (default smollm2-135m)")
     ap.add_argument("--policies", type=policies.spec_list, default=policies.spec_list(POLICIES),
                     help=f"comma list (default {POLICIES}); the full cache is always run as the reference")
@@ -388,7 +387,8 @@ def parse_args(argv=None):
     ap.add_argument("--block-size", type=int, default=128, help="prefill block size (128)")
     ap.add_argument("--seed", type=int, default=0,
                     help="task data and text offsets (0); the random policy has its own (random:seed=N)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu, cuda or cuda:N (default: cuda where there is one, else cpu)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="auto = bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--threads", type=int, default=0,

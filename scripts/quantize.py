@@ -4,7 +4,6 @@ which --help prints).
     .venv/bin/python scripts/quantize.py --checkpoint smollm2-135m --mode int8
     .venv/bin/python scripts/quantize.py --checkpoint smollm2-135m --mode int4      # group size 32
 """
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from errors import UserError  # noqa: E402
 
 
 def parse_args(argv=None):
-    ap = Parser(description=quantize.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=quantize.__doc__)
     ap.add_argument("--checkpoint", default="smollm2-135m",
                     help="what generate.py's --checkpoint takes: a short name, an HF or budgetkv directory, a .gguf")
     ap.add_argument("--mode", required=True, choices=quantize.MODES,
