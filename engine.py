@@ -557,13 +557,17 @@ class Generation:
                  on_prefill=None) -> tuple[list[list[int]], dict]:
         """generate_batch() with this run's settings and steps; returns (each sequence's ids, stats): the timings
         and per-phase peaks, the bytes a decode step reads (weights once for the batch, and KV) and the bandwidth
-        they make at the measured steps per second, the cache's size and the compile's record."""
+        they make at the measured steps per second, the cache's size and the compile's record, the slots and the
+        tokens held, and why each sequence stopped (stop_reason)."""
         outs, stats = generate_batch(model, prompts, self.max_new_tokens, block_size=self.block_size,
                                      steps=self.steps, eos_ids=eos_ids, sampling=self.sampling, finished=finished,
                                      device=self.device, one_shot=self.protocol == "one-shot",
                                      on_prefill=on_prefill, on_token=on_token, on_done=on_done)
         stats.update(self.summary(model, stats["decode_steps"] / stats["decode_s"] if stats["decode_steps"] else 0.0,
                                   stats))
+        context = "max_new_tokens" in self.clamped
+        stats["stop_reason"] = [stop_reason(out, self.max_new_tokens, eos_ids, bool(finished and finished(b, out)),
+                                            context) for b, out in enumerate(outs)]
         if len(outs) == 1:
             one_sequence(stats)
         return outs, stats
@@ -572,7 +576,7 @@ class Generation:
         """The settings and sizes a run's stats report beside its timings."""
         weight_b, kv_read_b = decode_bytes_per_step(model)
         one_block_wise = self.lens is not None and len(self.lens) == 1 and self.protocol == "block"
-        return dict(budget=self.budget, slots_held=self.slots,
+        return dict(budget=self.budget, slots=self.slots, tokens_held=int(held(model).max()),
                     slots_read_per_step=model.layers[0].attention.kv_cache.read_tokens(), block_size=self.block_size,
                     prefill_chunk=one_block_wise and dense_chunk(model, self.block_size, self.steps[0]) or
                     self.block_size, prefill=self.protocol, threads=torch.get_num_threads(),
@@ -588,10 +592,30 @@ class Generation:
 
 
 def one_sequence(stats: dict) -> dict:
-    """A batch of one's stats as one sequence's: its prompt and generated token counts as numbers, no batch keys."""
+    """A batch of one's stats as one sequence's: its per-sequence values (token counts, stop reason) as scalars, no
+    batch keys."""
     del stats["batch_size"], stats["decode_steps"]
-    stats.update(prompt_tokens=stats["prompt_tokens"][0], generated_tokens=stats["generated_tokens"][0])
+    stats.update({k: stats[k][0] for k in ("prompt_tokens", "generated_tokens", "stop_reason") if k in stats})
     return stats
+
+
+def stop_reason(ids: list[int], limit: int, eos_ids=(), at_stop: bool = False, context: bool = False) -> str:
+    """Why a sequence's generation ended, by decode's rules in their order: "eos" (its last token ends a sequence),
+    "stop_string" (at_stop: its text reached a stop string), "max_new_tokens" at its length limit, or "context"
+    where that limit is the model's context (the default max_new_tokens clamped to it, or a turn's room); otherwise
+    "interrupted" (stop(), Ctrl-C, an exception)."""
+    if ids and ids[-1] in eos_ids:
+        return "eos"
+    if at_stop:
+        return "stop_string"
+    if len(ids) >= limit:
+        return "context" if context else "max_new_tokens"
+    return "interrupted"
+
+
+def held(model) -> torch.Tensor:
+    """Tokens every layer's cache holds now (its valid slots): [layers, batch, KV heads]."""
+    return torch.stack([layer.attention.kv_cache.n_valid() for layer in model.layers])
 
 
 def check_text(name: str, value, blank_ok: bool = False) -> str:

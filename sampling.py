@@ -52,10 +52,11 @@ class Sampling:
         return DEFAULT_LAST_N if self.repeat_last_n is None else self.repeat_last_n
 
     def check_model(self, vocab_size: int, context: int) -> None:
-        """What depends on the model: top_k within the vocabulary, repeat_last_n within the context."""
+        """What depends on the model: top_k within the vocabulary, a repeat_last_n given within the context (its
+        default, 64, covers a shorter context whole)."""
         if self.top_k > vocab_size:
             raise UserError(f"top_k={self.top_k} exceeds the model's vocabulary ({vocab_size} tokens)")
-        if self.last_n > context:
+        if self.repeat_last_n is not None and self.repeat_last_n > context:
             raise UserError(f"repeat_last_n={self.last_n} is longer than the model's context ({context}): give -1 "
                             "for the whole sequence")
 
