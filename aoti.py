@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,6 +30,9 @@ from model import set_layer_regions
 
 ROOT = Path(__file__).resolve().parent
 PACKAGES = ROOT / "build" / "aot-steps"  # <key>.pt2 and <key>.json, kept across runs (BUDGETKV_AOT_DIR overrides)
+# torch 2.13's own FutureWarning from inside the compile (inductor copies the exported graph's pytree specs): nothing a
+# caller can act on, and the Python API has no compile log to send it to
+TORCH_NOTICE = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
 
 def package_dir() -> Path:
@@ -197,7 +201,8 @@ def save_package(built: Path, path: Path, recipe: list[str]) -> None:
 def compile_package(model, idx: Tensor, input_pos: Tensor, path: Path, recipe: list[str], say):
     """Export and compile the step, load it, and save it as `path` with its record; the loader. A folder that cannot
     be written is found before the compile, and a save that fails (a full disk) leaves the loaded step running:
-    either is one line through say(line), naming the folder."""
+    either is one line through say(line), naming the folder. torch's own notice from inside the compile
+    (TORCH_NOTICE) is not shown."""
     import torch._inductor
     unwritable = folder_problem(path.parent)
     if unwritable:
@@ -206,7 +211,9 @@ def compile_package(model, idx: Tensor, input_pos: Tensor, path: Path, recipe: l
     ep = export_step(model, idx, input_pos)
     with tempfile.TemporaryDirectory(prefix="budgetkv-aot-") as tmp:
         built = Path(tmp) / path.name
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(built))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", TORCH_NOTICE, FutureWarning)
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(built))
         loader = load_package(built)
         if loader is None:
             raise EnvironmentFailure(f"the decode step just compiled cannot be loaded by this torch "
