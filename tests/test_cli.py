@@ -884,6 +884,8 @@ def test_every_flag_has_help_with_its_default(script, monkeypatch):
     """--help explains every flag and argument and shows each default a flag has (bench.py showed neither for its
     main flags)."""
     import argparse
+
+    from cli import shows_default
     ap = command_line_parser(script, monkeypatch)
     for action in ap._actions:
         if action.help == argparse.SUPPRESS or action.dest == "help":
@@ -892,7 +894,7 @@ def test_every_flag_has_help_with_its_default(script, monkeypatch):
         formatter.add_argument(action)
         text = " ".join(formatter.format_help().split())
         assert action.help, f"{script}: {text} has no help"
-        if action.default not in (None, False) and action.option_strings:
+        if shows_default(action) and action.option_strings:
             assert "default" in text.lower(), f"{script}: {text} does not show its default ({action.default})"
 
 
