@@ -1,6 +1,6 @@
 """Score KV-cache policies x budgets on any checkpoint, against the full cache of the same model.
 
-    python scripts/eval.py --quick        # SmolLM2-135M on a CPU: a 3-minute subset (what CI may run)
+    python scripts/eval.py --quick        # SmolLM2-135M on a CPU: a small subset (what CI may run)
     python scripts/eval.py                # the SmolLM2-135M table: 8 policies x 4 budgets (25 min measured)
     python scripts/eval.py --checkpoint llama3.1-8b --budgets 512,1024,2048,4096 --lengths 4096,8192,16384 \\
         --samples 20 --compile --longbench en16 --longbench-source path/to/LongBench   # GPU, same script

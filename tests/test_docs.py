@@ -81,7 +81,7 @@ COMMANDS = {
     f"{PY}generate.py --checkpoint llama3.1-8b --policy keydiff --budget 2048 --prompt-file doc.txt --compile": RUN,
     f'{PY}generate.py --policy snapkv:window=32,kernel=7 --budget 512 --prompt "..."': RUN,
     f"{PY}generate.py --policy rocketkv:read=256 --budget 1024 --prompt-file doc.txt": RUN,
-    f'{PY}generate.py --policy snapkv --budget 512 --prompt-file doc.txt --prompt "Who wrote it?"': RUN,
+    f'{PY}generate.py --policy snapkv --prompt-file doc.txt --prompt "Who wrote it?" --repetition-penalty 1.1': RUN,
     f"{PY}generate.py --policy keydiff --budget 512 --prompt-file prompts.jsonl": RUN,
     f"{PY}generate.py --interactive --policy keydiff --budget 512": RUN,
     f"{PY}generate.py --policy kvec --help": RUN,
