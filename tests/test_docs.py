@@ -254,6 +254,7 @@ def test_the_readmes_python_api_runs_as_written(tmp_path):
     api = text[text.index("## Python API"):text.index("## Adding a policy")]
     code = "\n".join(re.findall(r"```python\n(.*?)```", api, re.S))
     assert "generate_text" in code and "Generation" in code and "Chat(" in code
+    assert not re.search(r"^\s*(import|from) torch\b", code, re.M)  # torch first undid the threads' choice (issue 55)
     code = code.replace("max_new_tokens=100", "max_new_tokens=8").replace("compile=True", "compile=False")
     code = code.replace("run.compile(model, ids[0][0])", "pass")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
