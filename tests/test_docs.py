@@ -80,7 +80,7 @@ COMMANDS = {
     f"bash scripts/setup.sh test && {PY}-m pytest -q -n 2 --dist loadfile tests": "the suite itself (.ci/run)",
     f"{PY}generate.py --checkpoint llama3.1-8b --policy keydiff --budget 2048 --prompt-file doc.txt --compile": RUN,
     f'{PY}generate.py --policy snapkv:window=32,kernel=7 --budget 512 --prompt "..."': RUN,
-    f"{PY}generate.py --policy rocketkv:read=256 --budget 1024 --prompt-file doc.txt": RUN,
+    f"{PY}generate.py --policy rocketkv:read=256 --budget 1024 --prompt-file doc.txt --repetition-penalty 1.1": RUN,
     f'{PY}generate.py --policy snapkv --prompt-file doc.txt --prompt "Who wrote it?" --repetition-penalty 1.1': RUN,
     f"{PY}generate.py --policy keydiff --budget 512 --prompt-file prompts.jsonl": RUN,
     f"{PY}generate.py --interactive --policy keydiff --budget 512": RUN,
