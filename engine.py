@@ -9,6 +9,7 @@ import runtime  # noqa: I001  (first: threads.py's choice before torch loads Ope
 import torch
 
 import kernels
+import progress
 from cache import KV_DTYPES, compress_into, eager_blocks, is_scorer, kv_bytes, row_cache, scratch_cache, setup_caches
 from errors import UserError, check_int
 from loading import check_fits, kv_cache_estimate, load_model
@@ -686,7 +687,7 @@ def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", 
     torch.manual_seed(seed)
     gen.setup(model)
     if compile:
-        gen.compile(model, ids[0][0])
+        gen.compile(model, ids[0][0], around=compiling)
     stops = StopStrings(stop)
     outs, stats = gen.generate(model, ids, eos_ids=set(tokenizer.eos_ids),
                                finished=(lambda b, out: stops.cut(tokenizer.decode(out)) is not None) if stop else None)
@@ -695,6 +696,15 @@ def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", 
     if isinstance(prompt, str):
         return {"text": decoded[0], "token_ids": outs[0], **stats}
     return {"texts": decoded, "token_ids": outs, **stats}
+
+
+@contextlib.contextmanager
+def compiling(gen):
+    """generate_text's compile: its progress line on stderr ("compiling the decode step (aot) ... 12 s"), as the
+    command line's, for a compile that takes minutes when nothing is cached."""
+    with progress.Ticker(f"compiling the {'prefill and ' if gen.compiled_prefill else ''}decode step"
+                         f"{'s' if gen.compiled_prefill else ''} ({gen.compile_mode})"):
+        yield None
 
 
 def check_kv_dtype(kv_dtype: str, compute: torch.dtype) -> torch.dtype | None:

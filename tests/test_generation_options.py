@@ -211,3 +211,21 @@ def test_each_sequence_says_why_it_stopped_beside_the_slots_and_the_tokens_held(
     (short / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 16}))
     r = engine.generate_text("the quick brown fox", checkpoint=str(short), chat_template=False)
     assert r["stop_reason"] == "context" and r["generated_tokens"] == 16 - r["prompt_tokens"]
+
+
+def test_the_apis_compile_shows_its_progress_line(tiny_ckpt, monkeypatch, capsys):
+    """generate_text(compile=True) says it is compiling, as the command line does (a cold compile took minutes with
+    nothing on the screen); here off a terminal, a line per LOG_INTERVAL, around a stand-in for the compile."""
+    import time
+
+    import progress
+    monkeypatch.setattr(progress, "LOG_INTERVAL", 0.01)
+
+    def compile_standing_in(self, model, first_id, mode=None, prefill=None, freeze=False, around=None, warm=True):
+        self.compile_mode, self.compiled_prefill = "aot", False
+        with around(self) as terminal:
+            assert terminal is None  # stderr: AotStep's own lines go there too
+            time.sleep(0.2)
+    monkeypatch.setattr(engine.Generation, "compile", compile_standing_in)
+    engine.generate_text("the fox", checkpoint=str(tiny_ckpt), chat_template=False, max_new_tokens=2, compile=True)
+    assert "compiling the decode step (aot) ... 0 s" in capsys.readouterr().err.splitlines()
