@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,6 +30,9 @@ from model import set_layer_regions
 
 ROOT = Path(__file__).resolve().parent
 PACKAGES = ROOT / "build" / "aot-steps"  # <key>.pt2 and <key>.json, kept across runs (BUDGETKV_AOT_DIR overrides)
+# torch 2.13's own FutureWarning from inside the compile (inductor copies the exported graph's pytree specs): nothing a
+# caller can act on, and the Python API has no compile log to send it to
+TORCH_NOTICE = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
 
 def package_dir() -> Path:
@@ -200,7 +204,8 @@ def compile_package(model, idx: Tensor, input_pos: Tensor, path: Path, recipe: l
     """Export and compile the step for `threads` threads (None: torch's count now), its kernels reading the count
     they run with (inductor's dynamic threads), load it, and save it as `path` with its record; the loader. A folder
     that cannot be written is found before the compile, and a save that fails (a full disk) leaves the loaded step
-    running: either is one line through say(line), naming the folder."""
+    running: either is one line through say(line), naming the folder. torch's own notice from inside the compile
+    (TORCH_NOTICE) is not shown."""
     import torch._inductor
     unwritable = folder_problem(path.parent)
     if unwritable:
@@ -212,7 +217,8 @@ def compile_package(model, idx: Tensor, input_pos: Tensor, path: Path, recipe: l
         now = torch.get_num_threads()
         torch.set_num_threads(threads or now)
         try:
-            with torch._inductor.config.patch({"cpp.dynamic_threads": True}):
+            with torch._inductor.config.patch({"cpp.dynamic_threads": True}), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", TORCH_NOTICE, FutureWarning)
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(built))
         finally:
             torch.set_num_threads(now)

@@ -57,7 +57,7 @@ import runtime
 from engine import Generation, PeakMemory, block_inputs, prefill_one_shot, sync
 from runtime import prefill_step
 from errors import UserError
-from sampling import GREEDY, Sampling, first_tokens
+from sampling import GREEDY, Sampling, first_tokens, stop_reason
 
 MAX_TURN_BYTES = 64 << 20  # one line of stdin, capped as a prompt file is (generate_args.MAX_PROMPT_BYTES)
 MARKER = "<<budgetkv:assistant-answer>>"  # stands for the previous answer when the template renders a new turn
@@ -181,15 +181,16 @@ class Chat:
                     self.answer(logits, n_new, on_text, out, fed)
             finally:
                 sync(self.device)
-                self.commit(out, fed[0], len(ids), t1 - t0, time.perf_counter() - t1, mem)
+                self.commit(out, fed[0], len(ids), t1 - t0, time.perf_counter() - t1, mem, n_new)
         if interrupted:
             raise KeyboardInterrupt
         return self.decode(out)
 
-    def commit(self, out: list[int], fed: int, n_prompt: int, prefill_s: float, decode_s: float, mem) -> None:
-        """Record an answer: out[:fed] were written by decode steps that completed, out[fed] (if any) is pending.
-        Slots at the positions from the first unwritten one on are emptied: a step cut short by an exception may
-        have written its token in some layers only, and a position is never held twice."""
+    def commit(self, out: list[int], fed: int, n_prompt: int, prefill_s: float, decode_s: float, mem,
+               n_new: int) -> None:
+        """Record an answer of at most n_new tokens: out[:fed] were written by decode steps that completed, out[fed]
+        (if any) is pending. Slots at the positions from the first unwritten one on are emptied: a step cut short by
+        an exception may have written its token in some layers only, and a position is never held twice."""
         self.forget_from(self.prompt_end + fed)
         self.answer_ids = out
         self.tokens.extend(out[:fed])
@@ -202,7 +203,10 @@ class Chat:
         peak = mem.peak()
         self.peak_bytes = max(self.peak_bytes, peak)
         self.memory_measure = mem.measure
-        self.last = dict(turn=self.turns, prompt_tokens=n_prompt, generated_tokens=len(out), stopped=self._stop,
+        reason = "interrupted" if self._stop else stop_reason(out, n_new, self.eos_ids,
+                                                                      context=n_new < self.max_new_tokens or
+                                                                      "max_new_tokens" in self.run.clamped)
+        self.last = dict(turn=self.turns, prompt_tokens=n_prompt, generated_tokens=len(out), stop_reason=reason,
                          ttft_s=prefill_s, decode_tok_s=(len(out) - 1) / decode_s if len(out) > 1 else 0.0,
                          peak_bytes=peak, **self.held_summary())
 
@@ -306,8 +310,8 @@ class Chat:
     # ------------------------------------------------------------------------------------------------ the numbers
 
     def held(self) -> torch.Tensor:
-        """Valid slots [layers, batch, KV heads]: what every layer's cache holds now."""
-        return torch.stack([layer.attention.kv_cache.n_valid() for layer in self.model.layers])
+        """Tokens every layer's cache holds now: [layers, batch, KV heads] (engine.held)."""
+        return engine.held(self.model)
 
     def held_summary(self) -> dict:
         return dict(tokens_held=int(self.held().max()), slots=self.slots,

@@ -15,14 +15,40 @@ import sys
 import threading
 import traceback
 from contextlib import contextmanager
+from pathlib import Path
 
 from errors import EnvironmentFailure, UserError
 from files import log_dir, open_log
 from progress import Ticker
 
 
+REPO = Path(__file__).resolve().parent
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help with the description's lines kept and every flag's default shown: "(default: X)" is appended to a
+    flag's help unless it says "default" itself (a switch, None and an empty list show nothing)."""
+
+    def _get_help_string(self, action) -> str:
+        text, default = action.help or "", action.default
+        if not shows_default(action) or "default" in text.lower():
+            return text
+        if isinstance(default, Path):
+            default = default.relative_to(REPO) if default.is_relative_to(REPO) else default
+        shown = ",".join(map(str, default)) if isinstance(default, list | tuple) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
+def shows_default(action) -> bool:
+    """Whether a flag's default is a value --help shows: not a switch's, None, or an empty text or list."""
+    default = action.default
+    return action.nargs != 0 and default is not None and default is not argparse.SUPPRESS and not (
+        isinstance(default, str | list | tuple) and not default)
+
+
 class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kw):
+        kw.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kw)
         self.add_argument("-v", "--verbose", action="store_true",
                           help="on an internal error print the traceback instead of writing it to "

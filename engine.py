@@ -9,6 +9,7 @@ import torch
 
 import kernels
 import policies
+import progress
 from cache import compress_into, eager_blocks, is_scorer, kv_bytes, row_cache, scratch_cache, setup_caches
 from checkpoint import resolve_checkpoint
 from errors import UserError, check_int, check_text
@@ -16,7 +17,7 @@ from loading import check_fits, kv_cache_estimate, load_model
 from model import ModelArgs
 from policies import Run
 from runtime import model_step, prefill_step
-from sampling import GREEDY, Sampling, StopStrings, check_finite, first_tokens
+from sampling import GREEDY, Sampling, StopStrings, check_finite, first_tokens, stop_reason
 from tokenizer import check_prompt_ids, load_tokenizer
 
 
@@ -43,14 +44,11 @@ def batch_block_inputs(prompts: list[torch.Tensor], start: int, block_size: int)
 
 def prefill_one_shot(model, prompt: torch.Tensor, block_size: int, shared: dict | None = None, *,
                      on_prefill=None, row: int | None = None, on_layer=None) -> torch.Tensor:
-    """Dense prefill of the whole prompt, then one compression per layer (the SnapKV / RocketKV / kvpress protocol):
-    model.prefill_layer_major with one scratch cache at a time (one layer's K/V for the whole prompt, slot =
-    position), each compressed into its layer's cache (cache.compress_into) before the next layer runs. `shared`:
-    the cross-layer state of this forward (K-VEC's coverage counter), a fresh dict unless given. on_prefill(done, L)
-    after each layer: the share of the prompt's work done, L * layers done // layers (every token goes through a
-    layer at once). row: compress into sequence `row` of a batch cache (cache.row_cache), the others untouched.
-    on_layer(i, scratch): layer i's whole-prompt scratch (slot = position) before its compression (speculative.py
-    copies it into its target's full cache). Returns the last position's logits [1, vocab]."""
+    """Dense prefill of the prompt layer by layer (model.prefill_layer_major, one layer's whole-prompt scratch at a
+    time, slot = position), each layer compressed into its cache (cache.compress_into) before the next runs: the
+    SnapKV / RocketKV / kvpress protocol. shared: this forward's cross-layer state (K-VEC's coverage counter).
+    on_prefill(L * layers done // layers, L) after each layer; row: compress into that sequence of a batch cache;
+    on_layer(i, scratch) before layer i's compression (speculative.py). Returns the last logits [1, vocab]."""
     L = prompt.numel()
     n_layers = len(model.layers)
     n_blocks = -(-L // block_size)
@@ -160,13 +158,11 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, on_token=None
 
 def prefill_batch(model, prompts: list[torch.Tensor], block_size: int, step=prefill_step, one_shot: bool = False,
                   shared: dict | None = None, *, on_prefill=None) -> torch.Tensor:
-    """Every prompt of a batch into its row of the caches; returns each sequence's last-position logits [B, vocab].
-    One prompt: prefill() (shared: a one-shot prefill's cross-layer state, K-VEC's coverage counter).
-    Block-wise: one step per block index for the whole batch (batch_block_inputs: each sequence at its own
-    positions, so its blocks are exactly its batch-1 blocks; a sequence whose prompt has ended gets padding, which
-    changes nothing it keeps), its logits taken from the block holding its last token. One-shot: each sequence
-    alone through prefill_one_shot into its row, with the policy planned for that prompt's length (replan).
-    on_prefill(done, total) in prompt tokens of the whole batch (one prompt: see prefill)."""
+    """Every prompt of a batch into its row of the caches; each sequence's last-position logits [B, vocab]. One
+    prompt: prefill(). Block-wise: one step per block index for the batch, each sequence at its own positions (its
+    blocks are its batch-1 blocks; once its prompt ended, padding that changes nothing), its logits from the block
+    of its last token. One-shot: each alone through prefill_one_shot into its row, the policy planned for its
+    length (replan). on_prefill(done, total) in prompt tokens of the whole batch."""
     if len(prompts) == 1:
         return prefill(model, prompts[0], block_size, step, one_shot, shared, on_prefill=on_prefill)
     total, done = sum(p.numel() for p in prompts), 0
@@ -219,15 +215,12 @@ def decode_inputs(token: torch.Tensor, positions: torch.Tensor) -> tuple[torch.T
 def decode(model, step, token: torch.Tensor, outs: list[list[int]], positions: list[int], max_new_tokens: int, *,
            eos_ids=(), sampling: Sampling = GREEDY, penalty=None, finished=None, on_token=None, on_done=None,
            stop=None, on_step=None) -> int:
-    """The decode loop, for a batch of one or more: feeds each sequence's last sampled token (token [B]) at its next
-    position (positions[b], then one more each step) and samples the next, until every sequence has its EOS
-    (included) or max_new_tokens ids or finished(b, ids) says it is complete (a stop string), or stop() says so
-    (checked before each step); sampling: how a token is drawn, penalty: its repetition penalty's state. outs: each sequence's ids so
-    far, appended in place; a finished sequence keeps stepping with the others (the batch is a static shape) but
-    nothing more is recorded for it. on_token(b, ids) after each token appended to sequence b, on_done(b, ids) once
-    it is complete. on_step(logits, seconds) after each step: its logits [B, vocab] and its time, the clock read once
-    its tokens reached the host (which waits for the device); the benchmarks time steps by it. Returns the steps
-    run."""
+    """The decode loop, for a batch of one or more: feeds each sequence's last token (token [B]) at its next position
+    (positions[b], then one more each step) and samples the next (sampling, penalty), until each has its EOS
+    (included), max_new_tokens ids or finished(b, ids) (a stop string), or stop() (checked before each step). outs:
+    each sequence's ids, appended in place; a finished one keeps stepping (a static batch) but records nothing more.
+    on_token(b, ids) after each token, on_done(b, ids) once complete; on_step(logits, seconds) after each step, the
+    clock read once its tokens reached the host (the benchmarks time steps by it). Returns the steps run."""
     def more(b: int) -> bool:
         ids = outs[b]
         return ids[-1] not in eos_ids and len(ids) < max_new_tokens and not (finished and finished(b, ids))
@@ -263,12 +256,10 @@ def generate_batch(model, prompts_ids: list[list[int]], max_new_tokens: int, *, 
                    eos_ids=(), sampling: Sampling = GREEDY, finished=None, device="cpu",
                    one_shot=False, shared: dict | None = None, on_prefill=None, on_token=None, on_done=None
                    ) -> tuple[list[list[int]], dict]:
-    """Prefill then decode a batch of one or more prompts of any lengths (caches from setup or setup_batch, one row
-    per prompt); returns (each sequence's generated ids, stats). steps = (prefill, decode). Each sequence keeps its
-    own positions and kept set; greedy, each one's tokens are its batch-1 tokens. A sequence stops at its first EOS
-    (included), at max_new_tokens or where finished(b, ids) says (see decode; the repetition penalty starts here,
-    on the prompts). shared, on_prefill: see prefill_batch; on_token(b, ids) after
-    each token of sequence b, on_done(b, ids) once it is complete. Stats count decode tokens over all sequences."""
+    """Prefill then decode a batch of prompts of any lengths (caches from setup_batch, a row each; steps = (prefill,
+    decode)); returns (each sequence's ids, stats: decode tokens over all sequences). Each keeps its own positions
+    and kept set (greedy: its batch-1 tokens); decode says when one stops (the repetition penalty starts here, on
+    the prompts); shared, on_prefill: see prefill_batch; on_token, on_done: see decode."""
     prefill_fn, decode_fn = steps
     for layer in model.layers:
         layer.attention.kv_cache.reset()
@@ -562,13 +553,17 @@ class Generation:
                  on_prefill=None) -> tuple[list[list[int]], dict]:
         """generate_batch() with this run's settings and steps; returns (each sequence's ids, stats): the timings
         and per-phase peaks, the bytes a decode step reads (weights once for the batch, and KV) and the bandwidth
-        they make at the measured steps per second, the cache's size and the compile's record."""
+        they make at the measured steps per second, the cache's size and the compile's record, the slots and the
+        tokens held, and why each sequence stopped (stop_reason)."""
         outs, stats = generate_batch(model, prompts, self.max_new_tokens, block_size=self.block_size,
                                      steps=self.steps, eos_ids=eos_ids, sampling=self.sampling, finished=finished,
                                      device=self.device, one_shot=self.protocol == "one-shot",
                                      on_prefill=on_prefill, on_token=on_token, on_done=on_done)
         stats.update(self.summary(model, stats["decode_steps"] / stats["decode_s"] if stats["decode_steps"] else 0.0,
                                   stats))
+        context = "max_new_tokens" in self.clamped
+        stats["stop_reason"] = [stop_reason(out, self.max_new_tokens, eos_ids, bool(finished and finished(b, out)),
+                                            context) for b, out in enumerate(outs)]
         if len(outs) == 1:
             one_sequence(stats)
         return outs, stats
@@ -577,7 +572,7 @@ class Generation:
         """The settings and sizes a run's stats report beside its timings."""
         weight_b, kv_read_b = decode_bytes_per_step(model)
         one_block_wise = self.lens is not None and len(self.lens) == 1 and self.protocol == "block"
-        return dict(budget=self.budget, slots_held=self.slots,
+        return dict(budget=self.budget, slots=self.slots, tokens_held=int(held(model).max()),
                     slots_read_per_step=model.layers[0].attention.kv_cache.read_tokens(), block_size=self.block_size,
                     prefill_chunk=one_block_wise and dense_chunk(model, self.block_size, self.steps[0]) or
                     self.block_size, prefill=self.protocol, **runtime.THREADS.report(),
@@ -593,10 +588,16 @@ class Generation:
 
 
 def one_sequence(stats: dict) -> dict:
-    """A batch of one's stats as one sequence's: its prompt and generated token counts as numbers, no batch keys."""
+    """A batch of one's stats as one sequence's: its per-sequence values (token counts, stop reason) as scalars, no
+    batch keys."""
     del stats["batch_size"], stats["decode_steps"]
-    stats.update(prompt_tokens=stats["prompt_tokens"][0], generated_tokens=stats["generated_tokens"][0])
+    stats.update({k: stats[k][0] for k in ("prompt_tokens", "generated_tokens", "stop_reason") if k in stats})
     return stats
+
+
+def held(model) -> torch.Tensor:
+    """Tokens every layer's cache holds now (its valid slots): [layers, batch, KV heads]."""
+    return torch.stack([layer.attention.kv_cache.n_valid() for layer in model.layers])
 
 
 def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", policy="full",
@@ -604,13 +605,12 @@ def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", 
                   prefill: str | None = None, sampling: Sampling | dict | None = None, stop: list[str] = (),
                   document: str | None = None, seed: int = 0, kv_dtype: str = "auto", dtype: str = "auto",
                   device: str | None = None, chat_template: bool = True, compile: bool = False) -> dict:
-    """The Python API in one call, with generate.py's defaults and checks: load `checkpoint` (its forms: a short
-    name, an HF or budgetkv directory, a .gguf file), set the caches up for `policy` (a spec string, e.g.
-    "snapkv:window=32", or a policy object) at `budget`, compile when asked, and generate. sampling: a
-    sampling.Sampling or a dict of its fields (default greedy), seeded by `seed`. One prompt returns {"text",
-    "token_ids", **stats}; a list of prompts, one batch, {"texts", "token_ids" (one list per prompt), **stats}.
-    document: put before the prompt (the question goes last, as the one-shot policies assume); stop: strings that
-    end a sequence, cut from its text."""
+    """The Python API in one call, with generate.py's defaults and checks: load `checkpoint` (a short name, an HF or
+    budgetkv directory, a .gguf file), set the caches up for `policy` (a spec string, e.g. "snapkv:window=32", or a
+    policy object) at `budget`, compile when asked, and generate. sampling: a sampling.Sampling or a dict of its
+    fields (default greedy), seeded by `seed`. One prompt returns {"text", "token_ids", **stats}; a list, one batch,
+    {"texts", "token_ids" (a list per prompt), **stats}. document: put before the prompt (the question goes last, as
+    the one-shot policies assume); stop: strings that end a sequence, cut from its text."""
     device = runtime.check_device(device or runtime.default_device())
     compute = runtime.compute_dtype(dtype, device)
     kv = runtime.check_kv_dtype(kv_dtype, compute)
@@ -639,7 +639,7 @@ def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", 
     torch.manual_seed(seed)
     gen.setup(model)
     if compile:
-        gen.compile(model, ids[0][0])
+        gen.compile(model, ids[0][0], around=progress.compiling)
     stops = StopStrings(stop)
     outs, stats = gen.generate(model, ids, eos_ids=set(tokenizer.eos_ids),
                                finished=(lambda b, out: stops.cut(tokenizer.decode(out)) is not None) if stop else None)

@@ -32,7 +32,7 @@ from checkpoint import resolve_checkpoint, shape_config, weights_format  # noqa:
 from cli import compile_log, is_verbose, run_ranks  # noqa: E402
 from config import parse_config  # noqa: E402
 from convert import read_config  # noqa: E402
-from engine import Generation, prefill_protocol, sync  # noqa: E402
+from engine import Generation, prefill_protocol, stop_reason, sync  # noqa: E402
 from files import export_trace  # noqa: E402
 from generate_args import batch_of, check_args, compute_dtype, prompt_ids, read_prompts, sampling_of  # noqa: E402
 from progress import prefill_progress  # noqa: E402
@@ -176,12 +176,13 @@ def print_result(a, gen, stats, outs, stream, tp_line) -> None:
     if batched:
         lens = gen.lens
         seqs = [{"text": None if a.random_weights else decoded(o), "token_ids": o, "prompt_tokens": n,
-                 "generated_tokens": len(o)} for o, n in zip(outs, lens)]
+                 "generated_tokens": len(o), "stop_reason": why} for o, n, why in zip(outs, lens, stats["stop_reason"])]
         counts = (f"batch of {len(outs)}: {sum(lens)} prompt tokens, {sum(map(len, outs))} generated "
                   f"(decode tok/s over all sequences)")
     else:
         text_out = decoded(outs[0])
-        counts = f"{stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated"
+        counts = (f"{stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated (stopped: "
+                  f"{stats['stop_reason']})")
     if a.json:
         print(json.dumps({"sequences": seqs, **stats} if batched else
                          {"text": None if a.random_weights else text_out, "token_ids": outs[0], **stats}))
@@ -196,7 +197,8 @@ def print_result(a, gen, stats, outs, stream, tp_line) -> None:
                      f"({CACHE_NOTES[stats['compile_cache']]})" if a.compile else "")
     slots = f" ({gen.slots} used by its layout)" if gen.slots != gen.budget else ""
     print(f"--- {counts} | "
-          f"policy {a.policy} ({a.prefill} prefill), budget {gen.budget} slots{slots}, "
+          f"policy {a.policy} ({a.prefill} prefill), budget {gen.budget} slots{slots}, {stats['tokens_held']} tokens "
+          f"held, "
           f"{count(stats['slots_read_per_step'])} slots read per decode step | prefill {stats['prefill_chunk']} "
           f"tokens a step, "
           f"{stats['weights']} on {a.device} ({threads_said(stats)})"
@@ -250,6 +252,8 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, gen, weights:
     stats.update(policy="full", budget=slots, draft_policy=a.draft_policy, draft_budget=draft_slots,
                  draft_checkpoint=a.draft_checkpoint, draft_prefill=a.draft_prefill, weights=weights,
                  device=a.device, max_new_tokens=N,
+                 stop_reason=stop_reason(out, N, set(tokenizer.eos_ids) if tokenizer else set(),
+                                         context="max_new_tokens" in gen.clamped),
                  clamped_to_context={name: {"default": d, "used": v} for name, (d, v) in gen.clamped.items()})
     if a.json:
         print(json.dumps({"text": None if a.random_weights else stream.decoded(out), "token_ids": out, **stats}))

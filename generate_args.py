@@ -43,7 +43,7 @@ def policy_help(argv) -> None:
 def parse_args(argv=None, description: str | None = None):
     """generate.py's flags (argv None: sys.argv); description: the --help text above the flags."""
     policy_help(sys.argv[1:] if argv is None else argv)
-    ap = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = Parser(description=description,
                 epilog="policies (--policy NAME[:key=value,...]):\n" + policy_table())
     ap.add_argument("--checkpoint", default="smollm2-135m",
                     help=f"short name ({', '.join(MODELS)}), an HF model directory, a budgetkv directory or a "
@@ -173,9 +173,10 @@ def parse_args(argv=None, description: str | None = None):
                          "target's own weights; its cache is --draft-policy at --draft-budget")
     ap.add_argument("--json", action="store_true", help="print one JSON object (text and summary) instead")
     ap.add_argument("--quiet", action="store_true",
-                    help="no progress lines (the prefill's tokens done and tok/s, a conversion's tensors done); "
-                         "without it they go to stderr only when it is a terminal, --json included, and are erased "
-                         "once the work is done. The text and the summary are printed either way")
+                    help="no progress lines (the prefill's tokens done and tok/s, a conversion's tensors done, a "
+                         "compile's seconds); without it they go to stderr, --json included: on a terminal one line "
+                         "redrawn and erased once the work is done, to a pipe or a log a plain line every 5 s. The "
+                         "text and the summary are printed either way")
     return ap.parse_args(argv)
 
 

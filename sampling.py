@@ -52,10 +52,11 @@ class Sampling:
         return DEFAULT_LAST_N if self.repeat_last_n is None else self.repeat_last_n
 
     def check_model(self, vocab_size: int, context: int) -> None:
-        """What depends on the model: top_k within the vocabulary, repeat_last_n within the context."""
+        """What depends on the model: top_k within the vocabulary, a repeat_last_n given within the context (its
+        default, 64, covers a shorter context whole)."""
         if self.top_k > vocab_size:
             raise UserError(f"top_k={self.top_k} exceeds the model's vocabulary ({vocab_size} tokens)")
-        if self.last_n > context:
+        if self.repeat_last_n is not None and self.repeat_last_n > context:
             raise UserError(f"repeat_last_n={self.last_n} is longer than the model's context ({context}): give -1 "
                             "for the whole sequence")
 
@@ -170,6 +171,20 @@ class RepetitionPenalty:
             seen = seen.scatter_(1, self.ring.where(self.ring >= 0, self.vocab), True)[:, :self.vocab]
         penalized = torch.where(logits > 0, logits / self.penalty, logits * self.penalty)
         return torch.where(seen, penalized, logits)
+
+
+def stop_reason(ids: list[int], limit: int, eos_ids=(), at_stop: bool = False, context: bool = False) -> str:
+    """Why a sequence's generation ended, by decode's rules in their order: "eos" (its last token ends a sequence),
+    "stop_string" (at_stop: its text reached a stop string), "max_new_tokens" at its length limit, or "context"
+    where that limit is the model's context (the default max_new_tokens clamped to it, or a turn's room); otherwise
+    "interrupted" (stop(), Ctrl-C, an exception)."""
+    if ids and ids[-1] in eos_ids:
+        return "eos"
+    if at_stop:
+        return "stop_string"
+    if len(ids) >= limit:
+        return "context" if context else "max_new_tokens"
+    return "interrupted"
 
 
 class StopStrings:

@@ -14,7 +14,6 @@ Forms, timed alternately (--repeats rounds, each form once per round, after one 
 Prints ms per pass over all layers and the keys' and values' bytes over that time (GB/s), beside the machine's
 measured read bandwidth.
 """
-import argparse
 import statistics
 import sys
 import time
@@ -36,13 +35,13 @@ from errors import UserError  # noqa: E402
 
 
 def parser() -> Parser:
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__)
     ap.add_argument("--checkpoint", default="smollm2-135m", help="a short name or a folder with a config.json")
     ap.add_argument("--slots", type=int, default=8320, help="cache slots every query attends")
     ap.add_argument("--tokens", default="1,2,3,5", help="query tokens per pass (1: a decode step; K+1: a block)")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeats", type=int, default=10, help="timed calls per configuration (median)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="the keys', values' and queries' dtype")
     return ap

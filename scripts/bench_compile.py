@@ -14,7 +14,6 @@ and decode tok/s, the process peak (loading and compiling included) and each pha
 the generated tokens from which the compiled run's wall time (compile + TTFT + decode) is below eager's, cold and
 warm.
 """
-import argparse
 import json
 import os
 import shutil
@@ -41,15 +40,15 @@ MIB = 2 ** 20
 
 
 def parser() -> Parser:
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default="smollm2-135m")
+    ap = Parser(description=__doc__)
+    ap.add_argument("--checkpoint", default="smollm2-135m", help="generate.py's --checkpoint")
     ap.add_argument("--policy", default="keydiff", help="generate.py's --policy (default keydiff)")
-    ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--budget", type=int, default=512, help="generate.py's --budget")
+    ap.add_argument("--prompt-tokens", type=int, default=4096, help="the prompt's length in tokens")
     ap.add_argument("--new-tokens", type=int, default=128,
                     help="at most this many generated tokens per run (default 128; generation stops at EOS)")
     ap.add_argument("--repeats", type=int, default=2, help="eager and warm runs, alternating (default 2 each)")
-    ap.add_argument("--threads", type=int)
+    ap.add_argument("--threads", type=int, help="generate.py's --threads (default: its own)")
     ap.add_argument("--compile-mode", default="auto", choices=["auto", "aot", "default", "reduce-overhead",
                                                                "max-autotune", "max-autotune-no-cudagraphs"],
                     help="generate.py's --compile-mode (default auto)")

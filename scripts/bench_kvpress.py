@@ -51,13 +51,14 @@ def parse_args(argv=None):
     ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="HF model folder (made from the embedded GGUF if empty)")
     ap.add_argument("--random-config", type=Path, help="instead of --model: a config.json, random weights (seed 0)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the model's dtype (default: float32)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     ap.add_argument("--press", required=True, help="kvpress class name, or none")
-    ap.add_argument("--budget", type=int, required=True)
+    ap.add_argument("--budget", type=int, required=True, help="tokens the press keeps")
     ap.add_argument("--ids-file", type=Path, required=True, help="the prompt: a JSON list of token ids")
-    ap.add_argument("--decode-steps", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-steps", type=int, default=32, help="greedy decode steps timed (default: 32)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats, medians (default: 3)")
     return ap.parse_args(argv)
 
 

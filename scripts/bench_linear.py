@@ -15,7 +15,6 @@ Forms, each timed over --repeats passes after one untimed pass (compiling, for t
   rows, the fused kernel for more).
 Prints ms per pass and the weights' bytes over that time (GB/s), beside the machine's measured read bandwidth.
 """
-import argparse
 import statistics
 import sys
 import time
@@ -37,11 +36,11 @@ from errors import UserError  # noqa: E402
 
 
 def parser() -> Parser:
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__)
     ap.add_argument("--checkpoint", default="smollm2-135m", help="a short name or a folder with a config.json")
     ap.add_argument("--rows", default="1,2,5,8", help="rows per product (1-16: the few-row forms)")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=10, help="timed calls per configuration (median)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     return ap
 
 

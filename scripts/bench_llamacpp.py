@@ -79,12 +79,12 @@ def parse_args(argv=None):
     ap.add_argument("--dequantize", type=Path, metavar="OUT",
                     help="run an F32 copy of --gguf instead, kept at OUT (written first when missing or stale)")
     ap.add_argument("--ids-file", type=Path, required=True, help="the prompt: a JSON list of token ids")
-    ap.add_argument("--decode-steps", type=int, default=32, help="greedy decode steps (tokens generated: 1 + this)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="n_threads and n_threads_batch")
-    ap.add_argument("--kv-type", choices=sorted(KV_TYPES), default="f16", help="KV cache type (llama.cpp: f16)")
+    ap.add_argument("--decode-steps", type=int, default=32, help="greedy decode steps (tokens generated: 1 + this; default: 32)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats, medians (default: 3)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="n_threads and n_threads_batch (default: one per core)")
+    ap.add_argument("--kv-type", choices=sorted(KV_TYPES), default="f16", help="KV cache type (default: f16, as llama.cpp's)")
     ap.add_argument("--flash-attn", choices=sorted(FLASH_ATTN), default="auto",
-                    help="flash attention (llama.cpp: auto, which turns it on here; on this CPU it speeds prefill "
+                    help="flash attention (default: auto, as llama.cpp's, which turns it on here; on this CPU it speeds prefill "
                          "and slows F32 decode)")
     return ap.parse_args(argv)
 

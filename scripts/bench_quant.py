@@ -34,7 +34,7 @@ def parser():
     ap = common_parser(__doc__)
     ap.add_argument("--modes", default=MODES, help="weight formats: float32, bfloat16, int8, int4-gN; -qhead = int4 "
                     "with a quantized output head (default all of these)")
-    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--prompt-tokens", type=int, default=4096, help="the timed prompt's length in tokens")
     ap.add_argument("--ppl-texts", type=int, default=4, help="fidelity texts for the perplexity")
     ap.add_argument("--ppl-prefix", type=int, default=256, help="context tokens before each scored span")
     ap.add_argument("--ppl-tokens", type=int, default=128, help="scored tokens per text")

@@ -29,7 +29,6 @@ again after each reset), and each step runs once untimed first (compiling, or lo
 `--plot`: speedup against context, one line per draft policy (its best budget and K at each context; dashed: the
 bandwidth model's prediction for that configuration), one panel per weight format.
 """
-import argparse
 import json
 import statistics
 import sys
@@ -59,8 +58,8 @@ WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.f
 
 
 def parser() -> Parser:
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default="smollm2-135m")
+    ap = Parser(description=__doc__)
+    ap.add_argument("--checkpoint", default="smollm2-135m", help="generate.py's --checkpoint")
     ap.add_argument("--random-weights", action="store_true",
                     help="--checkpoint's shapes with seeded random weights and random prompt ids (acceptance then "
                          "means little; speed does not depend on the weights)")
@@ -75,13 +74,14 @@ def parser() -> Parser:
                          "draft cannot know the answer)")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per measurement")
     ap.add_argument("--repeats", type=int, default=1, help="timed repeats of each measurement (median)")
-    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=128, help="prefill block size in tokens")
     ap.add_argument("--compile", action="store_true", help="compile the decode, draft and verification steps")
     ap.add_argument("--freeze", action="store_true",
                     help="with --compile: fold the weights into each graph (generate.py --freeze; on CPU in fp32 "
                          "max-autotune's packed GEMM templates; minutes of compiling per graph, a copy per graph)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu, cuda or cuda:N (default: cuda where there is one, else cpu)")
     ap.add_argument("--json", type=Path, help="write the settings and every row here")
     ap.add_argument("--plot", type=Path, help="write the speedup-vs-context plot (PNG) here")
     return ap

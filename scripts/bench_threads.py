@@ -11,7 +11,6 @@ process started before the run), `busy later` (started 2 s into it). The prompt 
 (raw text, --no-chat), KeyDiff at budget 512. Settings alternate within each repeat, so that a drift of the
 machine spreads over all of them. Prints one table of median decode tok/s per mode, and each case's default against
 its target: idle cases >= 0.9x the best setting's, busy ones >= 0.9x `1 thread`."""
-import argparse
 import json
 import os
 import shlex
@@ -79,13 +78,13 @@ def run_generate(setting: str, mode: str, case: str, prompt: Path, a) -> dict:
 
 
 def parser() -> Parser:
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompt-bytes", type=int, default=6000, help="bytes of LICENSE in the prompt (default 6000)")
-    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run (default 64)")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per setting and case (default 2)")
-    ap.add_argument("--modes", default="eager,compile", help="eager, compile or both (default eager,compile)")
-    ap.add_argument("--settings", default=",".join(SETTINGS), help=f"default {','.join(SETTINGS)}")
-    ap.add_argument("--cases", default=",".join(CASES), help=f"default {','.join(CASES)}")
+    ap = Parser(description=__doc__)
+    ap.add_argument("--prompt-bytes", type=int, default=6000, help="bytes of LICENSE in the prompt")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per setting and case (median)")
+    ap.add_argument("--modes", default="eager,compile", help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated thread settings to time")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated ways a run starts")
     return ap
 
 

@@ -15,7 +15,6 @@ collectives). --compile compiles
 both kinds (two graphs; CUDA graphs on a GPU). On CPU with gloo this is a correctness run: two processes on one
 machine's cores are slower than one (docs/tensor_parallel.md).
 """
-import argparse
 import json
 import statistics
 import sys
@@ -35,16 +34,18 @@ from cli import Parser, run_ranks  # noqa: E402
 
 
 def parser() -> Parser:
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__)
     ap.add_argument("--checkpoint", default="llama3.2-1b", help="a short name or a folder with a config.json")
-    ap.add_argument("--policy", default="keydiff")
-    ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--prompt-tokens", type=int, default=1024)
-    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--policy", default="keydiff", help="generate.py's --policy")
+    ap.add_argument("--budget", type=int, default=512, help="KV slots held per layer and KV head")
+    ap.add_argument("--prompt-tokens", type=int, default=1024, help="the random prompt's length in tokens")
+    ap.add_argument("--block-size", type=int, default=128, help="prefill block size in tokens")
     ap.add_argument("--steps", type=int, default=40, help="decode steps of each kind (default 40)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cuda (one GPU per rank) or cpu (default: cuda where there is one, else cpu)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto = bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--compile", action="store_true", help="compile the decode step (generate.py --compile)")
     ap.add_argument("--threads", type=int, help="CPU threads per rank")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     return ap

@@ -33,11 +33,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 def parser(doc: str, decode_steps: int | None = 32, steps_help: str | None = None) -> Parser:
     """The flags every benchmark script takes; each script adds its own."""
-    ap = Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default="smollm2-135m")
-    ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--decode-steps", type=int, default=decode_steps, help=steps_help)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = Parser(description=doc)
+    ap.add_argument("--checkpoint", default="smollm2-135m",
+                    help="a short name, an HF or budgetkv directory or a .gguf file (generate.py's --checkpoint)")
+    ap.add_argument("--block-size", type=int, default=128, help="prefill block size in tokens")
+    ap.add_argument("--decode-steps", type=int, default=decode_steps,
+                    help=steps_help or "decode steps timed per repeat (greedy)")
+    ap.add_argument("--repeats", type=int, default=3, help="times each configuration runs; timings are medians")
     ap.add_argument("--compile", action="store_true", help="compile the prefill-block and decode steps")
     ap.add_argument("--compile-mode", default=None, choices=[AOT, "default", "reduce-overhead", "max-autotune",
                                                              "max-autotune-no-cudagraphs"],
@@ -53,7 +55,8 @@ def parser(doc: str, decode_steps: int | None = 32, steps_help: str | None = Non
     ap.add_argument("--random-weights", action="store_true",
                     help="--checkpoint's shapes (a short name's configs/<name>.json, or a folder with only a "
                          "config.json) with seeded random weights (seed 0) and random prompt ids")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu, cuda or cuda:N (default: cuda where there is one, else cpu)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is steadier on a shared machine)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one configuration, print JSON
     return ap
@@ -70,9 +73,11 @@ def compiler_flags(ap: Parser) -> None:
 def policy_flags(ap: Parser, policies_default: str) -> None:
     """The flags of the scripts that run policies at a budget on a prompt: the prompt's length, the budget, the
     policies, the dtype."""
-    ap.add_argument("--prompt-tokens", type=int, default=4096)
-    ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--policies", default=policies_default)
+    ap.add_argument("--prompt-tokens", type=int, default=4096, help="the prompt's length in tokens")
+    ap.add_argument("--budget", type=int, default=512, help="KV slots held per layer and KV head (generate.py's "
+                    "--budget) for every evicting policy")
+    ap.add_argument("--policies", default=policies_default,
+                    help="comma-separated policy specs (generate.py's --policy, e.g. snapkv:window=16)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="the weights' and the KV cache's dtype")
 

@@ -306,9 +306,9 @@ def check_case(c: Case, exp: dict, got: dict) -> dict[str, str]:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("vectors", type=Path)
-    ap.add_argument("results", type=Path)
-    ap.add_argument("--case", default="*", help="only the cases whose name matches this glob")
+    ap.add_argument("vectors", type=Path, help="the vectors' folder (tests/vectors)")
+    ap.add_argument("results", type=Path, help="the port's results: one CASE.safetensors per case")
+    ap.add_argument("--case", default="*", help="only the cases whose name matches this glob (default: *, every case)")
     args = ap.parse_args(argv)
     try:
         manifest = read_manifest(args.vectors)

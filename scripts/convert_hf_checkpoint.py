@@ -13,7 +13,6 @@ a converted folder; converted first if need be): `AutoModelForCausalLM.from_pret
 
 Nothing is ever unpickled: only safetensors (and GGUF) are read.
 """
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ import progress  # noqa: E402
 
 
 def parse_args(argv=None):
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__)
     ap.add_argument("--checkpoint", type=Path, required=True,
                     help="HF directory or .gguf file (with --to-hf: anything --checkpoint accepts elsewhere)")
     ap.add_argument("--out-dir", type=Path, help="output directory for a GGUF (default: where generate.py looks for "

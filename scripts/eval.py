@@ -1,6 +1,6 @@
 """Score KV-cache policies x budgets on any checkpoint, against the full cache of the same model.
 
-    python scripts/eval.py --quick        # SmolLM2-135M on a CPU: a 3-minute subset (what CI may run)
+    python scripts/eval.py --quick        # SmolLM2-135M on a CPU: a small subset (what CI may run)
     python scripts/eval.py                # the SmolLM2-135M table: 8 policies x 4 budgets (25 min measured)
     python scripts/eval.py --checkpoint llama3.1-8b --budgets 512,1024,2048,4096 --lengths 4096,8192,16384 \\
         --samples 20 --compile --longbench en16 --longbench-source path/to/LongBench   # GPU, same script
@@ -30,7 +30,6 @@ then at the end results.json (config, every sample, summaries), results.md (one 
 (+protocol), columns budgets), fidelity.png, <task>.png (score vs budget, one line per policy) and
 niah_heatmap_<policy>_<budget>[_one-shot].png. An interrupted run goes on with the same command and --resume.
 """
-import argparse
 import json
 import random
 import sys
@@ -44,11 +43,11 @@ from errors import check_python  # noqa: E402
 
 check_python()  # one line, not a traceback, in a Python without the requirements
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 import policies  # noqa: E402
 from cache import is_scorer  # noqa: E402
 from checkpoint import resolve_checkpoint  # noqa: E402
+import progress  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
 from files import check_writable  # noqa: E402
 from convert import read_config  # noqa: E402
@@ -72,7 +71,7 @@ TASKS = ["fidelity", "freegen", *SYNTHETIC, "needle"]
 DEFAULT_TASKS = "fidelity,freegen,needle"  # the whole SmolLM2 table: ~24 min on one CPU core (from --quick's costs)
 MAX_NEW = {"passkey": 12, "niah_single": 16, "niah_multikey": 16, "niah_multivalue": 40, "variable_tracking": 32,
            "common_words": 64, "needle": 16}  # greedy answer length; generation also stops at EOS
-# --quick: the values it sets for every option left at its default (about 3 minutes on 2 CPU cores)
+# --quick: the values it sets for every option left at its default
 QUICK = dict(policies=["full", "sink", "snapkv", "keydiff"], budgets=[128, 256], lengths=[1024], depths=[0.0, 1.0],
              tasks=["fidelity", "freegen", "needle"], fid_prefix=1024, fid_tokens=64, gen_tokens=64)
 
@@ -152,13 +151,13 @@ def fits(task, protocol, policy, budget, bar, use_args) -> bool:
     except UserError as e:
         NOT_APPLICABLE[task, label(protocol, policy), budget] = str(e)
         if bar is not None:
-            bar.update()
+            bar.step()
         return False
 
 
 def show(bar, protocol, policy, budget) -> None:
     if bar is not None:
-        bar.set_postfix_str(label(protocol, policy) + ("" if budget is None else f" @ {budget}"))
+        bar.note = label(protocol, policy) + ("" if budget is None else f" @ {budget}")
 
 
 # --------------------------------------------------------------------------------------------------- fidelity
@@ -190,7 +189,7 @@ def each_config(task: str, cfgs, n_texts: int, use_args, measure, bar=None, done
             records.append(dict(task=task, protocol=protocol, policy=policy, budget=budget, text=i,
                                 **measure(protocol, policy, i)))
             if bar is not None:
-                bar.update()
+                bar.step()
         if done is not None:
             done((protocol, policy, budget), records[first:])
     return records
@@ -340,7 +339,7 @@ def run_task(model, tok, task: str, items: list[dict], cfgs, *, block_size: int,
                                 depth=it["depth"], tokens=len(ids), **score_answer(task, prediction, it["sample"]),
                                 **logp, prediction=prediction, answers=it["sample"].answers))
             if bar is not None:
-                bar.update()
+                bar.step()
         if done is not None:
             done((protocol, policy, budget), records[first:])
     return records
@@ -356,26 +355,26 @@ def csv(kind):
 
 
 def parse_args(argv=None):
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__)
     ap.add_argument("--checkpoint", default="smollm2-135m", help="as in generate.py (default smollm2-135m)")
     ap.add_argument("--policies", type=policies.spec_list, default=policies.spec_list(POLICIES),
                     help=f"comma list (default {POLICIES}); the full cache is always run as the reference")
-    ap.add_argument("--budgets", type=csv(int), default=[128, 256, 512, 1024], help="comma list (128,256,512,1024)")
-    ap.add_argument("--prefill", type=csv(str), default=["block"], help="block, one-shot or block,one-shot (block)")
+    ap.add_argument("--budgets", type=csv(int), default=[128, 256, 512, 1024], help="comma list")
+    ap.add_argument("--prefill", type=csv(str), default=["block"], help="block, one-shot or block,one-shot")
     ap.add_argument("--tasks", type=csv(str), default=csv(str)(DEFAULT_TASKS),
                     help=f"comma list of {','.join(TASKS)} (default {DEFAULT_TASKS})")
-    ap.add_argument("--lengths", type=csv(int), default=[1024, 2048], help="prompt lengths in tokens (1024,2048)")
+    ap.add_argument("--lengths", type=csv(int), default=[1024, 2048], help="prompt lengths in tokens")
     ap.add_argument("--depths", type=csv(float), default=[0.0, 0.5, 1.0],
-                    help="needle depths, 0 = start of the context, 1 = end (0,0.5,1)")
-    ap.add_argument("--samples", type=int, default=1, help="samples per task, length and depth (1)")
+                    help="needle depths, 0 = start of the context, 1 = end")
+    ap.add_argument("--samples", type=int, default=1, help="samples per task, length and depth")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="greedy answer length (default: per task)")
-    ap.add_argument("--fid-prefix", type=int, default=2048, help="fidelity: tokens before the scored part (2048)")
-    ap.add_argument("--fid-tokens", type=int, default=128, help="fidelity: tokens teacher-forced and scored (128)")
-    ap.add_argument("--fid-texts", type=int, default=1, help="fidelity, freegen: number of text windows (1)")
+    ap.add_argument("--fid-prefix", type=int, default=2048, help="fidelity: tokens before the scored part")
+    ap.add_argument("--fid-tokens", type=int, default=128, help="fidelity: tokens teacher-forced and scored")
+    ap.add_argument("--fid-texts", type=int, default=1, help="fidelity, freegen: number of text windows")
     ap.add_argument("--accept-k", type=int, default=4,
-                    help="fidelity: draft tokens per round for the acceptance measure (4; 1 to --fid-tokens)")
+                    help="fidelity: draft tokens per round for the acceptance measure (1 to --fid-tokens)")
     ap.add_argument("--gen-tokens", type=int, default=128,
-                    help="freegen: greedy tokens generated after the --fid-prefix prefix (128)")
+                    help="freegen: greedy tokens generated after the --fid-prefix prefix")
     ap.add_argument("--longbench", type=csv(str), default=[],
                     help="LongBench tasks, comma list or en16 (the English-16)")
     ap.add_argument("--longbench-source",
@@ -385,22 +384,24 @@ def parse_args(argv=None):
     ap.add_argument("--longbench-max-tokens", type=int, default=0,
                     help="truncate LongBench prompts in the middle to this many tokens (default: the model's context "
                          "less the task's answer length)")
-    ap.add_argument("--block-size", type=int, default=128, help="prefill block size (128)")
+    ap.add_argument("--block-size", type=int, default=128, help="prefill block size")
     ap.add_argument("--seed", type=int, default=0,
-                    help="task data and text offsets (0); the random policy has its own (random:seed=N)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+                    help="task data and text offsets; the random policy has its own (random:seed=N)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu, cuda or cuda:N (default: cuda where there is one, else cpu)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="auto = bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--threads", type=int, default=0,
                     help="CPU threads (default: torch's; 1 is much faster when another process holds a core)")
     ap.add_argument("--compile", action="store_true", help="compile the prefill and decode steps (GPU; slow on CPU)")
-    ap.add_argument("--out-dir", type=Path, default=REPO / "build" / "eval", help="(build/eval)")
+    ap.add_argument("--out-dir", type=Path, default=REPO / "build" / "eval", help="where the tables, plots and results.jsonl go")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines (on a terminal or off one)")
     ap.add_argument("--resume", action="store_true",
                     help="skip the configurations already in --out-dir/results.jsonl (a run interrupted or killed "
                          "keeps every configuration it finished there); refused if that file was written with other "
                          "settings (checkpoint, dtype, lengths, seed, ...). Without --resume, results.jsonl is "
                          "replaced when the first configuration finishes")
-    ap.add_argument("--quick", action="store_true", help="a ~3-minute subset: " +
+    ap.add_argument("--quick", action="store_true", help="a small subset of the defaults: " +
                     " ".join(f"--{k.replace('_', '-')} " + (",".join(map(str, v)) if isinstance(v, list) else str(v))
                              for k, v in QUICK.items()))
     a = ap.parse_args(argv)
@@ -468,6 +469,7 @@ def run(a) -> int:
     t_start = time.perf_counter()
     NOT_APPLICABLE.clear()
     check_args(a)
+    progress.quiet = a.quiet
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = {"auto": torch.bfloat16 if a.device.startswith("cuda") else torch.float32, "float32": torch.float32,
@@ -549,8 +551,7 @@ def run(a) -> int:
         t0 = time.perf_counter()
         n = a.fid_texts if task in ("fidelity", "freegen") else len(items[task])
         kw = dict(block_size=a.block_size, steps=steps, done=lambda cfg, records, task=task: record(task, cfg, records))
-        with tqdm(total=len(todo) * n, desc=task, unit="prompt", dynamic_ncols=True, mininterval=1,
-                  disable=not sys.stderr.isatty()) as bar:  # a progress line on a terminal only
+        with progress.Progress(len(todo) * n, task, "prompts") as bar:
             if task == "fidelity":
                 fidelity(model, texts, a.fid_prefix, todo, accept_k=a.accept_k, bar=bar, **kw)
             elif task == "freegen":

@@ -466,12 +466,13 @@ def write(out: Path, rows: list[dict], header: str, meta: dict) -> None:
 
 
 def parser() -> Parser:
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__)
     ap.add_argument("--only", default=DEFAULT, help=f"sections to run, of {', '.join(SECTIONS)} (default: {DEFAULT})")
     ap.add_argument("--out", type=Path, help="writes OUT.json and OUT.md (default: build/gpu_check, or "
                     "build/gpu_check_<sections> for other --only sections, so that a second call keeps the first's)")
     ap.add_argument("--shapes", default="llama3.1-8b", help="figure and bench: the shipped config (random weights)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                    help="the weights' and the KV cache's dtype")
     ap.add_argument("--contexts", default="16384", help="figure: prompt lengths (the paper's figure: also 32768)")
     ap.add_argument("--budgets", default="256", help="figure: RocketKV token budgets (the paper's: 256,1024,4096)")
     ap.add_argument("--bench-context", type=int, default=16384, help="bench, eviction: prompt tokens")

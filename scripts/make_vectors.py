@@ -42,6 +42,7 @@ import engine  # noqa: E402
 import runtime  # noqa: E402
 import loading  # noqa: E402
 import policies  # noqa: E402
+from cli import Parser, run_cli  # noqa: E402
 from model import ModelArgs  # noqa: E402
 
 NEW_TOKENS = 4
@@ -411,12 +412,22 @@ def write(out: Path) -> None:
     (out / "manifest.json").write_text(text + "\n")
 
 
-def main(argv: list[str]) -> int:
-    out = Path(argv[0]) if argv else REPO / "tests" / "vectors"
+def parser() -> Parser:
+    ap = Parser(description=__doc__)
+    ap.add_argument("out", nargs="?", type=Path, default=REPO / "tests" / "vectors",
+                    help="the folder the vectors are written to (default: tests/vectors)")
+    return ap
+
+
+def run(a) -> int:
     torch.set_num_threads(1)
-    write(out)
-    print(f"wrote {len(cases())} cases to {out}")
+    write(a.out)
+    print(f"wrote {len(cases())} cases to {a.out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(run, parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ which --help prints).
     .venv/bin/python scripts/quantize.py --checkpoint smollm2-135m --mode int8
     .venv/bin/python scripts/quantize.py --checkpoint smollm2-135m --mode int4      # group size 32
 """
-import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from errors import UserError  # noqa: E402
 
 
 def parse_args(argv=None):
-    ap = Parser(description=quantize.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=quantize.__doc__)
     ap.add_argument("--checkpoint", default="smollm2-135m",
                     help="what generate.py's --checkpoint takes: a short name, an HF or budgetkv directory, a .gguf")
     ap.add_argument("--mode", required=True, choices=quantize.MODES,
@@ -67,8 +67,18 @@ def run(a) -> int:
     groupsize = r["groupsize"]
     print(f"wrote {r['out']} ({a.mode}{f', group size {groupsize}' if groupsize else ''}, head "
           f"{'quantized' if r['head'] else 'float'}; weights {r['weight_bytes'] / 2**20:.1f} MiB)\n"
-          f"run it: python generate.py --checkpoint {r['out']}", file=sys.stderr)
+          f"run it: {run_command(r['out'])}", file=sys.stderr)
     return 0
+
+
+def run_command(out) -> str:
+    """generate.py on the checkpoint `out`, in this Python (the venv's): paths relative to the working directory
+    where they are inside it."""
+    def shown(path) -> str:
+        path = Path(path).absolute()
+        return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+    return shlex.join([shown(sys.executable), shown(Path(__file__).parent.parent / "generate.py"), "--checkpoint",
+                       shown(out)])
 
 
 def main(argv=None) -> int:

@@ -913,3 +913,56 @@ def test_bench_leaves_no_measuring_child_behind(tiny_ckpt, tmp_path):
     p, err, kids, ended = signal_once_children_run(cmd, signal.SIGTERM)
     assert ended, f"left behind: {kids}"
     assert p.returncode == 143 and err.strip().splitlines()[-1] == "terminated", (p.returncode, err)
+
+
+class Parsed(Exception):
+    """Raised by a command line's parse_args in test_every_flag_has_help_with_its_default: carries the parser."""
+
+
+def command_line_parser(script: str, monkeypatch):
+    """The argparse parser `script` (generate.py or scripts/NAME.py) builds, taken when it parses."""
+    import argparse
+    import importlib
+
+    def grab(self, *args, **kw):
+        raise Parsed(self)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", grab)
+    mod = generate if script == "generate.py" else importlib.import_module(f"scripts.{Path(script).stem}")
+    with pytest.raises(Parsed) as got:
+        if hasattr(mod, "parser"):
+            mod.parser().parse_args([])
+        elif hasattr(mod, "parse_args"):
+            mod.parse_args([])
+        else:
+            mod.main([])
+    return got.value.args[0]
+
+
+SCRIPTS_WITH_FLAGS = ["generate.py", *sorted(str(p.relative_to(REPO)) for p in (REPO / "scripts").glob("*.py")
+                                              if "parse_args" in p.read_text())]
+
+
+@pytest.mark.parametrize("script", SCRIPTS_WITH_FLAGS)
+def test_every_flag_has_help_with_its_default(script, monkeypatch):
+    """--help explains every flag and argument and shows each default a flag has (bench.py showed neither for its
+    main flags)."""
+    import argparse
+
+    from cli import shows_default
+    ap = command_line_parser(script, monkeypatch)
+    for action in ap._actions:
+        if action.help == argparse.SUPPRESS or action.dest == "help":
+            continue
+        formatter = ap._get_formatter()
+        formatter.add_argument(action)
+        text = " ".join(formatter.format_help().split())
+        assert action.help, f"{script}: {text} has no help"
+        if shows_default(action) and action.option_strings:
+            assert "default" in text.lower(), f"{script}: {text} does not show its default ({action.default})"
+
+
+def test_make_vectors_help_writes_nothing(tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "make_vectors.py"), "--help"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "tests/vectors" in r.stdout, r.stderr
+    assert list(tmp_path.iterdir()) == []  # it wrote 81 cases into a folder named --help

@@ -2,6 +2,7 @@
 independent computation (HF transformers), the cache snapshot leaves generation unchanged, and the CLI writes its
 outputs (and refuses bad input with one line, exit 2)."""
 import json
+import re
 import math
 import sys
 
@@ -172,13 +173,19 @@ def test_freegen_exact_without_eviction_and_flags_divergence(tiny):
     assert out == next(r["tokens"] for r in records if r["policy"] == "full" and r["text"] == 0)
 
 
-def test_quick_cli_writes_outputs(tiny_tok_ckpt, tmp_path, capsys):
+def test_quick_cli_writes_outputs(tiny_tok_ckpt, tmp_path, capsys, monkeypatch):
+    """--quick's outputs; off a terminal (stderr captured) plain progress lines, one per LOG_INTERVAL (0 here)."""
+    import progress
+    monkeypatch.setattr(progress, "LOG_INTERVAL", 0)
     out = tmp_path / "eval"
     # --quick, plus passkey and the one-shot protocol; less work than --quick alone for this small model
     argv = ["--checkpoint", str(tiny_tok_ckpt), "--quick", "--out-dir", str(out), "--prefill", "block,one-shot",
             "--tasks", "fidelity,freegen,passkey,needle", "--policies", "full,sink,keydiff", "--lengths", "300",
             "--fid-prefix", "256", "--fid-tokens", "16", "--gen-tokens", "8", "--block-size", "32", "--max-new-tokens", "4"]
     assert ev.main(argv) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "\r" not in err and re.search(r"^fidelity \d+/\d+ prompts .* s  keydiff @ 128$", err, re.M), err
+    assert re.search(r"^needle (\d+)/\1 prompts ", err, re.M), err
     res = json.loads((out / "results.json").read_text())
     assert set(res["summary"]) == {"fidelity", "freegen", "passkey", "needle"}
     assert res["summary"]["freegen"]["full"]["all"]["match"] == 8 and "## freegen" in (out / "results.md").read_text()

@@ -1,6 +1,7 @@
 """What a user sets beside the policy: the repetition penalty (against HF generate's, every policy batched as alone,
 compiled without a recompile), stop strings, a document and a question, a batch printed in input order."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import policies
 from engine import Generation
 from loading import load_model
 from sampling import Sampling
+from tokenizer import load_tokenizer
 
 PROMPTS = [[(7 * i + 3) % 500 + 1 for i in range(72)], [(11 * i + 5) % 500 + 1 for i in range(72)]]
 
@@ -180,3 +182,50 @@ def test_the_api_keeps_one_string_stop(tiny_ckpt):
     cut = engine.generate_text("the quick brown fox", checkpoint=str(tiny_ckpt), chat_template=False,
                                max_new_tokens=24, stop=stop)  # one string, not its characters
     assert cut["text"] == one["text"][:one["text"].index(stop)]
+
+
+def test_each_sequence_says_why_it_stopped_beside_the_slots_and_the_tokens_held(tiny_ckpt, tmp_path, capsys):
+    """--json and the API: `stop_reason` per sequence (max_new_tokens, a stop string, an EOS, the model's context
+    where the default max_new_tokens was clamped to it), `slots` (the cache's, per layer and KV head) beside
+    `tokens_held` (what the cache holds at the end: the last sampled token is never written)."""
+    plain = cli(tiny_ckpt, capsys, "--prompt", "the quick brown fox")
+    n = plain["prompt_tokens"]
+    assert plain["stop_reason"] == "max_new_tokens" and (plain["slots"], plain["tokens_held"]) == (n + 24, n + 23)
+    evicting = cli(tiny_ckpt, capsys, "--prompt", "the quick brown fox", "--policy", "keydiff", "--budget", "16",
+                   "--block-size", "4")
+    assert (evicting["slots"], evicting["tokens_held"]) == (16, 16) and "slots_held" not in evicting
+    stop = plain["text"][6:9]
+    assert cli(tiny_ckpt, capsys, "--prompt", "the quick brown fox", "--stop", stop)["stop_reason"] == "stop_string"
+    batch = cli(tiny_ckpt, capsys, "--prompt", "the quick brown fox", "--prompt", "the lazy dog", "--stop", stop)
+    assert [s["stop_reason"] for s in batch["sequences"]] == batch["stop_reason"]
+    assert batch["stop_reason"][0] == "stop_string"
+    model, tok = load_model(tiny_ckpt, torch.float32, "cpu"), load_tokenizer(tiny_ckpt)
+    ids = tok.prompt_ids("the quick brown fox", chat=False)
+    gen = engine.Generation(model.args, None, [len(ids)], max_new_tokens=24)
+    gen.setup(model)
+    out, stats = gen.generate(model, [ids], eos_ids={plain["token_ids"][3]})
+    assert out[0] == plain["token_ids"][:4] and stats["stop_reason"] == "eos"
+    short = tmp_path / "short"  # a context of 16: the default max_new_tokens (200) is clamped to what is left
+    shutil.copytree(tiny_ckpt, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 16}))
+    r = engine.generate_text("the quick brown fox", checkpoint=str(short), chat_template=False)
+    assert r["stop_reason"] == "context" and r["generated_tokens"] == 16 - r["prompt_tokens"]
+
+
+def test_the_apis_compile_shows_its_progress_line(tiny_ckpt, monkeypatch, capsys):
+    """generate_text(compile=True) says it is compiling, as the command line does (a cold compile took minutes with
+    nothing on the screen); here off a terminal, a line per LOG_INTERVAL, around a stand-in for the compile."""
+    import time
+
+    import progress
+    monkeypatch.setattr(progress, "LOG_INTERVAL", 0.01)
+
+    def compile_standing_in(self, model, first_id, mode=None, prefill=None, freeze=False, around=None, warm=True):
+        self.compile_mode, self.compiled_prefill = "aot", False
+        with around(self) as terminal:
+            assert terminal is None  # stderr: AotStep's own lines go there too
+            time.sleep(0.2)
+    monkeypatch.setattr(engine.Generation, "compile", compile_standing_in)
+    engine.generate_text("the fox", checkpoint=str(tiny_ckpt), chat_template=False, max_new_tokens=2, compile=True)
+    assert "compiling the decode step (aot) ... 0 s" in capsys.readouterr().err.splitlines()

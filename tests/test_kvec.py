@@ -434,7 +434,7 @@ def test_cli_runs_kvec_one_shot_and_refuses_a_bad_parameter(tiny_ckpt, capsys): 
             "--max-new-tokens", "8", "--budget", "32", "--no-chat"]
     assert cli.main(base + ["--json", "--policy", "kvec:delta=1"]) == 0
     stats = json.loads(capsys.readouterr().out)
-    assert stats["prefill"] == "one-shot" and stats["prompt_tokens"] > 24 and stats["slots_held"] == 32
+    assert stats["prefill"] == "one-shot" and stats["prompt_tokens"] > 24 and stats["slots"] == 32
     assert cli.main(base + ["--policy", "kvec:beta=2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "beta" in err[0]

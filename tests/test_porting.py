@@ -26,7 +26,7 @@ def test_vectors_regenerate(tmp_path):
     make_vectors.write(tmp_path)
     want = sorted(p.relative_to(VECTORS) for p in VECTORS.rglob("*") if p.is_file())
     got = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
-    assert got == want
+    assert got == want, f"tests/vectors is not what the engine writes: {REGENERATE} ({stale(got, want)})"
     for rel in want:
         if rel.suffix != ".safetensors":
             assert (tmp_path / rel).read_bytes() == (VECTORS / rel).read_bytes(), f"{rel} differs from the engine's"
@@ -41,9 +41,20 @@ def test_vectors_regenerate(tmp_path):
                 assert np.array_equal(fresh[key], want_arr), f"{rel} {key} differs from the engine's output"
 
 
+REGENERATE = "run .venv/bin/python scripts/make_vectors.py after changing or adding a policy"
+
+
+def stale(got, want) -> str:
+    """The first few files one list has and the other lacks, for an assertion's message."""
+    new, gone = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+    return "; ".join(f"{what}: {', '.join(map(str, files[:3]))}{' ...' if len(files) > 3 else ''}"
+                     for what, files in (("not in tests/vectors", new), ("no longer written", gone)) if files)
+
+
 def test_every_registered_policy_has_vectors():
     manifest = check_port.read_manifest(VECTORS)
-    assert {c["policy"] for c in manifest["cases"]} == set(policies.REGISTRY)
+    have = {c["policy"] for c in manifest["cases"]}
+    assert have == set(policies.REGISTRY), f"{REGENERATE} ({stale(policies.REGISTRY, have)})"
     assert sum(p.stat().st_size for p in VECTORS.rglob("*") if p.is_file()) < 600_000
 
 

@@ -1,5 +1,6 @@
-"""Progress lines: drawn on a terminal only, past a delay, at most 4 a second, cleared at the end; the engine's prefill
-callback; generate.py's --quiet and its progress on a terminal."""
+"""Progress lines: on a terminal one line redrawn past a delay, at most 4 a second, cleared at the end; off a
+terminal a plain line every few seconds; --quiet silences both. The engine's prefill callback; generate.py's and
+eval.py's progress on a terminal and in a pipe."""
 import io
 import re
 import time
@@ -52,16 +53,31 @@ def test_progress_rate_scale_and_unit():
     assert out.getvalue().endswith(CLEAR)
 
 
-@pytest.mark.parametrize("case", ["not a terminal", "disabled", "quiet"])
-def test_progress_silent_off_a_terminal_or_when_quiet(case, monkeypatch):
-    out, clock = (io.StringIO() if case == "not a terminal" else FakeTTY()), Clock()
-    if case == "quiet":
+@pytest.mark.parametrize("case", ["disabled", "quiet on a terminal", "quiet off a terminal"])
+def test_progress_silent_when_disabled_or_quiet(case, monkeypatch):
+    out, clock = (io.StringIO() if case.endswith("off a terminal") else FakeTTY()), Clock()
+    if case.startswith("quiet"):
         monkeypatch.setattr(progress, "quiet", True)
     with Progress(10, "work", "steps", stream=out, clock=clock, enabled=case != "disabled") as bar:
         for done in range(1, 11):
             clock.t += 1.0
             bar.update(done)
     assert out.getvalue() == ""
+
+
+def test_progress_off_a_terminal_writes_a_plain_line_every_few_seconds():
+    """A pipe or a log (eval.py | tee printed nothing for 331 s): a whole line every LOG_INTERVAL seconds, the first
+    after LOG_INTERVAL, never a carriage return, nothing to clear at the end."""
+    out, clock = io.StringIO(), Clock()
+    with Progress(24, "fidelity", "prompts", stream=out, clock=clock) as bar:
+        bar.note = "keydiff @ 128"
+        for done in range(1, 25):
+            clock.t += 1.0
+            bar.update(done)
+    assert progress.LOG_INTERVAL == 5.0
+    assert out.getvalue().splitlines() == [f"fidelity {n}/24 prompts  1 prompts/s  {n}.0 s  keydiff @ 128"
+                                           for n in (5, 10, 15, 20)]
+    assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue() and out.getvalue().endswith("\n")
 
 
 def test_progress_nothing_before_the_delay():
@@ -108,14 +124,23 @@ def test_ticker_counts_seconds_on_a_terminal_and_clears():
     assert set(drawn[:-1]) == {drawn[0]}
 
 
-@pytest.mark.parametrize("case", ["not a terminal", "disabled", "quiet"])
-def test_ticker_silent_off_a_terminal_or_when_quiet(case, monkeypatch):
-    out = io.StringIO() if case == "not a terminal" else FakeTTY()
+@pytest.mark.parametrize("case", ["disabled", "quiet"])
+def test_ticker_silent_when_disabled_or_quiet(case, monkeypatch):
+    out = FakeTTY()
     if case == "quiet":
         monkeypatch.setattr(progress, "quiet", True)
     with Ticker("compiling", stream=out, interval=0.01, enabled=case != "disabled") as t:
         time.sleep(0.1)
     assert out.getvalue() == "" and t.thread is None
+
+
+def test_ticker_off_a_terminal_writes_plain_lines():
+    out, clock = io.StringIO(), Clock()
+    with Ticker("compiling the decode step (aot)", stream=out, interval=0.01, clock=clock):
+        clock.t += 5.0
+        time.sleep(0.2)
+    drawn = out.getvalue().splitlines()
+    assert drawn and set(drawn) == {"compiling the decode step (aot) ... 5 s"} and "\r" not in out.getvalue()
 
 
 # ------------------------------------------------------------------------------------------------- the engine
@@ -220,21 +245,25 @@ def test_generate_quiet_prints_no_progress_on_a_terminal(tiny_ckpt, monkeypatch)
 
 
 @pytest.mark.parametrize("terminal", [False, True])
-def test_generate_prints_no_progress_when_stderr_is_not_a_terminal(tiny_ckpt, terminal):
-    """A real process, no delay before a line: stderr a pipe gets no carriage return; the same run with stderr a
-    pseudo-terminal gets its line (the control: this test would see one)."""
+def test_generate_prints_plain_progress_lines_to_a_pipe(tiny_ckpt, terminal):
+    """A real process, no delay before a line: stderr a pipe gets plain lines (no carriage return, no escape), none
+    with --quiet; the same run with stderr a pseudo-terminal gets its redrawn line."""
     import os
     import subprocess
     import sys
     from conftest import REPO
-    code = ("import sys, progress; progress.DELAY = 0; import generate; "
+    code = ("import sys, progress; progress.DELAY = progress.LOG_INTERVAL = 0; import generate; "
             f"sys.exit(generate.main(sys.argv[1:]))")
     argv = [sys.executable, "-c", code, "--checkpoint", str(tiny_ckpt), "--prompt", PROMPT, "--max-new-tokens", "3",
             "--block-size", "4", "--threads", "1"]
     if not terminal:
-        r = subprocess.run(argv, cwd=REPO, capture_output=True, timeout=300)  # bytes: text mode reads \r as \n
-        assert r.returncode == 0, r.stderr
-        assert b"\r" not in r.stderr and b"\x1b" not in r.stderr and b"--- " in r.stderr, r.stderr
+        for quiet in (False, True):
+            r = subprocess.run(argv + ["--quiet"] * quiet, cwd=REPO, capture_output=True, timeout=300)  # bytes
+            assert r.returncode == 0, r.stderr
+            assert b"\r" not in r.stderr and b"\x1b" not in r.stderr and b"--- " in r.stderr, r.stderr
+            lines = [line for line in r.stderr.split(b"\n") if line.startswith(b"prefill ")]
+            assert (lines == []) == quiet, r.stderr
+            assert quiet or re.fullmatch(rb"prefill (\d+)/\1 tokens  [\d,]+ tok/s  \d+\.\d s", lines[-1]), lines
         return
     master, slave = os.openpty()
     try:

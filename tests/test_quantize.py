@@ -2,11 +2,14 @@
 hand-computed cases, the fused kernels against a plain matmul, quantized tiny models against fp32 (through the
 checkpoint, loading.load_model and the CLIs: scripts/quantize.py, generate.py), compiled decode without recompiles, and bad input."""
 import json
+import shlex
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import with_tiny_tokenizer
+from conftest import REPO, with_tiny_tokenizer
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -398,8 +401,12 @@ def test_generate_cli_runs_a_quantized_checkpoint(hf_tiny, tmp_path, capsys):
     _, src = hf_tiny("llama")
     tiny = with_tiny_tokenizer(src, tmp_path / "tok", "the quick brown fox jumps over the lazy dog")
     qdir = tmp_path / "q"
+    capsys.readouterr()
     assert quantize_cli(tiny, qdir, "int4", 64) == 0
     assert (qdir / "tokenizer.json").is_file() and (qdir / "tokenizer_config.json").is_file()
+    python, script, *hint = shlex.split(capsys.readouterr().err.split("run it: ")[1])  # the line it prints
+    assert Path(python).absolute() == Path(sys.executable).absolute() and Path(script).resolve() == REPO / "generate.py"
+    assert hint == ["--checkpoint", str(qdir)]  # was "python generate.py": no venv's python
     runs = {}
     for ckpt in (tiny, qdir):
         capsys.readouterr()

@@ -460,7 +460,7 @@ def test_cli_defaults_to_one_shot_and_refuses_block_prefill(tiny_ckpt, capsys):
             "--max-new-tokens", "8", "--budget", "40", "--no-chat"]
     assert cli.main(base + ["--policy", "rocketkv:read=16,window=8", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
-    assert stats["prefill"] == "one-shot" and stats["budget"] == stats["slots_held"] == 40
+    assert stats["prefill"] == "one-shot" and stats["budget"] == stats["slots"] == 40
     assert stats["prompt_tokens"] > 40
     rp = rocket_sizes(40, 16, 16, 8, stats["prompt_tokens"] + 8)  # C = --budget, t = read: k = 8 + the page scan
     assert stats["slots_read_per_step"] == rp.k + rp.approx_tokens < 16 + 1

@@ -390,7 +390,7 @@ def test_cli_runs_one_shot_and_rejects_bad_parameters(tiny_ckpt, capsys):
     assert cli.main(base + ["--policy", "sagekv", "--budget", "15", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["prefill"] == "one-shot" and stats["generated_tokens"] == 8 and stats["prompt_tokens"] > 16
-    assert stats["budget"] == stats["slots_held"] == 15  # the paper's B = 16 counts the decoding token
+    assert stats["budget"] == stats["slots"] == 15  # the paper's B = 16 counts the decoding token
     bad = [(["--policy", "sagekv", "--budget", "2"], "below 2 x the GQA group"),
            (["--policy", "sagekv:sink=14", "--budget", "15"], "leaves no recent window"),
            (["--policy", "sagekv:topk=-1", "--budget", "15"], "topk must be >= 0"),

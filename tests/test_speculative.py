@@ -344,7 +344,8 @@ def test_cli_speculates_with_plain_greedy_tokens(tiny_config_dir, capsys):
             "12", "--block-size", "16", "--json", "--threads", "1"]
     code, out, err = run_main(base, capsys)
     assert code == 0, err
-    want = json.loads(out)["token_ids"]
+    plain = json.loads(out)
+    want = plain["token_ids"]
     code, out, err = run_main(base + ["--speculate", "3", "--draft-policy", "snapkv:window=8", "--draft-budget", "24"],
                               capsys)
     assert code == 0, err
@@ -353,6 +354,7 @@ def test_cli_speculates_with_plain_greedy_tokens(tiny_config_dir, capsys):
     for key in ("rounds", "accepted_per_round", "acceptance_rate", "decode_tok_s", "predicted_speedup"):
         assert key in stats
     assert stats["draft_budget"] == 24 and stats["budget"] == 120 + 12 + 3
+    assert stats["stop_reason"] == plain["stop_reason"] == "max_new_tokens"  # as without --speculate
 
 
 def test_cli_one_shot_draft_and_sampling(tiny_config_dir, capsys):
