@@ -388,9 +388,10 @@ def run(args) -> int:
         check_sizes(config, bench_args(args, "full", max(budgets)))  # the prompt, steps, block and budgets
         if measures["quality"]:
             ev.check_sizes(a, parse_config(config))
-        tok = load_tokenizer(ckpt)
-        q = quality_prompts(a, config, tok)
-    prompt_len = args.length if args.random_weights else len(make_document(tok, args.length)[1])  # bench.py's
+            tok = load_tokenizer(ckpt)
+            q = quality_prompts(a, config, tok)
+    prompt_len = args.length if args.random_weights else len(make_document(tok or load_tokenizer(ckpt),
+                                                                            args.length)[1])  # bench.py's prompt
     path = args.out_dir / "frontier.json"
     settings = {k: v for k, v in bench_settings(args, ckpt, "frontier").items() if k not in NOT_SETTINGS}
     fields = {"label": str, "kv_mib": float} | (QUALITY if measures["quality"] else {}) | \
