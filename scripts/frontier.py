@@ -97,7 +97,7 @@ def bench_argv(args, spec: str, budget) -> list[str]:
     argv = ["--checkpoint", args.checkpoint, "--prompt-tokens", str(args.length), "--budget", str(budget),
             "--policies", spec, "--decode-steps", str(args.decode_steps), "--repeats", str(args.repeats),
             "--block-size", str(args.block_size), "--dtype", dtype_name(args), "--device", args.device]
-    argv += ["--threads", str(args.threads)] if args.threads else []
+    argv += ["--threads", str(args.threads)] if args.threads is not None else []
     argv += [] if args.eager else ["--compile"]
     argv += ["--random-weights"] if args.random_weights else []
     return argv + ["--one", spec]
