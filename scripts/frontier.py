@@ -71,12 +71,12 @@ SPEED = {"decode_tok_s": float, "decode_step_ms": float, "ttft_s": float, "prefi
 # and name
 AXES = {"top1": ("top1", 1, 100, "top-1 agreement with full, %"), "kl": ("kl", -1, 1, "KL(full || policy), nats"),
         "retrieval": ("retrieval", 1, 100, "retrieval score, %"), "speed": ("decode_tok_s", 1, 1, "decode tok/s")}
+NOT_SETTINGS = ("rank", "verbose")  # how the results are shown, not what they are
 
 
 def what(name: str) -> str:
     """An axis' name in a sentence: "top-1 agreement with full"."""
     return AXES[name][3].rsplit(",", 1)[0]
-NOT_SETTINGS = ("rank", "verbose")  # how the results are shown, not what they are
 
 
 # ------------------------------------------------------------------------------------ the other scripts' runs
