@@ -261,9 +261,10 @@ def plot(rows, on_front, measures, args, title: str, path: Path) -> None:
     members = sorted((r for r in ok if r["label"] in on_front), key=lambda r: r["kv_mib"])
     ax.step([r["kv_mib"] for r in members], [scale * r[field] for r in members], where="post", color="red", lw=1.2,
             zorder=2)
-    for r in members:
-        ax.annotate(r["label"], (r["kv_mib"], scale * r[field]), textcoords="offset points", xytext=(5, -11),
-                    fontsize=8, color="darkred")
+    for kv in dict.fromkeys(r["kv_mib"] for r in members):  # equal members (same memory, same value): one label
+        tied = [r for r in members if r["kv_mib"] == kv]
+        ax.annotate(", ".join(r["label"] for r in tied), (kv, scale * tied[0][field]), textcoords="offset points",
+                    xytext=(5, -11), fontsize=8, color="darkred")
     ax.set_xscale("log", base=2)
     ticks = sorted({round(r["kv_mib"], 3) for r in ok})
     ax.xaxis.set_major_locator(FixedLocator(ticks))
