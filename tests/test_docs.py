@@ -151,6 +151,9 @@ COMMANDS = {
     f"{PY}scripts/frontier.py --length 2048 --budgets 128,256,512,1024 --policies full,random,sink,h2o,tova,snapkv,"
     "keydiff,keynorm --no-speed --threads 1 --out-dir build/frontier-2k":
         "tests/test_frontier.py::test_resume_after_sigkill (--no-speed)",
+    f"{PY}scripts/frontier.py --length 4096 --budgets 256,512,1024 --policies full,sink,h2o,tova,snapkv,keydiff "
+    "--no-speed --threads 1 --out-dir build/frontier-4k":
+        "tests/test_frontier.py::test_resume_after_sigkill (--no-speed)",
     # speculative.md
     f"{PY}generate.py --prompt-file doc.txt --speculate 4 --draft-policy snapkv --draft-budget 256": RUN,
     f"{PY}generate.py --prompt-file doc.txt --speculate 4 --draft-policy sink:n_sink=4 --draft-budget 512 --compile":
