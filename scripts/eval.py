@@ -196,16 +196,24 @@ def each_config(task: str, cfgs, n_texts: int, use_args, measure, bar=None, done
 
 
 @torch.inference_mode()
+def fidelity_reference(model, texts: list[list[int]], prefix: int, *, block_size: int, steps) -> list[torch.Tensor]:
+    """The full cache's log-probs of each text's continuation after `prefix` tokens (teacher_force): what fidelity
+    compares every policy with."""
+    use(model, "full", max(len(t) for t in texts), block_size)
+    return [teacher_force(model, prefill(model, t[:prefix], steps, block_size, False), prefix, t[prefix:], steps)
+            for t in texts]
+
+
+@torch.inference_mode()
 def fidelity(model, texts: list[list[int]], prefix: int, cfgs, *, block_size: int, steps, accept_k: int = 4,
-             bar=None, done=None) -> list[dict]:
+             bar=None, done=None, ref=None) -> list[dict]:
     """Teacher-force each text's continuation after `prefix` tokens; per config and text: mean KL(full || policy)
     (nats), top-1 agreement with full, the mean draft tokens accepted per round of `accept_k` when the policy's
     cache drafts for the full cache's (mean_accepted of the top-1 agreements) and mean NLL of the text (perplexity =
-    exp of the mean NLL)."""
+    exp of the mean NLL). ref: fidelity_reference's, for a caller that scores configs in several calls."""
     total = max(len(t) for t in texts)
-    use(model, "full", total, block_size)
-    ref = [teacher_force(model, prefill(model, t[:prefix], steps, block_size, False), prefix, t[prefix:], steps)
-           for t in texts]
+    if ref is None:
+        ref = fidelity_reference(model, texts, prefix, block_size=block_size, steps=steps)
 
     def measure(protocol, policy, i):
         t = texts[i]
@@ -465,24 +473,14 @@ def check_args(a) -> None:
                             "of <task>.jsonl files")
 
 
-def run(a) -> int:
-    t_start = time.perf_counter()
-    NOT_APPLICABLE.clear()
-    check_args(a)
-    progress.quiet = a.quiet
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    dtype = {"auto": torch.bfloat16 if a.device.startswith("cuda") else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
-    try:  # the outputs' folder before the run, not after it
-        a.out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"--out-dir {a.out_dir}: {e.strerror}") from None
-    journal = a.out_dir / JOURNAL
-    check_writable(journal, "--out-dir")
-    ckpt = resolve_checkpoint(a.checkpoint)
-    config = read_config(ckpt)  # read once, here and by the model
-    model_args = parse_config(config)
+def dtype_of(a) -> torch.dtype:
+    """--dtype: auto is bfloat16 on CUDA, float32 elsewhere."""
+    return {"auto": torch.bfloat16 if a.device.startswith("cuda") else torch.float32, "float32": torch.float32,
+            "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
+
+
+def check_sizes(a, model_args) -> None:
+    """The lengths, budgets and each policy against the model, before any loading: one UserError naming the flag."""
     ctx = model_args.max_seq_len
     for spec in a.policies:  # a parameter that cannot work at a budget fails before any loading
         policy = policies.make(spec)
@@ -502,6 +500,27 @@ def run(a) -> int:
                         f"({ctx})")
     if max(a.lengths) >= ctx and any(t not in ("fidelity", "freegen") for t in a.tasks):
         raise UserError(f"--lengths {max(a.lengths)} leaves no room for an answer in the model's context ({ctx})")
+
+
+def run(a) -> int:
+    t_start = time.perf_counter()
+    NOT_APPLICABLE.clear()
+    check_args(a)
+    progress.quiet = a.quiet
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dtype = dtype_of(a)
+    try:  # the outputs' folder before the run, not after it
+        a.out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out-dir {a.out_dir}: {e.strerror}") from None
+    journal = a.out_dir / JOURNAL
+    check_writable(journal, "--out-dir")
+    ckpt = resolve_checkpoint(a.checkpoint)
+    config = read_config(ckpt)  # read once, here and by the model
+    model_args = parse_config(config)
+    ctx = model_args.max_seq_len
+    check_sizes(a, model_args)
     tok = load_tokenizer(ckpt)
     items = make_items(tok, a, ctx)
     texts = (fidelity_texts(tok, a.fid_texts, a.fid_prefix + a.fid_tokens, a.seed)

@@ -24,10 +24,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # order: the two workers then end within seconds of each other. (xdist's own order, most tests first, left a
 # 36-second file for the end.)
 LONGEST_FIRST = ["test_conformance.py", "test_tp.py", "test_cli.py", "test_aoti.py", "test_gpu_check.py",
-                 "test_speculative.py", "test_flex_attention.py", "test_chat.py", "test_resume.py", "test_batch.py",
-                 "test_kv_int8.py", "test_quantize.py", "test_smollm2.py", "test_engine.py", "test_kernels.py",
-                 "test_staleness.py", "test_random_weights.py", "test_bench_attention.py", "test_eval_tasks.py",
-                 "test_smollm2_policies.py"]
+                 "test_speculative.py", "test_flex_attention.py", "test_chat.py", "test_resume.py",
+                 "test_frontier.py", "test_batch.py", "test_kv_int8.py", "test_quantize.py", "test_smollm2.py",
+                 "test_engine.py", "test_kernels.py", "test_staleness.py", "test_random_weights.py",
+                 "test_bench_attention.py", "test_eval_tasks.py", "test_smollm2_policies.py"]
 
 
 def pytest_configure(config):

@@ -143,6 +143,17 @@ COMMANDS = {
     f'{PY}scripts/eval.py --tasks freegen --policies "full,keydiff,h2o,keynorm,caote:keydiff,caote:h2o,fastcaote:h2o,'
     'caote:tova,caote:snapkv,sink,snapkv,tova,random,snapkv++,rocketkv,sagekv,kvec" --budgets 256,1024 --fid-prefix '
     "2048 --gen-tokens 96 --fid-texts 2 --threads 1": RUN,
+    f"{PY}scripts/frontier.py --length 4096 --budgets 128,256,512,1024":
+        "tests/test_frontier.py::test_rows_front_table_and_png (its bench.py --one processes: "
+        "::test_speed_is_bench_py_one_in_its_own_process)",
+    f"{PY}scripts/frontier.py --checkpoint llama3.1-8b --random-weights --length 8192 --budgets 512,1024,2048,4096":
+        "GPU (tests/test_frontier.py::test_random_weights_measure_speed_only)",
+    f"{PY}scripts/frontier.py --length 2048 --budgets 128,256,512,1024 --policies full,random,sink,h2o,tova,snapkv,"
+    "keydiff,keynorm --no-speed --threads 1 --out-dir build/frontier-2k":
+        "tests/test_frontier.py::test_resume_after_sigkill (--no-speed)",
+    f"{PY}scripts/frontier.py --length 4096 --budgets 256,512,1024 --policies full,sink,h2o,tova,snapkv,keydiff "
+    "--no-speed --threads 1 --out-dir build/frontier-4k":
+        "tests/test_frontier.py::test_resume_after_sigkill (--no-speed)",
     # speculative.md
     f"{PY}generate.py --prompt-file doc.txt --speculate 4 --draft-policy snapkv --draft-budget 256": RUN,
     f"{PY}generate.py --prompt-file doc.txt --speculate 4 --draft-policy sink:n_sink=4 --draft-budget 512 --compile":

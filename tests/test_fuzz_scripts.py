@@ -15,6 +15,7 @@ import pytest
 from scripts import (bench, bench_batch, bench_figure, bench_kvpress, bench_llamacpp, bench_paired, bench_quant,
                      benchlib)
 from scripts import eval as ev
+from scripts import frontier
 
 BASE = {
     "eval.py": ["--checkpoint", "{ckpt}", "--out-dir", "{tmp}/out", "--tasks", "passkey", "--policies", "sink",
@@ -28,6 +29,9 @@ BASE = {
                         "--budgets", "16", "--out-dir", "{tmp}/fig"],
     "bench_kvpress.py": ["--model", "{tmp}/hf", "--press", "none", "--budget", "8", "--ids-file", "{tmp}/ids.json"],
     "bench_llamacpp.py": ["--ids-file", "{tmp}/ids.json"],
+    "frontier.py": ["--checkpoint", "{ckpt}", "--out-dir", "{tmp}/out", "--length", "300", "--budgets", "32",
+                    "--policies", "sink", "--fid-tokens", "8", "--block-size", "16", "--decode-steps", "4",
+                    "--device", "cpu", "--eager"],
 }
 GGUF = {"m.gguf": b"GGUF" + bytes(28), "ids.json": "[1, 2]"}  # bench_llamacpp.py: passes the checks before llama.cpp
 LB = ["--tasks", "", "--longbench", "hotpotqa", "--longbench-source", "{tmp}/lb.jsonl"]  # eval.py: one LongBench file
@@ -251,6 +255,34 @@ CASES = [
     (["bench_figure.py", "--resume"], {"fig/rocketkv_figure.json": ""}, 2, "rocketkv_figure.json is not JSON"),
     (["bench_quant.py", *SMALL, "--modes", "int8", "--resume", "--json", "{tmp}/q.json"], {"q.json": '{"settings": 1}'},
      2, "q.json records no settings"),
+    # ---- frontier.py: its own flags, and eval.py's and bench.py's checks named as its flags
+    (["frontier.py", "--budgets", "0"], {}, 2, "--budgets needs integers >= 1"),
+    (["frontier.py", "--budgets", "32,abc"], {}, 2, "--budgets takes comma-separated integers, got '32,abc'"),
+    (["frontier.py", "--budgets", "32,32"], {}, 2, "--budgets lists 32 twice"),
+    (["frontier.py", "--budgets", "20", "--policies", "snapkv"], {}, 2,
+     "snapkv: --budgets 20 must exceed the observation window (32)"),
+    (["frontier.py", "--length", "0"], {}, 2, "--length must be >= 1, got 0"),
+    (["frontier.py", "--length", "5000"], {}, 2, "--length + --decode-steps (5000 + 4)"),
+    (["frontier.py", "--length", "2040", "--fid-tokens", "16"], {}, 2,
+     "--length + --fid-tokens exceeds the model's context (2048)"),
+    (["frontier.py", "--length", "10"], {}, 2, "needle at --length 10: "),
+    (["frontier.py", "--random-weights", "--no-speed"], {}, 2, "nothing to run"),
+    (["frontier.py", "--policies", "full,nope"], {}, 2, "unknown policy 'nope'"),
+    (["frontier.py", "--policies", "sink,sink"], {}, 2, "--policies lists sink twice"),
+    (["frontier.py", "--policies", "snapkv:window=0"], {}, 2, "snapkv: window must be >= 1, got 0"),
+    (["frontier.py", "--depths", "2"], {}, 2, "--depths must be in [0, 1]"),
+    (["frontier.py", "--depths", "0,0"], {}, 2, "--depths lists 0.0 twice"),
+    (["frontier.py", "--task", "passkey"], {}, 2, "argument --task: invalid choice: 'passkey'"),
+    (["frontier.py", "--rank", "speed"], {}, 2, "argument --rank: invalid choice: 'speed'"),
+    (["frontier.py", "--decode-steps", "1"], {}, 2, "--decode-steps must be >= 2, got 1"),
+    (["frontier.py", "--repeats", "0"], {}, 2, "--repeats must be >= 1, got 0"),
+    (["frontier.py", "--threads", "0"], {}, 2, "--threads must be between 1 and 1024, got 0"),
+    (["frontier.py", "--samples", "0"], {}, 2, "--samples must be >= 1"),
+    (["frontier.py", "--fid-texts", "0"], {}, 2, "--fid-texts must be >= 1"),
+    (["frontier.py", "--block-size", "5000"], {}, 2, "--block-size 5000 is larger than the model's context (2048)"),
+    (["frontier.py", "--device", "cuda"], {}, 2, "--device cuda was asked for but CUDA is not available"),
+    (["frontier.py", "--resume"], {"out/frontier.json": "{"}, 2, "frontier.json is not JSON"),
+    (["frontier.py", "--resume"], {"out/frontier.json": "{}"}, 2, "frontier.json records no settings"),
     # ---- bench_kvpress.py (HF + kvpress side; runs in .venv-kv)
     (["bench_kvpress.py"], {}, 2, "ids.json: No such file or directory"),
     (["bench_kvpress.py", "--budget", "0"], {"ids.json": "[1]"}, 2, "--budget must be >= 1"),
@@ -320,6 +352,10 @@ def run(script, argv, monkeypatch):
     try:
         if script == "eval.py":
             return ev.main(argv)
+        if script == "frontier.py":
+            monkeypatch.setattr(frontier, "load_model", never)
+            monkeypatch.setattr(frontier, "run_child", never)
+            return frontier.main(argv)
         if script in BENCH:
             monkeypatch.setattr(sys, "argv", [script, *argv])
             return BENCH[script].main()
