@@ -127,6 +127,35 @@ def read_capped(path: Path, limit: int) -> bytes:
         os.close(fd)
 
 
+JSON_MAX_BYTES = 64 << 20  # a config, tokenizer, manifest or resume file; tokenizer.json files are under 40 MiB
+JSON_MAX_DEPTH = 64  # nesting: config and tokenizer files nest under 10 levels
+
+
+def parse_json(text: str | bytes):
+    """json.loads, nested at most JSON_MAX_DEPTH levels: a ValueError otherwise (never a RecursionError). Every file
+    a user or another tool wrote is parsed here (read_json)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        value = None
+    else:
+        level = [value] if isinstance(value, dict | list) else []
+        for _ in range(JSON_MAX_DEPTH):  # level: the containers at one depth
+            level = [c for v in level for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, dict | list)]
+        if not level:
+            return value
+    raise ValueError(f"nested deeper than {JSON_MAX_DEPTH} levels")
+
+
+def read_json(path: Path, limit: int = JSON_MAX_BYTES):
+    """The JSON value in the file `path`, read with bounds: at most `limit` bytes (/dev/zero never ends), UTF-8,
+    nested at most JSON_MAX_DEPTH levels. ValueError (the reason; the caller names the file) or OSError."""
+    data = read_capped(path, limit)
+    if len(data) > limit:
+        raise ValueError(f"larger than {limit >> 20} MiB")
+    return parse_json(data.decode("utf-8"))
+
+
 def check_writable(path: Path, what: str) -> None:
     """Fail before the work, not after it, when an output file cannot be written (the permission bits alone do not
     tell: root passes them, and /proc refuses anyway). The output is renamed into place: only a regular file is
@@ -227,9 +256,9 @@ def jsonl_objects(path: Path, text: str, what: str = "a row", limit: int | None 
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {n} is not JSON ({e.msg})") from None
+            row = parse_json(line)
+        except ValueError as e:
+            raise ValueError(f"{path} line {n} is not JSON ({getattr(e, 'msg', e)})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path} line {n}: {what} is a JSON object, not {json_type(row)}")
         rows.append(row | {"_line": n})

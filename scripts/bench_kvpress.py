@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer import UserError, Parser, os_error_line, peak_bytes, reset_peak  # noqa: E402  (standard library only)
+from peer import UserError, Parser, read_json, os_error_line, peak_bytes, reset_peak  # noqa: E402  (standard library only)
 
 
 def make_hf_copy(out: Path) -> None:
@@ -37,10 +37,10 @@ def make_hf_copy(out: Path) -> None:
 
 def read_ids(path: Path) -> list[int]:
     try:
-        ids = json.loads(path.read_bytes().decode("utf-8"))
+        ids = read_json(path)
     except (FileNotFoundError, IsADirectoryError) as e:
         raise UserError(f"--ids-file {path}: {e.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:
         raise UserError(f"--ids-file {path} is not JSON ({e})") from None
     if not (isinstance(ids, list) and ids and all(type(i) is int and i >= 0 for i in ids)):
         raise UserError(f"--ids-file {path}: not a non-empty JSON list of token ids (integers >= 0)")

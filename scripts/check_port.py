@@ -15,11 +15,13 @@ and safetensors only.
 """
 import argparse
 import fnmatch
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from files import read_json  # noqa: E402  (standard library only)
 
 RTOL, ATOL = 1e-4, 1e-6  # scores: float32 computed in another order by another engine
 LOOSE = 2e-3  # scores this close but not within RTOL: half-precision arithmetic
@@ -48,9 +50,9 @@ def read_manifest(vectors: Path) -> dict:
     if not path.is_file():
         raise BadInput(f"{vectors}: no manifest.json (give the directory scripts/make_vectors.py wrote)")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = read_json(path)
         manifest["cases"][0]["case"]
-    except (ValueError, KeyError, IndexError, TypeError):
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
         raise BadInput(f"{path}: not a test-vector manifest") from None
     return manifest
 

@@ -79,10 +79,10 @@ def read_lines(path: Path) -> list[tuple[int, object]]:
     out = []
     for n, line in enumerate(text.split("\n")[:-1], 1):
         try:
-            out.append((n, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise UserError(f"--resume: {path} line {n} is not JSON ({e.msg}): not written by this script (run "
-                            "without --resume to replace it)") from None
+            out.append((n, files.parse_json(line)))
+        except ValueError as e:
+            raise UserError(f"--resume: {path} line {n} is not JSON ({getattr(e, 'msg', e)}): not written by this "
+                            "script (run without --resume to replace it)") from None
     return out
 
 
@@ -91,7 +91,7 @@ def read_json(path: Path):
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return files.read_json(path)
+    except ValueError as e:
         raise UserError(f"--resume: {path} is not JSON ({e}): not written by this script (run without --resume to "
                         "replace it)") from None

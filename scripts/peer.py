@@ -6,6 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from errors import EnvironmentFailure, UserError  # noqa: E402,F401  (standard library only)
+from files import read_json  # noqa: E402,F401  (standard library only)
 
 
 class Parser(argparse.ArgumentParser):

@@ -28,6 +28,10 @@ ENTRY = {"generate": generate.main, "quantize": quantize_script.main, "download"
 PROMPT = ["--prompt", "the quick brown fox", "--max-new-tokens", "2"]
 NAN, INF = float("nan"), float("inf")
 DROP = object()  # a config.json field to remove
+DEEP, DEEP_OBJECT = "[" * 100_000 + "]" * 100_000, '{"a": ' * 100_000 + "1" + "}" * 100_000  # JSON nested 100,000 deep
+NESTED = {"a": 1}
+for _ in range(70):
+    NESTED = {"a": NESTED}  # 71 levels: more than files.JSON_MAX_DEPTH, fewer than Python's recursion limit
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +94,15 @@ def truncated_weights(tmp, ckpt):
     bad = broken_copy(tmp, ckpt)
     data = (ckpt / "model.safetensors").read_bytes()
     replace(bad, "model.safetensors", data[:len(data) // 2])
+
+
+def deep_identity(tmp, ckpt):
+    """An engine file (no source beside it) whose identity is JSON nested 100,000 levels deep."""
+    from safetensors.torch import load_file, save_file
+    bad = broken_copy(tmp, ckpt)
+    replace(bad, "model.safetensors", None)
+    save_file(load_file(str(ckpt / "model.safetensors")), str(bad / "budgetkv.safetensors"),
+              metadata={"format": "budgetkv", "budgetkv_identity": DEEP})
 
 
 def fifo_config(tmp, ckpt):
@@ -290,6 +303,25 @@ CASES += [
     gen("config-binary", [], 2, "is not valid JSON", files(config__json=b"\xff\xfe\x00\x01"), "{bad}"),
     gen("config-missing", [], 2, "has no config.json", files(config__json=None), "{bad}"),
     gen("config-fifo", [], 2, "config.json is not a regular file", fifo_config, "{bad}"),
+    # a checkpoint's files are data someone else wrote: parsed with bounds (files.read_json), the file named
+    gen("config-deep", [], 2, "config.json is not valid JSON: nested deeper than 64 levels", files(config__json=DEEP),
+        "{bad}"),
+    gen("config-deep-object", [], 2, "config.json is not valid JSON: nested deeper than 64 levels",
+        files(config__json=DEEP_OBJECT), "{bad}"),
+    gen("config-deep-field", [], 2, "config.json is not valid JSON: nested deeper than 64 levels",
+        config(rope_scaling=NESTED), "{bad}"),
+    gen("config-huge-number", [], 2, "config.json is not valid JSON: Exceeds the limit",
+        files(config__json='{"vocab_size": ' + "9" * 5000 + "}"), "{bad}"),
+    gen("tokenizer-config-deep", [], 2, "tokenizer_config.json: nested deeper than 64 levels",
+        files(tokenizer_config__json=DEEP), "{bad}"),
+    gen("generation-config-deep", [], 2, "generation_config.json: nested deeper than 64 levels",
+        files(generation_config__json=DEEP_OBJECT), "{bad}"),
+    gen("tokenizer-json-deep", [], 2, "tokenizer.json", files(tokenizer__json=DEEP), "{bad}"),
+    gen("engine-file-identity-deep", [], 2, "have 0 layers", deep_identity, "{bad}"),
+    gen("draft-config-deep", ["--speculate", "2", "--draft-checkpoint", "{bad}"], 2,
+        "config.json is not valid JSON: nested deeper than 64 levels", files(config__json=DEEP)),
+    gen("config-too-large", [], 2, "config.json is not valid JSON: larger than 64 MiB",
+        files(config__json=b" " * (64 << 20) + b"{}"), "{bad}"),
     # weights
     gen("weights-missing", [], 2, "no *.safetensors", files(model__safetensors=None), "{bad}"),
     gen("weights-truncated", [], 2, "truncated or corrupt", truncated_weights, "{bad}"),
@@ -339,6 +371,27 @@ CASES += [
     gen("template-jinja-file", [], 2, "chat_template.jinja line 1 fails",
         files(chat_template__jinja="{% if %}"), "{bad}"),
     gen("template-jinja-binary", [], 2, "not UTF-8", files(chat_template__jinja=b"\xff\xfe{{"), "{bad}"),
+    # a chat template is code someone else wrote: bounded in size, output, the values it makes and time
+    gen("template-writes-forever", [], 2, "tokenizer_config.json fails: TemplateLimit: writes more than",
+        tok_config(chat_template="{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"),
+        "{bad}"),
+    gen("template-repeats", [], 2, "TemplateLimit: repeats a value 1,000,000,000,000 times",
+        tok_config(chat_template="{{ 'x' * 10 ** 12 }}"), "{bad}"),
+    gen("template-power", [], 2, "TemplateLimit: computes 2 ** 1000000000",
+        tok_config(chat_template="{{ 2 ** (10 ** 9) }}"), "{bad}"),
+    gen("template-doubles", [], 2, "TemplateLimit: makes a value of 2,097,152 characters",
+        tok_config(chat_template="{% set ns = namespace(s='x') %}{% for i in range(64) %}"
+                                 "{% set ns.s = ns.s ~ ns.s %}{% endfor %}"), "{bad}"),
+    gen("template-macro-doubles", [], 2, "TemplateLimit: makes a value of 2,097,152 characters",
+        tok_config(chat_template="{% macro f(s) %}{{ f(s ~ s) }}{% endmacro %}{{ f('x') }}"), "{bad}"),
+    gen("template-filter-huge", [], 2, "TemplateLimit: calls do_center with 1000000000000",
+        tok_config(chat_template="{{ 'x'|center(10 ** 12) }}"), "{bad}"),
+    gen("template-method-huge", [], 2, "TemplateLimit: calls ljust with 1000000000000",
+        tok_config(chat_template="{{ 'x'.ljust(10 ** 12) }}"), "{bad}"),
+    gen("template-recursion", [], 2, "RecursionError", tok_config(chat_template="{% macro f() %}{{ f() }}{% endmacro %}"
+                                                                              "{{ f() }}"), "{bad}"),
+    gen("template-jinja-file-huge", [], 2, "chat_template.jinja is longer than 1 MiB",
+        files(chat_template__jinja="{# #}" * (1 << 18) + "x"), "{bad}"),
     # prompt files
     gen("prompt-file-dev-zero", ["--prompt-file", "/dev/zero"], 2, "larger than 64 MiB", prompt=False),
     gen("prompt-file-only-a-bom", ["--prompt-file", "{tmp}/p.txt"], 2, "prompt file {tmp}/p.txt is empty", write("p.txt", "\ufeff"),

@@ -34,6 +34,7 @@ LB = ["--tasks", "", "--longbench", "hotpotqa", "--longbench-source", "{tmp}/lb.
 SMALL = ["--prompt-tokens", "100"]  # bench.py: a prompt the tiny model's context holds
 BENCH = {"bench.py": bench, "bench_quant.py": bench_quant, "bench_paired.py": bench_paired,
          "bench_batch.py": bench_batch, "bench_figure.py": bench_figure}  # the scripts whose main() reads sys.argv
+DEEP = "[" * 100_000 + "]" * 100_000  # JSON nested 100,000 levels deep: files.read_json's bound, not a RecursionError
 GOOD = {"input": "Who jumps?", "context": "The quick brown fox jumps.", "answers": ["the fox"], "all_classes": None}
 
 
@@ -114,6 +115,13 @@ CASES = [
     (["eval.py", "--resume"], {"out/results.jsonl": "[1, 2]\n"}, 2, "results.jsonl records no settings"),
     (["eval.py", "--resume"], {"out/results.jsonl": '{"settings": {"seed": 5}}\n'}, 2, "with other settings"),
     (["eval.py", "--resume"], {"out/results.jsonl/": None}, 2, "results.jsonl: cannot write there"),
+    (["eval.py", "--resume"], {"out/results.jsonl": DEEP + "\n"}, 2, "line 1 is not JSON (nested deeper than 64 levels)"),
+    (*lb(DEEP + "\n"), 2, "lb.jsonl line 1 is not JSON (nested deeper than 64 levels)"),
+    (["bench.py", *SMALL, "--resume", "--json", "{tmp}/b.json"], {"b.json": DEEP}, 2,
+     "b.json is not JSON (nested deeper than 64 levels)"),
+    (["bench_figure.py", "--resume"], {"fig/rocketkv_figure.json": DEEP}, 2, "nested deeper than 64 levels"),
+    (["bench_kvpress.py"], {"ids.json": DEEP}, 2, "ids.json is not JSON (nested deeper than 64 levels)"),
+    (["bench_llamacpp.py"], {"ids.json": DEEP}, 2, "ids.json is not JSON (nested deeper than 64 levels)"),
     # ---- LongBench rows (scripts/eval_tasks.load_longbench, through eval.py)
     (*lb(""), 2, "lb.jsonl has no rows"),
     (*lb("\n  \n\n"), 2, "lb.jsonl has no rows"),
@@ -400,6 +408,7 @@ CHECK_PORT = [
     (None, ["--case", "nope*"], "--case 'nope*' matches none of the manifest's"),
     (None, ["--case", ""], "--case '' matches none"),
     (lambda v, r: (v / "manifest.json").write_text("{"), [], "manifest.json: not a test-vector manifest"),
+    (lambda v, r: (v / "manifest.json").write_text(DEEP), [], "manifest.json: not a test-vector manifest"),
     (lambda v, r: (v / "manifest.json").unlink(), [], "no manifest.json"),
     (lambda v, r: (r / f"{CASE}.safetensors").write_bytes(b"\x00" * 8), [], "not a readable safetensors file"),
 ]
