@@ -447,7 +447,7 @@ def _render(template: str, most: int, **kw) -> str:
 
     def each_line(frame, event, arg):
         if time.monotonic() > deadline:
-            raise TemplateLimit(f"runs longer than {TEMPLATE_SECONDS:.0f} s")
+            raise TemplateLimit(f"runs longer than {TEMPLATE_SECONDS:g} s")
         return each_line
 
     before = sys.gettrace()

@@ -481,9 +481,8 @@ def read_slices(f, args, mesh: Mesh) -> dict:
 def weight_bytes_per_rank(config: dict, world: int, dtype: torch.dtype) -> int:
     """Bytes of the weights one rank holds (float weights in dtype): the sharded Linears' 1/world (wqkv and w13
     with their biases, wo and w2), everything else whole (embeddings, output head, norms, wo's bias)."""
-    import loading
-    from config import parse_config
-    return loading.weight_count(parse_config(config), world) * dtype.itemsize
+    from config import parse_config, weight_count
+    return weight_count(parse_config(config), world) * dtype.itemsize
 
 
 def memory_table(config: dict, worlds=(1, 2, 4, 8), contexts=(8192, 16384, 32768, 65536, 131072),

@@ -32,7 +32,8 @@ from files import check_writable  # noqa: E402
 from config import parse_config  # noqa: E402
 from engine import PeakMemory, decode_bytes_per_step, prefill_protocol, sync  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
-from loading import kv_cache_estimate, weight_count  # noqa: E402
+from config import weight_count  # noqa: E402
+from loading import kv_cache_estimate  # noqa: E402
 from scripts.benchlib import (bench_model, bench_run, bench_settings, bench_source, check_common,  # noqa: E402
                               check_policy_flags, check_sizes, config_policy, gemm_gflop_s, int_list, make_document,
                               parser as common_parser, policy_flags, random_prompt, read_bandwidth_gb_s, run_one,

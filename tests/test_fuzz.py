@@ -218,7 +218,11 @@ BAD_CONFIG = [
     ("num_key_value_heads", 3, "num_key_value_heads 3"), ("num_key_value_heads", 8, "num_key_value_heads 8"),
     ("num_key_value_heads", 0, "num_key_value_heads"), ("num_key_value_heads", "2", "num_key_value_heads"),
     ("head_dim", 15, "head_dim 15 must be even"), ("head_dim", 0, "head_dim"), ("head_dim", "16", "head_dim"),
-    ("head_dim", 32, "do not match"), ("head_dim", 2 ** 40, f"head_dim is {2 ** 40}, more than 65536"),
+    ("head_dim", 32, "do not match"), ("head_dim", 2 ** 20, f"head_dim is {2 ** 20}, more than 65536"),
+    ("head_dim", 2 ** 40, f"head_dim is {2 ** 40}, more than 2147483647"),
+    ("vocab_size", 2 ** 62, f"vocab_size is {2 ** 62}, more than 2147483647"),
+    ("intermediate_size", 2 ** 70, f"intermediate_size is {2 ** 70}, more than 2147483647"),
+    ("max_position_embeddings", 2 ** 70, f"max_position_embeddings is {2 ** 70}, more than 2147483647"),
     ("max_position_embeddings", 0, "max_position_embeddings"), ("max_position_embeddings", -1, "max_position"),
     ("max_position_embeddings", "4096", "max_position_embeddings"), ("max_position_embeddings", 1.5, "max_pos"),
     ("rms_norm_eps", -1e-5, "rms_norm_eps"), ("rms_norm_eps", 0, "rms_norm_eps"), ("rms_norm_eps", "1e-5", "rms_norm"),
@@ -274,7 +278,7 @@ SLIDING = [  # qwen2 / mistral sliding windows
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, layer_types=[1, 2]), "layer_types"),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1), "some layers only"),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1,
-          num_hidden_layers=2 ** 62), "some layers only"),  # said at once, no list of 2^62 layers made
+          num_hidden_layers=2 ** 31 - 1), "some layers only"),  # said at once, no list of every layer made
 ]
 
 
@@ -294,8 +298,16 @@ CASES += [
         "{bad}"),
     gen("config-hidden-size-heads", [], 2, "hidden_size 66 is not a multiple of num_attention_heads 4",
         config(hidden_size=66, head_dim=DROP), "{bad}"),
-    gen("config-hidden-size-huge", [], 2, f"hidden_size / num_attention_heads is {2 ** 38}, more than 65536",
-        config(hidden_size=2 ** 40, head_dim=DROP), "{bad}"),
+    gen("config-hidden-size-huge", [], 2, f"hidden_size / num_attention_heads is {2 ** 28}, more than 65536",
+        config(hidden_size=2 ** 30, head_dim=DROP), "{bad}"),
+    gen("config-sizes-multiply-past-any-model", [], 2, "make 9,223,374,512,903,420,797 parameters, more than any "
+        "model", config(vocab_size=2 ** 31 - 1, hidden_size=2 ** 31 - 1), "{bad}"),
+    gen("config-window-huge", [], 2, f"sliding_window is {2 ** 70}, more than 2147483647",
+        config(model_type="mistral", sliding_window=2 ** 70), "{bad}"),
+    gen("config-original-context-huge", [], 2, "original_max_position_embeddings must be an integer from 1 to "
+        "2147483647", config(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                               high_freq_factor=4.0, original_max_position_embeddings=10 ** 30)),
+        "{bad}"),
     gen("config-list", [], 2, "is not a JSON object", files(config__json=[1, 2]), "{bad}"),
     gen("config-string", [], 2, "is not a JSON object", files(config__json='"llama"'), "{bad}"),
     gen("config-broken-json", [], 2, "is not valid JSON", files(config__json='{"model_type": '), "{bad}"),
