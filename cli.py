@@ -17,7 +17,7 @@ import traceback
 from contextlib import contextmanager
 
 from errors import EnvironmentFailure, UserError
-from files import log_dir, open_log
+from files import log_dir, open_log, stderr_to_log
 from progress import Ticker
 
 
@@ -36,35 +36,6 @@ class Parser(argparse.ArgumentParser):
 
 def is_verbose(a) -> bool:
     return getattr(a, "verbose", False) or os.environ.get("BUDGETKV_VERBOSE") == "1"
-
-
-@contextmanager
-def stderr_to_log(name: str, verbose: bool):
-    """Send file descriptor 2 (torch.compile's autotune tables, the C++ compiler's and Python's warnings) to the log
-    `name` (files.open_log) for the block, and yield a text stream on the terminal's own stderr, for a progress line.
-    verbose, or a log that cannot be opened: stderr stays as it is; a log opened elsewhere than usual is named."""
-    sys.stderr.flush()
-    try:
-        if verbose:
-            raise OSError
-        log_fd, log, note = open_log(name)
-    except OSError:
-        yield sys.stderr
-        return
-    if note:
-        print(f"note: {note}: this log is {log}", file=sys.stderr)
-    saved, saved_stream = os.dup(2), sys.stderr
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
-    sys.stderr = open(os.dup(2), "w")  # Python's own writes too, where sys.stderr is not fd 2
-    try:
-        with open(os.dup(saved), "w") as terminal:
-            yield terminal
-    finally:
-        sys.stderr.close()
-        sys.stderr = saved_stream
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 @contextmanager

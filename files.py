@@ -10,7 +10,9 @@ import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from errors import EnvironmentFailure, UserError
@@ -111,6 +113,35 @@ def open_log(name: str) -> tuple[int, Path, str | None]:
         problem = "a symbolic link" if e.errno == errno.ELOOP else e.strerror or str(e)
     fd, other = tempfile.mkstemp(prefix=f"budgetkv-{Path(name).stem}-", suffix=".log")
     return fd, Path(other), f"cannot use {path}: {problem}"
+
+
+@contextmanager
+def stderr_to_log(name: str, verbose: bool):
+    """Send file descriptor 2 (torch.compile's autotune tables, the C++ compiler's and Python's warnings) to the log
+    `name` (files.open_log) for the block, and yield a text stream on the terminal's own stderr, for a progress line.
+    verbose, or a log that cannot be opened: stderr stays as it is; a log opened elsewhere than usual is named."""
+    sys.stderr.flush()
+    try:
+        if verbose:
+            raise OSError
+        log_fd, log, note = open_log(name)
+    except OSError:
+        yield sys.stderr
+        return
+    if note:
+        print(f"note: {note}: this log is {log}", file=sys.stderr)
+    saved, saved_stream = os.dup(2), sys.stderr
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    sys.stderr = open(os.dup(2), "w")  # Python's own writes too, where sys.stderr is not fd 2
+    try:
+        with open(os.dup(saved), "w") as terminal:
+            yield terminal
+    finally:
+        sys.stderr.close()
+        sys.stderr = saved_stream
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def read_capped(path: Path, limit: int) -> bytes:

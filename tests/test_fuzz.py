@@ -902,6 +902,26 @@ class RecordingChat:
         pass
 
 
+@pytest.mark.parametrize("template", [
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{% set l = range(100000)|list %}{% for a in l %}{% for b in l %}{% endfor %}{% endfor %}"],
+    ids=["range", "list"])
+def test_a_chat_template_that_loops_is_stopped(tiny_ckpt, tmp_path, monkeypatch, capfd, template):
+    """A template looping 10^10 times, writing nothing and calling nothing in its inner loop, stops at
+    tokenizer.TEMPLATE_SECONDS (checked at every line of the template's code) with one line naming its file."""
+    import time
+
+    import tokenizer
+    monkeypatch.setattr(tokenizer, "TEMPLATE_SECONDS", 0.5)
+    tok_config(chat_template=template)(tmp_path, tiny_ckpt)
+    t = time.monotonic()
+    code = generate.main(["--checkpoint", str(tmp_path / "bad"), *PROMPT])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert code == 2 and time.monotonic() - t < 30, err
+    assert err == [f"error: the chat template in {tmp_path / 'bad' / 'tokenizer_config.json'} fails: TemplateLimit: "
+                   "runs longer than 0.5 s (--no-chat skips it)"]
+
+
 def test_a_bad_chat_turn_is_one_line_and_the_chat_goes_on():
     """A turn that is not UTF-8 and commands with an argument: each is one line naming what is wrong, none reaches
     the model, and the next turn is read."""
@@ -1038,12 +1058,12 @@ def test_a_thread_count_that_is_none_is_one_line(monkeypatch, capsys, value):
     errors.check_python()
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", ""])
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", "", "0.001", "0.999"])
 def test_a_tensor_parallel_timeout_that_is_none_is_one_line(monkeypatch, value):
     import tp
     from errors import UserError
     monkeypatch.setenv("BUDGETKV_TP_TIMEOUT", value)
-    with pytest.raises(UserError, match=f"BUDGETKV_TP_TIMEOUT={value!r} must be a number of seconds > 0"):
+    with pytest.raises(UserError, match=f"BUDGETKV_TP_TIMEOUT={value!r} must be a number of seconds >= 1"):
         tp.env_timeout_s()
     monkeypatch.setenv("BUDGETKV_TP_TIMEOUT", "2.5")
     assert tp.env_timeout_s() == 2.5
