@@ -243,6 +243,25 @@ def write_error(path: Path, e: BaseException) -> EnvironmentFailure:
     return EnvironmentFailure(f"cannot write {path}: {reason}")
 
 
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file size limit
+
+
+def disk_full(e: BaseException) -> OSError | None:
+    """The full disk (FULL) that made `e` fail, where another error carries it: an OSError among its causes (inductor
+    writing its cache), or the line a compiler wrote into its text ("error closing /tmp/ccX.s: No space left on
+    device"), with the file where known; None for any other failure."""
+    cause = e
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in FULL:
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    for code in FULL:
+        found = re.search(rf"(?:(/\S+): )?{re.escape(os.strerror(code))}", str(e))
+        if found:
+            return OSError(code, os.strerror(code), found.group(1))
+    return None
+
+
 def file_mode(path: Path) -> int:
     """The permission bits a file written as `path` gets: those of the file it replaces, else 0666 less the umask."""
     try:

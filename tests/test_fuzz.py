@@ -849,6 +849,32 @@ def test_environment_errors_are_one_line(tiny_ckpt, monkeypatch, capfd, exc, cod
     assert got == code and err.strip() == line, err
 
 
+@pytest.mark.parametrize("where", ["TMPDIR", "inductor cache"])
+def test_compiling_on_a_full_disk_is_one_line(tiny_ckpt, tmp_path, monkeypatch, capfd, where):
+    """--compile where the compiler's files go to a full disk: inductor raises InductorError around the C++
+    compiler's output (TMPDIR full: "error closing /tmp/ccX.s: No space left on device"), or around the OSError of
+    writing its cache (no file named): one line naming the file, or the compiler's folder that is full, exit 1.
+    The compiler is not run: warm-up raises what inductor raised on a 64 KiB tmpfs."""
+    import cli
+    import engine
+    from torch._inductor.exc import CppCompileError, InductorError
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    monkeypatch.setattr(cli, "free_bytes", lambda folder: 0 if folder == str(cache) else 2 ** 40)
+    inner = (CppCompileError(["g++", "-x", "c++-header"], f"cpp_prefix.h:1490:2: fatal error: error closing "
+                                                          f"{tmp_path}/ccA.s: No space left on device\n")
+             if where == "TMPDIR" else OSError(28, "No space left on device"))
+
+    def warm_up(self, model, first_id):
+        raise InductorError(inner, None) from inner
+    monkeypatch.setattr(engine.Generation, "warm_up", warm_up)
+    code = generate.main(["--checkpoint", str(tiny_ckpt), *PROMPT, "--compile"])
+    err = capfd.readouterr().err.strip().splitlines()
+    full = f"{tmp_path}/ccA.s" if where == "TMPDIR" else str(cache)
+    assert code == 1 and err == [f"error: {full}: No space left on device (free some space, or point TMPDIR and "
+                                 "TORCHINDUCTOR_CACHE_DIR at another disk, then run again)"], err
+
+
 def test_safetensors_io_error_names_the_file(tmp_path, monkeypatch, capfd):
     """safetensors reports a failed write as SafetensorError without the file: run_cli finds the file its caller
     passed, and it is an environment failure (exit 1)."""
