@@ -25,7 +25,7 @@ import torch
 
 import aoti
 import kernels
-from errors import UserError
+from errors import UserError, check_int
 from model import set_layer_regions
 
 INDUCTOR_CACHE = Path(__file__).resolve().parent / "build" / "inductor-cache"  # compiled steps, kept across runs
@@ -57,12 +57,16 @@ def compute_dtype(dtype: str, device: str) -> torch.dtype:
     return auto if dtype == "auto" else getattr(torch, dtype)
 
 
+MAX_THREADS = 1024
+
+
 def set_threads(n: int | None) -> None:
-    """n CPU threads for torch's intra-op and inter-op pools (None: torch's default, one per core). The inter-op
-    pool can be sized once per process, before any parallel work: a later call leaves it as it is."""
+    """n CPU threads (1 to MAX_THREADS; UserError naming `threads` otherwise) for torch's intra-op and inter-op
+    pools (None: torch's default, one per core). The inter-op pool can be sized once per process, before any
+    parallel work: a later call leaves it as it is."""
     if n is None:
         return
-    torch.set_num_threads(n)
+    torch.set_num_threads(check_int("threads", n, 1, MAX_THREADS))
     try:
         torch.set_num_interop_threads(n)
     except RuntimeError:

@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -67,14 +68,23 @@ def check_args(args) -> None:
         check_writable(args.plot, "--plot")
 
 
+def internal(value: str, flag: str, form: str) -> tuple:
+    """The parts of an internal flag's value (what run_batch passes its own children); UserError otherwise."""
+    m = re.fullmatch(form, value)
+    if m is None:
+        raise UserError(f"{flag} {value!r}: a flag this script passes its own runs (label@B@state-file), not one to "
+                        "give")
+    return m.groups()
+
+
 def run(args) -> None:
     check_args(args)
     start(args)
     if args.one_prefill:
-        label, path = args.one_prefill.split("@", 1)
+        label, path = internal(args.one_prefill, "--one-prefill", r"([^@]+)@(.+)")
         print(json.dumps(batch_prefill_one(label, Path(path), args)))
     elif args.one:
-        label, B, path = args.one.split("@", 2)
+        label, B, path = internal(args.one, "--one", r"([^@]+)@([0-9]+)@(.+)")
         print(json.dumps(batch_one(label, int(B), Path(path), args)))
     else:
         run_batch(args)

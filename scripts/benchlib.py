@@ -2,13 +2,20 @@
 comma-separated integer lists, a configuration's model, steps and timed run, the bandwidth and matrix-product probes,
 the settings an output is resumable under, outputs that survive interruption (--resume), and one configuration run
 in a fresh process."""
+import sys
+
+if __name__ == "__main__":  # run directly: one line, not an ImportError
+    PART = "scripts/benchlib.py is a part of the benchmarks (scripts/bench*.py), not a command of its own"
+    print(f"usage: {PART}" if sys.argv[1:] in (["-h"], ["--help"]) else f"error: {PART}",
+          file=sys.stdout if sys.argv[1:] in (["-h"], ["--help"]) else sys.stderr)
+    sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
+
 import argparse
 import json
 import math
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 

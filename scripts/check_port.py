@@ -15,6 +15,7 @@ and safetensors only.
 """
 import argparse
 import fnmatch
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +31,12 @@ HALF_MAX = 65504.0  # float16's largest finite value
 
 class BadInput(Exception):
     pass
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
+        print(f"check_port: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 def load(path: Path) -> dict[str, np.ndarray]:
@@ -307,7 +314,7 @@ def check_case(c: Case, exp: dict, got: dict) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("vectors", type=Path)
     ap.add_argument("results", type=Path)
     ap.add_argument("--case", default="*", help="only the cases whose name matches this glob")
@@ -348,8 +355,18 @@ def main(argv: list[str]) -> int:
     checked = len(present) - unreadable
     print(f"{checked - bad} of {checked} checked cases match ({len(cases) - len(present)} without a result skipped"
           + (f", {unreadable} with bad input" if unreadable else "") + ")")
+    if bad:
+        print(f"check_port: {bad} of {checked} checked cases do not match (the MISMATCH lines say where)",
+              file=sys.stderr)
     return 2 if unreadable else 1 if bad else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        code = main(sys.argv[1:])
+        sys.stdout.flush()
+    except OSError as e:  # the report cannot be written (a closed pipe, a full disk): one line, not a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"check_port: cannot write the report to standard output: {e.strerror or e}", file=sys.stderr)
+        code = 1
+    sys.exit(code)

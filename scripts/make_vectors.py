@@ -42,6 +42,8 @@ import engine  # noqa: E402
 import runtime  # noqa: E402
 import loading  # noqa: E402
 import policies  # noqa: E402
+from cli import Parser, run_cli  # noqa: E402
+from files import check_out_dir  # noqa: E402
 from model import ModelArgs  # noqa: E402
 
 NEW_TOKENS = 4
@@ -411,13 +413,20 @@ def write(out: Path) -> None:
     (out / "manifest.json").write_text(text + "\n")
 
 
-def main(argv: list[str]) -> int:
-    out = Path(argv[0]) if argv else REPO / "tests" / "vectors"
+def run(a) -> int:
+    check_out_dir(a.out, "OUT")
     torch.set_num_threads(1)
-    write(out)
-    print(f"wrote {len(cases())} cases to {out}")
+    write(a.out)
+    print(f"wrote {len(cases())} cases to {a.out}")
     return 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", nargs="?", type=Path, default=REPO / "tests" / "vectors", metavar="OUT",
+                    help="the folder to write (default: tests/vectors)")
+    return run_cli(run, ap.parse_args(argv))
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -2,6 +2,14 @@
 sees the old one or the whole new one, never a part), a journal gets one whole JSON line per finished configuration,
 and `settings` (what a run's results depend on) are recorded beside the results, so that --resume reuses results
 only from a run with the same settings and refuses to mix in any other."""
+import sys
+
+if __name__ == "__main__":  # run directly: one line, not an ImportError
+    PART = "scripts/outputs.py is a part of scripts/eval.py and the benchmarks, not a command of its own"
+    print(f"usage: {PART}" if sys.argv[1:] in (["-h"], ["--help"]) else f"error: {PART}",
+          file=sys.stdout if sys.argv[1:] in (["-h"], ["--help"]) else sys.stderr)
+    sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
+
 import hashlib
 import io
 import json
