@@ -25,7 +25,7 @@ from torch import Tensor
 
 import kernels
 from errors import EnvironmentFailure
-from files import remove_stale_tmp, write_atomic, write_text
+from files import read_json, remove_stale_tmp, write_atomic, write_text
 from model import set_layer_regions
 
 ROOT = Path(__file__).resolve().parent
@@ -168,7 +168,7 @@ def package_problem(path: Path, key: str, recipe: list[str]) -> str | None:
     if not path.is_file():
         return ""
     try:
-        record = json.loads(record_path(path).read_text(encoding="utf-8"))
+        record = read_json(record_path(path))
         digest = file_sha256(path)
     except (OSError, ValueError):
         return "no readable record of what it was built from"

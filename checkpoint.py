@@ -8,7 +8,6 @@ The command line is scripts/download.py.
 """
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 from convert import (ENGINE_FILE, CheckpointError, checkpoint_files, convert_gguf, convert_hf_dir, hf_sources,
                      hf_weights, read_config, read_gguf, read_identity, stale, verified)
-from files import check_out_dir, remove_stale_tmp, unreachable
+from files import check_out_dir, read_json, remove_stale_tmp, unreachable
 from errors import EnvironmentFailure, UserError
 import quantize
 
@@ -141,7 +140,7 @@ def weights_format(config: dict, dtype: str, random_shapes: str | None = None, s
 
 def read_config_file(path: Path) -> dict:
     try:
-        config = json.loads(path.read_text())
+        config = read_json(path)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read {path}: {e}") from None
     if not isinstance(config, dict):
@@ -269,7 +268,7 @@ def incomplete_download(d: Path) -> str | None:
     index = d / "model.safetensors.index.json"
     if index.is_file():
         try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            shards = sorted(set(read_json(index)["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return f"{index.name} is unreadable"
         missing = [s for s in shards if not (d / str(s)).is_file()]

@@ -12,13 +12,14 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
 from errors import EnvironmentFailure, UserError
-from files import log_dir, open_log
+from files import disk_full, log_dir, open_log, stderr_to_log
 from progress import Ticker
 
 
@@ -62,35 +63,6 @@ class Parser(argparse.ArgumentParser):
 
 def is_verbose(a) -> bool:
     return getattr(a, "verbose", False) or os.environ.get("BUDGETKV_VERBOSE") == "1"
-
-
-@contextmanager
-def stderr_to_log(name: str, verbose: bool):
-    """Send file descriptor 2 (torch.compile's autotune tables, the C++ compiler's and Python's warnings) to the log
-    `name` (files.open_log) for the block, and yield a text stream on the terminal's own stderr, for a progress line.
-    verbose, or a log that cannot be opened: stderr stays as it is; a log opened elsewhere than usual is named."""
-    sys.stderr.flush()
-    try:
-        if verbose:
-            raise OSError
-        log_fd, log, note = open_log(name)
-    except OSError:
-        yield sys.stderr
-        return
-    if note:
-        print(f"note: {note}: this log is {log}", file=sys.stderr)
-    saved, saved_stream = os.dup(2), sys.stderr
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
-    sys.stderr = open(os.dup(2), "w")  # Python's own writes too, where sys.stderr is not fd 2
-    try:
-        with open(os.dup(saved), "w") as terminal:
-            yield terminal
-    finally:
-        sys.stderr.close()
-        sys.stderr = saved_stream
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 @contextmanager
@@ -140,6 +112,26 @@ def safetensors_os_error(e: Exception) -> OSError | None:
             filename = str(frame.f_locals["filename"])
     errno = int(m.group(1))
     return OSError(errno, os.strerror(errno), filename)
+
+
+def full_disk_line(e: OSError) -> str:
+    """'<file>: No space left on device (...)', or where no file is known, the folders a compiler writes in that
+    have less than 1 MiB free (TMPDIR, TORCHINDUCTOR_CACHE_DIR, BUDGETKV_AOT_DIR)."""
+    where = e.filename
+    if where is None:
+        folders = [tempfile.gettempdir()] + [os.environ[v] for v in ("TORCHINDUCTOR_CACHE_DIR", "BUDGETKV_AOT_DIR")
+                                             if os.environ.get(v)]
+        where = ", ".join(f for f in folders if free_bytes(f) < 2 ** 20) or f"one of {', '.join(folders)}"
+    return (f"{where}: {e.strerror} (free some space, or point TMPDIR and TORCHINDUCTOR_CACHE_DIR at another disk, "
+            "then run again)")
+
+
+def free_bytes(folder: str) -> int:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return 2 ** 63
+    return st.f_bavail * st.f_frsize
 
 
 SECRET_WORDS = {"token", "secret", "password", "passwd", "credentials", "key", "apikey"}
@@ -321,6 +313,10 @@ def run_cli(run_fn, a) -> int:
         io = safetensors_os_error(e) if isinstance(e, SafetensorError) else None
         if io is not None:
             print(f"error: {os_error_line(io)}", file=sys.stderr)
+            return 1
+        full = disk_full(e)
+        if full is not None:  # a compiler's files (TMPDIR, the inductor cache) on a full disk, among others
+            print(f"error: {full_disk_line(full)}", file=sys.stderr)
             return 1
         if isinstance(e, SafetensorError):  # a malformed file that no library caller caught: bad input
             print(f"error: cannot read a safetensors file (truncated or corrupt?): {one_line(e)}", file=sys.stderr)

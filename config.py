@@ -1,5 +1,6 @@
 """config.json -> ModelArgs: every hyper-parameter comes from the checkpoint's config.json, never from a name, and
-every value is checked by type and range before any weight is read (ConfigError names the field in one line)."""
+every value is checked by type and range before any weight is read (ConfigError names the field in one line);
+weight_count, the parameters its sizes make."""
 import math
 
 import torch
@@ -9,6 +10,8 @@ from model import ModelArgs, rope_inv_freq
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 MAX_HEAD_DIM = 1 << 16  # models use 64-256; parse_config computes head_dim / 2 RoPE frequencies to check them
+MAX_SIZE = 2 ** 31 - 1  # any one size or context (the largest are ~10^7); tensors index with int64
+MAX_PARAMETERS = 2 ** 48  # ~3 * 10^14, a thousand times the largest model: no tensor's size overflows int64
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -50,7 +53,22 @@ def parse_config(cfg: dict) -> ModelArgs:
     if not (torch.isfinite(inv_freq * args.max_seq_len).all() and (inv_freq >= 0).all()):
         raise ConfigError(f"config.json: rope_theta {rope_theta!r} with rope_scaling {scaling} gives RoPE "
                           "frequencies that are not finite")
+    n = weight_count(args)
+    if n > MAX_PARAMETERS:
+        raise ConfigError(f"config.json: its sizes (vocab_size {args.vocab_size}, hidden_size {args.dim}, "
+                          f"intermediate_size {args.intermediate_size}, {args.n_heads} heads of {head_dim}, "
+                          f"{args.n_layers} layers) make {n:,} parameters, more than any model ({MAX_PARAMETERS:,})")
     return args
+
+
+def weight_count(args: ModelArgs, world: int = 1) -> int:
+    """The parameters of args' model from its sizes alone (no module built), a tied embedding counted once; world
+    > 1: those one tensor-parallel rank holds (wqkv, wo, w13 and w2 sliced `world` ways, the rest whole)."""
+    d, f, q, kv = args.dim, args.intermediate_size, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    sliced = [(q + 2 * kv) * d, (q + 2 * kv) * args.qkv_bias, d * q, 2 * f * d, d * f]  # wqkv, its bias, wo, w13, w2
+    whole = 2 * d + d * args.o_bias  # the two norms, wo's bias
+    embeddings = args.vocab_size * d * (1 if args.tie_embeddings else 2)
+    return args.n_layers * (sum(n // world for n in sliced) + whole) + embeddings + d
 
 
 def check_supported(cfg: dict) -> str:
@@ -80,6 +98,8 @@ def check_sizes(cfg: dict) -> None:
         v = cfg.get(key)
         if v is not None and (type(v) is not int or v < 1):  # None: absent, or a default applies
             raise ConfigError(f"config.json: {key} must be a positive integer, got {v!r}")
+        if v is not None and v > MAX_SIZE:
+            raise ConfigError(f"config.json: {key} is {v}, more than {MAX_SIZE} (no model's is that large)")
 
 
 def head_shapes(cfg: dict) -> tuple[int, int, int]:
@@ -205,9 +225,9 @@ def rope_scaling(cfg: dict, rope: dict) -> dict | None:
         scaling[k] = v
     if kind == "llama3":
         ctx = scaling["original_max_position_embeddings"]
-        if type(ctx) is not int or ctx < 1:
-            raise ConfigError(f"config.json: {label}.original_max_position_embeddings must be a positive "
-                              f"integer, got {ctx!r}")
+        if type(ctx) is not int or not 1 <= ctx <= MAX_SIZE:
+            raise ConfigError(f"config.json: {label}.original_max_position_embeddings must be an integer from 1 to "
+                              f"{MAX_SIZE}, got {ctx!r}")
         if not scaling["low_freq_factor"] < scaling["high_freq_factor"]:
             raise ConfigError(f"config.json: {label}.low_freq_factor ({scaling['low_freq_factor']}) must be "
                               f"below high_freq_factor ({scaling['high_freq_factor']})")

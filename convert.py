@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from errors import UserError
-from files import fsync_path, remove_stale_tmp, tmp_path, write_atomic, write_error, write_text
+from files import fsync_path, parse_json, read_json, remove_stale_tmp, tmp_path, write_atomic, write_error, write_text
 from progress import Progress, Ticker
 from tokenizer import TokenizerError, write_gguf_tokenizer
 
@@ -161,8 +161,8 @@ def read_config(ckpt_dir: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{ckpt_dir} has no config.json")
     try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        config = read_json(path)
+    except ValueError as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path} is not a JSON object")
@@ -233,7 +233,7 @@ def read_identity(engine: Path) -> dict | None:
 def identity_in(metadata: dict | None) -> dict | None:
     """The identity in an engine file's metadata (read_identity's rules)."""
     try:
-        ident = json.loads((metadata or {}).get("budgetkv_identity", "null"))
+        ident = parse_json((metadata or {}).get("budgetkv_identity", "null"))
     except ValueError:
         return None
     ok = (isinstance(ident, dict) and ident.get("converter") == CONVERTER and isinstance(ident.get("source"), str)
@@ -261,7 +261,7 @@ def check_loaded(engine: Path, metadata: dict | None) -> None:
 def load_stats(folder: Path) -> dict:
     path = folder / STAT_FILE
     try:
-        old = json.loads(path.read_text())
+        old = read_json(path)
     except (OSError, ValueError):
         old = {}
     return {"path": path, "old": old if isinstance(old, dict) else {}, "new": {}}

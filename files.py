@@ -10,7 +10,9 @@ import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from errors import EnvironmentFailure, UserError
@@ -113,6 +115,35 @@ def open_log(name: str) -> tuple[int, Path, str | None]:
     return fd, Path(other), f"cannot use {path}: {problem}"
 
 
+@contextmanager
+def stderr_to_log(name: str, verbose: bool):
+    """Send file descriptor 2 (torch.compile's autotune tables, the C++ compiler's and Python's warnings) to the log
+    `name` (files.open_log) for the block, and yield a text stream on the terminal's own stderr, for a progress line.
+    verbose, or a log that cannot be opened: stderr stays as it is; a log opened elsewhere than usual is named."""
+    sys.stderr.flush()
+    try:
+        if verbose:
+            raise OSError
+        log_fd, log, note = open_log(name)
+    except OSError:
+        yield sys.stderr
+        return
+    if note:
+        print(f"note: {note}: this log is {log}", file=sys.stderr)
+    saved, saved_stream = os.dup(2), sys.stderr
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    sys.stderr = open(os.dup(2), "w")  # Python's own writes too, where sys.stderr is not fd 2
+    try:
+        with open(os.dup(saved), "w") as terminal:
+            yield terminal
+    finally:
+        sys.stderr.close()
+        sys.stderr = saved_stream
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def read_capped(path: Path, limit: int) -> bytes:
     """The first limit + 1 bytes of `path` (more than `limit` means too large: /dev/zero never ends). A named pipe
     is opened without waiting for a writer, so one that nobody writes to reads as empty instead of blocking."""
@@ -125,6 +156,35 @@ def read_capped(path: Path, limit: int) -> bytes:
             return f.read(limit + 1)
     finally:
         os.close(fd)
+
+
+JSON_MAX_BYTES = 64 << 20  # a config, tokenizer, manifest or resume file; tokenizer.json files are under 40 MiB
+JSON_MAX_DEPTH = 64  # nesting: config and tokenizer files nest under 10 levels
+
+
+def parse_json(text: str | bytes):
+    """json.loads, nested at most JSON_MAX_DEPTH levels: a ValueError otherwise (never a RecursionError). Every file
+    a user or another tool wrote is parsed here (read_json)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        value = None
+    else:
+        level = [value] if isinstance(value, dict | list) else []
+        for _ in range(JSON_MAX_DEPTH):  # level: the containers at one depth
+            level = [c for v in level for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, dict | list)]
+        if not level:
+            return value
+    raise ValueError(f"nested deeper than {JSON_MAX_DEPTH} levels")
+
+
+def read_json(path: Path, limit: int = JSON_MAX_BYTES):
+    """The JSON value in the file `path`, read with bounds: at most `limit` bytes (/dev/zero never ends), UTF-8,
+    nested at most JSON_MAX_DEPTH levels. ValueError (the reason; the caller names the file) or OSError."""
+    data = read_capped(path, limit)
+    if len(data) > limit:
+        raise ValueError(f"larger than {limit >> 20} MiB")
+    return parse_json(data.decode("utf-8"))
 
 
 def check_writable(path: Path, what: str) -> None:
@@ -183,6 +243,25 @@ def write_error(path: Path, e: BaseException) -> EnvironmentFailure:
     return EnvironmentFailure(f"cannot write {path}: {reason}")
 
 
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file size limit
+
+
+def disk_full(e: BaseException) -> OSError | None:
+    """The full disk (FULL) that made `e` fail, where another error carries it: an OSError among its causes (inductor
+    writing its cache), or the line a compiler wrote into its text ("error closing /tmp/ccX.s: No space left on
+    device"), with the file where known; None for any other failure."""
+    cause = e
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in FULL:
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    for code in FULL:
+        found = re.search(rf"(?:(/\S+): )?{re.escape(os.strerror(code))}", str(e))
+        if found:
+            return OSError(code, os.strerror(code), found.group(1))
+    return None
+
+
 def file_mode(path: Path) -> int:
     """The permission bits a file written as `path` gets: those of the file it replaces, else 0666 less the umask."""
     try:
@@ -227,9 +306,9 @@ def jsonl_objects(path: Path, text: str, what: str = "a row", limit: int | None 
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {n} is not JSON ({e.msg})") from None
+            row = parse_json(line)
+        except ValueError as e:
+            raise ValueError(f"{path} line {n} is not JSON ({getattr(e, 'msg', e)})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path} line {n}: {what} is a JSON object, not {json_type(row)}")
         rows.append(row | {"_line": n})

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from cache import Storage
-from config import parse_config
+from config import parse_config, weight_count
 from convert import ENGINE_FILE, CheckpointError, check_loaded, read_config, read_hf_dir
 from errors import UserError
 import quantize
@@ -88,16 +88,6 @@ def meta_model(config: dict) -> Transformer:
 def parameter_count(model) -> int:
     """Parameters, a tied embedding counted once (model.parameters() yields a shared tensor once)."""
     return sum(p.numel() for p in model.parameters())
-
-
-def weight_count(args: ModelArgs, world: int = 1) -> int:
-    """The parameters of args' model from its sizes alone (no module built), a tied embedding counted once; world
-    > 1: those one tensor-parallel rank holds (wqkv, wo, w13 and w2 sliced `world` ways, the rest whole)."""
-    d, f, q, kv = args.dim, args.intermediate_size, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    sliced = [(q + 2 * kv) * d, (q + 2 * kv) * args.qkv_bias, d * q, 2 * f * d, d * f]  # wqkv, its bias, wo, w13, w2
-    whole = 2 * d + d * args.o_bias  # the two norms, wo's bias
-    embeddings = args.vocab_size * d * (1 if args.tie_embeddings else 2)
-    return args.n_layers * (sum(n // world for n in sliced) + whole) + embeddings + d
 
 
 def free_memory(device: str) -> int | None:

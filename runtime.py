@@ -36,7 +36,7 @@ import torch
 import aoti
 import kernels
 from cache import KV_DTYPES
-from errors import UserError
+from errors import UserError, check_int
 from model import set_layer_regions
 
 INDUCTOR_CACHE = Path(__file__).resolve().parent / "build" / "inductor-cache"  # compiled steps, kept across runs
@@ -141,12 +141,13 @@ class Threads:
 
 
 THREADS = Threads()
+MAX_THREADS = 1024
 
 
 def set_threads(n: int | None) -> None:
     """The run's CPU threads: fixed at n, or adaptive (None: the module docstring's rule). The inter-op pool is
     sized once per process, before any parallel work: a later call leaves it as it is."""
-    THREADS.start(n)
+    THREADS.start(None if n is None else check_int("threads", n, 1, MAX_THREADS))
     try:
         torch.set_num_interop_threads(THREADS.usable)
     except RuntimeError:

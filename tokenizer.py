@@ -4,8 +4,11 @@ load_tokenizer(dir) picks the backend from the files present; every backend expo
 small interface (encode/decode/eos_ids/chat template) so generate.py never cares which it got.
 """
 import base64
+import functools
 import json
 import re
+import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -14,6 +17,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from errors import UserError
+from files import JSON_MAX_BYTES, read_capped, read_json
 
 
 class TokenizerError(UserError):
@@ -49,9 +53,11 @@ class Tokenizer:
         """The chat template's text for `messages` ({"role", "content"} dicts), as HF's apply_chat_template."""
         if not self.chat_template:
             raise ValueError("this checkpoint has no chat template")
+        text = sum(len(m.get("content") or "") for m in messages)
         try:
-            return _render(self.chat_template, messages=messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=self.bos_token, eos_token=self.eos_token)
+            return _render(self.chat_template, TEMPLATE_CHARS + 4 * text, messages=messages,
+                           add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
+                           eos_token=self.eos_token)
         except Exception as e:  # the template is the checkpoint's code: any failure of it is a broken checkpoint
             line = f" line {e.lineno}" if isinstance(e, jinja2.TemplateSyntaxError) and e.lineno else ""
             raise TokenizerError(f"the chat template in {self.chat_template_file or 'the tokenizer files'}{line} "
@@ -80,8 +86,9 @@ class Tokenizer:
 class _HFTokenizer(Tokenizer):
     def __init__(self, path: Path):
         from tokenizers import Tokenizer as HFTok
+        data = _read_capped(path)
         try:
-            self.tok = HFTok.from_file(str(path))
+            self.tok = HFTok.from_str(data.decode("utf-8"))
         except Exception as e:
             raise TokenizerError(f"cannot read {path}: {_oneline(e)}") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
@@ -101,8 +108,10 @@ class _HFTokenizer(Tokenizer):
 class _SPTokenizer(Tokenizer):
     def __init__(self, path: Path):
         import sentencepiece as spm
+        data = _read_capped(path)
         try:
-            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+            self.sp = spm.SentencePieceProcessor()
+            self.sp.LoadFromSerializedProto(data)
         except Exception as e:
             raise TokenizerError(f"cannot read {path}: {_oneline(e)}") from None
         n = self.vocab_size = self.sp.get_piece_size()
@@ -182,7 +191,7 @@ def _tiktoken_chunks(s, max_chars=400_000, max_run=25_000):
 
 def _read_tiktoken(path: Path) -> dict[bytes, int] | None:
     """Ranks if the file is tiktoken's `base64 rank` text format, None otherwise (sentencepiece proto)."""
-    lines = [line for line in path.read_bytes().splitlines() if line]
+    lines = [line for line in _read_capped(path).splitlines() if line]
 
     def parse(line):
         tok, rank = line.split()
@@ -242,10 +251,13 @@ def load_tokenizer(ckpt_dir) -> Tokenizer:
     jinja_file = d / "chat_template.jinja"
     if jinja_file.is_file():
         try:
-            tmpl = jinja_file.read_text(encoding="utf-8")
+            tmpl = read_capped(jinja_file, TEMPLATE_CHARS).decode("utf-8")
         except UnicodeDecodeError as e:
             raise TokenizerError(f"cannot read {jinja_file}: not UTF-8 text ({e.reason})") from None
         tok.chat_template_file = str(jinja_file)
+    if tmpl and len(tmpl) > TEMPLATE_CHARS:
+        raise TokenizerError(f"the chat template in {tok.chat_template_file} is longer than {TEMPLATE_CHARS >> 20} "
+                             "MiB (--no-chat skips it)")
     tok.chat_template = tmpl or None
     return tok
 
@@ -333,12 +345,20 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
+        cfg = read_json(path)
     except ValueError as e:  # includes JSONDecodeError and UnicodeDecodeError
         raise TokenizerError(f"cannot parse {path}: {_oneline(e)}") from None
     if not isinstance(cfg, dict):
         raise TokenizerError(f"{path} is not a JSON object")
     return cfg
+
+
+def _read_capped(path: Path) -> bytes:
+    """A tokenizer file's bytes, refused past JSON_MAX_BYTES (the largest tokenizer.json is under 40 MiB)."""
+    data = read_capped(path, JSON_MAX_BYTES)
+    if len(data) > JSON_MAX_BYTES:
+        raise TokenizerError(f"cannot read {path}: larger than {JSON_MAX_BYTES >> 20} MiB")
+    return data
 
 
 def _tok_str(t, path: Path, key: str) -> str:
@@ -363,12 +383,93 @@ def _raise(msg):
     raise jinja2.exceptions.TemplateError(msg)
 
 
-def _render(template: str, **kw) -> str:
-    # Same environment flags as HF's apply_chat_template so outputs match byte for byte.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
-    # jinja's own tojson HTML-escapes <>&'; HF templates expect plain JSON.
-    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-    env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    return env.from_string(template).render(**kw)
+TEMPLATE_SECONDS = 10.0  # a chat template renders in milliseconds
+TEMPLATE_CHARS = 1 << 20  # a chat template's length; what it may write beyond 4 times its messages' text
+
+
+class TemplateLimit(Exception):
+    """A chat template that would run or grow without bound (_render's limits)."""
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """HF's sandbox and flags (outputs match apply_chat_template byte for byte), with no value past `most`
+    characters or items: each value a template reads or a call or filter returns is checked, and so are the
+    arguments of every call and filter (a number past `most`: ljust(10**12), center(10**12)) and `*` and `**` (the
+    operators that grow a value past the sum of their operands) before they run."""
+    intercepted_binops = frozenset({"*", "**"})
+
+    def __init__(self, most: int):
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
+        self.most = most
+        # jinja's own tojson HTML-escapes <>&'; HF templates expect plain JSON.
+        self.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
+            json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        self.filters = {name: self.bounded(f) for name, f in self.filters.items()}
+        self.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+
+    def sized(self, v):
+        if isinstance(v, str | list | tuple | dict) and len(v) > self.most:
+            raise TemplateLimit(f"makes a value of {len(v):,} characters or items, more than {self.most:,}")
+        return v
+
+    def check_args(self, f, args, kwargs) -> None:
+        for a in (*args, *kwargs.values()):
+            if type(a) is int and abs(a) > self.most:
+                raise TemplateLimit(f"calls {getattr(f, '__name__', 'a function')} with {a}, more than {self.most:,}")
+            self.sized(a)
+
+    def bounded(self, f):
+        @functools.wraps(f)  # keeps jinja's pass_context / pass_environment marks
+        def run(*args, **kwargs):
+            self.check_args(f, args, kwargs)
+            return self.sized(f(*args, **kwargs))
+        return run
+
+    def getattr(self, obj, attribute):
+        return self.sized(super().getattr(obj, attribute))
+
+    def getitem(self, obj, argument):
+        return self.sized(super().getitem(obj, argument))
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805  (jinja's own signature)
+        __self.check_args(__obj, args, kwargs)
+        return __self.sized(super().call(__context, __obj, *args, **kwargs))
+
+    def call_binop(self, context, operator, left, right):
+        ints = type(left) is int and type(right) is int
+        if operator == "**" and ints and abs(left) > 1 and right * left.bit_length() > 8 * self.most:
+            raise TemplateLimit(f"computes {left} ** {right}, a number of more than {self.most:,} bytes")
+        if operator == "*" and ints and left.bit_length() + right.bit_length() > 8 * self.most:
+            raise TemplateLimit(f"multiplies numbers of more than {self.most:,} bytes")
+        for seq, n in ((left, right), (right, left)):
+            if operator == "*" and isinstance(seq, str | list | tuple) and type(n) is int and len(seq) * n > self.most:
+                raise TemplateLimit(f"repeats a value {n:,} times, more than {self.most:,} characters or items")
+        return super().call_binop(context, operator, left, right)
+
+
+def _render(template: str, most: int, **kw) -> str:
+    """The template's text for kw (_Sandbox), bounded: TemplateLimit once it has run TEMPLATE_SECONDS (checked at
+    every line of the template's code, in this thread) or written or made a value of more than `most` characters."""
+    compiled = _Sandbox(most).from_string(template)
+    deadline = time.monotonic() + TEMPLATE_SECONDS
+
+    def in_template(frame, event, arg):  # the template's compiled code (and its macros) is traced line by line
+        return each_line if frame.f_code.co_filename == "<template>" else None
+
+    def each_line(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise TemplateLimit(f"runs longer than {TEMPLATE_SECONDS:g} s")
+        return each_line
+
+    before = sys.gettrace()
+    sys.settrace(in_template)
+    try:
+        out, n = [], 0
+        for piece in compiled.generate(**kw):
+            n += len(piece)
+            if n > most:
+                raise TemplateLimit(f"writes more than {most:,} characters")
+            out.append(piece)
+    finally:
+        sys.settrace(before)
+    return "".join(out)

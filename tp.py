@@ -29,20 +29,22 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from errors import EnvironmentFailure, UserError
-from files import log_dir, open_log
+from files import log_dir, open_log, stderr_to_log
 
 TIMEOUT_S = 120.0  # no rank waits longer in a collective (BUDGETKV_TP_TIMEOUT: another number of seconds)
+MIN_TIMEOUT_S = 1.0  # ranks start seconds apart: a shorter timeout fails the rendezvous itself
 
 
 def env_timeout_s() -> float:
-    """BUDGETKV_TP_TIMEOUT, seconds > 0, else TIMEOUT_S; UserError for a value that is not one."""
+    """BUDGETKV_TP_TIMEOUT, seconds >= MIN_TIMEOUT_S, else TIMEOUT_S; UserError for a value that is not one."""
     text = os.environ.get("BUDGETKV_TP_TIMEOUT")
     try:
         value = TIMEOUT_S if text is None else float(text)
     except ValueError:
         value = math.nan
-    if not 0 < value < math.inf:
-        raise UserError(f"BUDGETKV_TP_TIMEOUT={text!r} must be a number of seconds > 0 (or unset: {TIMEOUT_S:g})")
+    if not MIN_TIMEOUT_S <= value < math.inf:
+        raise UserError(f"BUDGETKV_TP_TIMEOUT={text!r} must be a number of seconds >= {MIN_TIMEOUT_S:g} (or unset: "
+                        f"{TIMEOUT_S:g})")
     return value
 
 
@@ -61,13 +63,15 @@ class Mesh:
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # torchrun sets each for a worker
 LOST = []  # the collective error once a rank was lost or stalled: finish() then waits for no one
+TERMINAL = []  # a rank other than 0: its own stderr, while fd 2 goes to its log (quiet_other_ranks)
 
 
 def torchrun_env() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) without torchrun. A torchrun worker is
-    recognised by torchrun's own TORCHELASTIC_RUN_ID, beside which every TORCHRUN_VARS must be set, the first three
-    integers in range. RANK, WORLD_SIZE or LOCAL_RANK without it (left in a shell) are refused, UserError: a plain
-    run would wait for ranks that never come."""
+    recognised by torchrun's own TORCHELASTIC_RUN_ID, beside which every TORCHRUN_VARS must be set: WORLD_SIZE >= 1,
+    0 <= LOCAL_RANK <= RANK < WORLD_SIZE, MASTER_PORT 1-65535 (digits only), MASTER_ADDR a host name or address.
+    RANK, WORLD_SIZE or LOCAL_RANK without it (left in a shell) are refused, UserError: a plain run would wait for
+    ranks that never come. Each refusal names its variable."""
     env = os.environ
     given = ", ".join(f"{v}={env[v]}" for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if v in env)
     if "TORCHELASTIC_RUN_ID" not in env:
@@ -77,13 +81,22 @@ def torchrun_env() -> tuple[int, int, int]:
         return 0, 1, 0
     if missing := [v for v in TORCHRUN_VARS if v not in env]:
         raise UserError(f"torchrun's environment lacks {', '.join(missing)}")
-    try:
-        rank, world, local_rank = (int(env[v]) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    except ValueError:
-        raise UserError(f"torchrun's RANK, WORLD_SIZE and LOCAL_RANK must be integers, got {given}") from None
-    if not 0 <= local_rank <= rank < world:
-        raise UserError(f"torchrun's environment is out of range: {given} (0 <= LOCAL_RANK <= RANK < WORLD_SIZE)")
+    world = env_int("WORLD_SIZE", 1, 2 ** 31 - 1)
+    rank = env_int("RANK", 0, world - 1, f" (WORLD_SIZE={world})")
+    local_rank = env_int("LOCAL_RANK", 0, rank, f" (RANK={rank})")
+    env_int("MASTER_PORT", 1, 65535)
+    addr = env["MASTER_ADDR"]
+    if not addr or addr != addr.strip() or any(c.isspace() or not c.isprintable() for c in addr):
+        raise UserError(f"torchrun's MASTER_ADDR={addr!r} is not a host name or address")
     return rank, world, local_rank
+
+
+def env_int(name: str, least: int, most: int, why: str = "") -> int:
+    """The environment variable `name` as an integer in [least, most] (ASCII digits only); UserError naming it."""
+    text = os.environ[name]
+    if not (text.isascii() and text.isdigit() and least <= int(text) <= most):
+        raise UserError(f"torchrun's {name}={text!r} must be an integer from {least} to {most}{why}")
+    return int(text)
 
 
 def env_world() -> int:
@@ -101,10 +114,8 @@ def check_world(world: int, requested: int | None, device: str) -> None:
                         f"(run torchrun --nproc-per-node {requested} generate.py ...)")
     if device.startswith("cuda") and world > 1:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        local_world = os.environ.get("LOCAL_WORLD_SIZE", str(world))
-        if not local_world.isdigit():
-            raise UserError(f"torchrun's LOCAL_WORLD_SIZE must be an integer, got {local_world!r}")
-        if n < int(local_world):
+        local_world = env_int("LOCAL_WORLD_SIZE", 1, world) if "LOCAL_WORLD_SIZE" in os.environ else world
+        if n < local_world:
             raise UserError(f"tensor parallel over {world} ranks needs one CUDA device per rank; this machine has {n}")
 
 
@@ -120,9 +131,28 @@ def init(device: str = "cpu", timeout_s: float | None = None) -> Mesh:
         cuda = device.startswith("cuda")
         if cuda:
             torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
-                                **({"device_id": torch.device("cuda", local_rank)} if cuda else {}))
+        join(rank, world, timeout_s, "nccl" if cuda else "gloo",
+             **({"device_id": torch.device("cuda", local_rank)} if cuda else {}))
     return Mesh(rank, world, local_rank, dist.group.WORLD)
+
+
+def join(rank: int, world: int, timeout_s: float, backend: str, **kw) -> None:
+    """init_process_group, its C++ messages kept in a log (join<R>.log): a rank that cannot reach the others
+    (MASTER_ADDR unreachable, no rank 0, a port taken) is one line on its own stderr, EnvironmentFailure, once the
+    timeout has passed."""
+    verbose = os.environ.get("BUDGETKV_VERBOSE") == "1"
+    try:
+        with stderr_to_log(f"join{rank}.log", verbose):
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kw)
+    except (RuntimeError, ValueError, OSError) as e:  # DistNetworkError, DistStoreError: RuntimeErrors
+        if TERMINAL:
+            os.dup2(TERMINAL[0], 2)  # no rank prints this one for it: the rank says it itself
+        env = os.environ
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise EnvironmentFailure(
+            f"tensor parallel: rank {rank} of {world} could not join the group at MASTER_ADDR={env['MASTER_ADDR']} "
+            f"MASTER_PORT={env['MASTER_PORT']} within {timeout_s:g} s (BUDGETKV_TP_TIMEOUT): {first} (its messages: "
+            f"{log_dir() / f'join{rank}.log'})") from None
 
 
 def finish() -> None:
@@ -232,6 +262,7 @@ def quiet_other_ranks() -> Path | None:
         return None
     sys.stdout.flush()
     sys.stderr.flush()
+    TERMINAL[:] = [os.dup(2)]
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.close(devnull)
@@ -481,9 +512,8 @@ def read_slices(f, args, mesh: Mesh) -> dict:
 def weight_bytes_per_rank(config: dict, world: int, dtype: torch.dtype) -> int:
     """Bytes of the weights one rank holds (float weights in dtype): the sharded Linears' 1/world (wqkv and w13
     with their biases, wo and w2), everything else whole (embeddings, output head, norms, wo's bias)."""
-    import loading
-    from config import parse_config
-    return loading.weight_count(parse_config(config), world) * dtype.itemsize
+    from config import parse_config, weight_count
+    return weight_count(parse_config(config), world) * dtype.itemsize
 
 
 def memory_table(config: dict, worlds=(1, 2, 4, 8), contexts=(8192, 16384, 32768, 65536, 131072),

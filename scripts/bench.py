@@ -238,7 +238,8 @@ LLAMACPP_WEIGHTS = {"shipped": [], "F32": ["--kv-type", "f32"]}
 LLAMACPP_VARIANTS = {f"{w} fa-{fa}": [*flags, "--flash-attn", fa] for w, flags in LLAMACPP_WEIGHTS.items()
                      for fa in ("on", "off")}
 LLAMACPP_FIELDS = {"model": str, "kv_type": str, "ttft_s": float, "prefill_tok_s": float, "decode_step_ms": float,
-                   "decode_tok_s": float, "prefill_peak_mib": float, "decode_peak_mib": float}
+                   "decode_tok_s": float, "prefill_peak_mib": float, "decode_peak_mib": float, "tokens?": [int],
+                   "decode_tok_s_repeats?": [float]}
 
 
 def llamacpp_source(ckpt: Path, args) -> Path:
@@ -353,7 +354,9 @@ def print_peer_table(results: dict, llama: dict, args, config: dict) -> None:
 
 # what a resumed row must hold (the table and the ratios use them): str, int or any number
 TABLE_FIELDS = {"protocol": str, "prefill_s": float, "prefill_tok_s": float, "decode_step_ms": float,
-                "decode_tok_s": float, "bandwidth_fraction": float, "prefill_peak_mib": float, "decode_peak_mib": float}
+                "decode_tok_s": float, "bandwidth_fraction": float, "prefill_peak_mib": float, "decode_peak_mib": float,
+                "ttft_s?": float, "tokens?": [int], "decode_tok_s_repeats?": [float],
+                "kvpress?": {"decode_tok_s": float, "decode_peak_mib": float}}
 
 
 if __name__ == "__main__":

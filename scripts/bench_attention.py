@@ -31,7 +31,8 @@ import kernels  # noqa: E402
 from checkpoint import shape_config  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
 from config import parse_config  # noqa: E402
-from errors import UserError  # noqa: E402
+from errors import UserError, check_int  # noqa: E402
+from scripts.benchlib import MAX_REPEATS  # noqa: E402
 
 
 def parser() -> Parser:
@@ -56,8 +57,10 @@ def run(a) -> int:
         tokens_list = [int(t) for t in a.tokens.split(",")]
     except ValueError:
         raise UserError(f"--tokens takes comma-separated token counts (e.g. 1,3,5), not {a.tokens!r}") from None
-    if not all(1 <= t <= 64 for t in tokens_list) or a.repeats < 1 or not 1 <= a.slots <= 1 << 20:
-        raise UserError("--tokens takes 1-64 query tokens, --repeats at least 1, --slots 1 to 1048576")
+    if not all(1 <= t <= 64 for t in tokens_list):
+        raise UserError(f"--tokens takes 1-64 query tokens per pass, not {a.tokens!r}")
+    check_int("repeats", a.repeats, 1, MAX_REPEATS)
+    check_int("slots", a.slots, 1, 1 << 20)
     try:
         device = torch.device(a.device)
     except RuntimeError:

@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -32,7 +33,8 @@ from files import check_writable  # noqa: E402
 from config import parse_config  # noqa: E402
 from engine import PeakMemory, decode_bytes_per_step, prefill_protocol, sync  # noqa: E402
 from errors import EnvironmentFailure, UserError  # noqa: E402
-from loading import kv_cache_estimate, weight_count  # noqa: E402
+from config import weight_count  # noqa: E402
+from loading import kv_cache_estimate  # noqa: E402
 from scripts.benchlib import (bench_model, bench_run, bench_settings, bench_source, check_common,  # noqa: E402
                               check_policy_flags, check_sizes, config_policy, gemm_gflop_s, int_list, make_document,
                               parser as common_parser, policy_flags, random_prompt, read_bandwidth_gb_s, run_one,
@@ -66,14 +68,23 @@ def check_args(args) -> None:
         check_writable(args.plot, "--plot")
 
 
+def internal(value: str, flag: str, form: str) -> tuple:
+    """The parts of an internal flag's value (what run_batch passes its own children); UserError otherwise."""
+    m = re.fullmatch(form, value)
+    if m is None:
+        raise UserError(f"{flag} {value!r}: a flag this script passes its own runs (label@B@state-file), not one to "
+                        "give")
+    return m.groups()
+
+
 def run(args) -> None:
     check_args(args)
     start(args)
     if args.one_prefill:
-        label, path = args.one_prefill.split("@", 1)
+        label, path = internal(args.one_prefill, "--one-prefill", r"([^@]+)@(.+)")
         print(json.dumps(batch_prefill_one(label, Path(path), args)))
     elif args.one:
-        label, B, path = args.one.split("@", 2)
+        label, B, path = internal(args.one, "--one", r"([^@]+)@([0-9]+)@(.+)")
         print(json.dumps(batch_one(label, int(B), Path(path), args)))
     else:
         run_batch(args)

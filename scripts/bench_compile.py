@@ -28,11 +28,11 @@ from errors import check_python  # noqa: E402
 
 check_python()  # one line, not a traceback, in a Python without the requirements
 
-from checkpoint import resolve_checkpoint  # noqa: E402
+from config import parse_config  # noqa: E402
 from cli import Parser, run_child, run_cli  # noqa: E402
 from files import check_writable  # noqa: E402
-from errors import UserError  # noqa: E402
-from scripts.benchlib import make_document  # noqa: E402
+from errors import UserError, check_int  # noqa: E402
+from scripts.benchlib import MAX_REPEATS, bench_source, make_document  # noqa: E402
 from scripts.outputs import write_atomic  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -104,12 +104,17 @@ def break_even(eager: dict, compiled: dict) -> float | None:
 
 
 def run(args) -> int:
-    if args.prompt_tokens < 64 or args.new_tokens < 2 or args.repeats < 1 or args.budget < 1:
-        raise UserError("need --prompt-tokens >= 64, --new-tokens >= 2, --repeats >= 1 and --budget >= 1")
+    if args.prompt_tokens < 64 or args.new_tokens < 2 or args.budget < 1:
+        raise UserError("need --prompt-tokens >= 64, --new-tokens >= 2 and --budget >= 1")
+    check_int("repeats", args.repeats, 1, MAX_REPEATS)
     if args.json is not None:
         check_writable(args.json, "--json")
-    text = None if args.random_weights else make_document(load_tokenizer(resolve_checkpoint(args.checkpoint)),
-                                                          args.prompt_tokens)[0]
+    ckpt, config = bench_source(args)
+    ctx = parse_config(config).max_seq_len
+    if args.prompt_tokens + args.new_tokens > ctx:
+        raise UserError(f"--prompt-tokens + --new-tokens ({args.prompt_tokens} + {args.new_tokens}) must fit the "
+                        f"model's context ({ctx})")
+    text = None if args.random_weights else make_document(load_tokenizer(ckpt), args.prompt_tokens)[0]
     build = REPO / "build"
     build.mkdir(exist_ok=True)
     cache = Path(tempfile.mkdtemp(prefix="bench-compile-cache-", dir=build))

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer import UserError, Parser, os_error_line, peak_bytes, reset_peak  # noqa: E402  (standard library only)
+from peer import (EnvironmentFailure, UserError, Parser, read_json, os_error_line, peak_bytes,  # noqa: E402
+                  reset_peak)
 
 
 def make_hf_copy(out: Path) -> None:
@@ -37,10 +38,10 @@ def make_hf_copy(out: Path) -> None:
 
 def read_ids(path: Path) -> list[int]:
     try:
-        ids = json.loads(path.read_bytes().decode("utf-8"))
+        ids = read_json(path)
     except (FileNotFoundError, IsADirectoryError) as e:
         raise UserError(f"--ids-file {path}: {e.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:
         raise UserError(f"--ids-file {path} is not JSON ({e})") from None
     if not (isinstance(ids, list) and ids and all(type(i) is int and i >= 0 for i in ids)):
         raise UserError(f"--ids-file {path}: not a non-empty JSON list of token ids (integers >= 0)")
@@ -88,6 +89,8 @@ def run(a) -> None:
     for k in ("budget", "decode_steps", "repeats"):
         if getattr(a, k) < 1:
             raise UserError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
+    if a.repeats > 1000:
+        raise UserError(f"--repeats must be at most 1000, got {a.repeats}")
     if (a.model is None) == (a.random_config is None):
         raise UserError("give --model (a checkpoint) or --random-config (shapes only), one of them")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -116,7 +119,11 @@ def run(a) -> None:
 
     press = None
     if a.press != "none":
-        import kvpress
+        try:
+            import kvpress
+        except ImportError:
+            raise EnvironmentFailure(f"kvpress is not installed in this Python ({sys.executable}): run this script "
+                                     "with .venv-kv/bin/python (bash scripts/setup.sh test makes it)") from None
         cls = getattr(kvpress, a.press, None)
         if not (isinstance(cls, type) and a.press.endswith("Press")):
             raise UserError(f"--press {a.press!r} is not a kvpress press (e.g. KeyDiffPress, SnapKVPress) or none")
@@ -124,6 +131,9 @@ def run(a) -> None:
     if max(ids) >= model.config.vocab_size:
         raise UserError(f"--ids-file {a.ids_file}: token id {max(ids)} is outside the vocabulary "
                        f"({model.config.vocab_size})")
+    if len(ids) + a.decode_steps > model.config.max_position_embeddings:
+        raise UserError(f"the prompt ({len(ids)} ids) + --decode-steps {a.decode_steps} exceed the model's context "
+                        f"({model.config.max_position_embeddings})")
     L = len(ids)
     ids = torch.tensor([ids], device=a.device)
     if a.press != "none":
@@ -162,6 +172,9 @@ def main(argv=None) -> int:
         return 2
     except OSError as e:  # a full disk, a folder it cannot write (the HF copy)
         print(os_error_line(e), file=sys.stderr)
+        return 1
+    except EnvironmentFailure as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
 

@@ -32,7 +32,8 @@ import quantize  # noqa: E402
 from kernels import rowwise_linear  # noqa: E402
 from checkpoint import shape_config  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
-from errors import UserError  # noqa: E402
+from errors import UserError, check_int  # noqa: E402
+from scripts.benchlib import MAX_REPEATS, read_bandwidth_gb_s  # noqa: E402
 
 
 def parser() -> Parser:
@@ -70,13 +71,13 @@ def run(a) -> int:
         rows_list = [int(r) for r in a.rows.split(",")]
     except ValueError:
         raise UserError(f"--rows takes comma-separated row counts (e.g. 1,2,5), not {a.rows!r}") from None
-    if not all(1 <= r <= 64 for r in rows_list) or a.repeats < 1:
-        raise UserError("--rows takes 1-64 rows per product and --repeats at least 1")
+    if not all(1 <= r <= 64 for r in rows_list):
+        raise UserError(f"--rows takes 1-64 rows per product, not {a.rows!r}")
+    check_int("repeats", a.repeats, 1, MAX_REPEATS)
     runtime.set_threads(a.threads)
     torch._dynamo.config.recompile_limit = 64
     config, label = shape_config(a.checkpoint)
     model = loading.random_model(config, torch.float32, "cpu", label=label)
-    from scripts.benchlib import read_bandwidth_gb_s
     print(f"{label}: {sum(m.weight.numel() for m in linears(model)) * 4 / 2**20:.0f} MiB of fp32 weights in "
           f"{len(linears(model))} Linears, torch threads {torch.get_num_threads()}, "
           f"read bandwidth {read_bandwidth_gb_s('cpu'):.1f} GB/s")

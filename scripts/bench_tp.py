@@ -31,6 +31,10 @@ import policies  # noqa: E402
 import tp  # noqa: E402
 from checkpoint import shape_config  # noqa: E402
 from cli import Parser, run_ranks  # noqa: E402
+from config import parse_config  # noqa: E402
+from errors import UserError, check_int  # noqa: E402
+
+MAX_TOKENS = 2 ** 31 - 1
 
 
 def parser() -> Parser:
@@ -56,15 +60,28 @@ def set_reduce(model, group) -> None:
         layer.attention.tp_group = layer.feed_forward.tp_group = group
 
 
+def check(a) -> dict:
+    """The flags' bad input, on every rank before any collective; the model's config (its shapes)."""
+    for name in ("budget", "prompt_tokens", "block_size", "steps"):
+        check_int(name, getattr(a, name), 1, MAX_TOKENS)
+    runtime.check_device(a.device)
+    config, label = shape_config(a.checkpoint)
+    ctx = parse_config(config).max_seq_len
+    if max(a.prompt_tokens + 2 * a.steps + 3, a.block_size, a.budget) > ctx:
+        raise UserError(f"--prompt-tokens + 2 x --steps + 3 ({a.prompt_tokens} + {2 * a.steps + 3}), --block-size "
+                        f"({a.block_size}) and --budget ({a.budget}) must fit the model's context ({ctx})")
+    return config, label
+
+
 @torch.inference_mode()
 def run(a) -> int:
+    config, label = check(a)
     policy = policies.make(a.policy)
     mesh = tp.start(None, a.device, policy)
     device = tp.rank_device(a.device, mesh)
     runtime.set_threads(a.threads)
     dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16}[a.dtype]
-    config, label = shape_config(a.checkpoint)
     model = tp.random_model(config, dtype, device, 0, mesh, label=label)
     group = model.layers[0].attention.tp_group
     L = a.prompt_tokens

@@ -2,13 +2,20 @@
 comma-separated integer lists, a configuration's model, steps and timed run, the bandwidth and matrix-product probes,
 the settings an output is resumable under, outputs that survive interruption (--resume), and one configuration run
 in a fresh process."""
+import sys
+
+if __name__ == "__main__":  # run directly: one line, not an ImportError
+    PART = "scripts/benchlib.py is a part of the benchmarks (scripts/bench*.py), not a command of its own"
+    print(f"usage: {PART}" if sys.argv[1:] in (["-h"], ["--help"]) else f"error: {PART}",
+          file=sys.stdout if sys.argv[1:] in (["-h"], ["--help"]) else sys.stderr)
+    sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
+
 import argparse
 import json
 import math
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -231,15 +238,38 @@ def shapes_identity(name: str) -> dict:
     return {"shapes": shapes, "config": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]}
 
 
-def row_ok(x, fields: dict) -> bool:
-    kinds = {str: str, int: int, float: (int, float)}
-    return isinstance(x, dict) and all(isinstance(x.get(f), kinds[t]) and not isinstance(x.get(f), bool)
-                                       for f, t in fields.items())
+def bad_field(x: dict, fields: dict, values: bool = False) -> str | None:
+    """The first of `fields` that the row x lacks or holds in another kind (values: holds a number that is no
+    measurement: a rate, time or size is finite and > 0, and the tables divide by it; a count is >= 0). A kind is
+    str, int, float (any number), None (null), a dict (a row of its own) or [kind] (a list of them); a field named
+    with a trailing "?" may be absent."""
+    for name, kind in fields.items():
+        key = name.removesuffix("?")
+        if key not in x:
+            if name.endswith("?"):
+                continue
+            return key
+        if not fits(x[key], kind, values):
+            return key
+    return None
+
+
+def fits(v, kind, values: bool) -> bool:
+    if isinstance(kind, dict):
+        return isinstance(v, dict) and bad_field(v, kind, values) is None
+    if isinstance(kind, list):
+        return isinstance(v, list) and all(fits(e, kind[0], values) for e in v)
+    if kind not in (int, float):
+        return values or (v is None if kind is None else isinstance(v, kind))
+    if not values:
+        return type(v) is int or (kind is float and type(v) is float)
+    return 0 <= v < math.inf if kind is int else 0 < v < math.inf
 
 
 def previous(path, settings: dict, args, key: str, kind: type, fields: dict, missing_ok: bool = False):
     """--resume: out[key] of the JSON this script left at `path` with these settings (empty when there is none or
-    without --resume; missing_ok: also when the output has no `key` yet); each entry a dict with `fields`."""
+    without --resume; missing_ok: also when the output has no `key` yet); each entry a dict with `fields`
+    (bad_field's kinds)."""
     old = read_json(path) if args.resume else None
     if old is None:
         return kind()
@@ -247,7 +277,8 @@ def previous(path, settings: dict, args, key: str, kind: type, fields: dict, mis
     if missing_ok and key not in old:
         return kind()
     entries = old.get(key)
-    ok = isinstance(entries, kind) and all(row_ok(x, fields) for x in (entries.values() if kind is dict else entries))
+    ok = isinstance(entries, kind) and all(isinstance(x, dict) and bad_field(x, fields) is None
+                                           for x in (entries.values() if kind is dict else entries))
     if not ok:
         raise UserError(f"--resume: {path} has no {key} as this script writes them (run without --resume to replace "
                         "it)")
@@ -255,16 +286,16 @@ def previous(path, settings: dict, args, key: str, kind: type, fields: dict, mis
 
 
 def measured(path, entries, fields: dict):
-    """The entries (a dict's items, or a list's rows) whose numbers are finite and non-negative, as a measurement
-    gives them; each other is left out to be measured again, with one line naming it and the field."""
+    """The entries (a dict's items, or a list's rows) whose numbers are measurements (bad_field's values); each
+    other is left out to be measured again, with one line naming it and the field."""
     for name, x in entries.items() if isinstance(entries, dict) else ((None, x) for x in entries):
-        bad = next((f for f, t in fields.items() if t is not str and not 0 <= x[f] < math.inf), None)
+        bad = bad_field(x, fields, values=True)
         if bad is None:
             yield (name, x) if isinstance(entries, dict) else x
             continue
-        row = name if name is not None else ", ".join(f"{f} {x[f]}" for f in fields if fields[f] is not float)
-        print(f"--resume: {path}: {row} has {bad} = {x[bad]} (not a finite, non-negative number): measuring it again",
-              file=sys.stderr)
+        row = name if name is not None else ", ".join(f"{f} {x[f]}" for f in fields if fields[f] in (str, int))
+        print(f"--resume: {path}: {row} has {bad} = {x[bad]} (not a measurement: a finite number > 0): measuring it "
+              "again", file=sys.stderr)
 
 
 def save(path, args, settings: dict, **out) -> None:

@@ -15,11 +15,14 @@ and safetensors only.
 """
 import argparse
 import fnmatch
-import json
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from files import read_json  # noqa: E402  (standard library only)
 
 RTOL, ATOL = 1e-4, 1e-6  # scores: float32 computed in another order by another engine
 LOOSE = 2e-3  # scores this close but not within RTOL: half-precision arithmetic
@@ -28,6 +31,12 @@ HALF_MAX = 65504.0  # float16's largest finite value
 
 class BadInput(Exception):
     pass
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
+        print(f"check_port: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 def load(path: Path) -> dict[str, np.ndarray]:
@@ -48,9 +57,9 @@ def read_manifest(vectors: Path) -> dict:
     if not path.is_file():
         raise BadInput(f"{vectors}: no manifest.json (give the directory scripts/make_vectors.py wrote)")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = read_json(path)
         manifest["cases"][0]["case"]
-    except (ValueError, KeyError, IndexError, TypeError):
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
         raise BadInput(f"{path}: not a test-vector manifest") from None
     return manifest
 
@@ -305,7 +314,7 @@ def check_case(c: Case, exp: dict, got: dict) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("vectors", type=Path, help="the vectors' folder (tests/vectors)")
     ap.add_argument("results", type=Path, help="the port's results: one CASE.safetensors per case")
     ap.add_argument("--case", default="*", help="only the cases whose name matches this glob (default: *, every case)")
@@ -346,8 +355,18 @@ def main(argv: list[str]) -> int:
     checked = len(present) - unreadable
     print(f"{checked - bad} of {checked} checked cases match ({len(cases) - len(present)} without a result skipped"
           + (f", {unreadable} with bad input" if unreadable else "") + ")")
+    if bad:
+        print(f"check_port: {bad} of {checked} checked cases do not match (the MISMATCH lines say where)",
+              file=sys.stderr)
     return 2 if unreadable else 1 if bad else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        code = main(sys.argv[1:])
+        sys.stdout.flush()
+    except OSError as e:  # the report cannot be written (a closed pipe, a full disk): one line, not a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"check_port: cannot write the report to standard output: {e.strerror or e}", file=sys.stderr)
+        code = 1
+    sys.exit(code)

@@ -13,7 +13,6 @@ a converted folder; converted first if need be): `AutoModelForCausalLM.from_pret
 
 Nothing is ever unpickled: only safetensors (and GGUF) are read.
 """
-import json
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ check_python()  # one line, not a traceback, in a Python without the requirement
 from checkpoint import gguf_folder, resolve_checkpoint  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
 from convert import ENGINE_FILE, convert_gguf, convert_hf_dir, write_hf  # noqa: E402
-from files import check_out_dir, check_writable, unreachable  # noqa: E402
+from files import check_out_dir, check_writable, read_json, unreachable  # noqa: E402
 from errors import UserError  # noqa: E402
 import progress  # noqa: E402
 
@@ -63,7 +62,7 @@ def check_args(a) -> None:
         cfg = out / "config.json"
         if cfg.is_file():  # re-converting a GGUF there is fine; overwriting another model is not
             try:
-                theirs = json.loads(cfg.read_text())
+                theirs = read_json(cfg)
             except (OSError, ValueError):
                 theirs = None
             if not isinstance(theirs, dict) or "gguf_converter" not in theirs:

@@ -1,7 +1,14 @@
 """scripts/eval.py's journal, results.jsonl: one line per finished configuration, under a header of the settings the
 results depend on, so that --resume runs only what is missing and refuses a journal written with other settings."""
-import math
 import sys
+
+if __name__ == "__main__":  # run directly: one line, not an ImportError
+    PART = "scripts/eval_journal.py is a part of scripts/eval.py, not a command of its own"
+    print(f"usage: {PART}" if sys.argv[1:] in (["-h"], ["--help"]) else f"error: {PART}",
+          file=sys.stdout if sys.argv[1:] in (["-h"], ["--help"]) else sys.stderr)
+    sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
+
+import math
 from pathlib import Path
 
 import torch

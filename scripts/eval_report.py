@@ -2,10 +2,17 @@
 summary (a mean per task, row and budget), results.md (one table per task: rows policy (+protocol), columns
 budgets), results.json and the plots (score vs budget per task, a needle heatmap per policy and budget; only when
 matplotlib is installed)."""
+import sys
+
+if __name__ == "__main__":  # run directly: one line, not an ImportError
+    PART = "scripts/eval_report.py is a part of scripts/eval.py, not a command of its own"
+    print(f"usage: {PART}" if sys.argv[1:] in (["-h"], ["--help"]) else f"error: {PART}",
+          file=sys.stdout if sys.argv[1:] in (["-h"], ["--help"]) else sys.stderr)
+    sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
+
 import importlib.util
 import json
 import math
-import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 

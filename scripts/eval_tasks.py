@@ -14,6 +14,14 @@ meta["max_new_tokens"] RULER's generation length for the task.
 LongBench prompts use LongBench's own per-task template (meta["template"]); its metrics follow LongBench's
 metrics.py, whose numbers the papers report, quirks included (noted where they matter).
 """
+import sys
+
+if __name__ == "__main__":  # run directly: one line, not an ImportError
+    PART = "scripts/eval_tasks.py is a part of scripts/eval.py, not a command of its own"
+    print(f"usage: {PART}" if sys.argv[1:] in (["-h"], ["--help"]) else f"error: {PART}",
+          file=sys.stdout if sys.argv[1:] in (["-h"], ["--help"]) else sys.stderr)
+    sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
+
 import itertools
 import random
 import re

@@ -43,6 +43,7 @@ import runtime  # noqa: E402
 import loading  # noqa: E402
 import policies  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
+from files import check_out_dir  # noqa: E402
 from model import ModelArgs  # noqa: E402
 
 NEW_TOKENS = 4
@@ -420,6 +421,7 @@ def parser() -> Parser:
 
 
 def run(a) -> int:
+    check_out_dir(a.out, "OUT")
     torch.set_num_threads(1)
     write(a.out)
     print(f"wrote {len(cases())} cases to {a.out}")
@@ -431,4 +433,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

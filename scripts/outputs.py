@@ -2,6 +2,14 @@
 sees the old one or the whole new one, never a part), a journal gets one whole JSON line per finished configuration,
 and `settings` (what a run's results depend on) are recorded beside the results, so that --resume reuses results
 only from a run with the same settings and refuses to mix in any other."""
+import sys
+
+if __name__ == "__main__":  # run directly: one line, not an ImportError
+    PART = "scripts/outputs.py is a part of scripts/eval.py and the benchmarks, not a command of its own"
+    print(f"usage: {PART}" if sys.argv[1:] in (["-h"], ["--help"]) else f"error: {PART}",
+          file=sys.stdout if sys.argv[1:] in (["-h"], ["--help"]) else sys.stderr)
+    sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
+
 import hashlib
 import io
 import json
@@ -79,10 +87,10 @@ def read_lines(path: Path) -> list[tuple[int, object]]:
     out = []
     for n, line in enumerate(text.split("\n")[:-1], 1):
         try:
-            out.append((n, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise UserError(f"--resume: {path} line {n} is not JSON ({e.msg}): not written by this script (run "
-                            "without --resume to replace it)") from None
+            out.append((n, files.parse_json(line)))
+        except ValueError as e:
+            raise UserError(f"--resume: {path} line {n} is not JSON ({getattr(e, 'msg', e)}): not written by this "
+                            "script (run without --resume to replace it)") from None
     return out
 
 
@@ -91,7 +99,7 @@ def read_json(path: Path):
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return files.read_json(path)
+    except ValueError as e:
         raise UserError(f"--resume: {path} is not JSON ({e}): not written by this script (run without --resume to "
                         "replace it)") from None

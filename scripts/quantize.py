@@ -17,7 +17,7 @@ import quantize  # noqa: E402
 import progress  # noqa: E402
 from checkpoint import resolve_checkpoint  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
-from files import check_out_dir  # noqa: E402
+from files import check_out_dir, read_json  # noqa: E402
 from errors import UserError  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def check_out(ckpt: Path, a) -> None:
     cfg = out / "config.json"
     if out.resolve() != ckpt.resolve() and cfg.is_file():
         try:
-            theirs = json.loads(cfg.read_text())
+            theirs = read_json(cfg)
         except (OSError, ValueError):
             theirs = None
         if not isinstance(theirs, dict) or quantize.MARKER not in theirs:

@@ -716,7 +716,7 @@ def test_bench_compile_measures_eager_cold_and_warm(tiny_ckpt, tmp_path, capsys)
     capsys.readouterr()
     assert bench_compile.main(argv[2:] + ["--prompt-tokens", "10"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "error: need --prompt-tokens >= 64, --new-tokens >= 2, --repeats >= 1 and --budget >= 1"]
+        "error: need --prompt-tokens >= 64, --new-tokens >= 2 and --budget >= 1"]
 
 
 def test_bench_compile_runs_random_weights_on_the_checkpoints_shapes(tiny_ckpt, tmp_path):

@@ -28,6 +28,10 @@ ENTRY = {"generate": generate.main, "quantize": quantize_script.main, "download"
 PROMPT = ["--prompt", "the quick brown fox", "--max-new-tokens", "2"]
 NAN, INF = float("nan"), float("inf")
 DROP = object()  # a config.json field to remove
+DEEP, DEEP_OBJECT = "[" * 100_000 + "]" * 100_000, '{"a": ' * 100_000 + "1" + "}" * 100_000  # JSON nested 100,000 deep
+NESTED = {"a": 1}
+for _ in range(70):
+    NESTED = {"a": NESTED}  # 71 levels: more than files.JSON_MAX_DEPTH, fewer than Python's recursion limit
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +94,15 @@ def truncated_weights(tmp, ckpt):
     bad = broken_copy(tmp, ckpt)
     data = (ckpt / "model.safetensors").read_bytes()
     replace(bad, "model.safetensors", data[:len(data) // 2])
+
+
+def deep_identity(tmp, ckpt):
+    """An engine file (no source beside it) whose identity is JSON nested 100,000 levels deep."""
+    from safetensors.torch import load_file, save_file
+    bad = broken_copy(tmp, ckpt)
+    replace(bad, "model.safetensors", None)
+    save_file(load_file(str(ckpt / "model.safetensors")), str(bad / "budgetkv.safetensors"),
+              metadata={"format": "budgetkv", "budgetkv_identity": DEEP})
 
 
 def fifo_config(tmp, ckpt):
@@ -205,7 +218,11 @@ BAD_CONFIG = [
     ("num_key_value_heads", 3, "num_key_value_heads 3"), ("num_key_value_heads", 8, "num_key_value_heads 8"),
     ("num_key_value_heads", 0, "num_key_value_heads"), ("num_key_value_heads", "2", "num_key_value_heads"),
     ("head_dim", 15, "head_dim 15 must be even"), ("head_dim", 0, "head_dim"), ("head_dim", "16", "head_dim"),
-    ("head_dim", 32, "do not match"), ("head_dim", 2 ** 40, f"head_dim is {2 ** 40}, more than 65536"),
+    ("head_dim", 32, "do not match"), ("head_dim", 2 ** 20, f"head_dim is {2 ** 20}, more than 65536"),
+    ("head_dim", 2 ** 40, f"head_dim is {2 ** 40}, more than 2147483647"),
+    ("vocab_size", 2 ** 62, f"vocab_size is {2 ** 62}, more than 2147483647"),
+    ("intermediate_size", 2 ** 70, f"intermediate_size is {2 ** 70}, more than 2147483647"),
+    ("max_position_embeddings", 2 ** 70, f"max_position_embeddings is {2 ** 70}, more than 2147483647"),
     ("max_position_embeddings", 0, "max_position_embeddings"), ("max_position_embeddings", -1, "max_position"),
     ("max_position_embeddings", "4096", "max_position_embeddings"), ("max_position_embeddings", 1.5, "max_pos"),
     ("rms_norm_eps", -1e-5, "rms_norm_eps"), ("rms_norm_eps", 0, "rms_norm_eps"), ("rms_norm_eps", "1e-5", "rms_norm"),
@@ -261,7 +278,7 @@ SLIDING = [  # qwen2 / mistral sliding windows
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, layer_types=[1, 2]), "layer_types"),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1), "some layers only"),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1,
-          num_hidden_layers=2 ** 62), "some layers only"),  # said at once, no list of 2^62 layers made
+          num_hidden_layers=2 ** 31 - 1), "some layers only"),  # said at once, no list of every layer made
 ]
 
 
@@ -281,8 +298,16 @@ CASES += [
         "{bad}"),
     gen("config-hidden-size-heads", [], 2, "hidden_size 66 is not a multiple of num_attention_heads 4",
         config(hidden_size=66, head_dim=DROP), "{bad}"),
-    gen("config-hidden-size-huge", [], 2, f"hidden_size / num_attention_heads is {2 ** 38}, more than 65536",
-        config(hidden_size=2 ** 40, head_dim=DROP), "{bad}"),
+    gen("config-hidden-size-huge", [], 2, f"hidden_size / num_attention_heads is {2 ** 28}, more than 65536",
+        config(hidden_size=2 ** 30, head_dim=DROP), "{bad}"),
+    gen("config-sizes-multiply-past-any-model", [], 2, "make 9,223,374,512,903,420,797 parameters, more than any "
+        "model", config(vocab_size=2 ** 31 - 1, hidden_size=2 ** 31 - 1), "{bad}"),
+    gen("config-window-huge", [], 2, f"sliding_window is {2 ** 70}, more than 2147483647",
+        config(model_type="mistral", sliding_window=2 ** 70), "{bad}"),
+    gen("config-original-context-huge", [], 2, "original_max_position_embeddings must be an integer from 1 to "
+        "2147483647", config(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                               high_freq_factor=4.0, original_max_position_embeddings=10 ** 30)),
+        "{bad}"),
     gen("config-list", [], 2, "is not a JSON object", files(config__json=[1, 2]), "{bad}"),
     gen("config-string", [], 2, "is not a JSON object", files(config__json='"llama"'), "{bad}"),
     gen("config-broken-json", [], 2, "is not valid JSON", files(config__json='{"model_type": '), "{bad}"),
@@ -290,6 +315,25 @@ CASES += [
     gen("config-binary", [], 2, "is not valid JSON", files(config__json=b"\xff\xfe\x00\x01"), "{bad}"),
     gen("config-missing", [], 2, "has no config.json", files(config__json=None), "{bad}"),
     gen("config-fifo", [], 2, "config.json is not a regular file", fifo_config, "{bad}"),
+    # a checkpoint's files are data someone else wrote: parsed with bounds (files.read_json), the file named
+    gen("config-deep", [], 2, "config.json is not valid JSON: nested deeper than 64 levels", files(config__json=DEEP),
+        "{bad}"),
+    gen("config-deep-object", [], 2, "config.json is not valid JSON: nested deeper than 64 levels",
+        files(config__json=DEEP_OBJECT), "{bad}"),
+    gen("config-deep-field", [], 2, "config.json is not valid JSON: nested deeper than 64 levels",
+        config(rope_scaling=NESTED), "{bad}"),
+    gen("config-huge-number", [], 2, "config.json is not valid JSON: Exceeds the limit",
+        files(config__json='{"vocab_size": ' + "9" * 5000 + "}"), "{bad}"),
+    gen("tokenizer-config-deep", [], 2, "tokenizer_config.json: nested deeper than 64 levels",
+        files(tokenizer_config__json=DEEP), "{bad}"),
+    gen("generation-config-deep", [], 2, "generation_config.json: nested deeper than 64 levels",
+        files(generation_config__json=DEEP_OBJECT), "{bad}"),
+    gen("tokenizer-json-deep", [], 2, "tokenizer.json", files(tokenizer__json=DEEP), "{bad}"),
+    gen("engine-file-identity-deep", [], 2, "have 0 layers", deep_identity, "{bad}"),
+    gen("draft-config-deep", ["--speculate", "2", "--draft-checkpoint", "{bad}"], 2,
+        "config.json is not valid JSON: nested deeper than 64 levels", files(config__json=DEEP)),
+    gen("config-too-large", [], 2, "config.json is not valid JSON: larger than 64 MiB",
+        files(config__json=b" " * (64 << 20) + b"{}"), "{bad}"),
     # weights
     gen("weights-missing", [], 2, "no *.safetensors", files(model__safetensors=None), "{bad}"),
     gen("weights-truncated", [], 2, "truncated or corrupt", truncated_weights, "{bad}"),
@@ -339,6 +383,27 @@ CASES += [
     gen("template-jinja-file", [], 2, "chat_template.jinja line 1 fails",
         files(chat_template__jinja="{% if %}"), "{bad}"),
     gen("template-jinja-binary", [], 2, "not UTF-8", files(chat_template__jinja=b"\xff\xfe{{"), "{bad}"),
+    # a chat template is code someone else wrote: bounded in size, output, the values it makes and time
+    gen("template-writes-forever", [], 2, "tokenizer_config.json fails: TemplateLimit: writes more than",
+        tok_config(chat_template="{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"),
+        "{bad}"),
+    gen("template-repeats", [], 2, "TemplateLimit: repeats a value 1,000,000,000,000 times",
+        tok_config(chat_template="{{ 'x' * 10 ** 12 }}"), "{bad}"),
+    gen("template-power", [], 2, "TemplateLimit: computes 2 ** 1000000000",
+        tok_config(chat_template="{{ 2 ** (10 ** 9) }}"), "{bad}"),
+    gen("template-doubles", [], 2, "TemplateLimit: makes a value of 2,097,152 characters",
+        tok_config(chat_template="{% set ns = namespace(s='x') %}{% for i in range(64) %}"
+                                 "{% set ns.s = ns.s ~ ns.s %}{% endfor %}"), "{bad}"),
+    gen("template-macro-doubles", [], 2, "TemplateLimit: makes a value of 2,097,152 characters",
+        tok_config(chat_template="{% macro f(s) %}{{ f(s ~ s) }}{% endmacro %}{{ f('x') }}"), "{bad}"),
+    gen("template-filter-huge", [], 2, "TemplateLimit: calls do_center with 1000000000000",
+        tok_config(chat_template="{{ 'x'|center(10 ** 12) }}"), "{bad}"),
+    gen("template-method-huge", [], 2, "TemplateLimit: calls ljust with 1000000000000",
+        tok_config(chat_template="{{ 'x'.ljust(10 ** 12) }}"), "{bad}"),
+    gen("template-recursion", [], 2, "RecursionError", tok_config(chat_template="{% macro f() %}{{ f() }}{% endmacro %}"
+                                                                              "{{ f() }}"), "{bad}"),
+    gen("template-jinja-file-huge", [], 2, "chat_template.jinja is longer than 1 MiB",
+        files(chat_template__jinja="{# #}" * (1 << 18) + "x"), "{bad}"),
     # prompt files
     gen("prompt-file-dev-zero", ["--prompt-file", "/dev/zero"], 2, "larger than 64 MiB", prompt=False),
     gen("prompt-file-only-a-bom", ["--prompt-file", "{tmp}/p.txt"], 2, "prompt file {tmp}/p.txt is empty", write("p.txt", "\ufeff"),
@@ -784,6 +849,32 @@ def test_environment_errors_are_one_line(tiny_ckpt, monkeypatch, capfd, exc, cod
     assert got == code and err.strip() == line, err
 
 
+@pytest.mark.parametrize("where", ["TMPDIR", "inductor cache"])
+def test_compiling_on_a_full_disk_is_one_line(tiny_ckpt, tmp_path, monkeypatch, capfd, where):
+    """--compile where the compiler's files go to a full disk: inductor raises InductorError around the C++
+    compiler's output (TMPDIR full: "error closing /tmp/ccX.s: No space left on device"), or around the OSError of
+    writing its cache (no file named): one line naming the file, or the compiler's folder that is full, exit 1.
+    The compiler is not run: warm-up raises what inductor raised on a 64 KiB tmpfs."""
+    import cli
+    import engine
+    from torch._inductor.exc import CppCompileError, InductorError
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    monkeypatch.setattr(cli, "free_bytes", lambda folder: 0 if folder == str(cache) else 2 ** 40)
+    inner = (CppCompileError(["g++", "-x", "c++-header"], f"cpp_prefix.h:1490:2: fatal error: error closing "
+                                                          f"{tmp_path}/ccA.s: No space left on device\n")
+             if where == "TMPDIR" else OSError(28, "No space left on device"))
+
+    def warm_up(self, model, first_id):
+        raise InductorError(inner, None) from inner
+    monkeypatch.setattr(engine.Generation, "warm_up", warm_up)
+    code = generate.main(["--checkpoint", str(tiny_ckpt), *PROMPT, "--compile"])
+    err = capfd.readouterr().err.strip().splitlines()
+    full = f"{tmp_path}/ccA.s" if where == "TMPDIR" else str(cache)
+    assert code == 1 and err == [f"error: {full}: No space left on device (free some space, or point TMPDIR and "
+                                 "TORCHINDUCTOR_CACHE_DIR at another disk, then run again)"], err
+
+
 def test_safetensors_io_error_names_the_file(tmp_path, monkeypatch, capfd):
     """safetensors reports a failed write as SafetensorError without the file: run_cli finds the file its caller
     passed, and it is an environment failure (exit 1)."""
@@ -835,6 +926,26 @@ class RecordingChat:
 
     def stop(self):
         pass
+
+
+@pytest.mark.parametrize("template", [
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{% set l = range(100000)|list %}{% for a in l %}{% for b in l %}{% endfor %}{% endfor %}"],
+    ids=["range", "list"])
+def test_a_chat_template_that_loops_is_stopped(tiny_ckpt, tmp_path, monkeypatch, capfd, template):
+    """A template looping 10^10 times, writing nothing and calling nothing in its inner loop, stops at
+    tokenizer.TEMPLATE_SECONDS (checked at every line of the template's code) with one line naming its file."""
+    import time
+
+    import tokenizer
+    monkeypatch.setattr(tokenizer, "TEMPLATE_SECONDS", 0.5)
+    tok_config(chat_template=template)(tmp_path, tiny_ckpt)
+    t = time.monotonic()
+    code = generate.main(["--checkpoint", str(tmp_path / "bad"), *PROMPT])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert code == 2 and time.monotonic() - t < 30, err
+    assert err == [f"error: the chat template in {tmp_path / 'bad' / 'tokenizer_config.json'} fails: TemplateLimit: "
+                   "runs longer than 0.5 s (--no-chat skips it)"]
 
 
 def test_a_bad_chat_turn_is_one_line_and_the_chat_goes_on():
@@ -973,12 +1084,12 @@ def test_a_thread_count_that_is_none_is_one_line(monkeypatch, capsys, value):
     errors.check_python()
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", ""])
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", "", "0.001", "0.999"])
 def test_a_tensor_parallel_timeout_that_is_none_is_one_line(monkeypatch, value):
     import tp
     from errors import UserError
     monkeypatch.setenv("BUDGETKV_TP_TIMEOUT", value)
-    with pytest.raises(UserError, match=f"BUDGETKV_TP_TIMEOUT={value!r} must be a number of seconds > 0"):
+    with pytest.raises(UserError, match=f"BUDGETKV_TP_TIMEOUT={value!r} must be a number of seconds >= 1"):
         tp.env_timeout_s()
     monkeypatch.setenv("BUDGETKV_TP_TIMEOUT", "2.5")
     assert tp.env_timeout_s() == 2.5

@@ -6,8 +6,10 @@ Each case: (argv, files, exit code, substring of the one line). argv[0] names th
 checkpoint, small sizes) come first, so a case overrides them. `files` are created in the case's folder first
 (a name ending in "/" is a folder, in "|" a named pipe); "{tmp}" in argv is that folder and "{ckpt}" the tiny checkpoint. Runs in this
 process (no interpreter start per case); a case that would load a model or start a configuration fails."""
+import argparse
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -16,6 +18,7 @@ from scripts import (bench, bench_batch, bench_figure, bench_kvpress, bench_llam
                      benchlib)
 from scripts import eval as ev
 from scripts import frontier
+from conftest import REPO
 
 BASE = {
     "eval.py": ["--checkpoint", "{ckpt}", "--out-dir", "{tmp}/out", "--tasks", "passkey", "--policies", "sink",
@@ -38,6 +41,7 @@ LB = ["--tasks", "", "--longbench", "hotpotqa", "--longbench-source", "{tmp}/lb.
 SMALL = ["--prompt-tokens", "100"]  # bench.py: a prompt the tiny model's context holds
 BENCH = {"bench.py": bench, "bench_quant.py": bench_quant, "bench_paired.py": bench_paired,
          "bench_batch.py": bench_batch, "bench_figure.py": bench_figure}  # the scripts whose main() reads sys.argv
+DEEP = "[" * 100_000 + "]" * 100_000  # JSON nested 100,000 levels deep: files.read_json's bound, not a RecursionError
 GOOD = {"input": "Who jumps?", "context": "The quick brown fox jumps.", "answers": ["the fox"], "all_classes": None}
 
 
@@ -118,6 +122,13 @@ CASES = [
     (["eval.py", "--resume"], {"out/results.jsonl": "[1, 2]\n"}, 2, "results.jsonl records no settings"),
     (["eval.py", "--resume"], {"out/results.jsonl": '{"settings": {"seed": 5}}\n'}, 2, "with other settings"),
     (["eval.py", "--resume"], {"out/results.jsonl/": None}, 2, "results.jsonl: cannot write there"),
+    (["eval.py", "--resume"], {"out/results.jsonl": DEEP + "\n"}, 2, "line 1 is not JSON (nested deeper than 64 levels)"),
+    (*lb(DEEP + "\n"), 2, "lb.jsonl line 1 is not JSON (nested deeper than 64 levels)"),
+    (["bench.py", *SMALL, "--resume", "--json", "{tmp}/b.json"], {"b.json": DEEP}, 2,
+     "b.json is not JSON (nested deeper than 64 levels)"),
+    (["bench_figure.py", "--resume"], {"fig/rocketkv_figure.json": DEEP}, 2, "nested deeper than 64 levels"),
+    (["bench_kvpress.py"], {"ids.json": DEEP}, 2, "ids.json is not JSON (nested deeper than 64 levels)"),
+    (["bench_llamacpp.py"], {"ids.json": DEEP}, 2, "ids.json is not JSON (nested deeper than 64 levels)"),
     # ---- LongBench rows (scripts/eval_tasks.load_longbench, through eval.py)
     (*lb(""), 2, "lb.jsonl has no rows"),
     (*lb("\n  \n\n"), 2, "lb.jsonl has no rows"),
@@ -436,6 +447,7 @@ CHECK_PORT = [
     (None, ["--case", "nope*"], "--case 'nope*' matches none of the manifest's"),
     (None, ["--case", ""], "--case '' matches none"),
     (lambda v, r: (v / "manifest.json").write_text("{"), [], "manifest.json: not a test-vector manifest"),
+    (lambda v, r: (v / "manifest.json").write_text(DEEP), [], "manifest.json: not a test-vector manifest"),
     (lambda v, r: (v / "manifest.json").unlink(), [], "no manifest.json"),
     (lambda v, r: (r / f"{CASE}.safetensors").write_bytes(b"\x00" * 8), [], "not a readable safetensors file"),
 ]
@@ -459,3 +471,178 @@ def test_check_port_bad_input_one_line(change, extra, message, tmp_path, capsys)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("check_port: ") and message in lines[0], err
     assert not out or ", 1 with bad input)" in out  # the bad case is counted, no case is said to match
+
+
+# ---- every script: run directly, and every flag at its edge values (the table is made from each script's parser,
+# so a new flag or script gets its rows without being listed)
+SCRIPTS = sorted(p.stem for p in (REPO / "scripts").glob("*.py") if p.stem != "__init__")
+PARTS = {"benchlib", "eval_journal", "eval_report", "eval_tasks", "outputs", "peer"}  # imported by the commands
+EDGE = ["0", "-1", "99999999999999999999", "nan", "", "x"]  # 0, negative, huge, NaN, empty, the wrong type
+TINY = ["--checkpoint", "{ckpt}"]
+SHAPES = ["--checkpoint", "{tmp}/shapes"]  # a config.json alone: the shapes --random-weights builds
+COMMON = ["--decode-steps", "8", "--device", "cpu", "--threads", "1"]
+ARGS = {  # each command's arguments that make it small and keep its outputs in the case's folder
+    "bench": TINY + COMMON + ["--prompt-tokens", "100"],
+    "bench_attention": SHAPES + ["--slots", "64", "--tokens", "1", "--repeats", "1", "--threads", "1"],
+    "bench_batch": TINY + COMMON + ["--prompt-tokens", "100"],
+    "bench_compile": TINY + ["--prompt-tokens", "100", "--new-tokens", "4", "--threads", "1", "--json", "{tmp}/c.json"],
+    "bench_figure": TINY + COMMON + ["--contexts", "64", "--budgets", "16", "--out-dir", "{tmp}/fig"],
+    "bench_kvpress": ["--model", "{tmp}/hf", "--press", "none", "--budget", "8", "--ids-file", "{tmp}/ids.json"],
+    "bench_linear": SHAPES + ["--rows", "1", "--repeats", "1", "--threads", "1"],
+    "bench_llamacpp": ["--ids-file", "{tmp}/ids.json", "--threads", "1"],
+    "bench_paired": TINY + COMMON + ["--prompt-tokens", "100"],
+    "bench_quant": TINY + COMMON + ["--prompt-tokens", "100", "--modes", "int8"],
+    "bench_speculate": TINY + ["--policies", "sink", "--budgets", "16", "--ks", "2", "--contexts", "64", "--weights",
+                               "float32", "--new-tokens", "4", "--threads", "1", "--device", "cpu"],
+    "bench_threads": ["--prompt-bytes", "100", "--new-tokens", "2", "--repeats", "1"],
+    "bench_tp": SHAPES + ["--prompt-tokens", "32", "--block-size", "16", "--budget", "16", "--steps", "2", "--device",
+                          "cpu", "--threads", "1"],
+    "check_port": [str(REPO / "tests" / "vectors"), "{tmp}/results"],
+    "convert_hf_checkpoint": TINY,
+    "download": ["--repo-id", "org/model", "--out-dir", "{tmp}/d"],
+    "eval": BASE["eval.py"],
+    "gpu_check": ["--device", "cpu", "--out", "{tmp}/g", "--no-compile"],
+    "make_vectors": ["{tmp}/vectors"],
+    "quantize": TINY + ["--mode", "int8", "--out", "{tmp}/q"],
+}
+
+
+class Reached(BaseException):
+    """The command got past its checks to its work (a stub below): the value was taken."""
+
+
+def stubbed(monkeypatch):
+    """What starts a command's work, made to raise Reached: loading or building a model, a child process, a
+    compile, a conversion, vectors written, the bandwidth measured."""
+    import cli
+    import convert
+    import loading
+    import quantize
+    import torch
+    import tp
+
+    def reach(*a, **k):
+        raise Reached
+    for module, names in ((loading, ["load_model", "random_model"]), (tp, ["load_model", "random_model"]),
+                          (cli, ["run_child", "start_child"]), (torch, ["compile"]),
+                          (convert, ["convert_hf_dir", "convert_gguf", "write_hf"]), (quantize, ["quantize_dir"]),
+                          (benchlib, ["load_model", "random_model", "run_child", "read_bandwidth_gb_s"])):
+        for name in names:
+            monkeypatch.setattr(module, name, reach)
+    from transformers import AutoModelForCausalLM  # bench_kvpress.py's models
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", reach)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", reach)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # download.py: one line, no network
+
+
+def run_script(name: str, argv: list[str], monkeypatch):
+    """scripts/NAME.py as `python scripts/NAME.py ARGV` runs it, in this process: its exit code, or Reached."""
+    import runpy
+    monkeypatch.setattr(sys, "argv", [str(REPO / "scripts" / f"{name}.py"), *argv])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the scripts put the repository first
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        return e.code
+    except Reached:
+        return Reached
+    return 0
+
+
+class Captured(BaseException):
+    pass
+
+
+def parser_of(name: str, monkeypatch) -> argparse.ArgumentParser:
+    """The parser scripts/NAME.py parses its command line with (caught at its parse_args)."""
+    def capture(self, args=None, namespace=None):
+        raise Captured(self)
+    with monkeypatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", capture)
+        try:
+            run_script(name, [], m)
+        except Captured as c:
+            return c.args[0]
+    raise AssertionError(f"scripts/{name}.py parsed no command line")
+
+
+def test_every_script_is_a_command_or_a_part():
+    assert set(SCRIPTS) == PARTS | set(ARGS), "a new script: give it ARGS (a command) or put it in PARTS"
+
+
+def test_every_script_runs_directly_with_help():
+    """python scripts/NAME.py --help, as a user types it (a fresh interpreter, the script's folder first on the
+    path): a usage line and exit 0, for the commands and for the parts (which say whose part they are)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
+    procs = {}
+    for name in SCRIPTS:  # two at a time: each imports torch
+        procs[name] = subprocess.Popen([sys.executable, f"scripts/{name}.py", "--help"], cwd=REPO, env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if len(procs) % 2 == 0:
+            list(procs.values())[-2].wait(120)
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and out.startswith("usage:") and "Traceback" not in err, (name, out[:200], err)
+
+
+def edge_rows(name: str, monkeypatch) -> list[tuple[str, str]]:
+    """(flag, value) for every flag of the command that takes a value, at each EDGE value."""
+    return [(action.option_strings[-1], value) for action in parser_of(name, monkeypatch)._actions
+            if action.option_strings and action.nargs != 0 for value in EDGE]
+
+
+def edge_folder(tmp_path, ckpt, monkeypatch) -> None:
+    """The case's folder as ARGS name it, the work stubbed, and the folder the current one."""
+    (tmp_path / "shapes").mkdir()
+    (tmp_path / "shapes" / "config.json").write_bytes((ckpt / "config.json").read_bytes())
+    (tmp_path / "ids.json").write_text("[1, 2, 3]")
+    (tmp_path / "results").mkdir()
+    stubbed(monkeypatch)
+    monkeypatch.chdir(tmp_path)  # a relative output path lands here
+
+
+REFUSED = [  # edge values a command took and then failed on, or worked on without end: now refused in one line
+    ("bench_tp", "--prompt-tokens", "0", 2, "--prompt-tokens must be between 1 and 2147483647, got 0"),
+    ("bench_tp", "--steps", "0", 2, "--steps must be between 1 and 2147483647, got 0"),
+    ("bench_tp", "--steps", "5000", 2, "--prompt-tokens + 2 x --steps + 3 (32 + 10003), --block-size (16) and "
+                                       "--budget (16) must fit the model's context (2048)"),
+    ("bench_linear", "--threads", "0", 2, "--threads must be between 1 and 1024, got 0"),
+    ("bench_linear", "--repeats", "99999999999999999999", 2, "--repeats must be between 1 and 1000"),
+    ("bench_attention", "--threads", "0", 2, "--threads must be between 1 and 1024, got 0"),
+    ("bench_attention", "--repeats", "99999999999999999999", 2, "--repeats must be between 1 and 1000"),
+    ("bench_batch", "--one", "0", 2, "--one '0': a flag this script passes its own runs"),
+    ("bench_batch", "--one-prefill", "x", 2, "--one-prefill 'x': a flag this script passes its own runs"),
+    ("bench_compile", "--prompt-tokens", "99999999999999999999", 2,
+     "--prompt-tokens + --new-tokens (99999999999999999999 + 4) must fit the model's context (2048)"),
+    ("bench_compile", "--repeats", "99999999999999999999", 2, "--repeats must be between 1 and 1000"),
+    ("bench_speculate", "--threads", "99999999999999999999", 2, "--threads must be between 1 and 1024"),
+    ("bench_speculate", "--repeats", "99999999999999999999", 2, "--repeats must be between 1 and 1000"),
+    ("bench_kvpress", "--repeats", "99999999999999999999", 2, "--repeats must be at most 1000"),
+]
+
+
+@pytest.mark.parametrize("name, flag, value, code, message", REFUSED, ids=[f"{r[0]}{r[1]}={r[2]}" for r in REFUSED])
+def test_an_edge_value_is_refused_before_the_work(name, flag, value, code, message, ckpt, tmp_path, monkeypatch,
+                                                  capfd):
+    edge_folder(tmp_path, ckpt, monkeypatch)
+    got = run_script(name, [a.format(tmp=tmp_path, ckpt=ckpt) for a in ARGS[name]] + [flag, value], monkeypatch)
+    err = capfd.readouterr().err.strip().splitlines()
+    assert got == code and len(err) == 1 and err[0].startswith(f"error: {message}"), (got, err)
+
+
+@pytest.mark.parametrize("name", sorted(ARGS))
+def test_every_flag_at_its_edge_values_is_taken_or_one_line(name, ckpt, tmp_path, monkeypatch, capfd):
+    """Every flag that takes a value, of every command, at 0, -1, a huge number, nan, empty and a word: the command
+    either takes it (it gets to its work, stubbed) or refuses it in one line, exit 2 (1 where the environment is
+    what failed: no network, no llama.cpp) — never a traceback or an internal error."""
+    edge_folder(tmp_path, ckpt, monkeypatch)
+    for flag, value in edge_rows(name, monkeypatch):
+        argv = [a.format(tmp=tmp_path, ckpt=ckpt) for a in ARGS[name]] + [flag, value]
+        code = run_script(name, argv, monkeypatch)
+        out, err = capfd.readouterr()
+        lines = err.strip().splitlines()
+        if code is Reached or code == 0:
+            continue
+        assert code in (1, 2) and "Traceback" not in err and not err.startswith("internal error"), (flag, value, err)
+        assert len(lines) == 1 and lines[0].startswith(("error: ", "check_port: ")), (flag, value, err)

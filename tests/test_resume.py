@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import pytest
 from conftest import REPO
 
-import cli
 from errors import UserError
 from scripts import bench, bench_figure, bench_quant, benchlib
 from scripts import eval as ev
@@ -234,7 +233,9 @@ def test_journal_lines_not_written_by_eval_are_refused(tmp_path):
 def test_bench_rows_not_written_by_bench_are_refused(tmp_path):
     settings, args = {"mode": "table"}, SimpleNamespace(resume=True)
     path = tmp_path / "b.json"
-    for results in [[], {"sink": {"protocol": "block"}}, {"sink": dict(fake_row("table", "sink"), decode_tok_s="9")}]:
+    edited = [dict(decode_tok_s="9"), dict(kvpress="x"), dict(kvpress={"decode_tok_s": 1.0}), dict(tokens=[1, "2"]),
+              dict(decode_tok_s_repeats=5), dict(ttft_s=None), dict(protocol=True)]  # each a TypeError in the table
+    for results in [[], {"sink": {"protocol": "block"}}] + [{"sink": fake_row("table", "sink") | e} for e in edited]:
         path.write_text(json.dumps({"settings": settings, "results": results}))
         with pytest.raises(UserError, match="has no results as this script writes them"):
             benchlib.previous(path, settings, args, "results", dict, bench.TABLE_FIELDS)
@@ -400,11 +401,12 @@ def test_write_atomic_removes_a_killed_writers_temporary_file(tmp_path):
 
 
 @pytest.mark.parametrize("kind", list(BENCH_RUNS))
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, 0.0])
 def test_bench_resume_measures_again_a_row_that_is_not_a_measurement(kind, value, ckpt, tmp_path, monkeypatch,
                                                                      capsys):
-    """A kept row whose timing is NaN, infinite or negative (edited, or written by a broken run) is measured again,
-    with one line naming it; the other rows are kept, and the output equals an uninterrupted run's."""
+    """A kept row whose timing is NaN, infinite, negative or 0 (edited, or written by a broken run; the tables divide
+    by it) is measured again, with one line naming it; the other rows are kept, and the output equals an
+    uninterrupted run's."""
     _, configs, flag = BENCH_RUNS[kind]
     out, fmt, full = uninterrupted_bench(kind, ckpt, tmp_path, monkeypatch, capsys)
     key = "results" if kind == "table" else "rows"
@@ -417,6 +419,6 @@ def test_bench_resume_measures_again_a_row_that_is_not_a_measurement(kind, value
     assert code in (0, None) and started == [configs[1]]
     named = {"table": "full", "quant": "mode bfloat16", "figure": "label rocketkv-16, T 64"}[kind]
     lines = [line for line in err.splitlines() if "measuring it again" in line]
-    assert lines == [f"--resume: {out}: {named} has {field} = {value} (not a finite, non-negative number): "
+    assert lines == [f"--resume: {out}: {named} has {field} = {value} (not a measurement: a finite number > 0): "
                      "measuring it again"], err
     assert json.loads(out.read_text())[key] == full[key]

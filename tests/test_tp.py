@@ -449,14 +449,29 @@ def test_a_lost_rank_does_not_hang(tmp_path, lose):
     assert "EnvironmentFailure: tensor parallel: rank 1 of 2 stopped answering rank 0" in out0, out0
 
 
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500"}  # a worker's environment, each row changing one variable
+
+
 @pytest.mark.parametrize("environ,message", [
     ({"RANK": "1", "WORLD_SIZE": "2"}, "RANK=1, WORLD_SIZE=2 in the environment, but this process was not started by "
                                        "torchrun (no TORCHELASTIC_RUN_ID): unset them"),
     ({"WORLD_SIZE": "abc"}, "WORLD_SIZE=abc in the environment, but this process was not started by torchrun"),
-    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "abc", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-      "MASTER_PORT": "1"}, "torchrun's RANK, WORLD_SIZE and LOCAL_RANK must be integers, got RANK=0, WORLD_SIZE=abc"),
-    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-      "MASTER_PORT": "1"}, "torchrun's environment is out of range: RANK=2, WORLD_SIZE=2, LOCAL_RANK=0"),
+    (TORCHRUN | {"WORLD_SIZE": "abc"}, "torchrun's WORLD_SIZE='abc' must be an integer from 1 to 2147483647"),
+    (TORCHRUN | {"RANK": "2"}, "torchrun's RANK='2' must be an integer from 0 to 1 (WORLD_SIZE=2)"),
+    (TORCHRUN | {"RANK": "-1"}, "torchrun's RANK='-1' must be an integer from 0 to 1"),
+    (TORCHRUN | {"RANK": "1_0", "WORLD_SIZE": "20"}, "torchrun's RANK='1_0' must be an integer from 0 to 19"),
+    (TORCHRUN | {"RANK": "\u0661"}, "torchrun's RANK='\u0661' must be an integer"),
+    (TORCHRUN | {"LOCAL_RANK": "1"}, "torchrun's LOCAL_RANK='1' must be an integer from 0 to 0 (RANK=0)"),
+    (TORCHRUN | {"WORLD_SIZE": "0"}, "torchrun's WORLD_SIZE='0' must be an integer from 1"),
+    (TORCHRUN | {"WORLD_SIZE": "9" * 30}, "torchrun's WORLD_SIZE='999999999999999999999999999999' must be"),
+    (TORCHRUN | {"MASTER_PORT": "70000"}, "torchrun's MASTER_PORT='70000' must be an integer from 1 to 65535"),
+    (TORCHRUN | {"MASTER_PORT": "-1"}, "torchrun's MASTER_PORT='-1' must be an integer from 1 to 65535"),
+    (TORCHRUN | {"MASTER_PORT": ""}, "torchrun's MASTER_PORT='' must be an integer from 1 to 65535"),
+    (TORCHRUN | {"MASTER_PORT": "0"}, "torchrun's MASTER_PORT='0' must be an integer from 1 to 65535"),
+    (TORCHRUN | {"MASTER_ADDR": ""}, "torchrun's MASTER_ADDR='' is not a host name or address"),
+    (TORCHRUN | {"MASTER_ADDR": "local host"}, "torchrun's MASTER_ADDR='local host' is not a host name or address"),
+    (TORCHRUN | {"BUDGETKV_TP_TIMEOUT": "0.001"}, "BUDGETKV_TP_TIMEOUT='0.001' must be a number of seconds >= 1"),
     ({"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2"}, "torchrun's environment lacks LOCAL_RANK, "
                                                                    "MASTER_ADDR, MASTER_PORT"),
 ])
@@ -470,3 +485,17 @@ def test_a_partial_or_malformed_torchrun_environment_is_one_line(tmp_path, monke
     out, err = capfd.readouterr()
     assert code == 2 and err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err
     assert out == ""
+
+
+def test_a_rank_without_rank_0_says_so_in_one_line(tmp_path):
+    """Rank 1 started alone (no rank 0 listens at MASTER_ADDR:MASTER_PORT): once BUDGETKV_TP_TIMEOUT has passed, one
+    line on its own stderr (not only in its rank log: no rank 0 prints for it) naming the address, exit 1; torch's
+    C++ messages go to a log."""
+    p = subprocess.run([sys.executable, "generate.py", *gen_args(tiny_config(tmp_path))], cwd=REPO, timeout=120,
+                       capture_output=True, text=True,
+                       env=env(**TORCHRUN | dict(RANK="1", LOCAL_RANK="1", MASTER_PORT=str(free_port())),
+                               BUDGETKV_TP_TIMEOUT="1", TMPDIR=str(tmp_path)))
+    assert p.returncode == 1 and p.stdout == "", p.stderr
+    (line,) = p.stderr.splitlines()
+    assert line.startswith("error: tensor parallel: rank 1 of 2 could not join the group at MASTER_ADDR=127.0.0.1 "
+                           "MASTER_PORT=") and f"{tmp_path}/budgetkv-{os.getuid()}/join1.log" in line, line
