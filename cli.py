@@ -20,6 +20,7 @@ from pathlib import Path
 
 from errors import EnvironmentFailure, UserError
 from files import disk_full, log_dir, open_log, stderr_to_log
+import ranks
 from progress import Ticker
 
 
@@ -187,20 +188,19 @@ def internal_error(e: BaseException, verbose: bool) -> int:
 
 
 def run_ranks(run_fn, parse_args) -> int:
-    """A command line that may run under torchrun (tp.py): only rank 0 prints, a lost rank is one line naming it,
-    bad input is one line and exit 2 on rank 0 alone (tp.exit_code), and the group is left at the end."""
-    import tp
-    tp.quiet_other_ranks()
+    """A command line that may run under torchrun (ranks.py): only rank 0 prints, a lost rank is one line naming it,
+    bad input is one line and exit 2 on rank 0 alone (ranks.exit_code), and the group is left at the end."""
+    ranks.quiet_other_ranks()
     try:
         try:
             a = parse_args()
         except SystemExit as e:  # argparse's one line (Parser), or --help
             if not isinstance(e.code, int):
                 raise
-            return tp.exit_code(e.code)
-        return tp.exit_code(run_cli(tp.naming_lost_ranks(run_fn), a))
+            return ranks.exit_code(e.code)
+        return ranks.exit_code(run_cli(ranks.naming_lost_ranks(run_fn), a))
     finally:
-        tp.finish()
+        ranks.finish()
 
 
 class Terminated(BaseException):

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import generate_args  # noqa: E402
 import progress  # noqa: E402
 import speculative  # noqa: E402
+import ranks  # noqa: E402
 import tp  # noqa: E402
 from cache import KV_DTYPES  # noqa: E402
 from checkpoint import resolve_checkpoint, shape_config, weights_format  # noqa: E402
@@ -62,9 +63,9 @@ def run(a) -> int:
     progress.quiet = a.quiet  # for every line of this run: a conversion's too
     policy = policies.make(a.policy)  # unknown names and parameters fail before any loading
     sampling = sampling_of(a)
-    mesh = tp.start(a.tp, a.device, policy, interactive=a.interactive, speculate=bool(a.speculate),
+    mesh = ranks.start(a.tp, a.device, interactive=a.interactive, speculate=bool(a.speculate),
                     aot=a.compile_mode == runtime.AOT)
-    a.device = tp.rank_device(a.device, mesh)
+    a.device = ranks.rank_device(a.device, mesh)
     draft_policy = None
     if a.speculate:  # --prefill is the draft's; the target is full
         a.draft_policy, draft_policy, a.draft_prefill = speculative.draft_policy(policy, a.draft_policy,
@@ -73,7 +74,7 @@ def run(a) -> int:
     if a.prefill == "one-shot" and a.compile_prefill is not None:
         raise UserError("--compile-prefill / --no-compile-prefill apply to --prefill block: a one-shot prefill never "
                         "runs the block step")
-    texts = None if a.random_weights or a.interactive else tp.from_rank0(lambda: read_prompts(a), mesh)
+    texts = None if a.random_weights or a.interactive else ranks.from_rank0(lambda: read_prompts(a), mesh)
     dtype = compute_dtype(a)
     torch.manual_seed(a.seed or 0)
     runtime.set_threads(a.threads)

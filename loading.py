@@ -4,6 +4,7 @@ device's free memory (check_fits)."""
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from cache import Storage
 from config import parse_config, weight_count
@@ -32,18 +33,7 @@ def load_model(ckpt_dir: Path | str, dtype: torch.dtype | str, device: str, conf
         config = read_config(ckpt_dir)
     args = parse_config(config)
     quant = config.get("budgetkv_quantization")
-    engine_file = ckpt_dir / ENGINE_FILE
-    if engine_file.is_file():
-        from safetensors import SafetensorError, safe_open
-        try:
-            with safe_open(str(engine_file), "pt", device="cpu") as f:  # the identity and tensors of one file
-                check_loaded(engine_file, f.metadata())
-                tensors = {k: f.get_tensor(k) for k in f.keys()} if read is None else read(f)
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"cannot read {engine_file} (truncated or corrupt?): {e}") from None
-    else:
-        check_loaded(engine_file, None)
-        tensors = read_hf_dir(ckpt_dir)
+    tensors = read_tensors(ckpt_dir, read)
     n_layers = 1 + max((int(k.split(".")[1]) for k in tensors if k.startswith("layers.")), default=-1)
     if n_layers != args.n_layers:  # before the model is built: a config with a million layers would take minutes
         raise CheckpointError(f"weights in {ckpt_dir} have {n_layers} layers, its config.json's num_hidden_layers "
@@ -54,7 +44,7 @@ def load_model(ckpt_dir: Path | str, dtype: torch.dtype | str, device: str, conf
         model = Transformer(args)
         if quant is not None:
             quantize.swap_linears(model, quant)
-    sliced = read is not None and engine_file.is_file()
+    sliced = read is not None and (ckpt_dir / ENGINE_FILE).is_file()
     if shard is not None and sliced:
         shard(model)
     try:
@@ -75,6 +65,21 @@ def load_model(ckpt_dir: Path | str, dtype: torch.dtype | str, device: str, conf
         quantize.prepare(model)  # pick each Linear's kernel for this device; says once if it falls back
     model.config = config
     return model.eval()
+
+
+def read_tensors(ckpt_dir: Path, read=None) -> dict:
+    """A checkpoint's tensors on the host: its engine file's (through read(handle) when given: a rank's slices),
+    read only with the identity its resolve verified (convert.check_loaded), else the Hugging Face folder's."""
+    engine_file = ckpt_dir / ENGINE_FILE
+    if not engine_file.is_file():
+        check_loaded(engine_file, None)
+        return read_hf_dir(ckpt_dir)
+    try:
+        with safe_open(str(engine_file), "pt", device="cpu") as f:  # the identity and tensors of one file
+            check_loaded(engine_file, f.metadata())
+            return {k: f.get_tensor(k) for k in f.keys()} if read is None else read(f)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read {engine_file} (truncated or corrupt?): {e}") from None
 
 
 def meta_model(config: dict) -> Transformer:

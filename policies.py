@@ -89,12 +89,6 @@ class Policy:
         """Check the parameters against one run and size its per-run state. Returns the slots the cache needs
         when a layout of the policy's own holds fewer than run.budget (None: run.budget)."""
 
-    def tp_refusal(self) -> str | None:
-        """Why this policy cannot run tensor parallel (tp.py: each rank holds some of a layer's KV heads), one line,
-        or None. A rule that reads other heads than the one it scores gathers them instead (all_heads,
-        max_over_ranks); none of the registered policies refuses."""
-        return None
-
     batch_hint: ClassVar[str] = ""  # what to do when a batch's prompts get different decode plans
 
     def decode_plan(self):

@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import engine  # noqa: E402
+from engine import Generation  # noqa: E402
 import runtime  # noqa: E402
 import loading  # noqa: E402
 import policies  # noqa: E402
@@ -229,15 +230,16 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
                                       a.device)
         first, margins = int(logits.argmax(-1)), [top2_gap(logits)]
         mode = runtime.default_compile_mode(a.device, WEIGHTS[weights], weights == "int8", a.freeze)
-        mode = None if mode == runtime.AOT else mode  # plain decode compiled as speculation's steps are (torch.compile)
+        mode = runtime.mode_name(None if mode == runtime.AOT else mode, a.device)  # as speculation's: torch.compile
+        plain = Generation(model.args, None, [L], max_new_tokens=n + max_k, block_size=block, device=a.device)
 
         def plain_step():  # (re)compiled after each dynamo reset, and run once untimed
             torch._dynamo.reset()
             if not a.compile:
                 return runtime.model_step
-            fn = runtime.compile_steps(a.device, mode, False, a.freeze)[1]
-            plain_decode(model, fn, first, L, 3, a.device)
-            return fn
+            plain.compile(model, first, mode, prefill=False, freeze=a.freeze, warm=False)
+            plain_decode(model, plain.steps[1], first, L, 3, a.device)
+            return plain.steps[1]
         step = plain_step()
         want, plain_s = timed(lambda: plain_decode(model, step, first, L, n, a.device, margins), a.device)
         print(f"  {weights} context {L}: prefill {prefill_s:.1f} s, plain decode {(n - 1) / plain_s:.2f} tok/s",

@@ -7,7 +7,7 @@ shapes with seeded random weights (speed does not depend on the values).
 After a block-wise prefill of --prompt-tokens random ids, --steps decode steps alternate between the real step and
 the same step with the all-reduces switched off (every Attention / FeedForward's tp_group set to None: the same
 per-rank compute, no communication; its output is wrong, and its token is fed to the next step; both kinds write
-the same cache, which changes which slots are kept and which tokens come, never a step's shapes): one engine.decode
+the same cache, which changes which slots are kept and which tokens come, never a step's shapes): one Generation.decode
 run whose on_step switches the kind. Each rank times its own steps (engine.decode's step times: each ends once its
 token reached the host); rank 0 prints every rank's median step time, the median without all-reduces, and the
 all-reduce share 1 - without / with (it includes waiting for the slowest rank: what a rank really loses to the
@@ -25,9 +25,10 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-import engine  # noqa: E402
+from engine import Generation  # noqa: E402
 import runtime  # noqa: E402
 import policies  # noqa: E402
+import ranks  # noqa: E402
 import tp  # noqa: E402
 from checkpoint import shape_config  # noqa: E402
 from cli import Parser, run_ranks  # noqa: E402
@@ -77,20 +78,21 @@ def check(a) -> dict:
 def run(a) -> int:
     config, label = check(a)
     policy = policies.make(a.policy)
-    mesh = tp.start(None, a.device, policy)
-    device = tp.rank_device(a.device, mesh)
+    mesh = ranks.start(None, a.device)
+    device = ranks.rank_device(a.device, mesh)
     runtime.set_threads(a.threads)
     dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16}[a.dtype]
     model = tp.random_model(config, dtype, device, 0, mesh, label=label)
     group = model.layers[0].attention.tp_group
     L = a.prompt_tokens
-    engine.setup(model, policy, a.budget if policy is not None else L + 2 * a.steps + 2, L, 2 * a.steps + 2,
-                 a.block_size)
-    ids = torch.randint(0, model.args.vocab_size, (L,), generator=torch.Generator().manual_seed(0)).to(device)
-    prefill, decode = runtime.compile_steps(device.split(":")[0]) if a.compile else (runtime.prefill_step,
-                                                                                      runtime.model_step)
-    engine.prefill(model, ids, a.block_size, prefill)
+    gen = Generation(model.args, policy, [L], budget=a.budget if policy is not None else None,
+                     max_new_tokens=2 * a.steps + 3, block_size=a.block_size, device=device)
+    gen.setup(model)
+    if a.compile:  # as generate.py --compile compiles (the first decode steps, untimed, warm it up)
+        gen.compile(model, 0, warm=False)
+    ids = torch.randint(0, model.args.vocab_size, (L,), generator=torch.Generator().manual_seed(0)).tolist()
+    gen.prefill(model, [ids])
     times, kinds = {True: [], False: []}, []
 
     def on_step(logits, seconds):  # the step just timed by engine.decode; the next one the other kind
@@ -101,8 +103,7 @@ def run(a) -> int:
         set_reduce(model, None if on else group)
 
     set_reduce(model, group)
-    engine.decode(model, decode, torch.zeros(1, dtype=torch.long, device=device), [[0]], [L], 2 * a.steps + 3,
-                  on_step=on_step)
+    gen.decode(model, torch.zeros(1, dtype=torch.long, device=device), [[0]], [L], on_step=on_step)
     set_reduce(model, group)
     with_ar, without = statistics.median(times[True]), statistics.median(times[False])
     rows = tp.gather_ints([round(with_ar * 1e6), round(without * 1e6)], mesh)

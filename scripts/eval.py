@@ -55,7 +55,7 @@ from engine import Generation, decode, decode_inputs  # noqa: E402
 from engine import prefill as engine_prefill  # noqa: E402
 from errors import UserError  # noqa: E402
 from loading import load_model  # noqa: E402
-from runtime import check_device, compile_steps, model_step, prefill_step  # noqa: E402
+from runtime import check_device, model_step, prefill_step  # noqa: E402
 from sampling import first_tokens  # noqa: E402
 from config import parse_config  # noqa: E402
 from scripts import eval_tasks  # noqa: E402
@@ -562,7 +562,9 @@ def run(a) -> int:
         steps = (prefill_step, model_step)
         if a.compile:
             torch._dynamo.config.cache_size_limit = torch._dynamo.config.accumulated_cache_size_limit = 4096
-            steps = compile_steps(a.device)
+            compiled = Generation(model_args, None, device=a.device)  # as generate.py --compile, the prefill too
+            compiled.compile(model, 0, prefill=True, warm=False)
+            steps = compiled.steps
     for task in tasks:
         todo = [c for c in cfgs if (task, c) not in results]
         if not todo:

@@ -153,11 +153,9 @@ def speculate_check(model, draft_spec: str, prompt: list[int], new_tokens: int, 
     speculative.setup(model, draft, draft_policy, graph_budget(draft_policy, len(prompt), new_tokens), len(prompt),
                       new_tokens, block_size, k)
 
-    def compiled():
-        steps = speculative.compile_steps(device, mode)
-        speculative.warm_up(model, draft, steps, prompt[0], block_size, k, device)
-        return speculative.generate(model, draft, prompt, new_tokens, k=k, block_size=block_size, steps=steps,
-                                    device=device)
+    def compiled():  # the draft step and the verification block, as generate.py --speculate compiles them
+        return speculative.run(model, draft, prompt, new_tokens, k=k, block_size=block_size, device=device,
+                               compile=True, mode=mode, compile_prefill=False)
     return compare_compiled(f"speculate {draft_spec} K={k}", plain, compiled, device)
 
 

@@ -1086,13 +1086,13 @@ def test_a_thread_count_that_is_none_is_one_line(monkeypatch, capsys, value):
 
 @pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", "", "0.001", "0.999"])
 def test_a_tensor_parallel_timeout_that_is_none_is_one_line(monkeypatch, value):
-    import tp
+    import ranks
     from errors import UserError
     monkeypatch.setenv("BUDGETKV_TP_TIMEOUT", value)
     with pytest.raises(UserError, match=f"BUDGETKV_TP_TIMEOUT={value!r} must be a number of seconds >= 1"):
-        tp.env_timeout_s()
+        ranks.env_timeout_s()
     monkeypatch.setenv("BUDGETKV_TP_TIMEOUT", "2.5")
-    assert tp.env_timeout_s() == 2.5
+    assert ranks.env_timeout_s() == 2.5
 
 
 @pytest.mark.parametrize("where", ["a file", "unwritable"])

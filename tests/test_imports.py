@@ -86,3 +86,39 @@ def test_no_module_assigns_another_modules_attribute_at_import():
                         found.append(f"{name}: {ast.unparse(t)}")
                     t = t.value
     assert not found
+
+
+def reachable(g: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for m in g.get(todo.pop(), ()):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def test_the_command_line_frame_does_not_load_the_model_stack():
+    """cli.py (every command's frame: one-line errors, logs, torchrun's ranks) reaches no module of the model."""
+    assert not reachable(graph(), "cli") & {"model", "engine", "loading", "tp", "policies", "cache", "runtime"}
+    assert "ranks" in reachable(graph(), "cli")
+
+
+def test_library_modules_import_project_modules_at_the_top():
+    """No project import hidden inside a library function (the way around a cycle that should not exist)."""
+    modules = project_modules()
+    found = []
+    for name, path in modules.items():
+        if name.startswith("scripts.") or name in COMMAND_LINES:
+            continue
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                found += [f"{name}.{fn.name}: {ast.unparse(node)}" for node in ast.walk(fn)
+                          if isinstance(node, ast.Import | ast.ImportFrom) and imports_of_node(node, modules)]
+    assert not found, found
+
+
+def imports_of_node(node, modules) -> set[str]:
+    names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+        [node.module] if node.level == 0 and node.module else [])
+    return {n for n in names if n in modules}

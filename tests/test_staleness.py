@@ -652,6 +652,7 @@ def test_a_quantization_replaced_after_its_check_is_never_loaded(hf_src, tmp_pat
     import types
 
     import quantize
+    import ranks
     import tp
     from loading import load_model
     q = tmp_path / "q"
@@ -661,7 +662,7 @@ def test_a_quantization_replaced_after_its_check_is_never_loaded(hf_src, tmp_pat
     quantize.quantize_dir(other, "int8", out=tmp_path / "q-other")
     assert checkpoint.resolve_checkpoint(str(q)) == q
     swap_in(tmp_path / "q-other", q)
-    mesh = tp.Mesh(0, 2, 0, types.SimpleNamespace(group_name="stand-in"))
+    mesh = ranks.Mesh(0, 2, 0, types.SimpleNamespace(group_name="stand-in"))
     for load in (lambda: load_model(q, torch.float32, "cpu"), lambda: tp.load_model(q, torch.float32, "cpu", mesh)):
         with pytest.raises(CheckpointError, match=f"{q / ENGINE_FILE} changed while it was being loaded"):
             load()

@@ -94,28 +94,6 @@ def test_every_policy_is_covered():
     assert set(policies.REGISTRY) | {"full"} <= covered
 
 
-def test_no_registered_policy_is_refused(eager):
-    """The rules that read every KV head of a layer (K-VEC, tova:heads=all) gather them: nothing is refused."""
-    for rank in (0, 1):
-        for model in MODELS:
-            refused = eager[rank][f"{model}|refused"]
-            assert not any(refused.values()), refused
-
-
-def test_a_policy_can_refuse_tp():
-    """A policy that cannot run per rank says why (tp_refusal), and tp.check_policy turns it into one line."""
-    import policies
-    import tp
-    from errors import UserError
-
-    class Whole(policies.KeyNorm):
-        def tp_refusal(self):
-            return "whole: reads every head, refused under tensor parallel"
-    tp.check_policy(Whole(), 1)
-    with pytest.raises(UserError, match="^whole: reads every head, refused under tensor parallel$"):
-        tp.check_policy(Whole(), 2)
-
-
 def test_compiled(worker):
     """The compiled steps under TP=2: fullgraph, the all-reduces inside the graph, no recompile over two
     generations, the eager TP=1 tokens and kept sets. Rank 0 compiles the 2 graphs and rank 1 then loads them
@@ -207,7 +185,7 @@ def test_a_rank_log_that_cannot_be_opened_is_one_line(tmp_path):
 
 
 def test_a_prompt_from_a_pipe_reaches_every_rank(hf_tiny, tmp_path):
-    """--prompt-file - under torchrun: rank 0 reads the pipe and sends the prompt to rank 1 (tp.from_rank0), so both
+    """--prompt-file - under torchrun: rank 0 reads the pipe and sends the prompt to rank 1 (ranks.from_rank0), so both
     ranks generate from the whole prompt: the tokens of one process reading the same pipe. An empty pipe is refused
     on both ranks: one line, exit 2 on rank 0 alone, no hang."""
     from conftest import with_tiny_tokenizer
@@ -248,7 +226,7 @@ def test_cli_loads_checkpoints(hf_tiny, tmp_path, capsys):
     """A float checkpoint on 2 ranks (torchrun's environment; torchrun itself: test_cli_under_torchrun) gives one
     process's tokens; an int4 one (quantized Linears sharded before they are packed for the CPU kernel) runs; an
     int4 group size that does not divide a rank's in-features of wo (64 > 32) is one line, exit 2 on rank 0 and 0 on
-    rank 1 (tp.exit_code: torchrun's report names rank 0 alone); rank 1 prints nothing."""
+    rank 1 (ranks.exit_code: torchrun's report names rank 0 alone); rank 1 prints nothing."""
     from conftest import with_tiny_tokenizer
     from quantize import quantize_dir
     _, src = hf_tiny("llama")
@@ -297,6 +275,7 @@ def test_reading_slices_equals_sharding_the_whole(hf_tiny, tmp_path, mode):
     import types
 
     import loading
+    import ranks
     import tp
     from convert import ENGINE_FILE, read_hf_dir
     from quantize import quantize_dir
@@ -310,7 +289,7 @@ def test_reading_slices_equals_sharding_the_whole(hf_tiny, tmp_path, mode):
     else:
         quantize_dir(src, mode, 32 if mode == "int4" else None, out=ckpt)
     for rank in (0, 1):
-        mesh = tp.Mesh(rank, 2, rank, types.SimpleNamespace(group_name="stand-in"))
+        mesh = ranks.Mesh(rank, 2, rank, types.SimpleNamespace(group_name="stand-in"))
         sliced = tp.load_model(ckpt, torch.float32, "cpu", mesh).state_dict()
         whole = loading.load_model(ckpt, torch.float32, "cpu", shard=lambda m: tp.apply_tp(m, mesh)).state_dict()
         assert sliced.keys() == whole.keys()
@@ -382,7 +361,7 @@ def bad_input_ranks(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_one_line_and_exit_2_on_rank_0(bad_input_ranks, case):
     """Every rank refuses the same flags: rank 0 prints the one line and exits 2, the other ranks exit 0, so that
-    torchrun's report names rank 0 alone (tp.exit_code)."""
+    torchrun's report names rank 0 alone (ranks.exit_code)."""
     if case == "cuda" and torch.cuda.is_available():
         pytest.skip("checks a machine without CUDA")
     r0, r1 = bad_input_ranks[case]
@@ -394,32 +373,32 @@ def test_bad_input_is_one_line_and_exit_2_on_rank_0(bad_input_ranks, case):
 
 
 def test_too_few_gpus(monkeypatch):
-    import tp
+    import ranks
     from errors import UserError
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(UserError, match="needs one CUDA device per rank; this machine has 1"):
-        tp.check_world(2, None, "cuda")
-    tp.check_world(2, None, "cpu")
-    with pytest.raises(UserError, match=r"--tp must be >= 1 \(ranks\), got 0"):
-        tp.check_world(1, 0, "cpu")
+        ranks.check_world(2, None, "cuda")
+    ranks.check_world(2, None, "cpu")
+    with pytest.raises(UserError, match=r"`tp` must be >= 1 \(ranks\), got 0"):
+        ranks.check_world(1, 0, "cpu")
 
 
 LOST_RANK = """
 import os, sys, time, torch
 from pathlib import Path
 sys.path.insert(0, {repo!r})
-import tp
+import ranks
 Path(f"ready{{os.environ['RANK']}}").touch()  # both ranks imported: join together, well within the timeout
 while not (Path("ready0").exists() and Path("ready1").exists()):
     time.sleep(0.05)
-mesh = tp.init("cpu", timeout_s=4)
+mesh = ranks.init("cpu", timeout_s=4)
 if mesh.rank == 1:
     {lose}  # a rank lost (or stalled) after the group formed
 t = time.perf_counter()
 try:
-    tp.naming_lost_ranks(lambda a: torch.distributed.all_reduce(torch.ones(4)))(None)
+    ranks.naming_lost_ranks(lambda a: torch.distributed.all_reduce(torch.ones(4)))(None)
 except Exception as e:
     print(f"failed after {{time.perf_counter() - t:.1f}} s: {{type(e).__name__}}: {{e}}")
     os._exit(1)

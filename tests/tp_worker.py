@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO))
 import runtime  # noqa: E402
 import loading  # noqa: E402
 import policies  # noqa: E402
+import ranks  # noqa: E402
 import tp  # noqa: E402
 from engine import generate, setup  # noqa: E402
 
@@ -79,7 +80,7 @@ def sorted_positions(pos: torch.Tensor) -> list[list[int]]:
     return [sorted(p for p in row.tolist() if p >= 0) for row in pos]
 
 
-def compare(ref, got, mesh: tp.Mesh, hkv_local: int) -> dict:
+def compare(ref, got, mesh: ranks.Mesh, hkv_local: int) -> dict:
     (t1, l1, k1), (t2, l2, k2) = ref, got
     n = min(len(l1), len(l2))
     diff = max(float((a - b).abs().max()) for a, b in zip(l1[:n], l2[:n]))
@@ -125,7 +126,6 @@ def eager_suite(mesh):
             r = compare(ref, run(shard, spec, prefill), mesh, hkv)
             r["seconds"] = time.perf_counter() - t
             results[f"{mname}|{spec}|{prefill}"] = r
-        results[f"{mname}|refused"] = {s: tp.refusal(policies.make(s)) for s in policies.REGISTRY}
     return results
 
 
@@ -266,12 +266,12 @@ def quant_suite(mesh):
 def main():
     out_dir, suites = Path(sys.argv[1]), sys.argv[2].split(",")
     torch.set_num_threads(1)
-    mesh = tp.init("cpu")
+    mesh = ranks.init("cpu")
     assert mesh.world == 2, mesh
     run_suite = {"eager": eager_suite, "compiled": lambda m: compiled_suite(m, out_dir), "quant": quant_suite}
     results = {name: run_suite[name](mesh) for name in suites}
     (out_dir / f"rank{mesh.rank}.json").write_text(json.dumps(results))
-    tp.finish()
+    ranks.finish()
 
 
 if __name__ == "__main__":
