@@ -223,12 +223,16 @@ class Chat:
             return self.pending + tok.encode(text, add_bos=self.position == 0 and not self.pending)
         if self.last_user is None:
             return self.pending + tok.chat_prompt_ids(text)
+        marker, n = MARKER, 0
+        while marker in self.last_user or marker in text:  # a user may type the marker: pick one neither holds
+            n += 1
+            marker = f"{MARKER[:-2]}-{n}>>"
         rendered = tok.render_messages([{"role": "user", "content": self.last_user},
-                                        {"role": "assistant", "content": MARKER}, {"role": "user", "content": text}])
-        if rendered.count(MARKER) != 1:
+                                        {"role": "assistant", "content": marker}, {"role": "user", "content": text}])
+        if rendered.count(marker) != 1:
             raise UserError(f"the chat template in {tok.chat_template_file} does not write an assistant's message "
                             "as it is, so turns cannot be added one by one (--no-chat skips the template)")
-        after = tok.template_ids(rendered.split(MARKER)[1])
+        after = tok.template_ids(rendered.split(marker)[1])
         pending = [t for t in self.pending if t not in self.eos_ids]  # the template writes the end of the turn
         return pending + after
 

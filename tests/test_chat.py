@@ -471,6 +471,22 @@ def test_an_answer_ending_in_eos_is_closed_by_the_template(loaded):
         tok.template_ids(f"</s>\n<s>user\n{TURNS[1]}</s>\n<s>assistant\n")
 
 
+def test_a_turn_holding_the_answer_marker_is_added_as_any_other(loaded):
+    """A user who types chat.MARKER (the stand-in for the previous answer) gets the template's turn, not a refusal
+    blaming the template, and a previous turn holding it does not block every later one."""
+    from chat import MARKER
+    model, tok = loaded
+    chat = Chat(model, tok, "keydiff", budget=32, max_new_tokens=4, block_size=4)
+    no_eos(chat)
+    for text in (f"the {MARKER} fox", f"{MARKER}-1>> dog {MARKER}", "the dog"):
+        pending = [t for t in chat.pending if t != tok.eos_ids[0]]
+        start = chat.position
+        chat.send(text)
+        if start:
+            assert list(chat.tokens[start:chat.prompt_end]) == pending + \
+                tok.template_ids(f"</s>\n<s>user\n{text}</s>\n<s>assistant\n")
+
+
 def test_interactive_compile_compiles_before_the_first_turn(chat_ckpt, loaded, tmp_path):
     """--interactive --compile: the steps compile once, before the first turn (the compiler's output goes to the
     log, not the terminal), and every turn's answer equals an eager chat's (this process's, at the same settings,
