@@ -116,6 +116,15 @@ class Chat:
         """Set every layer's cache up for a conversation whose first turn has prompt_len tokens (the policy planned
         against it: SAGE-KV's layout, SnapKV++'s kernel); UserError / PolicyError where the budget cannot work."""
         self.slots = self.run.setup(self.model, [prompt_len])
+        self.caches = self.model_caches()
+
+    def model_caches(self) -> list:
+        return [getattr(layer.attention, "kv_cache", None) for layer in self.model.layers]
+
+    def owns_caches(self) -> bool:
+        """Whether the model still holds this conversation's caches (another Chat, or a Generation set up on the
+        same model, replaces them: one conversation per model at a time)."""
+        return all(a is b for a, b in zip(self.caches, self.model_caches(), strict=True))
 
     # ------------------------------------------------------------------------------------------- the conversation
 
@@ -129,8 +138,7 @@ class Chat:
         self.prompt_end = 0  # positions [0, prompt_end) were the history plus the last turn's prompt
         self.answer_ids: list[int] = []
         self.fresh = True
-        for layer in self.model.layers:
-            cache = getattr(layer.attention, "kv_cache", None)
+        for cache in self.caches if self.owns_caches() else []:  # never another conversation's caches
             if cache is not None:
                 cache.reset()
 
@@ -151,6 +159,10 @@ class Chat:
         leaves the conversation consistent: the prompt and the answer's tokens decoded so far are kept, as after
         stop(), and nothing of a step cut short. Ctrl-C (SIGINT to the main thread, under Python's default handler)
         ends the answer as stop() does, then raises KeyboardInterrupt."""
+        if not self.fresh and not self.owns_caches():
+            raise UserError("this conversation's KV caches were replaced: another Chat or engine run set up caches on "
+                            "the same model since its last turn (one conversation per model at a time; reset() starts "
+                            "this one again)")
         ids = self.turn_ids(text)
         if not ids:
             raise TurnRefused("the turn is empty once tokenized")

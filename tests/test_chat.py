@@ -487,6 +487,25 @@ def test_a_turn_holding_the_answer_marker_is_added_as_any_other(loaded):
                 tok.template_ids(f"</s>\n<s>user\n{text}</s>\n<s>assistant\n")
 
 
+def test_a_second_chat_on_the_same_model_does_not_answer_from_the_first_ones_cache(loaded):
+    """Chat B set up on A's model replaces the model's caches: A's next turn is refused (it would have been answered
+    over B's conversation), A's reset() leaves B's conversation alone, and after it A starts over as a new chat."""
+    model, tok = loaded
+    a = Chat(model, tok, "keydiff", budget=32, max_new_tokens=4, block_size=4)
+    no_eos(a)
+    first = a.send(TURNS[0])
+    b = Chat(model, tok, "keydiff", budget=32, max_new_tokens=4, block_size=4)
+    no_eos(b)
+    b.send(TURNS[5])
+    held = int(b.held().max())
+    with pytest.raises(UserError, match="caches were replaced"):
+        a.send(TURNS[1])
+    a.reset()
+    assert int(b.held().max()) == held > 0
+    b.send(TURNS[6])
+    assert a.send(TURNS[0]) == first
+
+
 def test_interactive_compile_compiles_before_the_first_turn(chat_ckpt, loaded, tmp_path):
     """--interactive --compile: the steps compile once, before the first turn (the compiler's output goes to the
     log, not the terminal), and every turn's answer equals an eager chat's (this process's, at the same settings,
