@@ -18,7 +18,7 @@ from chat import Chat, TurnRefused, repl, stats_line
 from conftest import make_policy
 from errors import UserError
 from engine import generate as one_shot_generate
-from engine import setup
+from engine import Generation, setup
 from runtime import model_step, prefill_step
 from loading import load_model
 from tokenizer import load_tokenizer
@@ -504,6 +504,25 @@ def test_a_second_chat_on_the_same_model_does_not_answer_from_the_first_ones_cac
     assert int(b.held().max()) == held > 0
     b.send(TURNS[6])
     assert a.send(TURNS[0]) == first
+
+
+@pytest.mark.parametrize("name", ["sagekv", "rocketkv"])
+def test_a_policy_object_shared_with_another_run_keeps_the_chats_plan(loaded, chat_ckpt, name):
+    """A policy object given to a Chat and then to a run of another prompt length and budget (another model): the
+    run plans its own copy, so the chat's next turn answers as a chat that never shared it (before: SAGE-KV
+    answered with the other run's layout, RocketKV failed with a KeyError)."""
+    model, tok = loaded
+    shared, other = policies.make(name), load_model(chat_ckpt, torch.float32, "cpu")
+
+    def conversation(policy, between=None):
+        chat = Chat(model, tok, policy, budget=64, max_new_tokens=6, block_size=8)
+        no_eos(chat)
+        first = chat.send(TURNS[0])
+        if between:
+            between()
+        return first, chat.send(TURNS[1])
+    gen = lambda: Generation(other.args, shared, [300], budget=40, max_new_tokens=4, block_size=8).setup(other)
+    assert conversation(shared, gen) == conversation(name)
 
 
 def test_interactive_compile_compiles_before_the_first_turn(chat_ckpt, loaded, tmp_path):
