@@ -134,6 +134,30 @@ def test_logs_are_private_and_never_follow_a_planted_link(tmp_path, how):
         assert stat.S_IMODE(st.st_mode) == 0o600 and text in open(path).read()
 
 
+def test_an_output_never_writes_through_a_link_planted_at_its_temporary_name(tmp_path):
+    """files.write_atomic and the profiler's trace write a predictable temporary name beside the output
+    (.budgetkv-tmp-<pid>-<name>): a link planted there to a victim file leaves the victim's content and mode as they
+    were, and the output is a regular file with the new content."""
+    import files
+
+    class Prof:
+        def export_chrome_trace(self, name):  # as torch's exporter: <name>.tmp written, then renamed over <name>
+            with open(name + ".tmp", "w") as f:
+                f.write("trace")
+            os.replace(name + ".tmp", name)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    victim.chmod(0o600)
+    for out, write in ((tmp_path / "out.json", lambda p: files.write_text(p, "new")),
+                       (tmp_path / "trace.json", lambda p: files.export_trace(Prof(), p))):
+        tmp = files.tmp_path(out)
+        for name in (tmp, tmp.with_name(tmp.name + ".tmp")):
+            name.symlink_to(victim)
+        write(out)
+        assert victim.read_text() == "precious" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+        assert not out.is_symlink() and out.read_text() in ("new", "trace")
+
+
 def test_logs_go_to_a_private_folder(tmp_path, monkeypatch, capfd):
     """Nothing planted: every log in $TMPDIR/budgetkv-<uid> (0700), each 0600; no note."""
     import tempfile
