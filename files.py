@@ -195,6 +195,9 @@ def check_writable(path: Path, what: str) -> None:
     if existed and not path.is_file() and not path.is_dir():  # a pipe would block the open, a device be replaced
         raise UserError(f"{what} {path}: cannot write there (not a regular file: the output replaces what is there)")
     try:
+        if path.is_symlink():  # the output replaces the link: never open (or create) what it points to
+            with tempfile.TemporaryFile(dir=path.parent):
+                return
         with open(path, "a"):
             pass
     except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path

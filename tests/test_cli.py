@@ -158,6 +158,17 @@ def test_an_output_never_writes_through_a_link_planted_at_its_temporary_name(tmp
         assert not out.is_symlink() and out.read_text() in ("new", "trace")
 
 
+def test_checking_an_output_never_creates_what_a_link_there_points_to(tmp_path):
+    """files.check_writable (each script's --json, --plot, --out-dir file) on a dangling link: nothing is created
+    at the link's target and the link stays until the output replaces it."""
+    import files
+    link, target = tmp_path / "out.json", tmp_path / "elsewhere" / "victim.json"
+    target.parent.mkdir()
+    link.symlink_to(target)
+    files.check_writable(link, "--json")
+    assert not target.exists() and link.is_symlink()
+
+
 def test_logs_go_to_a_private_folder(tmp_path, monkeypatch, capfd):
     """Nothing planted: every log in $TMPDIR/budgetkv-<uid> (0700), each 0600; no note."""
     import tempfile
