@@ -28,6 +28,7 @@ stderr (a terminal or a log alike), with the time left. An interrupted run goes 
 """
 import argparse
 import importlib.util
+import math
 import shlex
 import statistics
 import sys
@@ -55,15 +56,15 @@ from loading import load_model, meta_model  # noqa: E402
 from runtime import model_step, prefill_step  # noqa: E402
 from scripts import bench  # noqa: E402
 from scripts import eval as ev  # noqa: E402
-from scripts.benchlib import (bench_settings, bench_source, check_sizes, int_list, json_result,  # noqa: E402
-                              make_document, measured, previous, row_ok, save, start)
+from scripts.benchlib import (bad_field, bench_settings, bench_source, check_sizes, int_list, json_result,  # noqa: E402
+                              make_document, previous, save, start)
 from scripts.eval_report import NOT_APPLICABLE, label, summarize  # noqa: E402
 from scripts.outputs import save_png, write_atomic  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 ALL = ",".join(["full", *policies.REGISTRY])
 TASKS = ("needle", "niah_single")
-# what a row holds from each measurement, each a number (benchlib.row_ok's kinds)
+# what a row holds from each measurement, each a number (benchlib.bad_field's kinds)
 QUALITY = {"kl": float, "top1": float, "ppl": float, "retrieval": float}
 SPEED = {"decode_tok_s": float, "decode_step_ms": float, "ttft_s": float, "prefill_tok_s": float,
          "prefill_peak_mib": float, "decode_peak_mib": float, "kv_cache_mib": float, "warmup_s": float}
@@ -323,12 +324,16 @@ def kept(path: Path, settings: dict, args, fields: dict) -> dict:
     out = {}
     for r in previous(path, settings, args, "rows", list, {"label": str}):
         want = {"label": str, "na": str} if r.get("na") is not None else fields
-        if not row_ok(r, want):
+        if bad_field(r, want) is not None:
             print(f"--resume: {path}: {r['label']} is not a row this script writes: measuring it again",
                   file=sys.stderr)
             continue
-        for x in measured(path, [r], want):
-            out[x["label"]] = x
+        bad = next((f for f, t in want.items() if t is float and not 0 <= r[f] < math.inf), None)  # kl 0: full's
+        if bad is not None:
+            print(f"--resume: {path}: label {r['label']} has {bad} = {r[bad]} (not a finite, non-negative number): "
+                  "measuring it again", file=sys.stderr)
+            continue
+        out[r["label"]] = r
     return out
 
 
