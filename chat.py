@@ -116,6 +116,15 @@ class Chat:
         """Set every layer's cache up for a conversation whose first turn has prompt_len tokens (the policy planned
         against it: SAGE-KV's layout, SnapKV++'s kernel); UserError / PolicyError where the budget cannot work."""
         self.slots = self.run.setup(self.model, [prompt_len])
+        self.caches = self.model_caches()
+
+    def model_caches(self) -> list:
+        return [getattr(layer.attention, "kv_cache", None) for layer in self.model.layers]
+
+    def owns_caches(self) -> bool:
+        """Whether the model still holds this conversation's caches (another Chat, or a Generation set up on the
+        same model, replaces them: one conversation per model at a time)."""
+        return all(a is b for a, b in zip(self.caches, self.model_caches(), strict=True))
 
     # ------------------------------------------------------------------------------------------- the conversation
 
@@ -129,8 +138,7 @@ class Chat:
         self.prompt_end = 0  # positions [0, prompt_end) were the history plus the last turn's prompt
         self.answer_ids: list[int] = []
         self.fresh = True
-        for layer in self.model.layers:
-            cache = getattr(layer.attention, "kv_cache", None)
+        for cache in self.caches if self.owns_caches() else []:  # never another conversation's caches
             if cache is not None:
                 cache.reset()
 
@@ -151,6 +159,10 @@ class Chat:
         leaves the conversation consistent: the prompt and the answer's tokens decoded so far are kept, as after
         stop(), and nothing of a step cut short. Ctrl-C (SIGINT to the main thread, under Python's default handler)
         ends the answer as stop() does, then raises KeyboardInterrupt."""
+        if not self.fresh and not self.owns_caches():
+            raise UserError("this conversation's KV caches were replaced: another Chat or engine run set up caches on "
+                            "the same model since its last turn (one conversation per model at a time; reset() starts "
+                            "this one again)")
         ids = self.turn_ids(text)
         if not ids:
             raise TurnRefused("the turn is empty once tokenized")
@@ -223,12 +235,16 @@ class Chat:
             return self.pending + tok.encode(text, add_bos=self.position == 0 and not self.pending)
         if self.last_user is None:
             return self.pending + tok.chat_prompt_ids(text)
+        marker, n = MARKER, 0
+        while marker in self.last_user or marker in text:  # a user may type the marker: pick one neither holds
+            n += 1
+            marker = f"{MARKER[:-2]}-{n}>>"
         rendered = tok.render_messages([{"role": "user", "content": self.last_user},
-                                        {"role": "assistant", "content": MARKER}, {"role": "user", "content": text}])
-        if rendered.count(MARKER) != 1:
+                                        {"role": "assistant", "content": marker}, {"role": "user", "content": text}])
+        if rendered.count(marker) != 1:
             raise UserError(f"the chat template in {tok.chat_template_file} does not write an assistant's message "
                             "as it is, so turns cannot be added one by one (--no-chat skips the template)")
-        after = tok.template_ids(rendered.split(MARKER)[1])
+        after = tok.template_ids(rendered.split(marker)[1])
         pending = [t for t in self.pending if t not in self.eos_ids]  # the template writes the end of the turn
         return pending + after
 

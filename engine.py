@@ -420,23 +420,23 @@ class Generation:
     prompt + max_new_tokens for the policies that hold every token (full, exact-topk) and 2048 for the others, each
     clamped to the model's context (`clamped`: {parameter: (default, used)}). prompt_lens None: a conversation
     (chat.py), whose prompts come later: budget 2048 for every policy. prefill: "block" or "one-shot" (None: the
-    policy's default). evict=False: the no-evict baseline (the same buffer, nothing dropped)."""
+    policy's default). evict=False: the no-evict baseline. The run plans a copy of `policy`, never the caller's."""
 
     def __init__(self, args: ModelArgs, policy, prompt_lens: list[int] | None = None, *, budget: int | None = None,
                  max_new_tokens: int | None = None, block_size: int | None = None, prefill: str | None = None,
-                 evict_before_attend: bool = False, kv_dtype: torch.dtype | None = None,
-                 sampling: Sampling = GREEDY, device: str = "cpu", evict: bool = True):
+                 evict_before_attend: bool = False, kv_dtype: torch.dtype | None = None, sampling: Sampling = GREEDY,
+                 device: str = "cpu", evict: bool = True):
         kernels.check_form()
         if not isinstance(sampling, Sampling):
             raise UserError(f"sampling={sampling!r} is not a sampling.Sampling")
         sampling.check_model(args.vocab_size, args.max_seq_len)
+        policy = dataclasses.replace(policy) if dataclasses.is_dataclass(policy) else policy  # its own plan state
         self.args, self.policy, self.device, self.sampling, self.evict = args, policy, device, sampling, evict
         self.protocol = prefill_protocol(policy, prefill)
         self.evict_before_attend, self.kv_dtype = evict_before_attend, kv_dtype
         self.lens = None if prompt_lens is None else list(prompt_lens)
-        self.clamped = {}
+        self.clamped, self.steps, self.slots = {}, (prefill_step, model_step), None
         self.max_new_tokens, self.block_size, self.budget = self.fit(max_new_tokens, block_size, budget)
-        self.steps, self.slots = (prefill_step, model_step), None
         self.compile_mode, self.compiled_prefill, self.frozen, self.compile_s, self.compile_cache = \
             None, False, False, 0.0, None
 

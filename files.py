@@ -195,6 +195,9 @@ def check_writable(path: Path, what: str) -> None:
     if existed and not path.is_file() and not path.is_dir():  # a pipe would block the open, a device be replaced
         raise UserError(f"{what} {path}: cannot write there (not a regular file: the output replaces what is there)")
     try:
+        if path.is_symlink():  # the output replaces the link: never open (or create) what it points to
+            with tempfile.TemporaryFile(dir=path.parent):
+                return
         with open(path, "a"):
             pass
     except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
@@ -272,23 +275,36 @@ def file_mode(path: Path) -> int:
         return 0o666 & ~umask
 
 
+def claim(tmp: Path) -> None:
+    """Make the temporary name `tmp` a new empty file of ours before anything writes it: the name is predictable,
+    and a link planted there would have the write (and the chmod) go through it to the link's target. Our own
+    leftover (a pid reused) is removed; another user's entry in a sticky folder cannot be, and the write fails."""
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+
+
 def write_atomic(path: Path, write) -> None:
-    """write(tmp) writes the content to a temporary name beside `path`; it is then fsynced and renamed into place,
-    and the folder fsynced: `path` is the old file or the whole new one, never a part. Errors ->
+    """write(tmp) writes the content to a temporary name beside `path` (claimed first); it is then fsynced and
+    renamed into place, and the folder fsynced: `path` is the old file or the whole new one, never a part. Errors ->
     EnvironmentFailure."""
     from safetensors import SafetensorError
-    tmp = tmp_path(path)
+    tmp, claimed = tmp_path(path), False
     try:
+        claim(tmp)
+        claimed = True
         write(tmp)
         os.chmod(tmp, file_mode(path))
         fsync_path(tmp)
         os.replace(tmp, path)
         fsync_path(path.parent)
     except (OSError, SafetensorError) as e:
-        tmp.unlink(missing_ok=True)
+        if claimed:
+            tmp.unlink(missing_ok=True)
         raise write_error(path, e) from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if claimed:
+            tmp.unlink(missing_ok=True)
         raise
 
 
@@ -326,6 +342,8 @@ def export_trace(prof, path: Path) -> None:
     must then exist, and that file replaces `path`."""
     tmp = tmp_path(path)
     try:
+        for name in (tmp, tmp.with_name(tmp.name + ".tmp")):  # no planted link to write through
+            claim(name)
         prof.export_chrome_trace(str(tmp))
         if not tmp.is_file() or tmp.stat().st_size == 0:
             raise EnvironmentFailure(f"cannot write {path}: the profiler could not write its trace (a full disk or a "

@@ -58,9 +58,13 @@ def read_manifest(vectors: Path) -> dict:
         raise BadInput(f"{vectors}: no manifest.json (give the directory scripts/make_vectors.py wrote)")
     try:
         manifest = read_json(path)
-        manifest["cases"][0]["case"]
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        cases = manifest["cases"]
+    except (OSError, ValueError, KeyError, TypeError):
         raise BadInput(f"{path}: not a test-vector manifest") from None
+    if not isinstance(cases, list) or not cases or not all(isinstance(c, dict) and isinstance(c.get("case"), str)
+                                                           for c in cases):
+        raise BadInput(f"{path}: not a test-vector manifest (\"cases\": a list of objects, each with a \"case\" "
+                       "name)")
     return manifest
 
 

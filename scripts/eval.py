@@ -486,7 +486,10 @@ def check_sizes(a, model_args) -> None:
         policy = policies.make(spec)
         if is_scorer(policy) and policy.protocol != "one-shot":  # (one-shot ones depend on each prompt: n/a there)
             for budget in a.budgets:
-                policy.plan(policies.Run(budget, max(a.lengths), 0, a.block_size, model_args))
+                try:
+                    policy.plan(policies.Run(budget, max(a.lengths), 0, a.block_size, model_args))
+                except UserError as e:  # the library's budget= is one of this command's --budgets
+                    raise UserError(str(e).replace(f"budget={budget}", f"`budgets` {budget}")) from None
     if a.fid_prefix + a.fid_tokens > ctx and "fidelity" in a.tasks:
         raise UserError(f"--fid-prefix + --fid-tokens exceeds the model's context ({ctx})")
     if a.fid_prefix + a.gen_tokens > ctx and "freegen" in a.tasks:

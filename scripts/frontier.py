@@ -56,8 +56,8 @@ from loading import load_model, meta_model  # noqa: E402
 from runtime import model_step, prefill_step  # noqa: E402
 from scripts import bench  # noqa: E402
 from scripts import eval as ev  # noqa: E402
-from scripts.benchlib import (bench_settings, bench_source, check_sizes, int_list, json_result,  # noqa: E402
-                              make_document, previous, save, start, bad_field)
+from scripts.benchlib import (bad_field, bench_settings, bench_source, check_sizes, int_list, json_result,  # noqa: E402
+                              make_document, previous, save, start)
 from scripts.eval_report import NOT_APPLICABLE, label, summarize  # noqa: E402
 from scripts.outputs import save_png, write_atomic  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -327,11 +327,13 @@ def kept(path: Path, settings: dict, args, fields: dict) -> dict:
         if bad_field(r, want) is not None:
             print(f"--resume: {path}: {r['label']} is not a row this script writes: measuring it again",
                   file=sys.stderr)
-        elif bad := next((f for f, t in want.items() if t is float and not 0 <= r[f] < math.inf), None):
+            continue
+        bad = next((f for f, t in want.items() if t is float and not 0 <= r[f] < math.inf), None)  # kl 0: full's
+        if bad is not None:
             print(f"--resume: {path}: label {r['label']} has {bad} = {r[bad]} (not a finite, non-negative number): "
-                  "measuring it again", file=sys.stderr)  # a KL, a share or a score can be 0
-        else:
-            out[r["label"]] = r
+                  "measuring it again", file=sys.stderr)
+            continue
+        out[r["label"]] = r
     return out
 
 
@@ -474,32 +476,32 @@ def parser() -> Parser:
                          "config.json (default smollm2-135m)")
     ap.add_argument("--length", type=int, default=2048,
                     help="context length in tokens: the fidelity prefix, the retrieval prompts and the timed prompt "
-                         "(2048)")
+                         "(default 2048)")
     ap.add_argument("--budgets", default="128,256,512,1024",
-                    help="KV slots held per layer and KV head, comma list (128,256,512,1024)")
+                    help="KV slots held per layer and KV head, comma list (default 128,256,512,1024)")
     ap.add_argument("--policies", default=ALL,
                     help="comma list of policy specs (default: full and every registered policy); full, the "
                          "reference, always runs")
     ap.add_argument("--task", choices=TASKS, default="needle",
                     help="the retrieval task, as eval.py runs it: needle (niah_single at each of --depths) or "
-                         "niah_single (--samples prompts) (needle)")
+                         "niah_single (--samples prompts) (default needle)")
     ap.add_argument("--depths", type=ev.csv(float), default=[0.0, 0.5, 1.0],
-                    help="needle depths, 0 = start of the context, 1 = end (0,0.5,1)")
-    ap.add_argument("--samples", type=int, default=1, help="retrieval prompts per depth (needle) or in all (1)")
+                    help="needle depths, 0 = start of the context, 1 = end (default 0,0.5,1)")
+    ap.add_argument("--samples", type=int, default=1, help="retrieval prompts per depth (needle) or in all (default 1)")
     ap.add_argument("--fid-tokens", type=int, default=128,
-                    help="fidelity: tokens teacher-forced and scored after the --length prefix (128)")
-    ap.add_argument("--fid-texts", type=int, default=1, help="fidelity: number of text windows (1)")
-    ap.add_argument("--seed", type=int, default=0, help="retrieval data and fidelity text offsets (0)")
+                    help="fidelity: tokens teacher-forced and scored after the --length prefix (default 128)")
+    ap.add_argument("--fid-texts", type=int, default=1, help="fidelity: number of text windows (default 1)")
+    ap.add_argument("--seed", type=int, default=0, help="retrieval data and fidelity text offsets (default 0)")
     ap.add_argument("--rank", choices=["top1", "kl", "retrieval"], default="top1",
-                    help="the quality of the chart's y axis and of the Pareto front (top1; with --random-weights: "
+                    help="the quality of the chart's y axis and of the Pareto front (default top1; with --random-weights: "
                          "decode tok/s)")
-    ap.add_argument("--decode-steps", type=int, default=32, help="speed: decode steps timed per repeat (32)")
-    ap.add_argument("--repeats", type=int, default=3, help="speed: repeats, medians reported (3)")
-    ap.add_argument("--block-size", type=int, default=128, help="prefill block size (128)")
+    ap.add_argument("--decode-steps", type=int, default=32, help="speed: decode steps timed per repeat (default 32)")
+    ap.add_argument("--repeats", type=int, default=3, help="speed: repeats, medians reported (default 3)")
+    ap.add_argument("--block-size", type=int, default=128, help="prefill block size (default 128)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                    help="weights and KV cache (auto: bfloat16 on CUDA, float32 on CPU)")
+                    help="weights and KV cache (default auto: bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="(cuda when there is one, else cpu)")
+                    help="(default cuda when there is one, else cpu)")
     ap.add_argument("--threads", type=int,
                     help="torch threads, here and in each timed process (default: torch's, as a user's run has)")
     ap.add_argument("--eager", action="store_true",
@@ -510,7 +512,7 @@ def parser() -> Parser:
     ap.add_argument("--random-weights", action="store_true",
                     help="speed and memory only, at --checkpoint's shapes with seeded random weights and random "
                          "prompt ids (bench.py --random-weights): the quality columns say not measured")
-    ap.add_argument("--out-dir", type=Path, default=REPO / "build" / "frontier", help="(build/frontier)")
+    ap.add_argument("--out-dir", type=Path, default=REPO / "build" / "frontier", help="(default build/frontier)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the configurations already in --out-dir/frontier.json (rewritten after every "
                          "configuration) and measure the rest; refused if it was written with other settings "

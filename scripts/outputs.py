@@ -51,10 +51,17 @@ def digest(obj) -> str:
 
 
 def checkpoint_identity(ckpt: Path) -> dict:
-    """What tells this checkpoint from another without reading its weights: its folder, its config.json's content and
-    the size and modification time of each weights file (a re-converted or replaced checkpoint differs)."""
-    config = ckpt / "config.json"
+    """What tells this checkpoint from another without reading its weights: its folder, its config.json's content,
+    its tokenizer files' content (they make the prompts' ids) and the size and modification time of each weights
+    file (a re-converted or replaced checkpoint differs)."""
+    from convert import TOKENIZER_FILES
+    config, tok = ckpt / "config.json", hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        if (ckpt / name).is_file():
+            with open(ckpt / name, "rb") as f:
+                tok.update(f"{name}\0{hashlib.file_digest(f, 'sha256').hexdigest()}\0".encode())
     return {"path": str(ckpt.resolve()), "config": hashlib.sha256(config.read_bytes()).hexdigest()[:16],
+            "tokenizer": tok.hexdigest()[:16],
             "weights": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(ckpt.glob("*.safetensors"))]}
 
 

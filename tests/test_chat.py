@@ -18,7 +18,7 @@ from chat import Chat, TurnRefused, repl, stats_line
 from conftest import make_policy
 from errors import UserError
 from engine import generate as one_shot_generate
-from engine import setup
+from engine import Generation, setup
 from runtime import model_step, prefill_step
 from loading import load_model
 from tokenizer import load_tokenizer
@@ -469,6 +469,60 @@ def test_an_answer_ending_in_eos_is_closed_by_the_template(loaded):
     chat.send(TURNS[1])
     assert list(chat.tokens[prompt_end:chat.prompt_end]) == first[:first.index(eos)] + \
         tok.template_ids(f"</s>\n<s>user\n{TURNS[1]}</s>\n<s>assistant\n")
+
+
+def test_a_turn_holding_the_answer_marker_is_added_as_any_other(loaded):
+    """A user who types chat.MARKER (the stand-in for the previous answer) gets the template's turn, not a refusal
+    blaming the template, and a previous turn holding it does not block every later one."""
+    from chat import MARKER
+    model, tok = loaded
+    chat = Chat(model, tok, "keydiff", budget=32, max_new_tokens=4, block_size=4)
+    no_eos(chat)
+    for text in (f"the {MARKER} fox", f"{MARKER}-1>> dog {MARKER}", "the dog"):
+        pending = [t for t in chat.pending if t != tok.eos_ids[0]]
+        start = chat.position
+        chat.send(text)
+        if start:
+            assert list(chat.tokens[start:chat.prompt_end]) == pending + \
+                tok.template_ids(f"</s>\n<s>user\n{text}</s>\n<s>assistant\n")
+
+
+def test_a_second_chat_on_the_same_model_does_not_answer_from_the_first_ones_cache(loaded):
+    """Chat B set up on A's model replaces the model's caches: A's next turn is refused (it would have been answered
+    over B's conversation), A's reset() leaves B's conversation alone, and after it A starts over as a new chat."""
+    model, tok = loaded
+    a = Chat(model, tok, "keydiff", budget=32, max_new_tokens=4, block_size=4)
+    no_eos(a)
+    first = a.send(TURNS[0])
+    b = Chat(model, tok, "keydiff", budget=32, max_new_tokens=4, block_size=4)
+    no_eos(b)
+    b.send(TURNS[5])
+    held = int(b.held().max())
+    with pytest.raises(UserError, match="caches were replaced"):
+        a.send(TURNS[1])
+    a.reset()
+    assert int(b.held().max()) == held > 0
+    b.send(TURNS[6])
+    assert a.send(TURNS[0]) == first
+
+
+@pytest.mark.parametrize("name", ["sagekv", "rocketkv"])
+def test_a_policy_object_shared_with_another_run_keeps_the_chats_plan(loaded, chat_ckpt, name):
+    """A policy object given to a Chat and then to a run of another prompt length and budget (another model): the
+    run plans its own copy, so the chat's next turn answers as a chat that never shared it (before: SAGE-KV
+    answered with the other run's layout, RocketKV failed with a KeyError)."""
+    model, tok = loaded
+    shared, other = policies.make(name), load_model(chat_ckpt, torch.float32, "cpu")
+
+    def conversation(policy, between=None):
+        chat = Chat(model, tok, policy, budget=64, max_new_tokens=6, block_size=8)
+        no_eos(chat)
+        first = chat.send(TURNS[0])
+        if between:
+            between()
+        return first, chat.send(TURNS[1])
+    gen = lambda: Generation(other.args, shared, [300], budget=40, max_new_tokens=4, block_size=8).setup(other)
+    assert conversation(shared, gen) == conversation(name)
 
 
 def test_interactive_compile_compiles_before_the_first_turn(chat_ckpt, loaded, tmp_path):

@@ -76,11 +76,11 @@ def test_stderr_goes_to_the_compile_log_and_progress_to_the_terminal(tmp_path, c
 LOGS_SCRIPT = """
 import argparse, os, sys
 sys.path.insert(0, {repo!r})
-import cli, tp
+import cli, ranks
 with cli.compile_log("default", False):  # what a compile writes to stderr
     os.write(2, b"compiler noise\\n")
 print(cli.run_cli(lambda a: 1 / 0, argparse.Namespace()))  # an internal error
-tp.quiet_other_ranks()  # rank 1 of 2 under torchrun
+ranks.quiet_other_ranks()  # rank 1 of 2 under torchrun
 print("rank noise", file=sys.stderr)
 """
 
@@ -132,6 +132,41 @@ def test_logs_are_private_and_never_follow_a_planted_link(tmp_path, how):
         st = os.lstat(path)
         assert path.startswith(f"{tmp_path}/budgetkv-") and stat.S_ISREG(st.st_mode), path
         assert stat.S_IMODE(st.st_mode) == 0o600 and text in open(path).read()
+
+
+def test_an_output_never_writes_through_a_link_planted_at_its_temporary_name(tmp_path):
+    """files.write_atomic and the profiler's trace write a predictable temporary name beside the output
+    (.budgetkv-tmp-<pid>-<name>): a link planted there to a victim file leaves the victim's content and mode as they
+    were, and the output is a regular file with the new content."""
+    import files
+
+    class Prof:
+        def export_chrome_trace(self, name):  # as torch's exporter: <name>.tmp written, then renamed over <name>
+            with open(name + ".tmp", "w") as f:
+                f.write("trace")
+            os.replace(name + ".tmp", name)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    victim.chmod(0o600)
+    for out, write in ((tmp_path / "out.json", lambda p: files.write_text(p, "new")),
+                       (tmp_path / "trace.json", lambda p: files.export_trace(Prof(), p))):
+        tmp = files.tmp_path(out)
+        for name in (tmp, tmp.with_name(tmp.name + ".tmp")):
+            name.symlink_to(victim)
+        write(out)
+        assert victim.read_text() == "precious" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+        assert not out.is_symlink() and out.read_text() in ("new", "trace")
+
+
+def test_checking_an_output_never_creates_what_a_link_there_points_to(tmp_path):
+    """files.check_writable (each script's --json, --plot, --out-dir file) on a dangling link: nothing is created
+    at the link's target and the link stays until the output replaces it."""
+    import files
+    link, target = tmp_path / "out.json", tmp_path / "elsewhere" / "victim.json"
+    target.parent.mkdir()
+    link.symlink_to(target)
+    files.check_writable(link, "--json")
+    assert not target.exists() and link.is_symlink()
 
 
 def test_logs_go_to_a_private_folder(tmp_path, monkeypatch, capfd):

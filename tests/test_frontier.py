@@ -280,6 +280,24 @@ def test_resume_after_sigkill(ckpt, uninterrupted, tmp_path, no_plots):
     assert "| not measured | not measured | not measured |" in (tmp_path / "frontier.md").read_text()
 
 
+def test_resume_refuses_rows_measured_with_another_tokenizer(ckpt, tmp_path, capsys, no_plots):
+    """The quality prompts are the tokenizer's ids: after the checkpoint's tokenizer changed (weights and config.json
+    as they were), --resume refuses the old rows in one line instead of keeping quality measured on other text."""
+    import shutil
+    from conftest import with_tiny_tokenizer
+    folder = tmp_path / "ckpt"
+    shutil.copytree(ckpt, folder)
+    out = tmp_path / "out"
+    quick = ["--policies", "full,sink", "--budgets", "32", "--no-speed"]
+    assert run(argv(folder, out, *quick), capsys)[0] == 0
+    with_tiny_tokenizer(ckpt, tmp_path / "other", "a completely different corpus of words 42")
+    shutil.copy(tmp_path / "other" / "tokenizer.json", folder / "tokenizer.json")
+    before = (out / "frontier.json").read_bytes()
+    code, err = run(argv(folder, out, *quick, "--resume"), capsys)
+    assert code == 2 and "other settings (checkpoint:" in err and err.strip().count("\n") == 0, err
+    assert (out / "frontier.json").read_bytes() == before
+
+
 # ---------------------------------------------------------------------------------------- flags and lines
 
 def test_help_gives_every_flag_and_its_default(capsys):

@@ -501,6 +501,8 @@ ARGS = {  # each command's arguments that make it small and keep its outputs in 
     "convert_hf_checkpoint": TINY,
     "download": ["--repo-id", "org/model", "--out-dir", "{tmp}/d"],
     "eval": BASE["eval.py"],
+    "frontier": TINY + ["--length", "64", "--budgets", "16", "--policies", "sink", "--no-speed", "--fid-tokens", "8",
+                        "--out-dir", "{tmp}/fr"],
     "gpu_check": ["--device", "cpu", "--out", "{tmp}/g", "--no-compile"],
     "make_vectors": ["{tmp}/vectors"],
     "quantize": TINY + ["--mode", "int8", "--out", "{tmp}/q"],

@@ -2,6 +2,7 @@
 bit, scores to a few ulps); the checker accepts every case's own file; a port with a known mistake (injected into the
 engine, or into a worked port in examples/) fails every policy the mistake applies to, with a line that names the
 step and the mistake's cause; the worked ports in examples/ pass, the HF transformers one on the real model."""
+import json
 import subprocess
 import sys
 
@@ -90,6 +91,17 @@ def test_checker_reports_bad_input_per_case(tmp_path):
     for args in [(tmp_path, out), (VECTORS, tmp_path / "none"), (VECTORS, tmp_path)]:
         r = run_checker(*args)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("cases", [[{"case": "a"}, 5], [{"case": 7}], {}, [], "x"])
+def test_a_manifest_whose_cases_are_malformed_is_one_line(tmp_path, cases):
+    """manifest.json's "cases" not a list of objects with a "case" name: one line, exit 2, no traceback."""
+    (tmp_path / "v").mkdir()
+    (tmp_path / "r").mkdir()
+    (tmp_path / "v" / "manifest.json").write_text(json.dumps({"cases": cases}))
+    r = run_checker(tmp_path / "v", tmp_path / "r")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "not a test-vector manifest" in r.stderr
 
 
 def test_nan_scores_compare_as_nan(tmp_path, capsys):
