@@ -30,8 +30,9 @@ def write_atomic(path: Path, data: str | bytes) -> None:
 def append_line(path: Path, obj) -> None:
     """Append obj as one JSON line, fsynced. A line cut short (killed mid-write, disk full) lacks its newline, which
     is how read_lines tells it apart and drops it."""
-    try:
-        with open(path, "a", encoding="utf-8") as f:
+    try:  # never through a link planted at the journal's name after its first (atomic) write
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        with open(fd, "a", encoding="utf-8") as f:
             f.write(json.dumps(obj) + "\n")
             f.flush()
             os.fsync(f.fileno())

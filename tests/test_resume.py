@@ -422,3 +422,19 @@ def test_bench_resume_measures_again_a_row_that_is_not_a_measurement(kind, value
     assert lines == [f"--resume: {out}: {named} has {field} = {value} (not a measurement: a finite number > 0): "
                      "measuring it again"], err
     assert json.loads(out.read_text())[key] == full[key]
+
+
+def test_a_journal_line_never_goes_through_a_link(tmp_path):
+    """eval.py's journal after its first (atomic) write: a link planted at its name is refused, its target
+    untouched; a plain journal gets whole lines."""
+    from scripts.outputs import append_line
+    victim, link = tmp_path / "victim", tmp_path / "results.jsonl"
+    victim.write_text("mine\n")
+    link.symlink_to(victim)
+    with pytest.raises(OSError, match="results.jsonl"):
+        append_line(link, {"a": 1})
+    assert victim.read_text() == "mine\n" and link.is_symlink()
+    plain = tmp_path / "plain.jsonl"
+    append_line(plain, {"a": 1})
+    append_line(plain, {"b": 2})
+    assert [json.loads(x) for x in plain.read_text().splitlines()] == [{"a": 1}, {"b": 2}]
