@@ -404,12 +404,6 @@ def decode_bytes_per_step(model) -> tuple[int, int]:
 DEFAULT_NEW_TOKENS, DEFAULT_BLOCK, DEFAULT_BUDGET = 200, 128, 2048  # each clamped to the model's context
 
 
-def bounded_budget(args: ModelArgs) -> int:
-    """The default budget of a policy that evicts, and of a conversation whatever its policy: DEFAULT_BUDGET slots,
-    or the model's context if smaller."""
-    return min(DEFAULT_BUDGET, args.max_seq_len)
-
-
 class Generation:
     """The run every entry point drives (generate.py, generate_text, chat.Chat, the benchmarks, eval): its settings
     resolved against the model's context and the prompts' lengths when made (a UserError naming the parameter),

@@ -90,11 +90,6 @@ def meta_model(config: dict) -> Transformer:
         return Transformer(args)
 
 
-def parameter_count(model) -> int:
-    """Parameters, a tied embedding counted once (model.parameters() yields a shared tensor once)."""
-    return sum(p.numel() for p in model.parameters())
-
-
 def free_memory(device: str) -> int | None:
     """Bytes free for a new allocation on `device`: CUDA's mem_get_info, or on CPU /proc/meminfo's MemAvailable
     (None where neither can be read: nothing is checked)."""

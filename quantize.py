@@ -78,10 +78,6 @@ def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
     return q, scales
 
 
-def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
-    return q.to(scales.dtype) * scales[:, None]
-
-
 def quantize_int4(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor]:
     """Asymmetric min/max per group of `groupsize` in-features (tinygemm's convention, w = (q - 8) * scale + zero,
     q in 0..15). Returns the plain nibbles [N, K/2] uint8 and scales_and_zeros [K/g, N, 2] fp32."""

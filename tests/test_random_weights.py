@@ -35,7 +35,7 @@ def test_shipped_config_has_the_published_parameter_count(name):
     assert shapes == name
     model = loading.meta_model(config)  # the meta device: nothing allocated, even for 70B
     assert all(p.is_meta for p in model.parameters())
-    n = loading.parameter_count(model)
+    n = sum(p.numel() for p in model.parameters())  # a tied embedding once
     assert abs(n / PUBLISHED[name] - 1) < 0.01, f"{name}: {n / 1e9:.3f}e9 parameters, published {PUBLISHED[name]}"
     assert weight_count(model.args) == n
 
