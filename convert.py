@@ -21,6 +21,7 @@ import math
 import os
 import re
 import shutil
+import struct
 import time
 from pathlib import Path
 
@@ -362,10 +363,54 @@ GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
+GGUF_MAX_ITEMS = 2 ** 20  # metadata entries, tensors, or elements of one metadata array (vocabularies: ~260K)
+GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # fixed-size value types
+
+
+def check_gguf_counts(gguf_path: Path) -> None:
+    """A GGUF's header and metadata walked before gguf.GGUFReader parses them into Python objects (many times the
+    file's bytes for an array of small items): every count at most GGUF_MAX_ITEMS, CheckpointError naming the key."""
+    def read(f, fmt):
+        data = f.read(struct.calcsize(fmt))
+        if len(data) < struct.calcsize(fmt):
+            raise EOFError
+        return struct.unpack(fmt, data)[0]
+
+    def count(f, what):
+        n = read(f, "<Q")
+        if n > GGUF_MAX_ITEMS:
+            raise CheckpointError(f"GGUF file {gguf_path} declares {n} {what}: more than {GGUF_MAX_ITEMS} (refused "
+                                  "before reading them)")
+        return n
+
+    def skip(f, kind, key):
+        if kind in GGUF_SIZES:
+            f.seek(GGUF_SIZES[kind], 1)
+        elif kind == 8:
+            f.seek(read(f, "<Q"), 1)
+        elif kind == 9:
+            item = read(f, "<I")
+            for _ in range(count(f, f"elements in {key}")):
+                skip(f, item, key)
+        else:
+            raise EOFError  # an unknown type: GGUFReader names the damage
+    try:
+        with open(gguf_path, "rb") as f:
+            if f.read(4) != b"GGUF" or read(f, "<I") < 2:
+                return  # GGUFReader says what it is
+            count(f, "tensors")
+            for _ in range(count(f, "metadata entries")):
+                key = f.read(read(f, "<Q")).decode("utf-8", "replace")[:80]
+                skip(f, read(f, "<I"), key)
+    except EOFError:
+        return
+
+
 def read_gguf(gguf_path: Path):
     """Open a llama / qwen2 GGUF and check its metadata by type and range and its tensors by name and shape, naming
     the field; returns (reader, config.json dict). Nothing is dequantized yet."""
     import gguf
+    check_gguf_counts(gguf_path)
     try:
         with Ticker(f"reading {gguf_path.name}"):  # seconds: the tokenizer's vocabulary is parsed here
             reader = gguf.GGUFReader(str(gguf_path))

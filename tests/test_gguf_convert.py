@@ -175,3 +175,21 @@ def test_convert_cli_one_line_errors(tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 3 and all(line.startswith("error: ") for line in lines), lines
     assert "cannot create --out-dir /proc: /proc is not writable" in lines[1] and "lacks a valid num_hidden_layers" in lines[2]
+
+
+def test_a_metadata_array_past_the_limit_is_refused_before_it_is_parsed(tmp_path):
+    """gguf.GGUFReader makes Python objects of every element of a metadata array (many times the file's bytes for
+    small items): a count past convert.GGUF_MAX_ITEMS is refused, naming the key, before GGUFReader runs."""
+    import convert
+    path = tmp_path / "m.gguf"
+    write_tiny_llama(path)
+    convert.check_gguf_counts(path)  # the real file walks to its end
+    data = bytearray(path.read_bytes())
+    key = b"tokenizer.ggml.tokens"
+    at = data.index(key) + len(key) + 8  # the value's type (array) and its items' type (string)
+    assert data[at - 8:at] == (9).to_bytes(4, "little") + (8).to_bytes(4, "little")
+    data[at:at + 8] = (10 ** 8).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"declares 100000000 elements in tokenizer\.ggml\.tokens: more than "
+                                              r"1048576 \(refused before reading them\)"):
+        convert_gguf(path, tmp_path / "out")
