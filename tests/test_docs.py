@@ -92,7 +92,7 @@ COMMANDS = {
         "tests/test_conformance.py::test_readme_example_is_one_scorer_tested_here (the example, tested unregistered)",
     "generate.py --checkpoint llama3.2-1b --random-weights --prompt-tokens 2048 --policy keydiff --budget 512": RUN,
     # performance.md
-    f"{PY}scripts/bench_threads.py --repeats 3": "times the embedded model under each thread setting and case",
+    f"{PY}scripts/bench_threads.py --repeats 2": "times the embedded model under each thread setting and case",
     "python3 -c": "a pipeline's reader, named in prose",
     f"{PY}scripts/bench_compile.py --policy keydiff --budget 512 --prompt-tokens 4096 --new-tokens 128 --threads 2 "
     "--repeats 2": "tests/test_cli.py::test_bench_compile_measures_eager_cold_and_warm",
@@ -100,9 +100,10 @@ COMMANDS = {
         "tests/test_cli.py::test_bench_paired_table_and_profile",
     f"{PY}scripts/bench.py --prompt-tokens 4096 --budget 512 --decode-steps 32 --repeats 3 --kvpress":
         "not run by a test: a process per policy and the kvpress peer take minutes at tiny sizes",
-    f"{PY}scripts/bench.py --compile --no-compile-prefill --prompt-tokens 4096 --budget 512 --policies keydiff "
-    "--decode-steps 32 --repeats 3 --threads 2 --llamacpp --json build/bench-llamacpp-4096.json":
-        "tests/test_bench_llamacpp.py (.venv-llamacpp)",
+    f"{PY}scripts/bench.py --compile --prompt-tokens 4096 --budget 512 --policies keydiff --decode-steps 32 "
+    "--repeats 3 --llamacpp": "tests/test_bench_llamacpp.py (.venv-llamacpp)",
+    f"{PY}scripts/bench.py --compile --prompt-tokens 7600 --budget 512 --policies keydiff --decode-steps 32 "
+    "--repeats 1 --llamacpp": "tests/test_bench_llamacpp.py (.venv-llamacpp)",
     "bash scripts/setup.sh llamacpp": "installs llama.cpp's venv",
     f"{PY}scripts/bench_batch.py --checkpoint smollm2-135m --prompt-tokens 8176 --budget 512 --memory-cap 4096 "
     "--threads 2 --decode-steps 10 --compile --policies keydiff --json build/batch_8k.json "
