@@ -379,8 +379,8 @@ def check_gguf_counts(gguf_path: Path) -> None:
     def count(f, what):
         n = read(f, "<Q")
         if n > GGUF_MAX_ITEMS:
-            raise CheckpointError(f"GGUF file {gguf_path} declares {n} {what}: more than {GGUF_MAX_ITEMS} (refused "
-                                  "before reading them)")
+            raise CheckpointError(f"cannot read GGUF file {gguf_path}: it declares {n} {what}, more than "
+                                  f"{GGUF_MAX_ITEMS} (refused before reading them)")
         return n
 
     def skip(f, kind, key):
