@@ -93,6 +93,10 @@ COMMANDS = {
     "generate.py --checkpoint llama3.2-1b --random-weights --prompt-tokens 2048 --policy keydiff --budget 512": RUN,
     # performance.md
     f"{PY}scripts/bench_threads.py --repeats 2": "times the embedded model under each thread setting and case",
+    "generate.py --policy keydiff --budget 512 --max-new-tokens 6000 --repetition-penalty 1.1 --json":
+        "a 17-minute run, its memory sampled from outside (tests/test_chat.py checks the per-turn peak)",
+    "generate.py --interactive --policy keydiff --budget 512 --max-new-tokens 48":
+        "tests/test_chat.py (50 turns through stdin, the per-turn peak flat)",
     "python3 -c": "a pipeline's reader, named in prose",
     f"{PY}scripts/bench_compile.py --policy keydiff --budget 512 --prompt-tokens 4096 --new-tokens 128 --threads 2 "
     "--repeats 2": "tests/test_cli.py::test_bench_compile_measures_eager_cold_and_warm",
