@@ -414,7 +414,9 @@ class Generation:
     prompt + max_new_tokens for the policies that hold every token (full, exact-topk) and 2048 for the others, each
     clamped to the model's context (`clamped`: {parameter: (default, used)}). prompt_lens None: a conversation
     (chat.py), whose prompts come later: budget 2048 for every policy. prefill: "block" or "one-shot" (None: the
-    policy's default). evict=False: the no-evict baseline. The run plans a copy of `policy`, never the caller's."""
+    policy's default). evict=False: the no-evict baseline. The run plans a copy of `policy`, never the caller's.
+    fns: the run's (prefill steps, decode steps), which compile() compiles; aot: whether its mode may be AOT."""
+    fns, aot = runtime.STEPS, True
 
     def __init__(self, args: ModelArgs, policy, prompt_lens: list[int] | None = None, *, budget: int | None = None,
                  max_new_tokens: int | None = None, block_size: int | None = None, prefill: str | None = None,
@@ -429,7 +431,7 @@ class Generation:
         self.protocol = prefill_protocol(policy, prefill)
         self.evict_before_attend, self.kv_dtype = evict_before_attend, kv_dtype
         self.lens = None if prompt_lens is None else list(prompt_lens)
-        self.clamped, self.steps, self.slots = {}, (prefill_step, model_step), None
+        self.clamped, self.steps, self.slots = {}, (*self.fns[0], *self.fns[1]), None
         self.max_new_tokens, self.block_size, self.budget = self.fit(max_new_tokens, block_size, budget)
         self.compile_mode, self.compiled_prefill, self.frozen, self.compile_s, self.compile_cache = \
             None, False, False, 0.0, None
@@ -488,13 +490,13 @@ class Generation:
 
     def compile(self, model, first_id: int, mode: str | None = None, prefill: bool | None = None,
                 freeze: bool = False, around=None, warm: bool = True) -> None:
-        """Compile both steps (runtime.compile_settings decides how) and warm them up on first_id unless not `warm`
-        (the caches are left dirty: generate() resets them). around(self): a context manager for the warm-up (generate.py's
-        compiler log and ticker), entered once the mode is settled, whose value is the terminal's stream (None:
-        stderr). Sets compile_mode, compiled_prefill, frozen, compile_s, compile_cache."""
-        mode, self.compiled_prefill = runtime.compile_settings(model, self.protocol, mode, prefill, freeze)
+        """Compile the run's steps (fns; runtime.compile_settings decides how) and warm them up on first_id unless
+        not `warm` (the caches are left dirty: generate() resets them). around(self): a context manager for the
+        warm-up (generate.py's compiler log and ticker), entered once the mode is settled, whose value is the
+        terminal's stream (None: stderr). Sets compile_mode, compiled_prefill, frozen, compile_s, compile_cache."""
+        mode, self.compiled_prefill = runtime.compile_settings(model, self.protocol, mode, prefill, freeze, self.aot)
         self.frozen, self.compile_mode = freeze, runtime.mode_name(mode, self.device)
-        self.steps = runtime.compile_steps(self.device, mode, self.compiled_prefill, freeze)
+        self.steps = runtime.compile_steps(self.device, mode, self.compiled_prefill, freeze, self.fns)
         decode_step = self.steps[1]
         dynamo = mode != runtime.AOT or self.compiled_prefill
         if dynamo:  # imported here: an eager or AOT run never imports the compiler

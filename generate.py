@@ -81,21 +81,22 @@ def run(a) -> int:
     if a.interactive:
         return run_interactive(a, policy, sampling, dtype, mesh)
     ckpt, config, tokenizer, model, prompts = load(a, texts, dtype, mesh)
-    gen = Generation(parse_config(config) if model is None else model.args, policy,
-                     [len(p) for p in prompts], budget=a.budget, max_new_tokens=a.max_new_tokens,
-                     block_size=a.block_size, prefill=a.prefill, evict_before_attend=a.evict_before_attend,
-                     kv_dtype=KV_DTYPES.get(a.kv_dtype), sampling=sampling, device=a.device)
+    run_kind, settings = Generation, dict(prefill=a.prefill, evict_before_attend=a.evict_before_attend)
+    if a.speculate:  # the target's settings, and the draft's
+        run_kind, settings = speculative.Speculation, dict(draft_policy=draft_policy, k=a.speculate,
+                                                           draft_budget=a.draft_budget, draft_prefill=a.draft_prefill)
+    gen = run_kind(parse_config(config) if model is None else model.args, policy, [len(p) for p in prompts],
+                   budget=a.budget, max_new_tokens=a.max_new_tokens, block_size=a.block_size,
+                   kv_dtype=KV_DTYPES.get(a.kv_dtype), sampling=sampling, device=a.device, **settings)
     if model is None:  # random weights: built once the KV cache it must leave room for is known
         model = tp.random_model(config, dtype, a.device, a.seed or 0, mesh, label=a.shapes,
                                 kv_bytes=gen.kv_bytes_needed(dtype))
     dtype_name = str(dtype).removeprefix("torch.")
     weights = weights_format(model.config, dtype_name, a.shapes if a.random_weights else None, a.seed or 0)
     if a.speculate:
-        return run_speculative(a, model, tokenizer, prompts[0], draft_policy, dtype, gen, weights)
+        return run_speculative(a, model, tokenizer, prompts[0], dtype, gen, weights)
     gen.setup(model)  # the caches, once checked against the memory the weights left
-    if a.compile:
-        gen.compile(model, prompts[0][0], a.compile_mode, a.compile_prefill, a.freeze,
-                    around=lambda g: compile_log(g.compile_mode, g.compiled_prefill, a.freeze, is_verbose(a)))
+    compile_run(a, gen, model, prompts[0][0])
     outs, stats, stream = generate_streamed(a, gen, model, tokenizer, prompts)
     stats.update(checkpoint=str(ckpt), policy=a.policy, kv_dtype=a.kv_dtype, dtype=dtype_name, weights=weights,
                  random_weights=a.random_weights, device=a.device)
@@ -221,15 +222,20 @@ def print_result(a, gen, stats, outs, stream, tp_line) -> None:
               file=sys.stderr)
 
 
-def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, gen, weights: str) -> int:
+def compile_run(a, gen, model, first_id: int) -> None:
+    """--compile: the run's steps compiled as the flags say, the compiler's log and ticker around it."""
+    if a.compile:
+        gen.compile(model, first_id, a.compile_mode, a.compile_prefill, a.freeze,
+                    around=lambda g: compile_log(g.compile_mode, g.compiled_prefill, a.freeze, is_verbose(a)))
+
+
+def run_speculative(a, model, tokenizer, ids, dtype, gen, weights: str) -> int:
     """--speculate K: the draft and both caches (speculative.py), a note when the bandwidth model predicts a loss or
     the device is a CPU, the generation streamed, and a summary with the acceptance and the predicted speedup."""
     draft = speculative.load_draft(model, a.draft_checkpoint, dtype, a.device,
                                    (a.seed or 0) if a.random_weights else None)
     L, N, K = len(ids), gen.max_new_tokens, a.speculate
-    slots, draft_slots = speculative.setup(model, draft, draft_policy, a.draft_budget, L, N, gen.block_size, K,
-                                           target_budget=a.budget, draft_prefill=a.draft_prefill,
-                                           kv_dtype=gen.kv_dtype)
+    slots, draft_slots = gen.setup(model, draft)
     best = speculative.predicted_speedup(model, draft, K)
     if best < 1:
         print(f"note: speculation is predicted to lose here: even keeping every draft, the bandwidth model gives "
@@ -239,17 +245,13 @@ def run_speculative(a, model, tokenizer, ids, draft_policy, dtype, gen, weights:
         print(f"note: the bandwidth model predicts up to {best:.2f}x, but on a CPU a K+1 verification block costs "
               "more than a decode step (its attention grows with the queries): docs/speculative.md has the CPU "
               "measurements; time yours with scripts/bench_speculate.py", file=sys.stderr)
+    compile_run(a, gen, model, ids[0])
     stream = TextStream(tokenizer)
     bar, on_prefill = prefill_progress(L, model.args.n_layers, sync=lambda: sync(a.device))
     stream.bar = bar
     with bar:
-        out, stats = speculative.run(
-            model, draft, ids, N, k=K, block_size=gen.block_size, device=a.device,
-            draft_one_shot=a.draft_prefill == "one-shot", compile=a.compile, mode=a.compile_mode,
-            compile_prefill=a.compile_prefill,
-            around=lambda mode, prefill: compile_log(mode, prefill, a.freeze, is_verbose(a)),
-            eos_ids=set(tokenizer.eos_ids) if tokenizer else set(), on_token=None if a.json else stream,
-            on_prefill=on_prefill, sampling=gen.sampling)
+        (out,), stats = gen.generate(model, [ids], eos_ids=set(tokenizer.eos_ids) if tokenizer else set(),
+                                     on_token=None if a.json else stream, on_prefill=on_prefill)
     stats.update(policy="full", budget=slots, draft_policy=a.draft_policy, draft_budget=draft_slots,
                  draft_checkpoint=a.draft_checkpoint, draft_prefill=a.draft_prefill, weights=weights,
                  device=a.device, max_new_tokens=N,

@@ -277,11 +277,15 @@ def prefill_step(model, idx, input_pos):  # a separate function so that its comp
     return model(idx, input_pos)
 
 
-def compile_steps(device: str, mode: str | None = None, prefill: bool = True, freeze: bool = False):
-    """The engine's (prefill-block step, decode step), compiled by compile_fns (prefill=False: the prefill step
-    stays eager)."""
-    prefills, (decode,) = compile_fns(device, mode, [prefill_step] if prefill else [], [model_step], freeze)
-    return (prefills or [prefill_step])[0], decode
+STEPS = (prefill_step,), (model_step,)  # a run's (prefill steps, decode steps): the engine's
+
+
+def compile_steps(device: str, mode: str | None = None, prefill: bool = True, freeze: bool = False, fns=STEPS
+                  ) -> tuple:
+    """A run's steps, the prefill steps then the decode steps of `fns` (default the engine's: (prefill-block step,
+    decode step)), compiled by compile_fns (prefill=False: the prefill steps stay eager)."""
+    prefills, decodes = compile_fns(device, mode, fns[0] if prefill else [], fns[1], freeze)
+    return (*(prefills or fns[0]), *decodes)
 
 
 def compile_fns(device: str, mode: str | None, prefill=(), decode=(), freeze: bool = False) -> tuple[list, list]:

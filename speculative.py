@@ -31,7 +31,6 @@ evict after each token and change what the next one sees, so an evicting target'
 the acceptances; Exact-TopK selects its top-k only in single-token decode steps (a block attends densely). Both are
 refused (check_target); the target is `full`.
 """
-import contextlib
 import copy
 import re
 import time
@@ -69,15 +68,6 @@ def draft_prefill_step(model, idx, input_pos):
 
 
 EAGER = Steps(runtime.prefill_step, draft_prefill_step, draft_step, verify_step)
-
-
-def compile_steps(device: str, mode: str | None = None, prefill: bool = False, freeze: bool = False) -> Steps:
-    """Steps with the draft decode step and the K+1 verification block each compiled once (runtime.compile_steps:
-    fullgraph, static shapes; on CUDA both under CUDA graphs, the decode mode); the prefill steps too when
-    `prefill`. freeze: the weights folded into each graph (a packed copy per graph)."""
-    prefills, (draft, verify) = runtime.compile_fns(
-        device, mode, [runtime.prefill_step, draft_prefill_step] if prefill else [], [draft_step, verify_step], freeze)
-    return Steps(*(prefills or EAGER[:2]), draft, verify)
 
 
 def draft_model(model) -> nn.Module:
@@ -182,48 +172,67 @@ def setup(target, draft, draft_policy, draft_budget: int | None, prompt_len: int
     return slots, draft_slots
 
 
-@torch.inference_mode()
-def warm_up(target, draft, steps: Steps, first_id: int, block_size: int, k: int, device: str,
-            one_shot: bool = False) -> None:
-    """Compile (or load) every step before anything is timed, with inputs made as generate makes them; twice
-    each, since CUDA graph trees record a graph on its second call. Leaves the caches dirty: generate resets."""
-    first = torch.tensor([first_id], device=device)
-    steps.prefill(target, *engine.block_inputs(first, 0, block_size))
-    if not one_shot:
-        steps.draft_prefill(draft, *engine.block_inputs(first, 0, block_size))
-    for _ in range(2):
-        steps.draft(draft, torch.tensor([[first_id]], device=device), torch.tensor([1], device=device))
-        steps.verify(target, torch.full((1, k + 1), first_id, device=device),
-                     torch.arange(1, k + 2, device=device))
-    engine.sync(device)
+class Speculation(engine.Generation):
+    """A speculative run through Generation's lifecycle: made with the target's settings (its policy full or None,
+    one prompt; budget: the target's slots, default prompt + new tokens + k) and the draft's (draft_policy,
+    draft_budget, draft_prefill: see setup()), then setup(target, draft) (both caches), compile() (the draft step
+    and the K+1 verification block, torch.compile's never AOT; the prefill steps when compiled), generate()."""
+    fns, aot = ((runtime.prefill_step, draft_prefill_step), (draft_step, verify_step)), False
 
+    def __init__(self, args, policy, prompt_lens: list[int], *, draft_policy, k: int, draft_budget: int | None = None,
+                 draft_prefill: str | None = None, budget: int | None = None, **kw):
+        check_k(k)
+        check_target(policy)
+        if len(prompt_lens) != 1:
+            raise UserError(f"speculation generates one sequence, not a batch of {len(prompt_lens)}")
+        super().__init__(args, None, prompt_lens, budget=budget, prefill="block", **kw)  # the target's
+        self.target_budget, self.draft_policy, self.k, self.draft_budget = budget, draft_policy, k, draft_budget
+        self.draft_prefill, self.draft, self.draft_slots = engine.prefill_protocol(draft_policy, draft_prefill), None, 0
 
-def run(target, draft, prompt_ids: list[int], max_new_tokens: int, *, k: int, block_size: int, device: str,
-        draft_one_shot: bool = False, compile: bool = False, mode: str | None = None,
-        compile_prefill: bool | None = None, around=None, **kw) -> tuple[list, dict]:
-    """A speculative generation once setup() gave both caches: with `compile`, the steps compiled (mode None: the
-    device's decode default; compile_prefill None: on CUDA only) and warmed up inside around(mode name, whether
-    the prefill is compiled) when given, then generate() (kw: its sampling, eos_ids, on_token, on_prefill). The
-    stats add the compile's seconds, the draft's tokens read per step, the target's prefill chunk
-    (engine.dense_chunk), both caches' bytes and the bandwidth model's best case (every draft kept)."""
-    steps, compile_s = EAGER, 0.0
-    if compile:
-        mode, compile_prefill = runtime.compile_settings(target, "block", mode, compile_prefill, False, aot=False)
-        steps = compile_steps(device, mode, prefill=compile_prefill)
-        t = time.perf_counter()
-        name = runtime.mode_name(mode, device)
-        with around(name, compile_prefill) if around is not None else contextlib.nullcontext():
-            warm_up(target, draft, steps, prompt_ids[0], block_size, k, device, draft_one_shot)
-        compile_s = time.perf_counter() - t
-    out, stats = generate(target, draft, prompt_ids, max_new_tokens, k=k, block_size=block_size, steps=steps,
-                          device=device, draft_one_shot=draft_one_shot, **kw)
-    shared = draft_one_shot and draft.tok_embeddings is target.tok_embeddings  # one prefill for both (prefill)
-    chunk = not shared and engine.dense_chunk(target, block_size, steps.prefill) or block_size
-    stats.update(draft_slots_read_per_step=draft.layers[0].attention.kv_cache.read_tokens(),
-                 block_size=block_size, prefill_chunk=chunk, threads=torch.get_num_threads(), compiled=compile,
-                 compile_s=round(compile_s, 2), kv_cache_bytes=kv_bytes(target) + kv_bytes(draft),
-                 best_case_speedup=predicted_speedup(target, draft, k))
-    return out, stats
+    def setup(self, target, draft) -> tuple[int, int]:
+        """Both caches (module setup()); returns (target slots, draft slots)."""
+        self.draft = draft
+        self.slots, self.draft_slots = setup(target, draft, self.draft_policy, self.draft_budget, self.lens[0],
+                                             self.max_new_tokens, self.block_size, self.k,
+                                             target_budget=self.target_budget, draft_prefill=self.draft_prefill,
+                                             kv_dtype=self.kv_dtype)
+        return self.slots, self.draft_slots
+
+    @property
+    def one_shot(self) -> bool:
+        return self.draft_prefill == "one-shot"
+
+    @torch.inference_mode()
+    def warm_up(self, target, first_id: int) -> None:
+        """Compile (or load) every step before anything is timed, with inputs made as generate makes them; twice
+        each, since CUDA graph trees record a graph on its second call. Leaves the caches dirty: generate resets."""
+        steps, first, k, device = Steps(*self.steps), torch.tensor([first_id], device=self.device), self.k, self.device
+        steps.prefill(target, *engine.block_inputs(first, 0, self.block_size))
+        if not self.one_shot:
+            steps.draft_prefill(self.draft, *engine.block_inputs(first, 0, self.block_size))
+        for _ in range(2):
+            steps.draft(self.draft, torch.tensor([[first_id]], device=device), torch.tensor([1], device=device))
+            steps.verify(target, torch.full((1, k + 1), first_id, device=device), torch.arange(1, k + 2, device=device))
+        engine.sync(device)
+
+    def generate(self, target, prompts: list[list[int]], **kw) -> tuple[list, dict]:
+        """generate() of the one prompt with this run's steps and sampling (kw: eos_ids, on_token, on_prefill,
+        on_round); returns ([its ids], stats): generate()'s, the compile's record, the draft's tokens read per
+        step, the target's prefill chunk (engine.dense_chunk), both caches' bytes and the bandwidth model's best
+        case (every draft kept)."""
+        draft, steps, (prompt,) = self.draft, Steps(*self.steps), prompts
+        out, stats = generate(target, draft, prompt, self.max_new_tokens, k=self.k, block_size=self.block_size,
+                              steps=steps, device=self.device, draft_one_shot=self.one_shot, sampling=self.sampling,
+                              **kw)
+        shared = self.one_shot and draft.tok_embeddings is target.tok_embeddings  # one prefill for both (prefill)
+        chunk = not shared and engine.dense_chunk(target, self.block_size, steps.prefill) or self.block_size
+        stats.update(draft_slots_read_per_step=draft.layers[0].attention.kv_cache.read_tokens(),
+                     block_size=self.block_size, prefill_chunk=chunk, **runtime.THREADS.report(),
+                     compiled=steps.draft is not draft_step, compiled_prefill=self.compiled_prefill,
+                     compile_mode=self.compile_mode, compile_s=round(self.compile_s, 2),
+                     compile_cache=self.compile_cache, kv_cache_bytes=kv_bytes(target) + kv_bytes(draft),
+                     best_case_speedup=predicted_speedup(target, draft, self.k))
+        return [out], stats
 
 
 def normalized(probs: torch.Tensor) -> torch.Tensor:

@@ -260,8 +260,12 @@ def run_context(a, lists, model, weights: str, tokenizer, config, rows: list) ->
                                    one_shot=protocol == "one-shot")
                 state = snapshot(draft)
                 step = plain_step()  # a fresh dynamo: this draft's graphs, not the last one's
-                steps = (speculative.compile_steps(a.device, mode, freeze=a.freeze) if a.compile else
-                         speculative.EAGER)
+                lifecycle = speculative.Speculation(model.args, None, [L], draft_policy=policy, k=max_k,
+                                                    draft_budget=budget, max_new_tokens=n, block_size=block,
+                                                    device=a.device)
+                if a.compile:  # compiled as generate.py --speculate compiles; warmed up below, untimed
+                    lifecycle.compile(model, first, mode, prefill=False, freeze=a.freeze, warm=False)
+                steps = speculative.Steps(*lifecycle.steps)
                 for k in lists["ks"]:
                     if a.compile:
                         spec_decode(model, draft, state, steps, first, L, 2 * (k + 1) + 1, k)  # compile, untimed

@@ -149,13 +149,15 @@ def speculate_check(model, draft_spec: str, prompt: list[int], new_tokens: int, 
     gen.setup(model)
     outs, stats = gen.generate(model, [prompt])
     plain = outs[0], stats
-    draft = speculative.draft_model(model)
-    speculative.setup(model, draft, draft_policy, graph_budget(draft_policy, len(prompt), new_tokens), len(prompt),
-                      new_tokens, block_size, k)
+    spec = speculative.Speculation(model.args, None, [len(prompt)], draft_policy=draft_policy, k=k,
+                                   draft_budget=graph_budget(draft_policy, len(prompt), new_tokens),
+                                   max_new_tokens=new_tokens, block_size=block_size, device=device)
+    spec.setup(model, speculative.draft_model(model))
 
     def compiled():  # the draft step and the verification block, as generate.py --speculate compiles them
-        return speculative.run(model, draft, prompt, new_tokens, k=k, block_size=block_size, device=device,
-                               compile=True, mode=mode, compile_prefill=False)
+        spec.compile(model, prompt[0], mode, prefill=False)
+        (out,), stats = spec.generate(model, [prompt])
+        return out, stats
     return compare_compiled(f"speculate {draft_spec} K={k}", plain, compiled, device)
 
 

@@ -53,7 +53,7 @@ def test_graph_check_sets_up_at_the_graph_budget_and_compares_with_eager(hf_tiny
     from runtime import model_step, prefill_step
     _, ckpt = hf_tiny("llama")
     model = load_model(ckpt, torch.float32, "cpu")
-    monkeypatch.setattr(runtime, "compile_steps", lambda device, mode, prefill, freeze: (prefill_step, model_step))
+    monkeypatch.setattr(runtime, "compile_steps", lambda device, mode, prefill, freeze, fns: (prefill_step, model_step))
     prompt = torch.randint(0, 512, (GRAPH_PROMPT,), generator=torch.Generator().manual_seed(3)).tolist()
     r = gc.graph_check(model, "keydiff", prompt, GRAPH_TOKENS, GRAPH_BLOCK, "cpu", mode="default")
     assert model.layers[0].attention.kv_cache.spec.budget == 56  # graph_budget: 48 + 8 new, it evicts (200 prompt)

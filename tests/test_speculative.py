@@ -14,6 +14,7 @@ import sampling
 import generate
 import policies
 import speculative
+from conftest import REPO
 from loading import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -319,16 +320,20 @@ def test_compiled_steps_never_recompile(tiny):
     draft = speculative.draft_model(tiny)
     (want, _), _ = speculate(tiny, draft, prompt, n, block, k, "snapkv", 40)
     torch._dynamo.reset()
-    steps = speculative.compile_steps("cpu")
+    run = speculative.Speculation(tiny.args, None, [len(prompt)], draft_policy=policies.make("snapkv"), k=k,
+                                  draft_budget=40, max_new_tokens=n, block_size=block)
+    run.setup(tiny, draft)
     try:
-        speculative.warm_up(tiny, draft, steps, prompt[0], block, k, "cpu")
+        run.compile(tiny, prompt[0])  # the lifecycle's settings: torch.compile's, never AOT; the draft's warm-up
+        assert run.compile_mode == "default" and not run.compiled_prefill
         with torch._dynamo.config.patch(error_on_recompile=True):
-            (out, stats), _ = speculate(tiny, draft, prompt, n, block, k, "snapkv", 40, steps=steps)
+            (out,), stats = run.generate(tiny, [prompt])
     finally:
         torch._inductor.config.freezing = False
         torch._dynamo.reset()
     assert out == want
     assert 0 < stats["all_accepted_rounds"] < stats["rounds"] or stats["acceptance_rate"] < 1
+    assert stats["compiled"] and stats["compile_cache"] in ("hit", "miss")
 
 
 # ----------------------------------------------------------------------------------------------- the command line
@@ -465,3 +470,18 @@ def test_smollm2_greedy_is_plain_greedy(smollm2, spec):
     (out, stats), _ = speculate(model, speculative.draft_model(model), prompt, n, block, k, spec, 48)
     assert out == want
     assert stats["accepted_per_round"] > 0
+
+
+def test_the_docs_python_example_runs_as_written(tiny):
+    """docs/speculative.md's Python example (the Speculation lifecycle, compiled) gives plain greedy's tokens."""
+    code = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "speculative.md").read_text(), re.S)
+    assert len(code) == 1
+    ids = ids_of(600, seed=11)
+    names = dict(model=tiny, ids=ids, policies=policies, speculative=speculative)
+    try:
+        exec(code[0], names)
+    finally:
+        torch._dynamo.reset()
+    run = names["run"]
+    assert (run.k, run.draft_slots, run.max_new_tokens) == (4, 256, 64) and names["stats"]["compiled"]
+    assert names["out"] == plain(tiny, ids, 64, run.block_size, len(ids) + 64 + 4)
