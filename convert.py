@@ -401,6 +401,12 @@ def check_gguf_counts(gguf_path: Path) -> None:
             raise EOFError
         return struct.unpack(fmt, data)[0]
 
+    def key(f):  # a key longer than the rest of the file is damage, never a read of its declared size
+        n = read(f, "<Q")
+        if n > os.fstat(f.fileno()).st_size - f.tell():
+            raise EOFError
+        return f.read(n).decode("utf-8", "replace")[:80]
+
     def count(f, what):
         n = read(f, "<Q")
         if n > GGUF_MAX_ITEMS:
@@ -425,8 +431,8 @@ def check_gguf_counts(gguf_path: Path) -> None:
                 return  # GGUFReader says what it is
             count(f, "tensors")
             for _ in range(count(f, "metadata entries")):
-                key = f.read(read(f, "<Q")).decode("utf-8", "replace")[:80]
-                skip(f, read(f, "<I"), key)
+                name = key(f)
+                skip(f, read(f, "<I"), name)
     except EOFError:
         return
 

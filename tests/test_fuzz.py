@@ -609,6 +609,9 @@ CASES += [
     ("convert-gguf-truncated-kv", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "{tmp}/o"],
      write("m.gguf", b"GGUF\x03\x00\x00\x00" + bytes(8) + b"\x01" + bytes(7) + b"\x14" + bytes(7) + b"general."),
      2, "m.gguf: truncated or damaged"),
+    ("convert-gguf-key-length-huge", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "{tmp}/o"],
+     write("m.gguf", b"GGUF\x03\x00\x00\x00" + bytes(8) + b"\x01" + bytes(7) + (2 ** 40).to_bytes(8, "little") +
+           b"general."), 2, "m.gguf: truncated or damaged"),
     ("convert-gguf-not-gguf", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "{tmp}/o"],
      write("m.gguf", b"PK\x03\x04" + bytes(60)), 2, "m.gguf: not a GGUF file"),
     ("convert-device-out-dir", "convert", ["--checkpoint", "/dev/zero", "--out-dir", "{tmp}/o"], None, 2,
