@@ -107,8 +107,7 @@ class Chat:
     def __init__(self, model, tokenizer, policy=None, budget: int | None = None, *, max_new_tokens: int | None = None,
                  block_size: int | None = None, prefill: str | None = None, sampling: Sampling = GREEDY,
                  kv_dtype: torch.dtype | None = None, chat_template: bool = True, evict_before_attend: bool = False):
-        if isinstance(policy, str):
-            policy = policies.make(policy)
+        policy = policies.resolve(policy)
         check_idle(model)
         if isinstance(sampling, Sampling) and sampling.repetition_penalty != 1.0:
             raise UserError("`repetition_penalty` applies to a plain generation, not to a conversation")
