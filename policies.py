@@ -1098,7 +1098,8 @@ def resolve(policy):
     if isinstance(policy, str):
         return make(policy)
     if policy is not None and not isinstance(policy, Policy):
-        raise PolicyError(f"policy={policy!r} is not a spec string (\"keydiff\"), a policy object (an instance) or None")
+        raise PolicyError(f"policy={policy!r} is not a spec string (\"keydiff\"), a policy object (an instance) or "
+                          "None")
     return policy
 
 
