@@ -65,6 +65,30 @@ COMMANDS = {"/reset": "forget the conversation (positions restart at 0)", "/stat
             "/exit": "leave (EOF too)", "/help": "this list"}
 
 
+RUNNING: set[int] = set()  # id() of each model a turn is running on: its caches are in use until the turn ends
+RUNNING_LOCK = threading.Lock()
+
+
+def check_idle(model) -> None:
+    """UserError while a turn runs on `model` (a send(), reset(), compile() or new Chat from on_text or another
+    thread would write the caches under that turn's steps)."""
+    if id(model) in RUNNING:
+        raise UserError("a turn is running on this model: send(), reset(), compile() and a new Chat wait for it to "
+                        "end (one turn at a time per model, not from on_text or another thread)")
+
+
+@contextmanager
+def one_turn(model):
+    """The block is the model's one running turn (check_idle refuses anything else on it until the block ends)."""
+    with RUNNING_LOCK:
+        check_idle(model)
+        RUNNING.add(id(model))
+    try:
+        yield
+    finally:
+        RUNNING.discard(id(model))
+
+
 class TurnRefused(UserError):
     """A turn that does not fit (the model's context, a cache that keeps every token): nothing was written, the
     conversation goes on (a REPL prints the line and reads the next turn)."""
@@ -83,8 +107,8 @@ class Chat:
     def __init__(self, model, tokenizer, policy=None, budget: int | None = None, *, max_new_tokens: int | None = None,
                  block_size: int | None = None, prefill: str | None = None, sampling: Sampling = GREEDY,
                  kv_dtype: torch.dtype | None = None, chat_template: bool = True, evict_before_attend: bool = False):
-        if isinstance(policy, str):
-            policy = policies.make(policy)
+        policy = policies.resolve(policy)
+        check_idle(model)
         if isinstance(sampling, Sampling) and sampling.repetition_penalty != 1.0:
             raise UserError("`repetition_penalty` applies to a plain generation, not to a conversation")
         self.model, self.tokenizer, self.policy = model, tokenizer, policy
@@ -130,6 +154,7 @@ class Chat:
 
     def reset(self) -> None:
         """Forget the conversation: empty caches (planned again at the next turn), positions restart at 0."""
+        check_idle(self.model)
         self.tokens = array("i")  # the token at each position written so far, in position order
         self.pending: list[int] = []  # the last answer's last token: sampled, not yet written
         self.last_user: str | None = None
@@ -159,6 +184,11 @@ class Chat:
         leaves the conversation consistent: the prompt and the answer's tokens decoded so far are kept, as after
         stop(), and nothing of a step cut short. Ctrl-C (SIGINT to the main thread, under Python's default handler)
         ends the answer as stop() does, then raises KeyboardInterrupt."""
+        with one_turn(self.model):
+            return self.turn(text, on_text)
+
+    def turn(self, text: str, on_text) -> str:
+        """send()'s turn, the model's one running turn."""
         if not self.fresh and not self.owns_caches():
             raise UserError("this conversation's KV caches were replaced: another Chat or engine run set up caches on "
                             "the same model since its last turn (one conversation per model at a time; reset() starts "
@@ -319,6 +349,7 @@ class Chat:
         --compile-mode, --compile-prefill, --freeze; around(run) wraps the warm-up) and warm them up on a one-token
         prompt before the first turn (not for a one-shot scorer, whose plan waits for the first turn's length), then
         start an empty conversation."""
+        check_idle(self.model)
         self.run.compile(self.model, 0, mode, prefill, freeze, around=around,
                          warm=not (self.protocol == "one-shot" and is_scorer(self.policy)))
         self.reset()

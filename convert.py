@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from errors import UserError
-from files import fsync_path, parse_json, read_json, remove_stale_tmp, tmp_path, write_atomic, write_error, write_text
+from files import (TMP_PREFIX, fsync_path, parse_json, read_json, remove_stale_tmp, tmp_path, write_atomic, write_error,
+                   write_text)
 from progress import Progress, Ticker
 from tokenizer import TokenizerError, write_gguf_tokenizer
 
@@ -75,12 +76,30 @@ def hf_to_engine(get, names: set[str], n_layers: int, tied: bool, on_layer=None)
     return out
 
 
+HF_COPY_FILES = ("config.json", "model.safetensors", *TOKENIZER_FILES)  # what write_hf writes
+
+
+def check_hf_copy_dir(out_dir: Path) -> None:
+    """CheckpointError when the folder `out_dir` holds what write_hf does not write (another model's weights, a
+    budgetkv checkpoint): an HF copy replaces an earlier copy's files only."""
+    if not out_dir.is_dir():
+        return
+    other = sorted(p.name for p in out_dir.iterdir()
+                   if p.name not in HF_COPY_FILES and not p.name.startswith(TMP_PREFIX))
+    if other:
+        raise CheckpointError(f"{out_dir} holds {', '.join(other[:3])}{', ...' if len(other) > 3 else ''}, which an "
+                              "HF copy does not write (another model's folder?): pick a new or empty folder")
+
+
 def write_hf(ckpt_dir: Path, out_dir: Path) -> Path:
     """Write an HF-loadable copy of a converted budgetkv checkpoint (transformers' `from_pretrained(out_dir)`):
     model.safetensors in HF names (q/k/v and gate/up split again; the layout is already HF's rotate-half), config.json
-    and the tokenizer files. A quantized checkpoint cannot be written (HF has no such weights). Returns out_dir."""
+    and the tokenizer files, replacing an earlier copy's (its files that this one lacks removed; the weights gone
+    until the rest is written). A quantized checkpoint cannot be written (HF has no such weights), nor a folder
+    holding other files (check_hf_copy_dir). Returns out_dir."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
+    check_hf_copy_dir(out_dir)
     config = read_config(ckpt_dir)
     try:
         engine = load_file(str(ckpt_dir / ENGINE_FILE))
@@ -110,6 +129,12 @@ def write_hf(ckpt_dir: Path, out_dir: Path) -> Path:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"cannot create {out_dir}: {e.strerror or e}") from None
+    for name in ("model.safetensors", *TOKENIZER_FILES):  # an earlier copy's, never beside this one's weights
+        if name == "model.safetensors" or not (ckpt_dir / name).is_file():
+            try:
+                (out_dir / name).unlink(missing_ok=True)
+            except OSError as e:
+                raise write_error(out_dir / name, e) from None
     for name in TOKENIZER_FILES:
         if (ckpt_dir / name).is_file():
             write_atomic(out_dir / name, lambda tmp, src=ckpt_dir / name: shutil.copyfile(src, tmp))
@@ -376,6 +401,12 @@ def check_gguf_counts(gguf_path: Path) -> None:
             raise EOFError
         return struct.unpack(fmt, data)[0]
 
+    def key(f):  # a key longer than the rest of the file is damage, never a read of its declared size
+        n = read(f, "<Q")
+        if n > os.fstat(f.fileno()).st_size - f.tell():
+            raise EOFError
+        return f.read(n).decode("utf-8", "replace")[:80]
+
     def count(f, what):
         n = read(f, "<Q")
         if n > GGUF_MAX_ITEMS:
@@ -400,8 +431,8 @@ def check_gguf_counts(gguf_path: Path) -> None:
                 return  # GGUFReader says what it is
             count(f, "tensors")
             for _ in range(count(f, "metadata entries")):
-                key = f.read(read(f, "<Q")).decode("utf-8", "replace")[:80]
-                skip(f, read(f, "<I"), key)
+                name = key(f)
+                skip(f, read(f, "<I"), name)
     except EOFError:
         return
 

@@ -426,6 +426,7 @@ class Generation:
         if not isinstance(sampling, Sampling):
             raise UserError(f"sampling={sampling!r} is not a sampling.Sampling")
         sampling.check_model(args.vocab_size, args.max_seq_len)
+        policy = policies.resolve(policy)
         policy = dataclasses.replace(policy) if dataclasses.is_dataclass(policy) else policy  # its own plan state
         self.args, self.policy, self.device, self.sampling, self.evict = args, policy, device, sampling, evict
         self.protocol = prefill_protocol(policy, prefill)
@@ -621,7 +622,7 @@ def generate_text(prompt: str | list[str], *, checkpoint: str = "smollm2-135m", 
     stop = [check_text("stop", s, blank_ok=True) for s in stop]
     document = None if document is None else check_text("document", document)
     check_int("seed", seed, least=0, most=2 ** 63 - 1)
-    policy = policies.make(policy) if isinstance(policy, str) else policy
+    policy = policies.resolve(policy)
     prefill_protocol(policy, prefill)  # before the checkpoint is looked at
     ckpt = resolve_checkpoint(checkpoint)
     tokenizer = load_tokenizer(ckpt)

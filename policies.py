@@ -1092,6 +1092,17 @@ def lookup(spec: str):
     return REGISTRY[name]
 
 
+def resolve(policy):
+    """A policy from a spec string (make), a policy object or None (full); PolicyError naming anything else (a
+    policy's class, a number)."""
+    if isinstance(policy, str):
+        return make(policy)
+    if policy is not None and not isinstance(policy, Policy):
+        raise PolicyError(f"policy={policy!r} is not a spec string (\"keydiff\"), a policy object (an instance) or "
+                          "None")
+    return policy
+
+
 def make(spec: str):
     """A policy from `NAME` or `NAME:key=value,key=value` (None for `full`); bad names, unknown parameters, malformed
     pairs and values out of range raise PolicyError with one line."""

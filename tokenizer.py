@@ -250,8 +250,12 @@ def load_tokenizer(ckpt_dir) -> Tokenizer:
                              f"{{name, template}} objects, got {type(tmpl).__name__}")
     jinja_file = d / "chat_template.jinja"
     if jinja_file.is_file():
+        data = read_capped(jinja_file, 4 * TEMPLATE_CHARS)  # the limit is in characters, of up to 4 bytes each
+        if len(data) > 4 * TEMPLATE_CHARS:
+            raise TokenizerError(f"the chat template in {jinja_file} is longer than {TEMPLATE_CHARS >> 20} MiB "
+                                 "(--no-chat skips it)")
         try:
-            tmpl = read_capped(jinja_file, TEMPLATE_CHARS).decode("utf-8")
+            tmpl = data.decode("utf-8")
         except UnicodeDecodeError as e:
             raise TokenizerError(f"cannot read {jinja_file}: not UTF-8 text ({e.reason})") from None
         tok.chat_template_file = str(jinja_file)

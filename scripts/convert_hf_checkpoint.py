@@ -23,7 +23,8 @@ check_python()  # one line, not a traceback, in a Python without the requirement
 
 from checkpoint import gguf_folder, resolve_checkpoint  # noqa: E402
 from cli import Parser, run_cli  # noqa: E402
-from convert import ENGINE_FILE, convert_gguf, convert_hf_dir, write_hf  # noqa: E402
+from convert import (ENGINE_FILE, CheckpointError, check_hf_copy_dir, convert_gguf, convert_hf_dir,  # noqa: E402
+                     write_hf)
 from files import check_out_dir, check_writable, read_json, unreachable  # noqa: E402
 from errors import UserError  # noqa: E402
 import progress  # noqa: E402
@@ -51,6 +52,10 @@ def check_args(a) -> None:
         if a.out_dir is not None:
             raise UserError("--out-dir and --to-hf exclude each other (--to-hf names the HF copy's folder)")
         check_out_dir(a.to_hf, "--to-hf")
+        try:
+            check_hf_copy_dir(a.to_hf)
+        except CheckpointError as e:
+            raise UserError(f"--to-hf: {e}") from None
         return
     if why := unreachable(src):
         raise UserError(f"--checkpoint {src}: {why}")

@@ -570,3 +570,41 @@ def test_a_chat_on_cuda_graphs_answers_as_eager(chat_ckpt):
         torch._dynamo.reset()
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert got == want
+
+
+@pytest.mark.parametrize("during", ["send", "reset", "other_chat", "new_chat"])
+def test_a_turn_or_reset_asked_for_during_a_turn_is_refused_and_the_turn_goes_on(loaded, during):
+    """send() or reset() of the chat, another chat's send() or a new Chat on the same model, called while a turn
+    runs on it (from on_text, or another thread), would write the caches under the running turn's steps: each is
+    refused (UserError), and the running turn, the transcript and the next turn are those of a conversation where
+    nobody asked."""
+    model, tok = loaded
+
+    def conversation(nested):
+        chat = Chat(model, tok, "keydiff", budget=40, max_new_tokens=6, block_size=8)
+        no_eos(chat)
+        other = Chat(model, tok, "keydiff", budget=40, max_new_tokens=6, block_size=8)
+        chat.send(TURNS[0])
+        refused = []
+
+        def on_text(piece):
+            if nested and not refused:
+                try:
+                    {"send": lambda: chat.send(TURNS[5]), "reset": chat.reset,
+                     "other_chat": lambda: other.send(TURNS[5]),
+                     "new_chat": lambda: Chat(model, tok, "sink", budget=16)}[during]()
+                except UserError as e:
+                    refused.append(str(e))
+                else:
+                    refused.append(None)
+        second = chat.send(TURNS[1], on_text=on_text)
+        state = list(chat.tokens), list(chat.pending), chat.position, kept(chat)
+        assert_consistent(chat)
+        return refused, second, state, chat.send(TURNS[2])
+
+    refused, second, state, third = conversation(True)
+    _, ref_second, ref_state, ref_third = conversation(False)
+    assert (second, third) == (ref_second, ref_third)
+    assert state[:3] == ref_state[:3]
+    assert_same_cache(state[3], ref_state[3])
+    assert refused and refused[0] is not None and "turn" in refused[0]

@@ -609,6 +609,9 @@ CASES += [
     ("convert-gguf-truncated-kv", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "{tmp}/o"],
      write("m.gguf", b"GGUF\x03\x00\x00\x00" + bytes(8) + b"\x01" + bytes(7) + b"\x14" + bytes(7) + b"general."),
      2, "m.gguf: truncated or damaged"),
+    ("convert-gguf-key-length-huge", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "{tmp}/o"],
+     write("m.gguf", b"GGUF\x03\x00\x00\x00" + bytes(8) + b"\x01" + bytes(7) + (2 ** 40).to_bytes(8, "little") +
+           b"general."), 2, "m.gguf: truncated or damaged"),
     ("convert-gguf-not-gguf", "convert", ["--checkpoint", "{tmp}/m.gguf", "--out-dir", "{tmp}/o"],
      write("m.gguf", b"PK\x03\x04" + bytes(60)), 2, "m.gguf: not a GGUF file"),
     ("convert-device-out-dir", "convert", ["--checkpoint", "/dev/zero", "--out-dir", "{tmp}/o"], None, 2,
@@ -695,6 +698,8 @@ API = [
     (dict(dtype="float8_e4m3fn"), "dtype='float8_e4m3fn' is not one of", None),
     (dict(prefill="both"), "prefill='both' is not one of block, one-shot", None),
     (dict(prefill=""), "prefill='' is not one of", None),
+    (dict(policy=5), "policy=5 is not a spec string", None),
+    (dict(policy=__import__("policies").KeyDiff), "policy=<class 'policies.KeyDiff'> is not a spec string", None),
     (dict(device="tpu"), "device='tpu' is not a device: cpu, cuda or cuda:N", ["--device", "tpu"]),
     (dict(device="cpu:0"), "device='cpu:0' is not a device", ["--device", "cpu:0"]),
     (dict(device="cuda:x"), "device='cuda:x' is not a device", ["--device", "cuda:x"]),
@@ -724,7 +729,8 @@ CHAT_SETTINGS = [(dict(sampling=dict(temperature=1.0, top_k=10 ** 6)), "top_k=10
                  (dict(budget=0), "`budget` must be >= 1, got 0"),
                  (dict(block_size=-2), "`block_size` must be >= 1, got -2"),
                  (dict(budget=10 ** 6), "budget=1000000 is larger than the model's context"),
-                 (dict(max_new_tokens=1.5), "`max_new_tokens` must be an integer, got 1.5")]
+                 (dict(max_new_tokens=1.5), "`max_new_tokens` must be an integer, got 1.5"),
+                 (dict(policy=__import__("policies").KeyDiff), "policy=<class 'policies.KeyDiff'> is not a spec")]
 
 
 @pytest.mark.parametrize("kw, message", CHAT_SETTINGS, ids=[m[:30] for _, m in CHAT_SETTINGS])
@@ -742,10 +748,11 @@ def test_a_chat_refuses_what_a_generation_refuses_with_its_line(tiny_ckpt, kw, m
     model = loading.load_model(tiny_ckpt, torch.float32, "cpu")
     if "sampling" in kw:
         kw = kw | {"sampling": Sampling(**kw["sampling"])}
+    policy = kw.pop("policy", "keydiff")
     with pytest.raises(UserError) as from_chat:
-        chat.Chat(model, load_tokenizer(tiny_ckpt), "keydiff", **kw)
+        chat.Chat(model, load_tokenizer(tiny_ckpt), policy, **kw)
     with pytest.raises(UserError) as from_generation:
-        engine.Generation(model.args, policies.make("keydiff"), [8], **kw)
+        engine.Generation(model.args, policies.make(policy) if isinstance(policy, str) else policy, [8], **kw)
     assert message in str(from_chat.value) and str(from_chat.value) == str(from_generation.value)
 
 

@@ -86,3 +86,27 @@ def test_keydiff_port_into_hf_keeps_budgetkvs_positions_at_every_layer_and_head(
                              on_step=lambda pos: wrong.append([p[0].numpy().copy() for p in pos]))
     assert not all(all(same(a, b)) for a, b in zip(wrong, ours))
     assert all(same(wrong[1], ours[1]))  # the first eviction still agrees (slot = position until then); later not
+
+
+def test_an_hf_copy_over_another_keeps_none_of_its_files_and_another_models_folder_is_refused(hf_tiny, tmp_path,
+                                                                                            capsys):
+    """--to-hf into the folder of an earlier HF copy leaves exactly what a copy into a new folder holds (no tokenizer,
+    template or generation config of the earlier model beside the new one's weights); a folder holding anything an
+    HF copy does not write (another model's shards, a budgetkv checkpoint) is refused in one line, untouched."""
+    from conftest import with_tiny_tokenizer
+    a = with_tiny_tokenizer(hf_tiny("llama")[1], tmp_path / "a", "some words to train on")
+    (a / "chat_template.jinja").write_text("{{ messages[0].content }}")
+    b = tmp_path / "b"
+    shutil.copytree(hf_tiny("qwen2")[1], b)
+    convert_hf_dir(a)
+    convert_hf_dir(b)
+    for src, out in ((a, "out"), (b, "out"), (b, "fresh")):
+        assert convert_main(["--checkpoint", str(src), "--to-hf", str(tmp_path / out), "--quiet"]) == 0
+    listing = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    assert listing == {p.name: p.read_bytes() for p in (tmp_path / "fresh").iterdir()}
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in a.iterdir()}
+    assert convert_main(["--checkpoint", str(b), "--to-hf", str(a), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --to-hf") and ENGINE_FILE in err[0], err
+    assert {p.name: p.read_bytes() for p in a.iterdir()} == before

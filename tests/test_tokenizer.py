@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tokenizer import TokenizerError, load_tokenizer, write_gguf_tokenizer  # noqa: E402
+from tokenizer import TEMPLATE_CHARS, TokenizerError, load_tokenizer, write_gguf_tokenizer  # noqa: E402
 
 FRAGMENTS = [
     "The quick brown fox jumps over the lazy dog. ",
@@ -263,6 +263,22 @@ def test_chat_template_helpers(tmp_path):
     tok = load_tokenizer(d)
     assert tok.bos_id == 1 and tok.eos_ids == [2]
     assert tok.render_chat("<b>&") == '<s>[{"role": "user", "content": "<b>&"}]|4|</s>'
+
+
+@pytest.mark.parametrize("chars", [1 << 19, TEMPLATE_CHARS - 100])
+def test_a_chat_template_file_under_the_limit_is_read_whole_in_any_script(tmp_path, chars):
+    """The limit is in characters: a chat_template.jinja of non-ASCII text under it, whose UTF-8 bytes are over it,
+    is the whole template (not its first TEMPLATE_CHARS bytes: a template cut short there still renders, without
+    the messages), and one past it in characters is refused whatever its bytes."""
+    d = _hf_dir(tmp_path, {"bos_token": "<s>", "eos_token": "</s>"})
+    tmpl = "{{ bos_token }}" + "\u00e9" * chars + "{% for m in messages %}{{ m.content }}{% endfor %}"
+    (d / "chat_template.jinja").write_text(tmpl, encoding="utf-8")
+    assert len(tmpl) <= TEMPLATE_CHARS < len(tmpl.encode())
+    tok = load_tokenizer(d)
+    assert tok.chat_template == tmpl and tok.render_chat("hello").endswith("\u00e9hello")
+    (d / "chat_template.jinja").write_text("\u00e9" * (TEMPLATE_CHARS + 1), encoding="utf-8")
+    with pytest.raises(TokenizerError, match="chat_template.jinja is longer than 1 MiB"):
+        load_tokenizer(d)
 
 
 def test_no_chat_template_raises(tmp_path):
