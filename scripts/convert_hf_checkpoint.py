@@ -86,7 +86,10 @@ def run(a) -> int:
     progress.quiet = a.quiet
     check_args(a)
     if a.to_hf is not None:
-        out = write_hf(resolve_checkpoint(str(a.checkpoint)), a.to_hf)
+        src = resolve_checkpoint(str(a.checkpoint))
+        if not (src / ENGINE_FILE).is_file():  # an HF folder never converted: converted in place first
+            src = convert_hf_dir(src)
+        out = write_hf(src, a.to_hf)
     elif a.checkpoint.suffix.lower() == ".gguf":
         out = convert_gguf(a.checkpoint, a.out_dir or gguf_folder(a.checkpoint))
     else:

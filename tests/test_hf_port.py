@@ -34,6 +34,22 @@ def test_hf_copy_loads_and_computes_what_its_source_does(family, hf_tiny, tmp_pa
         assert torch.equal(copy(ids).logits, hf(ids).logits)
 
 
+def test_an_hf_folder_never_converted_is_converted_first(hf_tiny, tmp_path):
+    """--to-hf's help: any checkpoint --checkpoint accepts, converted first if need be (an HF folder read as it is
+    has no engine file to copy from)."""
+    hf, src = hf_tiny("llama")
+    ckpt = tmp_path / "fresh-hf"
+    shutil.copytree(src, ckpt)
+    (ckpt / ENGINE_FILE).unlink(missing_ok=True)
+    assert convert_main(["--checkpoint", str(ckpt), "--to-hf", str(tmp_path / "hf"), "--quiet"]) == 0
+    assert (ckpt / ENGINE_FILE).is_file()
+    copy = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        assert torch.equal(copy(ids).logits, hf(ids).logits)
+
+
 def test_hf_copy_refuses_what_it_cannot_write_in_one_line(tmp_path, capsys):
     from safetensors.torch import save_file
     ckpt = tmp_path / "q"
