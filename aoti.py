@@ -3,18 +3,20 @@ disk, and later loaded and run with no tracing, no guards and no Python between 
 
 The packaged step takes every parameter and buffer of the model as an input (torch.func.functional_call), so the
 package holds no weights (one copy in memory, the module's own) and writes the caches in place, as a compiled step
-does. A package is named by a key over everything that shapes the traced step: the source of the repository's
+does. It is exported and compiled in a fork of the process (on Linux), so the compiler never loads into the run's
+own process: a run that compiles holds the memory of one that loads. A package is named by a key over everything that shapes the traced step: the source of the repository's
 modules that a step runs, torch's version, the thread count, the attention form (BUDGETKV_ATTENTION), the CPU's
 instruction sets (a package is compiled with -march=native, for the CPU it was built on), every input's name, shape,
 stride and dtype, and the plain attributes of every module and of the objects they hold (the policy and its plan,
-the model's arguments). A change to any of them compiles a new package. Beside each package a record (<key>.json, written last) holds what it
-was built from and the package's sha256; a package is loaded only when both match, so none is ever loaded for another
-state or with damaged bytes: it is compiled again in its place."""
+the model's arguments). A change to any of them compiles a new package. Beside each package a record (<key>.json,
+written last) holds what it was built from and the package's sha256; a package is loaded only when both match, so
+none is ever loaded for another state or with damaged bytes: it is compiled again in its place."""
 import hashlib
 import inspect
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import warnings
@@ -25,7 +27,7 @@ from torch import Tensor
 
 import kernels
 from errors import EnvironmentFailure
-from files import read_json, remove_stale_tmp, write_atomic, write_text
+from files import dies_with_parent, read_json, remove_stale_tmp, write_atomic, write_text
 from model import set_layer_regions
 
 ROOT = Path(__file__).resolve().parent
@@ -199,29 +201,64 @@ def save_package(built: Path, path: Path, recipe: list[str]) -> None:
     write_text(record_path(path), json.dumps(record, indent=0))
 
 
+def build_package(model, idx: Tensor, input_pos: Tensor, built: Path, threads: int | None) -> None:
+    """Export the step and compile it into the package file `built`, for `threads` threads (None: torch's count
+    now), its kernels reading the count they run with (inductor's dynamic threads). torch's own notice from inside
+    the compile (TORCH_NOTICE) is not shown."""
+    import torch._inductor
+    ep = export_step(model, idx, input_pos)
+    torch.set_num_threads(threads or torch.get_num_threads())
+    with torch._inductor.config.patch({"cpp.dynamic_threads": True}), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", TORCH_NOTICE, FutureWarning)
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(built))
+
+
+def in_fork(fn) -> None:
+    """fn() in a forked copy of this process (on Linux; elsewhere in this one), which shares this one's memory until
+    it writes: what fn imports and allocates (the compiler, the traced graph) ends with the fork, and this
+    process's peak memory never holds it. The fork dies with this process; its error is raised here as a
+    RuntimeError with its line."""
+    if sys.platform != "linux":
+        return fn()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the fork: runs fn, reports, and never returns
+        os.close(read)
+        code, line = 0, b""
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is this process's: it ends the fork
+            dies_with_parent()
+            fn()
+        except BaseException as e:
+            code, line = 1, f"{type(e).__name__}: {e}".encode(errors="replace")
+        os.write(write, line[:4096])
+        os._exit(code)
+    os.close(write)
+    try:
+        with os.fdopen(read, "rb") as f:
+            line = f.read().decode(errors="replace")
+        status, pid = os.waitpid(pid, 0)[1], None
+    finally:
+        if pid is not None:  # this process stopped waiting (Ctrl-C, SIGTERM): the fork ends too
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    if status:
+        raise RuntimeError("compiling the decode step failed in its process: "
+                           f"{line or os.waitstatus_to_exitcode(status)}")
+
+
 def compile_package(model, idx: Tensor, input_pos: Tensor, path: Path, recipe: list[str], say,
                     threads: int | None = None):
-    """Export and compile the step for `threads` threads (None: torch's count now), its kernels reading the count
-    they run with (inductor's dynamic threads), load it, and save it as `path` with its record; the loader. A folder
-    that cannot be written is found before the compile, and a save that fails (a full disk) leaves the loaded step
-    running: either is one line through say(line), naming the folder. torch's own notice from inside the compile
-    (TORCH_NOTICE) is not shown."""
-    import torch._inductor
+    """Build the package (build_package, in a fork: in_fork), load it, and save it as `path` with its record; the
+    loader. A folder that cannot be written is found before the compile, and a save that fails (a full disk) leaves
+    the loaded step running: either is one line through say(line), naming the folder."""
     unwritable = folder_problem(path.parent)
     if unwritable:
         say(f"note: cannot write compiled steps in {path.parent} ({unwritable}): the compiled step runs without "
             "being saved")
-    ep = export_step(model, idx, input_pos)
     with tempfile.TemporaryDirectory(prefix="budgetkv-aot-") as tmp:
         built = Path(tmp) / path.name
-        now = torch.get_num_threads()
-        torch.set_num_threads(threads or now)
-        try:
-            with torch._inductor.config.patch({"cpp.dynamic_threads": True}), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", TORCH_NOTICE, FutureWarning)
-                torch._inductor.aoti_compile_and_package(ep, package_path=str(built))
-        finally:
-            torch.set_num_threads(now)
+        in_fork(lambda: build_package(model, idx, input_pos, built, threads))
         loader = load_package(built)
         if loader is None:
             raise EnvironmentFailure(f"the decode step just compiled cannot be loaded by this torch "

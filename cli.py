@@ -6,7 +6,6 @@ error types); 1 the environment failed (an OS error such as a full disk or a ref
 an internal error (a bug: one line, the traceback in the error log, or printed with -v / BUDGETKV_VERBOSE=1);
 130 interrupted; 128 + the signal for SIGTERM (143) and SIGHUP (129). Logs are private to the user (files.open_log)."""
 import argparse
-import ctypes
 import os
 import re
 import signal
@@ -19,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from errors import EnvironmentFailure, UserError
-from files import disk_full, log_dir, open_log, stderr_to_log
+from files import dies_with_parent, disk_full, log_dir, open_log, stderr_to_log
 import ranks
 from progress import Ticker
 
@@ -226,17 +225,6 @@ def terminated_raises():
     finally:
         for s, handler in old.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-
-
-LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
-PR_SET_PDEATHSIG = 1
-
-
-def dies_with_parent() -> None:
-    """preexec_fn of a child process: on Linux it gets SIGTERM when the process that started it ends, however it
-    ends (SIGKILL included), and runs its own cleanup."""
-    if LIBC is not None:
-        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def start_child(cmd: list[str], **kw) -> subprocess.Popen:

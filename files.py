@@ -4,11 +4,13 @@ renamed into place, and the folder fsynced, so a reader sees the old file or the
 temporary files are removed by the next run that writes into the same folder (their process is gone). A failed
 write is one line (EnvironmentFailure, exit 1) naming the file. Logs are opened in one place, open_log: private to
 the user, never through a link."""
+import ctypes
 import errno
 import json
 import os
 import re
 import shutil
+import signal
 import stat
 import sys
 import tempfile
@@ -18,6 +20,17 @@ from pathlib import Path
 from errors import EnvironmentFailure, UserError
 
 TMP_PREFIX = ".budgetkv-tmp-"  # + "<pid>-<name>": removed by the next run once that process is gone
+
+
+LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
+PR_SET_PDEATHSIG = 1
+
+
+def dies_with_parent() -> None:
+    """In a child process (a preexec_fn, or a fork's first step): on Linux it gets SIGTERM when the process that
+    started it ends, however it ends (SIGKILL included), and runs its own cleanup: no child outlives its run."""
+    if LIBC is not None:
+        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def pid_alive(pid: int) -> bool:

@@ -811,14 +811,15 @@ def long_with_tempfile(tmp_path, signum):
 
 
 def long_aot_compile(tmp_path, signum, monkeypatch):
-    """aoti.compile_package, its compiler (faked) signalled while it writes into its temporary folder."""
+    """aoti.compile_package signalled while its compiler (faked, in its fork) writes into its temporary folder:
+    the fork is ended with it."""
     import torch._inductor
 
     import aoti
 
     def compile_and_package(ep, package_path):
         Path(package_path).write_bytes(b"half a package")
-        os.kill(os.getpid(), signum)
+        os.kill(os.getppid(), signum)  # the process that runs the command, from its fork
         time.sleep(60)
     monkeypatch.setattr(aoti, "export_step", lambda *a: None)
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_and_package)
