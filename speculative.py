@@ -43,7 +43,7 @@ import engine
 import policies
 import loading
 import runtime
-from cache import is_scorer, kv_bytes
+from cache import check_set_up, is_scorer, kv_bytes, run_caches
 from checkpoint import resolve_checkpoint, shape_config
 from errors import UserError
 from sampling import GREEDY, Sampling, check_finite, race
@@ -196,6 +196,7 @@ class Speculation(engine.Generation):
                                              self.max_new_tokens, self.block_size, self.k,
                                              target_budget=self.target_budget, draft_prefill=self.draft_prefill,
                                              kv_dtype=self.kv_dtype)
+        self.set_up = (run_caches(self, target), list(self.lens))  # both models' caches: what generate() checks
         return self.slots, self.draft_slots
 
     @property
@@ -206,6 +207,7 @@ class Speculation(engine.Generation):
     def warm_up(self, target, first_id: int) -> None:
         """Compile (or load) every step before anything is timed, with inputs made as generate makes them; twice
         each, since CUDA graph trees record a graph on its second call. Leaves the caches dirty: generate resets."""
+        check_set_up(self, target)
         steps, first, k, device = Steps(*self.steps), torch.tensor([first_id], device=self.device), self.k, self.device
         steps.prefill(target, *engine.block_inputs(first, 0, self.block_size))
         if not self.one_shot:
@@ -220,6 +222,7 @@ class Speculation(engine.Generation):
         on_round); returns ([its ids], stats): generate()'s, the compile's record, the draft's tokens read per
         step, the target's prefill chunk (engine.dense_chunk), both caches' bytes and the bandwidth model's best
         case (every draft kept)."""
+        check_set_up(self, target, prompts)
         draft, steps, (prompt,) = self.draft, Steps(*self.steps), prompts
         out, stats = generate(target, draft, prompt, self.max_new_tokens, k=self.k, block_size=self.block_size,
                               steps=steps, device=self.device, draft_one_shot=self.one_shot, sampling=self.sampling,
