@@ -150,6 +150,9 @@ def setup(target, draft, draft_policy, draft_budget: int | None, prompt_len: int
     keeps every token, a separate draft checkpoint's, the target's), prefilled with the policy's protocol
     (draft_prefill: --prefill). Returns (target slots, draft slots)."""
     check_k(k)
+    if {id(layer.attention) for layer in draft.layers} & {id(layer.attention) for layer in target.layers}:
+        raise UserError("draft= shares layers with the target (the target itself, or a shallow copy): its cache would "
+                        "replace the target's full one; pass speculative.draft_model(target) or a draft checkpoint")
     if draft.args.vocab_size != target.args.vocab_size:
         raise UserError(f"the draft checkpoint's vocabulary ({draft.args.vocab_size} tokens) is not the target's "
                         f"({target.args.vocab_size}): a draft must share the target's tokenizer")
