@@ -348,8 +348,11 @@ class Chat:
         """Compile both steps through the run (Generation.compile: mode, prefill, freeze as generate.py's
         --compile-mode, --compile-prefill, --freeze; around(run) wraps the warm-up) and warm them up on a one-token
         prompt before the first turn (not for a one-shot scorer, whose plan waits for the first turn's length), then
-        start an empty conversation."""
+        start an empty conversation (taking the model's caches back from another Chat or run, as a turn after reset()
+        does: the warm-up writes the caches it runs on)."""
         check_idle(self.model)
+        if not self.owns_caches():
+            self.plan(self.budget if is_scorer(self.policy) else 1)
         self.run.compile(self.model, 0, mode, prefill, freeze, around=around,
                          warm=not (self.protocol == "one-shot" and is_scorer(self.policy)))
         self.reset()

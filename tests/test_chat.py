@@ -14,6 +14,7 @@ from conftest import REPO, env_with_tmpdir
 
 import generate
 import policies
+import runtime
 from chat import Chat, TurnRefused, repl, stats_line
 from conftest import make_policy
 from errors import UserError
@@ -503,6 +504,25 @@ def test_a_second_chat_on_the_same_model_does_not_answer_from_the_first_ones_cac
     a.reset()
     assert int(b.held().max()) == held > 0
     b.send(TURNS[6])
+    assert a.send(TURNS[0]) == first
+
+
+def test_compiling_a_chat_whose_caches_were_replaced_leaves_the_other_conversation_alone(loaded, monkeypatch):
+    """Chat A compiled after chat B replaced the model's caches: A's warm-up ran on B's caches (9 of layer 0's
+    positions rewritten under B's conversation). Now A takes the model back, as its next turn would after reset():
+    B's caches are untouched and B's next turn is refused; A then answers as a new chat."""
+    model, tok = loaded
+    monkeypatch.setattr(runtime, "compile_steps", lambda device, mode, prefill, freeze, fns: (*fns[0], *fns[1]))
+    a = Chat(model, tok, "keydiff", budget=32, max_new_tokens=4, block_size=4)
+    first = a.send(TURNS[0])
+    b = Chat(model, tok, "keydiff", budget=32, max_new_tokens=4, block_size=4)
+    b.send(TURNS[5])
+    kept = [(c.pos.clone(), *(t.clone() for t in c.kv_buffers())) for c in b.caches]
+    a.compile(mode="default")  # the steps stay eager (stubbed): the warm-up is what runs
+    for c, was in zip(b.caches, kept):
+        assert all(torch.equal(t, w) for t, w in zip((c.pos, *c.kv_buffers()), was))
+    with pytest.raises(UserError, match="caches were replaced"):
+        b.send(TURNS[6])
     assert a.send(TURNS[0]) == first
 
 
