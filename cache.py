@@ -630,6 +630,15 @@ def kv_bytes(model) -> int:
     return sum(t.nbytes for layer in model.layers for t in layer.attention.kv_cache.kv_buffers())
 
 
+def check_kv_dtype(kv_dtype):
+    """kv_dtype as the caches' storage: None (the compute dtype), torch.int8 or a float dtype; UserError naming it."""
+    if kv_dtype is not None and not (isinstance(kv_dtype, torch.dtype) and
+                                     (kv_dtype == torch.int8 or kv_dtype.is_floating_point)):
+        raise UserError(f"kv_dtype={kv_dtype!r} is not None, torch.int8 or a float torch.dtype (generate_text and "
+                        "the command line take the names)")
+    return kv_dtype
+
+
 def run_caches(run, model) -> list:
     """Every layer's cache that `run` (an engine.Generation) reads on `model`, and on a Speculation's draft model:
     what its setup() made, and check_set_up compares with what the models hold."""

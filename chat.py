@@ -184,6 +184,10 @@ class Chat:
         leaves the conversation consistent: the prompt and the answer's tokens decoded so far are kept, as after
         stop(), and nothing of a step cut short. Ctrl-C (SIGINT to the main thread, under Python's default handler)
         ends the answer as stop() does, then raises KeyboardInterrupt."""
+        if not isinstance(text, str):
+            raise UserError(f"text={text!r} is not a text (str)")
+        if on_text is not None and not callable(on_text):
+            raise UserError(f"on_text={on_text!r} is not callable")
         with one_turn(self.model):
             return self.turn(text, on_text)
 

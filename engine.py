@@ -10,8 +10,8 @@ import torch
 import kernels
 import policies
 import progress
-from cache import (check_set_up, compress_into, eager_blocks, is_scorer, kv_bytes, row_cache, run_caches,
-                   scratch_cache, setup_caches)
+from cache import (check_kv_dtype, check_set_up, compress_into, eager_blocks, is_scorer, kv_bytes, row_cache,
+                   run_caches, scratch_cache, setup_caches)
 from checkpoint import resolve_checkpoint
 from errors import UserError, check_int, check_text
 from loading import check_fits, kv_cache_estimate, load_model
@@ -430,8 +430,8 @@ class Generation:
         policy = dataclasses.replace(policy) if dataclasses.is_dataclass(policy) else policy  # its own plan state
         self.args, self.policy, self.device, self.sampling, self.evict = args, policy, device, sampling, evict
         self.protocol = prefill_protocol(policy, prefill)
-        self.evict_before_attend, self.kv_dtype = evict_before_attend, kv_dtype
-        self.lens = None if prompt_lens is None else list(prompt_lens)
+        self.evict_before_attend, self.kv_dtype = evict_before_attend, check_kv_dtype(kv_dtype)
+        self.lens = None if prompt_lens is None else [check_int("prompt_lens", n, least=1) for n in prompt_lens]
         self.clamped, self.steps, self.slots, self.set_up = {}, (*self.fns[0], *self.fns[1]), None, None
         self.max_new_tokens, self.block_size, self.budget = self.fit(max_new_tokens, block_size, budget)
         self.compile_mode, self.compiled_prefill, self.frozen, self.compile_s, self.compile_cache = \

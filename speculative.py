@@ -89,8 +89,8 @@ def draft_model(model) -> nn.Module:
 
 
 def check_k(k: int) -> None:
-    if not 1 <= k <= MAX_K:
-        raise UserError(f"--speculate K must be between 1 and {MAX_K} drafted tokens per round, got {k}")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
+        raise UserError(f"--speculate K must be between 1 and {MAX_K} drafted tokens per round, got {k!r}")
 
 
 def check_target(policy) -> None:
@@ -186,6 +186,7 @@ class Speculation(engine.Generation):
                  draft_prefill: str | None = None, budget: int | None = None, **kw):
         check_k(k)
         check_target(policy)
+        draft_policy = policies.resolve(draft_policy)  # a spec string or a policy object, as `policy`
         if len(prompt_lens) != 1:
             raise UserError(f"speculation generates one sequence, not a batch of {len(prompt_lens)}")
         super().__init__(args, None, prompt_lens, budget=budget, prefill="block", **kw)  # the target's

@@ -628,3 +628,23 @@ def test_a_turn_or_reset_asked_for_during_a_turn_is_refused_and_the_turn_goes_on
     assert state[:3] == ref_state[:3]
     assert_same_cache(state[3], ref_state[3])
     assert refused and refused[0] is not None and "turn" in refused[0]
+
+
+def test_a_turn_of_the_wrong_type_is_one_line_and_writes_nothing(loaded):
+    """send() with a text that is not a str (None, bytes, a number) or an on_text that cannot be called: one
+    UserError naming the parameter, before anything is written (before: None and bytes were blamed on the chat
+    template, a number and a non-callable on_text were TypeErrors, the latter after the turn's prompt was kept)."""
+    model, tok = loaded
+    chat = Chat(model, tok, "keydiff", budget=32, max_new_tokens=4, block_size=4)
+    first = chat.send(TURNS[0])
+    position = chat.position
+    for kw, message in ((dict(text=None), "text=None is not a text (str)"),
+                        (dict(text=b"hi"), "text=b'hi' is not a text (str)"), (dict(text=5), "text=5 is not a text"),
+                        (dict(text=TURNS[1], on_text=5), "on_text=5 is not callable")):
+        with pytest.raises(UserError, match=f"^{re.escape(message)}"):
+            chat.send(**kw)
+        assert chat.position == position
+    with pytest.raises(UserError, match=r"^kv_dtype='int8' is not None, torch.int8 or a float torch.dtype"):
+        Chat(model, tok, "keydiff", budget=32, kv_dtype="int8")
+    chat.reset()
+    assert chat.send(TURNS[0]) == first

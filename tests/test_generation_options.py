@@ -1,6 +1,7 @@
 """What a user sets beside the policy: the repetition penalty (against HF generate's, every policy batched as alone,
 compiled without a recompile), stop strings, a document and a question, a batch printed in input order."""
 import json
+import re
 import shutil
 
 import pytest
@@ -264,3 +265,8 @@ def test_a_run_generates_only_on_the_caches_it_set_up_for_its_prompts(tiny):
     planned_long = make("sagekv", [long])
     planned_long.setup(model)
     assert len(set(planned_long.generate(model, [long])[0][0])) > 1  # what the long prompt gets when planned for
+    for kw, message in ((dict(prompt_lens=[40, 0]), "`prompt_lens` must be >= 1, got 0"),
+                        (dict(prompt_lens="40"), "`prompt_lens` must be an integer, got '4'"),
+                        (dict(prompt_lens=[40], kv_dtype="int8"), "kv_dtype='int8' is not None, torch.int8")):
+        with pytest.raises(UserError, match=f"^{re.escape(message)}"):
+            Generation(model.args, None, **kw)
