@@ -509,6 +509,7 @@ class Generation:
             if mode == runtime.AOT and terminal is not None:
                 decode_step.stream = terminal  # a package not loaded or not saved: its line there, not in a log
             if warm:
+                check_set_up(self, model)  # the warm-up runs on the caches setup() made
                 self.warm_up(model, first_id)
         self.compile_s = time.perf_counter() - t
         self.compile_cache = runtime.cache_state(counters["inductor"] if dynamo else None,
@@ -521,7 +522,6 @@ class Generation:
         made as decode() makes them (decode_inputs: other shapes or strides would recompile). Twice, since CUDA
         graph trees warm up on a graph's first call and record it on the second; the third call, the first timed
         one, replays. Leaves the caches dirty: reset before use."""
-        check_set_up(self, model)  # the steps run on the caches setup() made
         batch = len(self.lens or [1])
         first = torch.tensor([first_id], device=self.device)
         self.steps[0](model, *batch_block_inputs([first] * batch, 0, self.block_size) if batch > 1 else

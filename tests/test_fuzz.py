@@ -789,7 +789,8 @@ def test_nan_logits_mid_generation(tiny_ckpt, capfd, monkeypatch):
         logits = model(idx, pos)
         return logits if len(calls) < 3 else torch.full_like(logits, NAN)
     import engine
-    monkeypatch.setattr(engine, "model_step", step)  # the eager decode step engine.Generation runs
+    import runtime
+    monkeypatch.setattr(engine.Generation, "fns", ((runtime.prefill_step,), (step,)))  # the run's eager decode step
     code = generate.main(["--checkpoint", str(tiny_ckpt), "--prompt", "the quick brown fox", "--max-new-tokens", "8",
                           "--json"])
     out, err = capfd.readouterr()
