@@ -30,6 +30,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from errors import UserError
+
 
 KV_DTYPES = {"int8": torch.int8, "bfloat16": torch.bfloat16}  # --kv-dtype's storage choices besides the compute dtype
 
@@ -626,3 +628,33 @@ def setup_caches(model, batch: int, budget: int, block_size: int, policy=None, e
 def kv_bytes(model) -> int:
     """Bytes of the key and value buffers of all layers, int8 scales included (positions and policy state not)."""
     return sum(t.nbytes for layer in model.layers for t in layer.attention.kv_cache.kv_buffers())
+
+
+def check_kv_dtype(kv_dtype):
+    """kv_dtype as the caches' storage: None (the compute dtype), torch.int8 or a float dtype; UserError naming it."""
+    if kv_dtype is not None and not (isinstance(kv_dtype, torch.dtype) and
+                                     (kv_dtype == torch.int8 or kv_dtype.is_floating_point)):
+        raise UserError(f"kv_dtype={kv_dtype!r} is not None, torch.int8 or a float torch.dtype (generate_text and "
+                        "the command line take the names)")
+    return kv_dtype
+
+
+def run_caches(run, model) -> list:
+    """Every layer's cache that `run` (an engine.Generation) reads on `model`, and on a Speculation's draft model:
+    what its setup() made, and check_set_up compares with what the models hold."""
+    models = [model] + ([run.draft] if getattr(run, "draft", None) is not None else [])
+    return [getattr(layer.attention, "kv_cache", None) for m in models for layer in m.layers]
+
+
+def check_set_up(run, model, prompts: list | None = None) -> None:
+    """UserError unless the models hold the caches run.setup() made (not set up yet, or replaced since by another
+    run or Chat on the same model: they would be read with another run's plan) and `prompts` are the prompts they
+    were planned for (their count and lengths: SAGE-KV's layout, RocketKV's read are sized from them)."""
+    made, lens = run.set_up or (None, None)
+    now = run_caches(run, model)
+    if made is None or len(now) != len(made) or any(a is not b for a, b in zip(now, made)):
+        raise UserError("model= does not hold this run's caches: call setup(model) first (again after another run "
+                        "or Chat set up caches on the same model)")
+    if prompts is not None and [len(p) for p in prompts] != lens:
+        raise UserError(f"prompts= of {[len(p) for p in prompts]} tokens, but setup() planned the caches for prompts "
+                        f"of {lens} tokens: make a run for these prompts")

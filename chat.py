@@ -184,6 +184,10 @@ class Chat:
         leaves the conversation consistent: the prompt and the answer's tokens decoded so far are kept, as after
         stop(), and nothing of a step cut short. Ctrl-C (SIGINT to the main thread, under Python's default handler)
         ends the answer as stop() does, then raises KeyboardInterrupt."""
+        if not isinstance(text, str):
+            raise UserError(f"text={text!r} is not a text (str)")
+        if on_text is not None and not callable(on_text):
+            raise UserError(f"on_text={on_text!r} is not callable")
         with one_turn(self.model):
             return self.turn(text, on_text)
 
@@ -348,8 +352,11 @@ class Chat:
         """Compile both steps through the run (Generation.compile: mode, prefill, freeze as generate.py's
         --compile-mode, --compile-prefill, --freeze; around(run) wraps the warm-up) and warm them up on a one-token
         prompt before the first turn (not for a one-shot scorer, whose plan waits for the first turn's length), then
-        start an empty conversation."""
+        start an empty conversation (taking the model's caches back from another Chat or run, as a turn after reset()
+        does: the warm-up writes the caches it runs on)."""
         check_idle(self.model)
+        if not self.owns_caches():
+            self.plan(self.budget if is_scorer(self.policy) else 1)
         self.run.compile(self.model, 0, mode, prefill, freeze, around=around,
                          warm=not (self.protocol == "one-shot" and is_scorer(self.policy)))
         self.reset()

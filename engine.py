@@ -10,7 +10,8 @@ import torch
 import kernels
 import policies
 import progress
-from cache import compress_into, eager_blocks, is_scorer, kv_bytes, row_cache, scratch_cache, setup_caches
+from cache import (check_kv_dtype, check_set_up, compress_into, eager_blocks, is_scorer, kv_bytes, row_cache,
+                   run_caches, scratch_cache, setup_caches)
 from checkpoint import resolve_checkpoint
 from errors import UserError, check_int, check_text
 from loading import check_fits, kv_cache_estimate, load_model
@@ -378,9 +379,8 @@ def check_capacity(model, prompt_len: int, max_new_tokens: int, one_shot: bool) 
 
 
 def decode_bytes_per_step(model) -> tuple[int, int]:
-    """(weight bytes, KV bytes) read by one decode step: every weight once (of the embedding table one row, unless
-    it is also the output head), K and V of every slot it attends (for
-    RocketKV the token-equivalents of its top-k and page scan, for Exact-TopK its top-k)."""
+    """(weight bytes, KV bytes) one decode step reads: each weight once (one embedding row unless tied to the
+    output head), K and V of each slot it attends (RocketKV: its top-k's and page scan's; Exact-TopK: its top-k)."""
     emb = model.tok_embeddings.weight
     head = getattr(model.output, "weight", None)
     seen, weights = set(), 0
@@ -430,9 +430,9 @@ class Generation:
         policy = dataclasses.replace(policy) if dataclasses.is_dataclass(policy) else policy  # its own plan state
         self.args, self.policy, self.device, self.sampling, self.evict = args, policy, device, sampling, evict
         self.protocol = prefill_protocol(policy, prefill)
-        self.evict_before_attend, self.kv_dtype = evict_before_attend, kv_dtype
-        self.lens = None if prompt_lens is None else list(prompt_lens)
-        self.clamped, self.steps, self.slots = {}, (*self.fns[0], *self.fns[1]), None
+        self.evict_before_attend, self.kv_dtype = evict_before_attend, check_kv_dtype(kv_dtype)
+        self.lens = None if prompt_lens is None else [check_int("prompt_lens", n, least=1) for n in prompt_lens]
+        self.clamped, self.steps, self.slots, self.set_up = {}, (*self.fns[0], *self.fns[1]), None, None
         self.max_new_tokens, self.block_size, self.budget = self.fit(max_new_tokens, block_size, budget)
         self.compile_mode, self.compiled_prefill, self.frozen, self.compile_s, self.compile_cache = \
             None, False, False, 0.0, None
@@ -487,6 +487,7 @@ class Generation:
         self.slots = setup_batch(model, self.policy, self.budget, lens, self.max_new_tokens, self.block_size,
                                  prefill=self.protocol, evict_before_attend=self.evict_before_attend,
                                  kv_dtype=self.kv_dtype, evict=self.evict)
+        self.set_up = (run_caches(self, model), list(lens))  # what prefill() and generate() check they run on
         return self.slots
 
     def compile(self, model, first_id: int, mode: str | None = None, prefill: bool | None = None,
@@ -508,6 +509,7 @@ class Generation:
             if mode == runtime.AOT and terminal is not None:
                 decode_step.stream = terminal  # a package not loaded or not saved: its line there, not in a log
             if warm:
+                check_set_up(self, model)  # the warm-up runs on the caches setup() made
                 self.warm_up(model, first_id)
         self.compile_s = time.perf_counter() - t
         self.compile_cache = runtime.cache_state(counters["inductor"] if dynamo else None,
@@ -533,6 +535,7 @@ class Generation:
     def prefill(self, model, prompts: list[list[int]], *, on_prefill=None) -> torch.Tensor:
         """The caches emptied, then every prompt into its row with this run's protocol and prefill step
         (prefill_batch); each sequence's last-position logits [B, vocab]. For a caller that times the phases."""
+        check_set_up(self, model, prompts)
         for layer in model.layers:
             layer.attention.kv_cache.reset()
         rows = [torch.tensor(ids, dtype=torch.long, device=self.device) for ids in prompts]
@@ -552,6 +555,7 @@ class Generation:
         and per-phase peaks, the bytes a decode step reads (weights once for the batch, and KV) and the bandwidth
         they make at the measured steps per second, the cache's size and the compile's record, the slots and the
         tokens held, and why each sequence stopped (stop_reason)."""
+        check_set_up(self, model, prompts)
         outs, stats = generate_batch(model, prompts, self.max_new_tokens, block_size=self.block_size,
                                      steps=self.steps, eos_ids=eos_ids, sampling=self.sampling, finished=finished,
                                      device=self.device, one_shot=self.protocol == "one-shot",
@@ -585,8 +589,7 @@ class Generation:
 
 
 def one_sequence(stats: dict) -> dict:
-    """A batch of one's stats as one sequence's: its per-sequence values (token counts, stop reason) as scalars, no
-    batch keys."""
+    """A batch of one's stats as one sequence's: per-sequence values (token counts, stop reason) as scalars."""
     del stats["batch_size"], stats["decode_steps"]
     stats.update({k: stats[k][0] for k in ("prompt_tokens", "generated_tokens", "stop_reason") if k in stats})
     return stats

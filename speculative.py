@@ -43,7 +43,7 @@ import engine
 import policies
 import loading
 import runtime
-from cache import is_scorer, kv_bytes
+from cache import check_set_up, is_scorer, kv_bytes, run_caches
 from checkpoint import resolve_checkpoint, shape_config
 from errors import UserError
 from sampling import GREEDY, Sampling, check_finite, race
@@ -89,8 +89,8 @@ def draft_model(model) -> nn.Module:
 
 
 def check_k(k: int) -> None:
-    if not 1 <= k <= MAX_K:
-        raise UserError(f"--speculate K must be between 1 and {MAX_K} drafted tokens per round, got {k}")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
+        raise UserError(f"--speculate K must be between 1 and {MAX_K} drafted tokens per round, got {k!r}")
 
 
 def check_target(policy) -> None:
@@ -150,6 +150,9 @@ def setup(target, draft, draft_policy, draft_budget: int | None, prompt_len: int
     keeps every token, a separate draft checkpoint's, the target's), prefilled with the policy's protocol
     (draft_prefill: --prefill). Returns (target slots, draft slots)."""
     check_k(k)
+    if {id(layer.attention) for layer in draft.layers} & {id(layer.attention) for layer in target.layers}:
+        raise UserError("draft= shares layers with the target (the target itself, or a shallow copy): its cache would "
+                        "replace the target's full one; pass speculative.draft_model(target) or a draft checkpoint")
     if draft.args.vocab_size != target.args.vocab_size:
         raise UserError(f"the draft checkpoint's vocabulary ({draft.args.vocab_size} tokens) is not the target's "
                         f"({target.args.vocab_size}): a draft must share the target's tokenizer")
@@ -183,6 +186,7 @@ class Speculation(engine.Generation):
                  draft_prefill: str | None = None, budget: int | None = None, **kw):
         check_k(k)
         check_target(policy)
+        draft_policy = policies.resolve(draft_policy)  # a spec string or a policy object, as `policy`
         if len(prompt_lens) != 1:
             raise UserError(f"speculation generates one sequence, not a batch of {len(prompt_lens)}")
         super().__init__(args, None, prompt_lens, budget=budget, prefill="block", **kw)  # the target's
@@ -196,6 +200,7 @@ class Speculation(engine.Generation):
                                              self.max_new_tokens, self.block_size, self.k,
                                              target_budget=self.target_budget, draft_prefill=self.draft_prefill,
                                              kv_dtype=self.kv_dtype)
+        self.set_up = (run_caches(self, target), list(self.lens))  # both models' caches: what generate() checks
         return self.slots, self.draft_slots
 
     @property
@@ -206,6 +211,7 @@ class Speculation(engine.Generation):
     def warm_up(self, target, first_id: int) -> None:
         """Compile (or load) every step before anything is timed, with inputs made as generate makes them; twice
         each, since CUDA graph trees record a graph on its second call. Leaves the caches dirty: generate resets."""
+        check_set_up(self, target)
         steps, first, k, device = Steps(*self.steps), torch.tensor([first_id], device=self.device), self.k, self.device
         steps.prefill(target, *engine.block_inputs(first, 0, self.block_size))
         if not self.one_shot:
@@ -220,6 +226,7 @@ class Speculation(engine.Generation):
         on_round); returns ([its ids], stats): generate()'s, the compile's record, the draft's tokens read per
         step, the target's prefill chunk (engine.dense_chunk), both caches' bytes and the bandwidth model's best
         case (every draft kept)."""
+        check_set_up(self, target, prompts)
         draft, steps, (prompt,) = self.draft, Steps(*self.steps), prompts
         out, stats = generate(target, draft, prompt, self.max_new_tokens, k=self.k, block_size=self.block_size,
                               steps=steps, device=self.device, draft_one_shot=self.one_shot, sampling=self.sampling,

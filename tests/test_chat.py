@@ -14,6 +14,7 @@ from conftest import REPO, env_with_tmpdir
 
 import generate
 import policies
+import runtime
 from chat import Chat, TurnRefused, repl, stats_line
 from conftest import make_policy
 from errors import UserError
@@ -506,6 +507,25 @@ def test_a_second_chat_on_the_same_model_does_not_answer_from_the_first_ones_cac
     assert a.send(TURNS[0]) == first
 
 
+def test_compiling_a_chat_whose_caches_were_replaced_leaves_the_other_conversation_alone(loaded, monkeypatch):
+    """Chat A compiled after chat B replaced the model's caches: A's warm-up ran on B's caches (9 of layer 0's
+    positions rewritten under B's conversation). Now A takes the model back, as its next turn would after reset():
+    B's caches are untouched and B's next turn is refused; A then answers as a new chat."""
+    model, tok = loaded
+    monkeypatch.setattr(runtime, "compile_steps", lambda device, mode, prefill, freeze, fns: (*fns[0], *fns[1]))
+    a = Chat(model, tok, "keydiff", budget=32, max_new_tokens=4, block_size=4)
+    first = a.send(TURNS[0])
+    b = Chat(model, tok, "keydiff", budget=32, max_new_tokens=4, block_size=4)
+    b.send(TURNS[5])
+    kept = [(c.pos.clone(), *(t.clone() for t in c.kv_buffers())) for c in b.caches]
+    a.compile(mode="default")  # the steps stay eager (stubbed): the warm-up is what runs
+    for c, was in zip(b.caches, kept):
+        assert all(torch.equal(t, w) for t, w in zip((c.pos, *c.kv_buffers()), was))
+    with pytest.raises(UserError, match="caches were replaced"):
+        b.send(TURNS[6])
+    assert a.send(TURNS[0]) == first
+
+
 @pytest.mark.parametrize("name", ["sagekv", "rocketkv"])
 def test_a_policy_object_shared_with_another_run_keeps_the_chats_plan(loaded, chat_ckpt, name):
     """A policy object given to a Chat and then to a run of another prompt length and budget (another model): the
@@ -608,3 +628,23 @@ def test_a_turn_or_reset_asked_for_during_a_turn_is_refused_and_the_turn_goes_on
     assert state[:3] == ref_state[:3]
     assert_same_cache(state[3], ref_state[3])
     assert refused and refused[0] is not None and "turn" in refused[0]
+
+
+def test_a_turn_of_the_wrong_type_is_one_line_and_writes_nothing(loaded):
+    """send() with a text that is not a str (None, bytes, a number) or an on_text that cannot be called: one
+    UserError naming the parameter, before anything is written (before: None and bytes were blamed on the chat
+    template, a number and a non-callable on_text were TypeErrors, the latter after the turn's prompt was kept)."""
+    model, tok = loaded
+    chat = Chat(model, tok, "keydiff", budget=32, max_new_tokens=4, block_size=4)
+    first = chat.send(TURNS[0])
+    position = chat.position
+    for kw, message in ((dict(text=None), "text=None is not a text (str)"),
+                        (dict(text=b"hi"), "text=b'hi' is not a text (str)"), (dict(text=5), "text=5 is not a text"),
+                        (dict(text=TURNS[1], on_text=5), "on_text=5 is not callable")):
+        with pytest.raises(UserError, match=f"^{re.escape(message)}"):
+            chat.send(**kw)
+        assert chat.position == position
+    with pytest.raises(UserError, match=r"^kv_dtype='int8' is not None, torch.int8 or a float torch.dtype"):
+        Chat(model, tok, "keydiff", budget=32, kv_dtype="int8")
+    chat.reset()
+    assert chat.send(TURNS[0]) == first

@@ -1,6 +1,7 @@
 """What a user sets beside the policy: the repetition penalty (against HF generate's, every policy batched as alone,
 compiled without a recompile), stop strings, a document and a question, a batch printed in input order."""
 import json
+import re
 import shutil
 
 import pytest
@@ -229,3 +230,43 @@ def test_the_apis_compile_shows_its_progress_line(tiny_ckpt, monkeypatch, capsys
     monkeypatch.setattr(engine.Generation, "compile", compile_standing_in)
     engine.generate_text("the fox", checkpoint=str(tiny_ckpt), chat_template=False, max_new_tokens=2, compile=True)
     assert "compiling the decode step (aot) ... 0 s" in capsys.readouterr().err.splitlines()
+
+
+def test_a_run_generates_only_on_the_caches_it_set_up_for_its_prompts(tiny):
+    """A Generation used out of order (generate or compile before setup, after another run set up caches on the same
+    model, with prompts other than those it planned for) is one UserError, never an AttributeError, a torch error
+    from inside a step, or tokens generated over another run's caches or another prompt length's plan (SAGE-KV's
+    layout planned for 38 tokens gave a 620-token prompt one token repeated). Set up again, it is a fresh run's."""
+    from errors import UserError
+    model = tiny[1]
+    short, long = PROMPTS[0][:40], PROMPTS[0] + PROMPTS[1] * 2
+
+    def make(policy, prompts, budget=48):
+        return Generation(model.args, policies.make(policy), [len(p) for p in prompts], budget=budget,
+                          max_new_tokens=8, block_size=8)
+    run = make("sagekv", [short])
+    for call in (lambda: run.generate(model, [short]), lambda: run.prefill(model, [short]),
+                 lambda: run.compile(model, short[0])):
+        with pytest.raises(UserError, match=r"^model= does not hold this run's caches: call setup\(model\) first"):
+            call()
+    run.setup(model)
+    make("sink", [short], budget=64).setup(model)  # another run on the same model replaces the caches
+    with pytest.raises(UserError, match="does not hold this run's caches"):
+        run.generate(model, [short])
+    run.setup(model)
+    for prompts in ([long], [short, short], [short[:-1]]):
+        with pytest.raises(UserError, match=rf"^prompts= of \[{', '.join(str(len(p)) for p in prompts)}\] tokens, "
+                                            r"but setup\(\) planned the caches for prompts of \[40\] tokens"):
+            run.generate(model, prompts)
+    got = run.generate(model, [short])[0]
+    fresh = make("sagekv", [short])
+    fresh.setup(model)
+    assert got == fresh.generate(model, [short])[0]
+    planned_long = make("sagekv", [long])
+    planned_long.setup(model)
+    assert len(set(planned_long.generate(model, [long])[0][0])) > 1  # what the long prompt gets when planned for
+    for kw, message in ((dict(prompt_lens=[40, 0]), "`prompt_lens` must be >= 1, got 0"),
+                        (dict(prompt_lens="40"), "`prompt_lens` must be an integer, got '4'"),
+                        (dict(prompt_lens=[40], kv_dtype="int8"), "kv_dtype='int8' is not None, torch.int8")):
+        with pytest.raises(UserError, match=f"^{re.escape(message)}"):
+            Generation(model.args, None, **kw)

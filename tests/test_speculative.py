@@ -119,6 +119,43 @@ def test_draft_shares_the_weights_not_the_cache(tiny):
     assert tiny.layers[0].attention.kv_cache.policy is None  # the target stays full
 
 
+def test_a_draft_sharing_the_targets_layers_is_refused_and_a_run_checks_its_caches(tiny):
+    """A draft that is the target itself (or a shallow copy, its layers the target's) put its budgeted cache in the
+    target's place: speculation then verified over the evicting cache, other tokens than plain greedy's, silently.
+    Now one UserError naming draft=. A Speculation used out of order (generate or compile before setup, another run
+    set up on the target since, another prompt) is one UserError too, not an AttributeError or a ValueError."""
+    import copy
+    from errors import UserError
+    prompt = ids_of(60, seed=5)
+    for draft in (tiny, copy.copy(tiny)):
+        run = speculative.Speculation(tiny.args, None, [60], draft_policy=policies.make("sink"), k=2,
+                                      draft_budget=16, max_new_tokens=8, block_size=8)
+        with pytest.raises(UserError, match=r"^draft= shares layers with the target"):
+            run.setup(tiny, draft)
+    run = speculative.Speculation(tiny.args, None, [60], draft_policy=policies.make("sink"), k=2, draft_budget=16,
+                                  max_new_tokens=8, block_size=8)
+    for call in (lambda: run.generate(tiny, [prompt]), lambda: run.compile(tiny, prompt[0])):
+        with pytest.raises(UserError, match=r"call setup\(model\) first"):
+            call()
+    run.setup(tiny, speculative.draft_model(tiny))
+    for prompts in ([prompt, prompt], [prompt[:30]]):
+        with pytest.raises(UserError, match=r"^prompts= of .* but setup\(\) planned the caches for prompts of \[60\]"):
+            run.generate(tiny, prompts)
+    engine.Generation(tiny.args, None, [60], max_new_tokens=8).setup(tiny)
+    with pytest.raises(UserError, match="does not hold this run's caches"):
+        run.generate(tiny, [prompt])
+    run.setup(tiny, run.draft)
+    assert run.generate(tiny, [prompt])[0][0] == plain(tiny, prompt, 8, 8, 70)
+    for kw, message in ((dict(k="4"), "--speculate K must be between 1 and 16 drafted tokens per round, got '4'"),
+                        (dict(k=True), "got True")):
+        with pytest.raises(UserError, match=re.escape(message)):
+            speculative.Speculation(tiny.args, None, [60], draft_policy="sink", **kw)
+    named = speculative.Speculation(tiny.args, None, [60], draft_policy="sink:n_sink=2", k=2, draft_budget=16,
+                                    max_new_tokens=8, block_size=8)  # a spec string, as Chat's and Generation's policy
+    named.setup(tiny, speculative.draft_model(tiny))
+    assert named.draft_policy.n_sink == 2 and named.generate(tiny, [prompt])[0][0] == plain(tiny, prompt, 8, 8, 70)
+
+
 def test_target_rollback_is_exact(tiny):
     """After a round with rejected drafts the target cache equals a plain run's at the same point: the same
     positions in the same slots (rejected ones empty), K and V equal up to rounding (the block's matmuls)."""
