@@ -57,7 +57,9 @@ import runtime
 from engine import Generation, PeakMemory, block_inputs, prefill_one_shot, sync
 from runtime import prefill_step
 from errors import UserError
+from model import Transformer
 from sampling import GREEDY, Sampling, first_tokens, stop_reason
+from tokenizer import Tokenizer
 
 MAX_TURN_BYTES = 64 << 20  # one line of stdin, capped as a prompt file is (generate_args.MAX_PROMPT_BYTES)
 MARKER = "<<budgetkv:assistant-answer>>"  # stands for the previous answer when the template renders a new turn
@@ -107,6 +109,11 @@ class Chat:
     def __init__(self, model, tokenizer, policy=None, budget: int | None = None, *, max_new_tokens: int | None = None,
                  block_size: int | None = None, prefill: str | None = None, sampling: Sampling = GREEDY,
                  kv_dtype: torch.dtype | None = None, chat_template: bool = True, evict_before_attend: bool = False):
+        if not isinstance(model, Transformer):
+            raise UserError(f"model={model!r:.60} is not a budgetkv model (loading.load_model makes one)")
+        if not isinstance(tokenizer, Tokenizer):
+            raise UserError(f"tokenizer={tokenizer!r:.60} is not a budgetkv tokenizer (tokenizer.load_tokenizer makes "
+                            "one)")
         policy = policies.resolve(policy)
         check_idle(model)
         if isinstance(sampling, Sampling) and sampling.repetition_penalty != 1.0:

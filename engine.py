@@ -406,9 +406,8 @@ DEFAULT_NEW_TOKENS, DEFAULT_BLOCK, DEFAULT_BUDGET = 200, 128, 2048  # each clamp
 
 class Generation:
     """The run every entry point drives (generate.py, generate_text, chat.Chat, the benchmarks, eval): its settings
-    resolved against the model's context and the prompts' lengths when made (a UserError naming the parameter),
-    then setup() (the caches, once they fit in memory), compile() (as runtime.py decides, warmed up), generate() (or
-    prefill() and decode(), for a caller that times the phases itself).
+    resolved against the model's context and the prompts' lengths when made (a UserError naming the parameter), then
+    setup() (the caches, once they fit in memory), compile() (warmed up), generate() (or prefill() and decode()).
 
     None is the default: max_new_tokens 200 (fewer where the context ends first), block_size 128, budget
     prompt + max_new_tokens for the policies that hold every token (full, exact-topk) and 2048 for the others, each
@@ -428,7 +427,8 @@ class Generation:
         sampling.check_model(args.vocab_size, args.max_seq_len)
         policy = policies.resolve(policy)
         policy = dataclasses.replace(policy) if dataclasses.is_dataclass(policy) else policy  # its own plan state
-        self.args, self.policy, self.device, self.sampling, self.evict = args, policy, device, sampling, evict
+        self.args, self.policy, self.sampling, self.evict = args, policy, sampling, evict
+        self.device = runtime.check_device(device)
         self.protocol = prefill_protocol(policy, prefill)
         self.evict_before_attend, self.kv_dtype = evict_before_attend, check_kv_dtype(kv_dtype)
         self.lens = None if prompt_lens is None else [check_int("prompt_lens", n, least=1) for n in prompt_lens]

@@ -32,6 +32,10 @@ def append_line(path: Path, obj) -> None:
     is how read_lines tells it apart and drops it."""
     try:  # never through a link planted at the journal's name after its first (atomic) write
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        if os.fstat(fd).st_nlink != 1:  # nor into another file through a hard link planted there
+            os.close(fd)
+            raise UserError(f"{path} has other hard links: a journal is appended to only as a file of its own "
+                            "(move it away to start a new one)")
         with open(fd, "a", encoding="utf-8") as f:
             f.write(json.dumps(obj) + "\n")
             f.flush()

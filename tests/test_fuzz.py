@@ -756,6 +756,25 @@ def test_a_chat_refuses_what_a_generation_refuses_with_its_line(tiny_ckpt, kw, m
     assert message in str(from_chat.value) and str(from_chat.value) == str(from_generation.value)
 
 
+def test_a_chat_or_run_given_the_wrong_objects_says_which_in_one_line(tiny_ckpt):
+    """Chat's model and tokenizer, a run's device: one UserError naming the parameter, not an AttributeError."""
+    import torch
+
+    import chat
+    import engine
+    import loading
+    from errors import UserError
+    from tokenizer import load_tokenizer
+    model, tok = loading.load_model(tiny_ckpt, torch.float32, "cpu"), load_tokenizer(tiny_ckpt)
+    for args, line in [((model, None), "tokenizer=None is not a budgetkv tokenizer"),
+                       (("model", tok), "model='model' is not a budgetkv model")]:
+        with pytest.raises(UserError, match=line):
+            chat.Chat(*args)
+    device = "cuda:7" if torch.cuda.device_count() < 8 else "gpu"
+    with pytest.raises(UserError, match=f"device={device}"):
+        engine.Generation(model.args, None, [8], device=device)
+
+
 # ------------------------------------------------------------------------------- no NaN reaches the user
 
 def nan_weights(tiny_ckpt, tmp_path) -> Path:

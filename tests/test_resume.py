@@ -434,6 +434,11 @@ def test_a_journal_line_never_goes_through_a_link(tmp_path):
     with pytest.raises(OSError, match="results.jsonl"):
         append_line(link, {"a": 1})
     assert victim.read_text() == "mine\n" and link.is_symlink()
+    link.unlink()
+    os.link(victim, link)  # a hard link planted at its name: refused too
+    with pytest.raises(UserError, match="results.jsonl has other hard links"):
+        append_line(link, {"a": 1})
+    assert victim.read_text() == "mine\n"
     plain = tmp_path / "plain.jsonl"
     append_line(plain, {"a": 1})
     append_line(plain, {"b": 2})
