@@ -91,8 +91,12 @@ def check_settings(path: Path, old, new: dict) -> None:
 def read_lines(path: Path) -> list[tuple[int, object]]:
     """A journal's whole lines as (line number, parsed JSON). The part after the last newline (a line cut short) is
     dropped; anything else unreadable is refused in one line."""
+    data = files.read_capped(path, files.JSON_MAX_BYTES)  # a sparse file may say it is terabytes
+    if len(data) > files.JSON_MAX_BYTES:
+        raise UserError(f"--resume: {path} is larger than {files.JSON_MAX_BYTES >> 20} MiB: not written by this script "
+                        "(run without --resume to replace it)")
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise UserError(f"--resume: {path} is not UTF-8 text: not written by this script (run without --resume to "
                         "replace it)") from None

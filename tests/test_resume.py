@@ -443,3 +443,17 @@ def test_a_journal_line_never_goes_through_a_link(tmp_path):
     append_line(plain, {"a": 1})
     append_line(plain, {"b": 2})
     assert [json.loads(x) for x in plain.read_text().splitlines()] == [{"a": 1}, {"b": 2}]
+
+
+def test_a_journal_past_the_resume_limit_is_refused_unread(tmp_path):
+    """A sparse results.jsonl of a few bytes on disk that says it is gigabytes (truncate -s) is refused in one line
+    naming it, as every other resume file is past files.JSON_MAX_BYTES (errors.md), not read into memory whole."""
+    import files
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps({"settings": {"seed": 0}}) + "\n")
+    os.truncate(path, 8 << 30)  # 8 GiB of zeros, none of them on disk
+    with pytest.raises(UserError, match=r"results.jsonl is larger than 64 MiB") as e:
+        eval_journal.read_journal(path, {"seed": 0})
+    assert "\n" not in str(e.value)
+    os.truncate(path, files.JSON_MAX_BYTES)  # at the limit: read (the zeros after the last newline: a line cut short)
+    assert eval_journal.read_journal(path, {"seed": 0}) == {}
