@@ -348,7 +348,7 @@ def main(argv: list[str]) -> int:
             print(f"check_port: {e}", file=sys.stderr)
             unreadable += 1
             continue
-        except (KeyError, TypeError, ValueError, IndexError) as e:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, ArithmeticError) as e:
             print(f"check_port: {case.get('case')}: malformed vectors or results ({type(e).__name__}: {e})",
                   file=sys.stderr)
             unreadable += 1

@@ -104,6 +104,22 @@ def test_a_manifest_whose_cases_are_malformed_is_one_line(tmp_path, cases):
     assert "not a test-vector manifest" in r.stderr
 
 
+@pytest.mark.parametrize("damage", [{"n_kv_heads": 0}, {"duplicates": [1]}])
+def test_a_manifest_whose_shape_is_malformed_is_one_line_per_case(tmp_path, damage):
+    """A shape entry with 0 KV heads (a ZeroDivisionError) or duplicates that are not an object (an AttributeError)
+    was a traceback: one line naming the case, exit 2, like any other malformed entry."""
+    manifest = json.loads((VECTORS / "manifest.json").read_text())
+    manifest["shapes"]["gqa"].update(damage)
+    (tmp_path / "v").mkdir()
+    (tmp_path / "r").mkdir()
+    (tmp_path / "v" / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "r" / "sink-gqa-b16.safetensors").write_bytes((VECTORS / "cases" / "sink-gqa-b16.safetensors").read_bytes())
+    r = run_checker(tmp_path / "v", tmp_path / "r")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
+    assert lines[0].startswith("check_port: sink-gqa-b16: malformed vectors or results"), lines
+
+
 def test_nan_scores_compare_as_nan(tmp_path, capsys):
     """Where the engine scored a step, a number where it recorded NaN (not a candidate) is a mismatch, and so is
     NaN where it recorded a number; a step it did not score (all NaN: here rocketkv's decode steps) is not
