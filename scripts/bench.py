@@ -65,7 +65,7 @@ def run_kvpress(ckpt_dir: Path, ids: list[int], policy: str, budget: int, args) 
         return None
     ids_file = REPO / "build" / "bench_ids.json"
     ids_file.parent.mkdir(exist_ok=True)
-    ids_file.write_text(json.dumps(ids))
+    write_atomic(ids_file, json.dumps(ids).encode())  # never through a link planted at the name
     if args.random_weights:  # the same shapes, transformers' own random init: speed does not depend on the values
         model = ["--random-config", str(ids_file.with_name("bench_config.json"))]
         write_atomic(Path(model[1]), json.dumps(shape_config(args.checkpoint)[0]).encode())

@@ -457,3 +457,21 @@ def test_a_journal_past_the_resume_limit_is_refused_unread(tmp_path):
     assert "\n" not in str(e.value)
     os.truncate(path, files.JSON_MAX_BYTES)  # at the limit: read (the zeros after the last newline: a line cut short)
     assert eval_journal.read_journal(path, {"seed": 0}) == {}
+
+
+def test_bench_kvpress_ids_file_never_goes_through_a_link(tmp_path, monkeypatch):
+    """bench.py --kvpress hands the prompt's ids to its kvpress run in build/bench_ids.json: written whole under a
+    temporary name (as every other output), a link planted at that name replaced, what it points to untouched."""
+    (tmp_path / ".venv-kv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv-kv" / "bin" / "python").write_text("")
+    (tmp_path / "build").mkdir()
+    victim, link = tmp_path / "victim", tmp_path / "build" / "bench_ids.json"
+    victim.write_text("mine\n")
+    link.symlink_to(victim)
+    monkeypatch.setattr(bench, "REPO", tmp_path)
+    seen = []
+    monkeypatch.setattr(bench, "run_child", lambda cmd, **kw: seen.append(json.loads(link.read_text())) or
+                        subprocess.CompletedProcess(cmd, 1, "", "no kvpress here"))
+    args = SimpleNamespace(random_weights=False, decode_steps=1, repeats=1, dtype="float32", device="cpu")
+    assert bench.run_kvpress(tmp_path, [5, 6, 7], "keydiff", 64, args) is None
+    assert victim.read_text() == "mine\n" and not link.is_symlink() and seen == [[5, 6, 7]]
