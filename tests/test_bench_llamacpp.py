@@ -224,3 +224,33 @@ def test_bad_input_with_llama_cpp(prompt, tmp_path):
     r = run_script(LLAMA_PY, "--ids-file", ids, "--gguf", bad)
     assert r.returncode == 2 and r.stdout == "" and "cannot load" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_f32_copy_and_its_stamp_never_go_through_a_link(tmp_path):
+    """The F32 copy and its source stamp are written under temporary names of a known form (.<name>.tmp<pid>): a
+    link planted at either is never written through; the copy and the stamp land whole, the victims untouched."""
+    import os
+    from types import SimpleNamespace
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_llamacpp
+    src, out = tmp_path / "m.gguf", tmp_path / "m.F32.gguf"
+    src.write_bytes(b"GGUF source")
+    victims = [tmp_path / "victim1", tmp_path / "victim2"]
+    for victim, name in zip(victims, [f".{out.name}.tmp{os.getpid()}", f".{out.name}.source.json.tmp{os.getpid()}"]):
+        victim.write_text("mine\n")
+        (tmp_path / name).symlink_to(victim)
+
+    def quantize(s, t, params):  # llama.cpp's own fopen(t, "wb")
+        with open(t.decode(), "wb") as f:
+            f.write(b"F32 copy")
+        return 0
+    import ctypes
+
+    class Params(ctypes.Structure):
+        _fields_ = [("ftype", ctypes.c_int), ("allow_requantize", ctypes.c_bool), ("nthread", ctypes.c_int)]
+    fake = SimpleNamespace(llama_model_quantize_default_params=Params, LLAMA_FTYPE_ALL_F32=0,
+                           llama_model_quantize=quantize)
+    assert bench_llamacpp.dequantized(fake, src, out, 1) == out
+    assert [v.read_text() for v in victims] == ["mine\n", "mine\n"]
+    assert out.read_bytes() == b"F32 copy" and not out.is_symlink()
+    assert json.loads((tmp_path / f"{out.name}.source.json").read_text()) == bench_llamacpp.source_stamp(src)
