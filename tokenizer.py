@@ -243,12 +243,16 @@ def load_tokenizer(ckpt_dir) -> Tokenizer:
             tok.bos_id = cfg["bos_token_id"]
     tok.eos_ids = list(dict.fromkeys(eos))  # dedupe, keep order
     tmpl, tok.chat_template_file = tok_cfg.get("chat_template"), str(d / "tokenizer_config.json")
-    if isinstance(tmpl, list):  # older multi-template format: [{"name": ..., "template": ...}]
-        tmpl = next((t.get("template") for t in tmpl if isinstance(t, dict) and t.get("name") == "default"), None)
+    jinja_file = d / "chat_template.jinja"
+    if isinstance(tmpl, list):  # older multi-template format: [{"name": ..., "template": ...}], HF's "default"
+        named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
+        if named and "default" not in named and not jinja_file.is_file():  # HF refuses it too, never no template
+            raise TokenizerError(f"{tok.chat_template_file}: chat_template lists templates named "
+                                 f"{', '.join(map(str, named))} but none named default")
+        tmpl = named.get("default")
     if tmpl is not None and not isinstance(tmpl, str):
         raise TokenizerError(f"{tok.chat_template_file}: chat_template must be a string or a list of "
                              f"{{name, template}} objects, got {type(tmpl).__name__}")
-    jinja_file = d / "chat_template.jinja"
     if jinja_file.is_file():
         data = read_capped(jinja_file, 4 * TEMPLATE_CHARS)  # the limit is in characters, of up to 4 bytes each
         if len(data) > 4 * TEMPLATE_CHARS:

@@ -281,6 +281,21 @@ def test_a_chat_template_file_under_the_limit_is_read_whole_in_any_script(tmp_pa
         load_tokenizer(d)
 
 
+def test_a_list_of_chat_templates_without_a_default_is_refused(tmp_path):
+    """tokenizer_config.json's older multi-template form, [{"name", "template"}]: the one named "default" is the
+    chat template (as HF's apply_chat_template picks it); a list without one was taken silently as no template at
+    all, so a chat model got raw text. HF refuses that list ("multiple chat templates with no default specified"):
+    one line naming the file and the names."""
+    d = _hf_dir(tmp_path, {"chat_template": [{"name": "rag", "template": "R{{ messages[0].content }}"},
+                                             {"name": "default", "template": "D{{ messages[0].content }}"}]})
+    assert load_tokenizer(d).render_chat("hi") == "Dhi"
+    d = _hf_dir(tmp_path, {"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "rag", "template": "R"}]})
+    with pytest.raises(TokenizerError, match=r"tokenizer_config.json: chat_template lists templates named tool_use, "
+                                             r"rag but none named default") as e:
+        load_tokenizer(d)
+    assert "\n" not in str(e.value)
+
+
 def test_no_chat_template_raises(tmp_path):
     tok = load_tokenizer(_hf_dir(tmp_path, {}))
     assert tok.bos_id is None and tok.eos_ids == []
