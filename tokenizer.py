@@ -91,12 +91,18 @@ class _HFTokenizer(Tokenizer):
             self.tok = HFTok.from_str(data.decode("utf-8"))
         except Exception as e:
             raise TokenizerError(f"cannot read {path}: {_oneline(e)}") from None
-        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.vocab_size, self.path = self.tok.get_vocab_size(with_added_tokens=True), path
 
     def encode(self, text, add_bos):
         # add_special_tokens=True runs the file's post_processor, i.e. exactly HF's tokenizer(text).
         # Added/special tokens written in the text are always matched by `tokenizers`.
-        return self.tok.encode(text, add_special_tokens=add_bos).ids
+        try:
+            return self.tok.encode(text, add_special_tokens=add_bos).ids
+        except BaseException as e:  # a Rust panic (pyo3's PanicException is no Exception): the file's regex failed
+            if type(e).__name__ != "PanicException":
+                raise
+            raise TokenizerError(f"{self.path} cannot tokenize this text: {_oneline(e)} (a pre-tokenizer regex "
+                                 "that backtracks without end?)") from None
 
     def decode(self, ids):
         return self.tok.decode(list(ids), skip_special_tokens=True)

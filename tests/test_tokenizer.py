@@ -296,6 +296,24 @@ def test_a_list_of_chat_templates_without_a_default_is_refused(tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_a_pre_tokenizer_regex_that_backtracks_without_end_is_one_line(tmp_path):
+    """A tokenizer.json whose Split pre-tokenizer is a catastrophic regex ((a+)+b): onig stops at its retry limit
+    with a Rust panic, pyo3's PanicException, a BaseException that passed every handler (a traceback, exit 1).
+    Now a TokenizerError naming the file; the regex's time stays bounded by onig's limit."""
+    import time
+    from tokenizers import Regex, pre_tokenizers
+    from tokenizers import Tokenizer as HFTok, models
+    t = HFTok(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Split(Regex("(a+)+b"), "isolated")
+    t.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    assert tok.encode("aab", False) == [0]  # one piece, not in the vocabulary
+    start = time.monotonic()
+    with pytest.raises(TokenizerError, match=r"tokenizer.json cannot tokenize this text: .*retry-limit") as e:
+        tok.encode("a" * 40 + "c", False)
+    assert "\n" not in str(e.value) and time.monotonic() - start < 30
+
+
 def test_no_chat_template_raises(tmp_path):
     tok = load_tokenizer(_hf_dir(tmp_path, {}))
     assert tok.bos_id is None and tok.eos_ids == []
