@@ -161,23 +161,26 @@ def file_sha256(path: Path) -> str:
 
 
 def record_path(path: Path) -> Path:
-    return path.with_suffix(".json")  # beside <key>.pt2: {"key", "built_from", "sha256"}, written after the package
+    return path.with_suffix(".json")  # beside <key>.pt2: {"key", "built_from", "bytes", "sha256"}, written after it
 
 
 def package_problem(path: Path, key: str, recipe: list[str]) -> str | None:
     """Why the package at `path` must not be loaded ("" where there is none yet), or None where it may: its record
-    names this key and this recipe, and the package's bytes hash to the recorded sha256."""
+    names this key and this recipe, and the package has the recorded size (checked first: nothing larger is read)
+    and bytes that hash to the recorded sha256."""
     if not path.is_file():
         return ""
     try:
         record = read_json(record_path(path))
-        digest = file_sha256(path)
     except (OSError, ValueError):
         return "no readable record of what it was built from"
     if not isinstance(record, dict) or record.get("key") != key or record.get("built_from") != recipe:
         return "it was built for another model or setting"
-    if record.get("sha256") != digest:
-        return "its bytes are not the ones recorded: damaged or replaced"
+    try:
+        if record.get("bytes") != path.stat().st_size or record.get("sha256") != file_sha256(path):
+            return "its bytes are not the ones recorded: damaged or replaced"
+    except OSError:
+        return "it cannot be read"
     return None
 
 
@@ -197,7 +200,8 @@ def save_package(built: Path, path: Path, recipe: list[str]) -> None:
     each written whole or not at all (files.write_atomic). Errors -> EnvironmentFailure naming the file."""
     remove_stale_tmp(path.parent)
     write_atomic(path, lambda tmp: shutil.copyfile(built, tmp))
-    record = {"key": recipe_key(recipe), "sha256": file_sha256(path), "built_from": recipe}
+    record = {"key": recipe_key(recipe), "bytes": path.stat().st_size, "sha256": file_sha256(path),
+              "built_from": recipe}
     write_text(record_path(path), json.dumps(record, indent=0))
 
 

@@ -76,19 +76,22 @@ def hf_to_engine(get, names: set[str], n_layers: int, tied: bool, on_layer=None)
     return out
 
 
-HF_COPY_FILES = ("config.json", "model.safetensors", *TOKENIZER_FILES)  # what write_hf writes
+HF_COPY_MARK = ".budgetkv-hf-copy"  # written first into a folder write_hf fills: an earlier copy's, to replace
+HF_COPY_FILES = (HF_COPY_MARK, "config.json", "model.safetensors", *TOKENIZER_FILES)  # what write_hf writes
 
 
 def check_hf_copy_dir(out_dir: Path) -> None:
-    """CheckpointError when the folder `out_dir` holds what write_hf does not write (another model's weights, a
-    budgetkv checkpoint): an HF copy replaces an earlier copy's files only."""
+    """CheckpointError when the folder `out_dir` is not empty and not an earlier copy's (write_hf's mark), or holds
+    what write_hf does not write (another model's weights or config, a budgetkv checkpoint): an HF copy replaces an
+    earlier copy's files only."""
     if not out_dir.is_dir():
         return
-    other = sorted(p.name for p in out_dir.iterdir()
-                   if p.name not in HF_COPY_FILES and not p.name.startswith(TMP_PREFIX))
-    if other:
-        raise CheckpointError(f"{out_dir} holds {', '.join(other[:3])}{', ...' if len(other) > 3 else ''}, which an "
-                              "HF copy does not write (another model's folder?): pick a new or empty folder")
+    files = sorted(p.name for p in out_dir.iterdir() if not p.name.startswith(TMP_PREFIX))
+    other = [name for name in files if name not in HF_COPY_FILES]
+    if other or (files and HF_COPY_MARK not in files):
+        held = ", ".join((other or files)[:3]) + (", ..." if len(other or files) > 3 else "")
+        raise CheckpointError(f"{out_dir} holds {held}, and is not a folder an HF copy wrote (another model's "
+                              "folder?): pick a new or empty folder")
 
 
 def write_hf(ckpt_dir: Path, out_dir: Path) -> Path:
@@ -129,6 +132,7 @@ def write_hf(ckpt_dir: Path, out_dir: Path) -> Path:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"cannot create {out_dir}: {e.strerror or e}") from None
+    write_text(out_dir / HF_COPY_MARK, "an HF copy written by budgetkv (convert_hf_checkpoint.py --to-hf)\n")
     for name in ("model.safetensors", *TOKENIZER_FILES):  # an earlier copy's, never beside this one's weights
         if name == "model.safetensors" or not (ckpt_dir / name).is_file():
             try:

@@ -342,7 +342,12 @@ def swap_in_theirs_with_its_record(path, theirs):
 def record_a_package_torch_cannot_load(path, theirs):
     path.write_bytes(b"PK\x03\x04 not a package")
     record = json.loads(aoti.record_path(path).read_text())
-    aoti.record_path(path).write_text(json.dumps(record | {"sha256": aoti.file_sha256(path)}))
+    aoti.record_path(path).write_text(json.dumps(record | {"sha256": aoti.file_sha256(path),
+                                                           "bytes": path.stat().st_size}))
+
+
+def grown_sparse(path, theirs):  # a hole past its end: gigabytes to hash, a few bytes on disk
+    os.truncate(path, path.stat().st_size + 2 ** 34)
 
 
 def cut_short_without_record(path, theirs):
@@ -360,22 +365,27 @@ TAMPERED = {  # what was done to the key's package -> the reason printed
     "a record that is not JSON": (lambda path, theirs: aoti.record_path(path).write_text("{"), "no readable record"),
     "a recorded package that torch cannot load": (record_a_package_torch_cannot_load, "torch could not load it"),
     "a package cut short, no record": (cut_short_without_record, "no readable record"),
+    "a package grown sparse past 16 GiB, its record kept": (grown_sparse, "damaged or replaced"),
 }
 
 
 @pytest.mark.parametrize("case", TAMPERED)
-def test_an_untrusted_package_is_compiled_again_never_loaded(tiny, built, copies, case, capsys):
+def test_an_untrusted_package_is_compiled_again_never_loaded(tiny, built, copies, case, capsys, monkeypatch):
     """A package whose record does not vouch for it is never handed to torch's loader (a damaged one aborts the
     process there): one line says why, a compile replaces it, and the next run loads the replacement."""
     own, theirs, want = built
     path, loaded = copies
     tamper, why = TAMPERED[case]
     tamper(path, theirs)
-    bad = aoti.file_sha256(path)
+    bad = aoti.file_sha256(path) if path.stat().st_size < 2 ** 30 else None  # the sparse one: never hashed
+    hashed = []
+    file_sha256 = aoti.file_sha256
+    monkeypatch.setattr(aoti, "file_sha256", lambda p: hashed.append(p.stat().st_size) or file_sha256(p))
     step = aoti.AotStep()
     assert run(tiny, "h2o", 40, step) == want and (step.compiled, step.loaded) == (1, 0)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and str(path) in lines[0] and why in lines[0] and "compiling it again" in lines[0]
+    assert all(size < 2 ** 30 for size in hashed)  # nothing past the recorded size is read
     good = aoti.file_sha256(own)
     assert aoti.file_sha256(path) == good and aoti.package_problem(path, path.stem, json.loads(
         aoti.record_path(own).read_text())["built_from"]) is None

@@ -107,12 +107,12 @@ COMMANDS = {
     f"{PY}scripts/bench.py --compile --prompt-tokens 4096 --budget 512 --policies keydiff --decode-steps 32 "
     "--repeats 3 --llamacpp": "tests/test_bench_llamacpp.py (.venv-llamacpp)",
     f"{PY}scripts/bench.py --compile --prompt-tokens 7600 --budget 512 --policies keydiff --decode-steps 32 "
-    "--repeats 1 --llamacpp": "tests/test_bench_llamacpp.py (.venv-llamacpp)",
+    "--repeats 3 --llamacpp": "tests/test_bench_llamacpp.py (.venv-llamacpp)",
     "bash scripts/setup.sh llamacpp": "installs llama.cpp's venv",
     f"{PY}scripts/bench_batch.py --checkpoint smollm2-135m --prompt-tokens 8176 --budget 512 --memory-cap 4096 "
     "--threads 2 --decode-steps 10 --compile --policies keydiff --json build/batch_8k.json "
     "--plot docs/batch_throughput.png": "tests/test_gpu_check.py::test_batch_section_runs_bench_batch_to_the_cap",
-    f"{PY}scripts/bench_figure.py --contexts 16384,8192,4096 --budgets 256,512,1024 --threads 1":
+    f"{PY}scripts/bench_figure.py --contexts 8000,4096,2048 --budgets 256,512,1024 --threads 1":
         "tests/test_resume.py::test_bench_resume_runs_only_the_rest[figure]",
     # porting.md
     "python scripts/check_port.py tests/vectors RESULTS [--case 'keydiff-*']": "a template: RESULTS is a port's output",
@@ -156,6 +156,9 @@ COMMANDS = {
     f"{PY}scripts/frontier.py --length 2048 --budgets 128,256,512,1024 --policies full,random,sink,h2o,tova,snapkv,"
     "keydiff,keynorm --no-speed --threads 1 --out-dir build/frontier-2k":
         "tests/test_frontier.py::test_resume_after_sigkill (--no-speed)",
+    f"{PY}scripts/frontier.py --random-weights --length 2048 --budgets 256,1024 --policies full,random,sink,h2o,tova,"
+    "snapkv,keydiff,keynorm --out-dir build/frontier-2k-speed":
+        "tests/test_frontier.py::test_random_weights_measure_speed_only",
     f"{PY}scripts/frontier.py --length 4096 --budgets 256,512,1024 --policies full,sink,h2o,tova,snapkv,keydiff "
     "--no-speed --threads 1 --out-dir build/frontier-4k":
         "tests/test_frontier.py::test_resume_after_sigkill (--no-speed)",

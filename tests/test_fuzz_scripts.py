@@ -648,3 +648,13 @@ def test_every_flag_at_its_edge_values_is_taken_or_one_line(name, ckpt, tmp_path
             continue
         assert code in (1, 2) and "Traceback" not in err and not err.startswith("internal error"), (flag, value, err)
         assert len(lines) == 1 and lines[0].startswith(("error: ", "check_port: ")), (flag, value, err)
+
+
+def test_bench_figure_defaults_fit_the_default_checkpoint():
+    """bench_figure.py with no flags runs on its default checkpoint: its longest default context and its decode
+    steps fit SmolLM2-135M's context (the paper's 16K+ contexts would be refused there in one line)."""
+    from checkpoint import shape_config
+    a = bench_figure.parser().parse_args([])
+    config, _ = shape_config(a.checkpoint)
+    contexts = benchlib.int_list(a.contexts, "--contexts")
+    assert max(contexts) + a.decode_steps + a.block_size <= config["max_position_embeddings"] == 8192

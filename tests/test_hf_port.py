@@ -126,3 +126,11 @@ def test_an_hf_copy_over_another_keeps_none_of_its_files_and_another_models_fold
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --to-hf") and ENGINE_FILE in err[0], err
     assert {p.name: p.read_bytes() for p in a.iterdir()} == before
+    shapes = tmp_path / "shapes"  # only names a copy writes, but no copy's: a --random-weights config folder
+    shapes.mkdir()
+    (shapes / "config.json").write_text('{"model_type": "llama"}')
+    assert convert_main(["--checkpoint", str(b), "--to-hf", str(shapes), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds config.json, and is not a folder an HF copy wrote" in err[0], err
+    assert [p.name for p in shapes.iterdir()] == ["config.json"]
+    assert (shapes / "config.json").read_text() == '{"model_type": "llama"}'
