@@ -553,6 +553,7 @@ def run(a) -> int:
         results[task, cfg] = records
         entry = dict(run=run_id, task=task, protocol=cfg[0], policy=cfg[1], budget=cfg[2], data=data[task],
                      records=records, na=NOT_APPLICABLE.get((task, label(cfg[0], cfg[1]), cfg[2])))
+        entry["sum"] = digest(entry)  # --resume re-measures a line whose content no longer matches it
         if fresh:
             write_atomic(journal, json.dumps(head) + "\n" + json.dumps(entry) + "\n")
             fresh = False

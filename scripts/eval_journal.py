@@ -61,7 +61,10 @@ def read_journal(path: Path, settings: dict) -> dict:
             bad = "no records, and not marked n/a"
         if bad is not None:
             raise UserError(f"--resume: {path} line {n}: {bad} (run without --resume to replace the file)")
-        if e["run"] == run_id:  # (another run's line only where two runs wrote at once)
+        if e.get("sum") != digest({k: v for k, v in e.items() if k != "sum"}):  # edited by hand, or an older line
+            print(f"--resume: {path} line {n}: its content does not match its checksum: measuring "
+                  f"{e['policy']} ({e['task']}, budget {e['budget']}) again", file=sys.stderr)
+        elif e["run"] == run_id:  # (another run's line only where two runs wrote at once)
             done[e["task"], e["protocol"], e["policy"], e["budget"], e["data"]] = e
     return done
 

@@ -179,6 +179,23 @@ def test_eval_resume_refuses_a_damaged_record(ckpt, uninterrupted, tmp_path, cap
     assert len(err) == 1 and "line 3" in err[0] and "Traceback" not in err[0], err
 
 
+def test_eval_resume_measures_again_a_line_edited_by_hand(ckpt, uninterrupted, tmp_path, capsys):
+    """A journal line whose score was edited by hand (still well-formed) is measured again, with a line saying so:
+    its edited score is not served as a result."""
+    full, done = uninterrupted
+    out = tmp_path / "eval"
+    shutil.copytree(done, out)
+    lines = (out / "results.jsonl").read_text().splitlines()
+    n, entry = next((n, e) for n, e in enumerate(map(json.loads, lines)) if e.get("task") == "passkey" and
+                    e.get("policy") == "sink")
+    entry["records"][0]["score"] = 100.0 - entry["records"][0]["score"]
+    lines[n] = json.dumps(entry)
+    (out / "results.jsonl").write_text("\n".join(lines) + "\n")
+    assert ev.main(eval_argv(ckpt, out, "--resume")) == 0
+    assert f"line {n + 1}: its content does not match its checksum" in capsys.readouterr().err
+    assert json.loads((out / "results.json").read_text())["records"] == full["records"]
+
+
 @pytest.mark.parametrize("field,value", [("policy", "sink"), ("budget", 64), ("protocol", "one-shot")])
 def test_eval_resume_refuses_a_record_under_another_configuration(ckpt, uninterrupted, tmp_path, capsys, field,
                                                                   value):
