@@ -248,6 +248,16 @@ def test_resume_after_ctrl_c_and_a_row_edited_to_garbage(ckpt, uninterrupted, tm
     assert "label keydiff@32 has decode_tok_s = nan (not a finite, non-negative number): measuring it again" in err
     assert json.loads(path.read_text())["rows"] == full
 
+    # a row edited by hand to other numbers, still well-formed: measured again, not served
+    res = json.loads(path.read_text())
+    res["rows"][2]["top1"] = 1.0 - res["rows"][2]["top1"]
+    path.write_text(json.dumps(res))
+    started.clear()
+    code, err = run(argv(ckpt, tmp_path, *SOME, "--resume"), capsys)
+    assert code == 0 and started == ["sink@64"], err
+    assert "sink@64's content does not match its checksum: measuring it again" in err
+    assert json.loads(path.read_text())["rows"] == full
+
     # other settings: refused in one line, nothing run, the file untouched
     before, started[:] = path.read_bytes(), []
     code, err = run(argv(ckpt, tmp_path, *SOME, "--resume", "--fid-tokens", "6"), capsys)
