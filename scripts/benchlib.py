@@ -33,7 +33,7 @@ from errors import EnvironmentFailure, UserError
 from loading import kv_cache_estimate, load_model, random_model
 from runtime import AOT, check_device, release_free_memory, set_threads
 from sampling import first_tokens
-from scripts.outputs import check_settings, checkpoint_identity, read_json, write_atomic
+from scripts.outputs import check_settings, checkpoint_identity, digest, read_json, write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -286,19 +286,39 @@ def previous(path, settings: dict, args, key: str, kind: type, fields: dict, mis
 
 
 def measured(path, entries, fields: dict):
-    """The entries (a dict's items, or a list's rows) whose numbers are measurements (bad_field's values); each
-    other is left out to be measured again, with one line naming it and the field."""
+    """The entries (a dict's items, or a list's rows) whose numbers are measurements (bad_field's values) and whose
+    content is what save() wrote (its checksum); each other is left out to be measured again, with one line naming
+    it and why."""
     for name, x in entries.items() if isinstance(entries, dict) else ((None, x) for x in entries):
         bad = bad_field(x, fields, values=True)
-        if bad is None:
-            yield (name, x) if isinstance(entries, dict) else x
-            continue
         row = name if name is not None else ", ".join(f"{f} {x[f]}" for f in fields if fields[f] in (str, int))
-        print(f"--resume: {path}: {row} has {bad} = {x[bad]} (not a measurement: a finite number > 0): measuring it "
-              "again", file=sys.stderr)
+        if bad is not None:
+            print(f"--resume: {path}: {row} has {bad} = {x[bad]} (not a measurement: a finite number > 0): measuring "
+                  "it again", file=sys.stderr)
+        elif x.get("sum") != checksum(x):
+            print(f"--resume: {path}: {row}: its content does not match its checksum (edited since it was written): "
+                  "measuring it again", file=sys.stderr)
+        else:
+            yield (name, x) if isinstance(entries, dict) else x
+
+
+def checksum(entry: dict) -> str:
+    """A short hash of an output entry's content (its "sum" left out): what --resume checks a kept entry against."""
+    return digest({k: v for k, v in entry.items() if k != "sum"})
+
+
+def signed(value):
+    """A list's or a dict's entries that are dicts, each with its checksum as "sum"; any other value as it is."""
+    if isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
+        return [x | {"sum": checksum(x)} for x in value]
+    if isinstance(value, dict) and value and all(isinstance(x, dict) for x in value.values()):
+        return {k: x | {"sum": checksum(x)} for k, x in value.items()}
+    return value
 
 
 def save(path, args, settings: dict, **out) -> None:
+    """The output JSON: the arguments, the settings and `out`, each entry of its tables signed (checksum)."""
+    out = {k: signed(v) for k, v in out.items()}
     write_atomic(path, json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "settings": settings, **out},
                                   indent=2))
 

@@ -59,7 +59,7 @@ from scripts import eval as ev  # noqa: E402
 from scripts.benchlib import (bad_field, bench_settings, bench_source, check_sizes, int_list, json_result,  # noqa: E402
                               make_document, previous, save, start)
 from scripts.eval_report import NOT_APPLICABLE, label, summarize  # noqa: E402
-from scripts.outputs import digest, save_png, write_atomic  # noqa: E402
+from scripts.outputs import save_png, write_atomic  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 ALL = ",".join(["full", *policies.REGISTRY])
@@ -310,12 +310,7 @@ def header(args, measures: dict, specs, budgets, wall_s: float, resumed: int, n:
             f"other configuration has as little KV memory and as good a {what(axis(measures, args))}.")
 
 
-def checksum(row: dict) -> str:
-    return digest({k: v for k, v in row.items() if k != "sum"})
-
-
 def save_json(path: Path, args, settings, rows, measures, specs, budgets) -> None:
-    rows = [r | {"sum": checksum(r)} for r in rows]  # --resume measures again a row whose content no longer matches
     save(path, args, settings, rows=rows, front=front(rows, axis(measures, args)), measured=measures,
          eval_argv=eval_argv(args, specs, budgets) if measures["quality"] else None)
 
@@ -337,10 +332,6 @@ def kept(path: Path, settings: dict, args, fields: dict) -> dict:
         if bad is not None:
             print(f"--resume: {path}: label {r['label']} has {bad} = {r[bad]} (not a finite, non-negative number): "
                   "measuring it again", file=sys.stderr)
-            continue
-        if r.get("sum") != checksum(r):  # well-formed, but edited by hand
-            print(f"--resume: {path}: {r['label']}'s content does not match its checksum: measuring it again",
-                  file=sys.stderr)
             continue
         out[r["label"]] = r
     return out

@@ -95,7 +95,9 @@ def test_resume_keeps_llamacpp_rows(tmp_path):
         (tmp_path / "b.json").write_text(json.dumps({"settings": settings, **out}))
         return benchlib.previous(args.json, settings, args, "llamacpp", dict, bench.LLAMACPP_FIELDS, missing_ok=True)
     assert prev({"results": {}}) == {}
-    assert prev({"llamacpp": {"shipped": row}}) == {"shipped": row}
+    signed = benchlib.signed({"shipped": row})  # as bench.py saves its rows
+    assert prev({"llamacpp": signed}) == signed
+    assert prev({"llamacpp": {"shipped": row}}) == {}  # unsigned (edited, or written by hand): measured again
     with pytest.raises(UserError, match="has no llamacpp as this script writes them"):
         prev({"llamacpp": {"shipped": row | {"ttft_s": "slow"}}})
 

@@ -256,7 +256,7 @@ def test_bench_rows_not_written_by_bench_are_refused(tmp_path):
         path.write_text(json.dumps({"settings": settings, "results": results}))
         with pytest.raises(UserError, match="has no results as this script writes them"):
             benchlib.previous(path, settings, args, "results", dict, bench.TABLE_FIELDS)
-    good = {"sink": dict(fake_row("table", "sink"), bandwidth_fraction=0.5)}
+    good = benchlib.signed({"sink": dict(fake_row("table", "sink"), bandwidth_fraction=0.5)})  # as bench.py saves it
     path.write_text(json.dumps({"settings": settings, "results": good}))
     assert benchlib.previous(path, settings, args, "results", dict, bench.TABLE_FIELDS) == good
 
@@ -438,6 +438,25 @@ def test_bench_resume_measures_again_a_row_that_is_not_a_measurement(kind, value
     lines = [line for line in err.splitlines() if "measuring it again" in line]
     assert lines == [f"--resume: {out}: {named} has {field} = {value} (not a measurement: a finite number > 0): "
                      "measuring it again"], err
+    assert json.loads(out.read_text())[key] == full[key]
+
+
+@pytest.mark.parametrize("kind", list(BENCH_RUNS))
+def test_bench_resume_measures_again_a_row_edited_by_hand(kind, ckpt, tmp_path, monkeypatch, capsys):
+    """A kept row edited by hand to another plausible timing (still a finite number > 0) no longer matches its
+    checksum: measured again, with one line naming it; the output equals an uninterrupted run's."""
+    _, configs, flag = BENCH_RUNS[kind]
+    out, fmt, full = uninterrupted_bench(kind, ckpt, tmp_path, monkeypatch, capsys)
+    key = "results" if kind == "table" else "rows"
+    edited = json.loads(out.read_text())
+    row = edited[key][configs[1]] if kind == "table" else edited[key][1]
+    field = "decode_tok_s" if kind == "quant" else "decode_step_ms"
+    row[field] *= 2
+    out.write_text(json.dumps(edited))
+    code, started, err = run_bench(monkeypatch, capsys, tmp_path, ckpt, fmt(out) + ["--resume"], flag, kind)
+    assert code in (0, None) and started == [configs[1]]
+    lines = [line for line in err.splitlines() if "measuring it again" in line]
+    assert len(lines) == 1 and "does not match its checksum" in lines[0], err
     assert json.loads(out.read_text())[key] == full[key]
 
 
