@@ -33,7 +33,7 @@ from errors import EnvironmentFailure, UserError
 from loading import kv_cache_estimate, load_model, random_model
 from runtime import AOT, check_device, release_free_memory, set_threads
 from sampling import first_tokens
-from scripts.outputs import check_settings, checkpoint_identity, digest, read_json, write_atomic
+from scripts.outputs import check_settings, checkpoint_identity, checksum, read_json, write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -300,11 +300,6 @@ def measured(path, entries, fields: dict):
                   "measuring it again", file=sys.stderr)
         else:
             yield (name, x) if isinstance(entries, dict) else x
-
-
-def checksum(entry: dict) -> str:
-    """A short hash of an output entry's content (its "sum" left out): what --resume checks a kept entry against."""
-    return digest({k: v for k, v in entry.items() if k != "sum"})
 
 
 def signed(value):

@@ -62,7 +62,7 @@ from scripts import eval_tasks  # noqa: E402
 from scripts.eval_journal import JOURNAL, read_journal, run_settings  # noqa: E402
 from scripts.eval_report import (NOT_APPLICABLE, first_divergence, label, mean_accepted,  # noqa: E402
                                  repeated_ngrams, token_overlap, write_outputs)
-from scripts.outputs import append_line, digest, write_atomic  # noqa: E402
+from scripts.outputs import append_line, checksum, digest, write_atomic  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 POLICIES = "full,random,sink,h2o,tova,snapkv,keydiff,keynorm"
@@ -553,7 +553,7 @@ def run(a) -> int:
         results[task, cfg] = records
         entry = dict(run=run_id, task=task, protocol=cfg[0], policy=cfg[1], budget=cfg[2], data=data[task],
                      records=records, na=NOT_APPLICABLE.get((task, label(cfg[0], cfg[1]), cfg[2])))
-        entry["sum"] = digest(entry)  # --resume re-measures a line whose content no longer matches it
+        entry["sum"] = checksum(entry)  # --resume re-measures a line whose content no longer matches it
         if fresh:
             write_atomic(journal, json.dumps(head) + "\n" + json.dumps(entry) + "\n")
             fresh = False

@@ -15,7 +15,7 @@ import torch
 
 from errors import UserError
 from scripts.eval_report import measures
-from scripts.outputs import check_settings, checkpoint_identity, digest, read_lines
+from scripts.outputs import check_settings, checkpoint_identity, checksum, digest, read_lines
 
 
 JOURNAL = "results.jsonl"
@@ -61,7 +61,7 @@ def read_journal(path: Path, settings: dict) -> dict:
             bad = "no records, and not marked n/a"
         if bad is not None:
             raise UserError(f"--resume: {path} line {n}: {bad} (run without --resume to replace the file)")
-        if e.get("sum") != digest({k: v for k, v in e.items() if k != "sum"}):  # edited by hand, or an older line
+        if e.get("sum") != checksum(e):  # edited by hand, or an older line
             print(f"--resume: {path} line {n}: its content does not match its checksum: measuring "
                   f"{e['policy']} ({e['task']}, budget {e['budget']}) again", file=sys.stderr)
         elif e["run"] == run_id:  # (another run's line only where two runs wrote at once)

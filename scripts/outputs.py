@@ -50,6 +50,11 @@ def save_png(fig, path: Path, dpi: int = 100) -> None:
     write_atomic(path, buf.getvalue())
 
 
+def checksum(entry: dict) -> str:
+    """The digest of an output entry's content, its own "sum" left out: what --resume checks a kept entry against."""
+    return digest({k: v for k, v in entry.items() if k != "sum"})
+
+
 def digest(obj) -> str:
     """A short content hash of a JSON-able object."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
