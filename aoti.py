@@ -238,11 +238,15 @@ def in_fork(fn) -> None:
         os.write(write, line[:4096])
         os._exit(code)
     os.close(write)
-    try:
-        with os.fdopen(read, "rb") as f:
-            line = f.read().decode(errors="replace")
+    try:  # the fork's exit, not the pipe's end, is awaited: a process it started may still hold the pipe open
         status, pid = os.waitpid(pid, 0)[1], None
+        os.set_blocking(read, False)  # its line (<= 4096 bytes, within the pipe's buffer) was written before it exited
+        try:
+            line = os.read(read, 4096).decode(errors="replace")
+        except BlockingIOError:
+            line = ""
     finally:
+        os.close(read)
         if pid is not None:  # this process stopped waiting (Ctrl-C, SIGTERM): the fork ends too
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)

@@ -245,6 +245,29 @@ def test_a_failed_compile_leaves_no_package(tiny, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_fork_is_awaited_not_the_processes_it_started(tmp_path):
+    """in_fork returns when its fork exits, though a process the fork started still holds their pipe (a compiler's
+    worker); the fork's error comes back as one line."""
+    import threading
+    release_r, release_w = os.pipe()
+
+    def start_a_lingering_process():
+        if os.fork() == 0:  # holds every descriptor of the fork, the report pipe's writing end among them
+            os.read(release_r, 1)
+            os._exit(0)
+    done = []
+    waiter = threading.Thread(target=lambda: done.append(aoti.in_fork(start_a_lingering_process)), daemon=True)
+    waiter.start()
+    waiter.join(60)
+    os.write(release_w, b"x")
+    assert done == [None], "in_fork waited for a process its fork started"
+
+    def fail():
+        raise ValueError("bad\nshape")
+    with pytest.raises(RuntimeError, match="compiling the decode step failed in its process: ValueError: bad"):
+        aoti.in_fork(fail)
+
+
 def test_no_run_imports_the_compiler(cli_runs):
     """generate.py --compile on CPU: the first run compiles the package (in a fork of its process, aoti.in_fork),
     the second loads it; neither run's own process ever imports dynamo or inductor, so none keeps the compiler's
