@@ -217,6 +217,9 @@ def build_package(model, idx: Tensor, input_pos: Tensor, built: Path, threads: i
         torch._inductor.aoti_compile_and_package(ep, package_path=str(built))
 
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
 def in_fork(fn) -> None:
     """fn() in a forked copy of this process (on Linux; elsewhere in this one), which shares this one's memory until
     it writes: what fn imports and allocates (the compiler, the traced graph) ends with the fork, and this
@@ -225,20 +228,30 @@ def in_fork(fn) -> None:
     if sys.platform != "linux":
         return fn()
     read, write = os.pipe()
-    pid = os.fork()
+    # A stop signal (Ctrl-C, SIGTERM) arriving while os.fork() runs its Python hooks would be lost in them: held
+    # until each process is where it handles it.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        pid = os.fork()
+    except OSError:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        os.close(read), os.close(write)
+        raise
     if pid == 0:  # the fork: runs fn, reports, and never returns
         os.close(read)
         code, line = 0, b""
         try:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is this process's: it ends the fork
             dies_with_parent()
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
             fn()
         except BaseException as e:
             code, line = 1, f"{type(e).__name__}: {e}".encode(errors="replace")
         os.write(write, line[:4096])
         os._exit(code)
-    os.close(write)
     try:  # the fork's exit, not the pipe's end, is awaited: a process it started may still hold the pipe open
+        os.close(write)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         status, pid = os.waitpid(pid, 0)[1], None
         os.set_blocking(read, False)  # its line (<= 4096 bytes, within the pipe's buffer) was written before it exited
         try:

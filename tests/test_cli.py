@@ -826,6 +826,33 @@ def long_aot_compile(tmp_path, signum, monkeypatch):
     return lambda a: aoti.compile_package(None, None, None, tmp_path / "steps" / "k.pt2", [], print), []
 
 
+SIGNAL_DURING_FORK = """
+import argparse, os, signal, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import torch._inductor
+import aoti, cli
+os.register_at_fork(after_in_parent=lambda: time.sleep(1))  # the parent slow in os.fork()'s Python hooks
+
+
+def compile_and_package(ep, package_path):
+    os.kill(os.getppid(), signal.SIGTERM)  # at once, while the parent is still in those hooks
+    time.sleep(60)
+aoti.export_step = lambda *a: None
+torch._inductor.aoti_compile_and_package = compile_and_package
+sys.exit(cli.run_cli(lambda a: aoti.compile_package(None, None, None, Path(sys.argv[2]) / "k.pt2", [], print),
+                     argparse.Namespace()))
+"""
+
+
+def test_a_signal_while_the_compile_forks_is_not_lost(tmp_path):
+    """SIGTERM arriving while os.fork() runs its Python hooks in the parent (any load can stretch that moment) ends
+    the run as any SIGTERM does, at once, rather than being swallowed there while the run waits out the compile."""
+    r = subprocess.run([sys.executable, "-c", SIGNAL_DURING_FORK, str(REPO), str(tmp_path)], capture_output=True,
+                       text=True, timeout=50)
+    assert (r.returncode, r.stderr) == (128 + signal.SIGTERM, "terminated\n")
+
+
 def long_atomic_write(tmp_path, signum):
     """files.write_atomic signalled while it writes its temporary file."""
     import files
