@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from errors import UserError
-from files import (TMP_PREFIX, fsync_path, parse_json, read_json, remove_stale_tmp, tmp_path, write_atomic, write_error,
-                   write_text)
+from files import (TMP_PREFIX, fsync_path, parse_json, read_json, regular_file, remove_stale_tmp, tmp_path,
+                   write_atomic, write_error, write_text)
 from progress import Progress, Ticker
 from tokenizer import TokenizerError, write_gguf_tokenizer
 
@@ -155,7 +155,7 @@ def read_hf_dir(ckpt_dir: Path, dtype: torch.dtype | None = None,
     from safetensors import SafetensorError, safe_open
 
     config = read_config(ckpt_dir)
-    files = sorted(f for f in ckpt_dir.glob("*.safetensors") if f.name != ENGINE_FILE)
+    files = hf_weights(ckpt_dir)
     if not files:
         raise CheckpointError(f"{ckpt_dir} has no *.safetensors weights")
     where = {}
@@ -201,7 +201,10 @@ def read_config(ckpt_dir: Path) -> dict:
 
 def hf_weights(ckpt_dir: Path) -> list[Path]:
     """An HF directory's weight files (the engine file is not one of them)."""
-    return sorted(f for f in ckpt_dir.glob("*.safetensors") if f.name != ENGINE_FILE)
+    files = sorted(f for f in ckpt_dir.glob("*.safetensors") if f.name != ENGINE_FILE)
+    for f in files:
+        regular_file(f)
+    return files
 
 
 def hf_sources(ckpt_dir: Path) -> list[Path]:

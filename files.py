@@ -59,6 +59,16 @@ def remove_stale_tmp(folder: Path) -> None:
                 pass  # a read-only folder: nothing we could write there either
 
 
+def regular_file(path: Path) -> bool:
+    """Whether a checkpoint's optional file is there: True for a regular file, False when nothing is there; anything
+    else (a pipe, a device, a folder, a dangling link) is refused, never read (a pipe would block) nor taken as absent."""
+    if path.is_file():
+        return True
+    if path.exists() or path.is_symlink():
+        raise UserError(f"{path} is not a regular file")
+    return False
+
+
 def unreachable(path: Path) -> str | None:
     """Why `path` cannot be reached, for an error line (None when it can): a symlink loop named as such, where
     Path.exists() says only False."""

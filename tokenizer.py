@@ -17,7 +17,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from errors import UserError
-from files import JSON_MAX_BYTES, read_capped, read_json
+from files import JSON_MAX_BYTES, read_capped, read_json, regular_file
 
 
 class TokenizerError(UserError):
@@ -227,13 +227,13 @@ def check_prompt_ids(ids: list[int], vocab_size: int, which: str, source: str, h
 def load_tokenizer(ckpt_dir) -> Tokenizer:
     d = Path(ckpt_dir)
     tok_cfg = _read_json(d / "tokenizer_config.json")
-    if (d / "tokenizer.json").is_file():
+    if regular_file(d / "tokenizer.json"):
         tok = _HFTokenizer(d / "tokenizer.json")
         cfg_file = d / "tokenizer_config.json"
         tok.bos_token = _tok_str(tok_cfg.get("bos_token"), cfg_file, "bos_token")
         tok.eos_token = _tok_str(tok_cfg.get("eos_token"), cfg_file, "eos_token")
         tok.bos_id = tok.token_id(tok.bos_token) if tok.bos_token else None
-    elif (d / "tokenizer.model").is_file():
+    elif regular_file(d / "tokenizer.model"):
         ranks = _read_tiktoken(d / "tokenizer.model")
         tok = _TiktokenTokenizer(ranks) if ranks else _SPTokenizer(d / "tokenizer.model")
     else:
@@ -259,7 +259,7 @@ def load_tokenizer(ckpt_dir) -> Tokenizer:
     if tmpl is not None and not isinstance(tmpl, str):
         raise TokenizerError(f"{tok.chat_template_file}: chat_template must be a string or a list of "
                              f"{{name, template}} objects, got {type(tmpl).__name__}")
-    if jinja_file.is_file():
+    if regular_file(jinja_file):
         data = read_capped(jinja_file, 4 * TEMPLATE_CHARS)  # the limit is in characters, of up to 4 bytes each
         if len(data) > 4 * TEMPLATE_CHARS:
             raise TokenizerError(f"the chat template in {jinja_file} is longer than {TEMPLATE_CHARS >> 20} MiB "
@@ -356,7 +356,7 @@ def _oneline(e: Exception) -> str:
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
+    if not regular_file(path):
         return {}
     try:
         cfg = read_json(path)

@@ -105,10 +105,13 @@ def deep_identity(tmp, ckpt):
               metadata={"format": "budgetkv", "budgetkv_identity": DEEP})
 
 
-def fifo_config(tmp, ckpt):
-    bad = broken_copy(tmp, ckpt)
-    replace(bad, "config.json", None)
-    os.mkfifo(bad / "config.json")  # read, it would wait for a writer
+def fifo_in(name: str):
+    """Setup: the checkpoint's <name> is a named pipe (read, it would wait for a writer; skipped, a silent change)."""
+    def setup(tmp, ckpt):
+        bad = broken_copy(tmp, ckpt)
+        replace(bad, name, None)
+        os.mkfifo(bad / name)
+    return setup
 
 
 def missing_tensor(tmp, ckpt):
@@ -314,7 +317,10 @@ CASES += [
     gen("config-empty", [], 2, "is not valid JSON", files(config__json=""), "{bad}"),
     gen("config-binary", [], 2, "is not valid JSON", files(config__json=b"\xff\xfe\x00\x01"), "{bad}"),
     gen("config-missing", [], 2, "has no config.json", files(config__json=None), "{bad}"),
-    gen("config-fifo", [], 2, "config.json is not a regular file", fifo_config, "{bad}"),
+    gen("config-fifo", [], 2, "config.json is not a regular file", fifo_in("config.json"), "{bad}"),
+    *[gen(f"fifo-{name}", [], 2, f"{name} is not a regular file", fifo_in(name), "{bad}")
+      for name in ("tokenizer_config.json", "generation_config.json", "chat_template.jinja", "tokenizer.json",
+                   "model.safetensors")],
     # a checkpoint's files are data someone else wrote: parsed with bounds (files.read_json), the file named
     gen("config-deep", [], 2, "config.json is not valid JSON: nested deeper than 64 levels", files(config__json=DEEP),
         "{bad}"),
