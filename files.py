@@ -61,7 +61,8 @@ def remove_stale_tmp(folder: Path) -> None:
 
 def regular_file(path: Path) -> bool:
     """Whether a checkpoint's optional file is there: True for a regular file, False when nothing is there; anything
-    else (a pipe, a device, a folder, a dangling link) is refused, never read (a pipe would block) nor taken as absent."""
+    else (a pipe, a device, a folder, a dangling link) is refused, never read (a pipe would block) nor taken as
+    absent."""
     if path.is_file():
         return True
     if path.exists() or path.is_symlink():

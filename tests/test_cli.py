@@ -827,7 +827,7 @@ def long_aot_compile(tmp_path, signum, monkeypatch):
 
 
 SIGNAL_DURING_FORK = """
-import argparse, os, signal, sys, time
+import argparse, logging, os, signal, sys, threading, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import torch._inductor
@@ -840,17 +840,24 @@ def compile_and_package(ep, package_path):
     time.sleep(60)
 aoti.export_step = lambda *a: None
 torch._inductor.aoti_compile_and_package = compile_and_package
-sys.exit(cli.run_cli(lambda a: aoti.compile_package(None, None, None, Path(sys.argv[2]) / "k.pt2", [], print),
-                     argparse.Namespace()))
+code = cli.run_cli(lambda a: aoti.compile_package(None, None, None, Path(sys.argv[2]) / "k.pt2", [], print),
+                   argparse.Namespace())
+free = []  # logging's lock, taken in os.fork()'s hooks: free for another thread after the run
+t = threading.Thread(target=lambda: free.append(logging._lock.acquire(timeout=5) and logging._lock.release() is None))
+t.start(), t.join()
+print("logging's lock free:", free)
+sys.exit(code)
 """
 
 
 def test_a_signal_while_the_compile_forks_is_not_lost(tmp_path):
     """SIGTERM arriving while os.fork() runs its Python hooks in the parent (any load can stretch that moment) ends
-    the run as any SIGTERM does, at once, rather than being swallowed there while the run waits out the compile."""
+    the run as any SIGTERM does, at once. Raised inside a hook, it was swallowed there: the run waited out the
+    compile, and logging's lock, which a hook releases, stayed taken, so that any later logging from another thread
+    (huggingface_hub's download threads) waited for ever."""
     r = subprocess.run([sys.executable, "-c", SIGNAL_DURING_FORK, str(REPO), str(tmp_path)], capture_output=True,
                        text=True, timeout=50)
-    assert (r.returncode, r.stderr) == (128 + signal.SIGTERM, "terminated\n")
+    assert (r.returncode, r.stderr, r.stdout) == (128 + signal.SIGTERM, "terminated\n", "logging's lock free: [True]\n")
 
 
 def long_atomic_write(tmp_path, signum):
