@@ -228,7 +228,7 @@ def check_speculate_flags(a) -> None:
         if given:
             raise UserError(f"{given[0]} applies to --speculate K (self-speculative decoding)")
         return
-    speculative.check_k(a.speculate)
+    speculative.check_k(a.speculate, "--speculate K")
     if a.compile_mode == AOT:
         raise UserError("--compile-mode aot compiles the one-token decode step; --speculate's steps are "
                         "torch.compile's (leave --compile-mode auto)")

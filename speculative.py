@@ -88,9 +88,10 @@ def draft_model(model) -> nn.Module:
     return draft
 
 
-def check_k(k: int) -> None:
+def check_k(k: int, name: str = "k") -> None:
+    """k, the drafted tokens per round, in 1..MAX_K (`name`: the caller's word for it, a command line's flag)."""
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
-        raise UserError(f"--speculate K must be between 1 and {MAX_K} drafted tokens per round, got {k!r}")
+        raise UserError(f"{name} must be between 1 and {MAX_K} drafted tokens per round, got {k!r}")
 
 
 def check_target(policy) -> None:
@@ -98,12 +99,12 @@ def check_target(policy) -> None:
     if policy is None:
         return
     if is_scorer(policy):
-        raise UserError(f"--speculate verifies K+1 tokens as one block, and --policy {policy.name} would evict once "
+        raise UserError(f"speculation verifies K+1 tokens as one block, and policy={policy.name} would evict once "
                         "per block instead of once per token: its output would change with K; the target must be "
-                        "full (--policy full), the draft takes the budget (--draft-policy)")
-    raise UserError(f"--speculate verifies K+1 tokens as one block, which attends densely: --policy {policy.name} "
+                        "full (policy=full), the draft takes the budget (`draft_policy`)")
+    raise UserError(f"speculation verifies K+1 tokens as one block, which attends densely: policy={policy.name} "
                     "selects its slots only in single-token decode steps, so the block would not reproduce it; "
-                    "the target must be full (--policy full)")
+                    "the target must be full (policy=full)")
 
 
 def check_draft(policy, budget: int, target_capacity: int, same_weights: bool) -> None:
@@ -113,11 +114,11 @@ def check_draft(policy, budget: int, target_capacity: int, same_weights: bool) -
     if not same_weights:
         return
     if not is_scorer(policy):
-        raise UserError(f"--draft-policy {name} keeps every token: over the target's own weights it would read the "
+        raise UserError(f"draft_policy={name} keeps every token: over the target's own weights it would read the "
                         "same cache as the target; pick an evicting policy (e.g. sink, snapkv, keydiff) or give "
-                        "--draft-checkpoint")
+                        "`draft_checkpoint`")
     if budget >= target_capacity:
-        raise UserError(f"--draft-budget {budget} must be below the target's capacity ({target_capacity} slots: "
+        raise UserError(f"draft_budget={budget} must be below the target's capacity ({target_capacity} slots: "
                         "prompt + new tokens + K), else the draft reads as much as the target")
 
 

@@ -97,7 +97,7 @@ def check_args(a) -> dict:
         if not is_scorer(policies.make(spec)):
             raise UserError(f"--policies: {spec} keeps every token and cannot draft over the target's weights")
     for k in lists["ks"]:
-        speculative.check_k(k)
+        speculative.check_k(k, "--ks: K")
     for w in lists["weights"]:
         if w not in WEIGHTS:
             raise UserError(f"--weights: unknown format {w!r} ({', '.join(WEIGHTS)})")

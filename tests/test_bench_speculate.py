@@ -35,7 +35,7 @@ def test_grid_end_to_end(tiny_config_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("extra,message", [
     (["--ks", "0"], "--ks needs integers >= 1"),
-    (["--ks", "17"], "--speculate K must be between 1 and 16"),
+    (["--ks", "17"], "--ks: K must be between 1 and 16"),
     (["--policies", "full"], "full keeps every token"),
     (["--weights", "int4"], "unknown format 'int4'"),
     (["--contexts", "3000"], "exceed the model's context"),

@@ -146,7 +146,7 @@ def test_a_draft_sharing_the_targets_layers_is_refused_and_a_run_checks_its_cach
         run.generate(tiny, [prompt])
     run.setup(tiny, run.draft)
     assert run.generate(tiny, [prompt])[0][0] == plain(tiny, prompt, 8, 8, 70)
-    for kw, message in ((dict(k="4"), "--speculate K must be between 1 and 16 drafted tokens per round, got '4'"),
+    for kw, message in ((dict(k="4"), "k must be between 1 and 16 drafted tokens per round, got '4'"),
                         (dict(k=True), "got True")):
         with pytest.raises(UserError, match=re.escape(message)):
             speculative.Speculation(tiny.args, None, [60], draft_policy="sink", **kw)
