@@ -27,7 +27,7 @@ from torch import Tensor
 
 import kernels
 from errors import EnvironmentFailure
-from files import dies_with_parent, read_json, remove_stale_tmp, write_atomic, write_text
+from files import STOP_SIGNALS, dies_with_parent, read_json, remove_stale_tmp, write_atomic, write_text
 from model import set_layer_regions
 
 ROOT = Path(__file__).resolve().parent
@@ -217,19 +217,14 @@ def build_package(model, idx: Tensor, input_pos: Tensor, built: Path, threads: i
         torch._inductor.aoti_compile_and_package(ep, package_path=str(built))
 
 
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-
-
 def in_fork(fn) -> None:
     """fn() in a forked copy of this process (on Linux; elsewhere in this one), which shares this one's memory until
     it writes: what fn imports and allocates (the compiler, the traced graph) ends with the fork, and this
     process's peak memory never holds it. The fork dies with this process; its error is raised here as a
-    RuntimeError with its line."""
+    RuntimeError with its line. The stop signals wait while it forks (files.STOP_SIGNALS)."""
     if sys.platform != "linux":
         return fn()
     read, write = os.pipe()
-    # A stop signal (Ctrl-C, SIGTERM) arriving while os.fork() runs its Python hooks would be lost in them: held
-    # until each process is where it handles it.
     held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         pid = os.fork()

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from errors import EnvironmentFailure, UserError
-from files import dies_with_parent, disk_full, log_dir, open_log, stderr_to_log
+from files import STOP_SIGNALS, dies_with_parent, disk_full, log_dir, open_log, stderr_to_log
 import ranks
 from progress import Ticker
 
@@ -228,8 +228,17 @@ def terminated_raises():
 
 
 def start_child(cmd: list[str], **kw) -> subprocess.Popen:
-    """A child process of a command line: stopped with it (dies_with_parent); stop it with stop_child."""
-    return subprocess.Popen(cmd, preexec_fn=dies_with_parent, **kw)
+    """A child process of a command line: stopped with it (dies_with_parent); stop it with stop_child. The stop
+    signals wait while it forks (files.STOP_SIGNALS)."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+    def in_child():
+        dies_with_parent()
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    try:
+        return subprocess.Popen(cmd, preexec_fn=in_child, **kw)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def stop_child(p: subprocess.Popen, grace_s: float = 10.0) -> None:

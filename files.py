@@ -26,9 +26,16 @@ LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
 PR_SET_PDEATHSIG = 1
 
 
+# Held (pending) while a process forks: os.fork() runs Python hooks in the parent (logging's, which release its
+# lock), and a stop signal's exception raised inside one is only printed, the signal lost and the lock kept.
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
 def dies_with_parent() -> None:
     """In a child process (a preexec_fn, or a fork's first step): on Linux it gets SIGTERM when the process that
-    started it ends, however it ends (SIGKILL included), and runs its own cleanup: no child outlives its run."""
+    started it ends, however it ends (SIGKILL included), and runs its own cleanup: no child outlives its run. The
+    kernel watches the thread that started the child: start children from a thread that outlives them (the main
+    one)."""
     if LIBC is not None:
         LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
