@@ -23,13 +23,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from cli import Parser, run_child, run_cli, start_child, stop_child  # noqa: E402
+from cli import Parser, run_cli, start_child, stop_child  # noqa: E402
 from errors import UserError  # noqa: E402
 
 SETTINGS = {"default": ({}, []), "active": ({"OMP_WAIT_POLICY": "ACTIVE"}, ["--threads", "0"]),
@@ -105,27 +104,31 @@ def run_generate(setting: str, mode: str, case: str, prompt: Path, a, group: Pat
         cmd = ["bash", "-c", f'for i in 1 2; do {shlex.join(cmd)} > "$0"; done', str(written)]
     if case == "quota":
         cmd = ["unshare", "-m", "bash", "-c", IN_QUOTA, "in-quota", str(group), *cmd]
-    spinners, timers = [], []
-    if case in ("busy", "busy ends"):
-        spinners.append(start_child(SPIN))
-    if case == "busy later":
-        timers.append(threading.Timer(2.0, lambda: spinners.append(start_child(SPIN))))
-    if case == "busy ends":
-        timers.append(threading.Timer(2.0, lambda: stop_child(spinners[0])))
-    for t in timers:
-        t.start()
+    # Every child is started and stopped from this (the main) thread: a child dies with the thread that started it
+    # (files.dies_with_parent), and a timer's thread ends at once.
+    spinners = [start_child(SPIN)] if case in ("busy", "busy ends") else []
     try:
-        r = run_child(cmd, env=env)
+        with start_child(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+            try:
+                if case in ("busy later", "busy ends"):
+                    try:
+                        p.wait(2.0)
+                    except subprocess.TimeoutExpired:  # 2 s into the run
+                        if case == "busy later":
+                            spinners.append(start_child(SPIN))
+                        else:
+                            stop_child(spinners.pop())
+                out, err = p.communicate()
+            except BaseException:
+                stop_child(p)
+                raise
     finally:
-        for t in timers:
-            t.cancel()
-            t.join()
-        for p in spinners:
-            stop_child(p)
-    if r.returncode != 0:
-        raise UserError(f"{setting} {mode} {case}: the run exited {r.returncode}: "
-                        f"{(r.stderr.strip() or r.stdout.strip())[-300:]}")
-    return json.loads(written.read_text() if case in ("loop", "pytest") else r.stdout.strip().splitlines()[-1])
+        for spinner in spinners:
+            stop_child(spinner)
+    if p.returncode != 0:
+        raise UserError(f"{setting} {mode} {case}: the run exited {p.returncode}: "
+                        f"{(err.strip() or out.strip())[-300:]}")
+    return json.loads(written.read_text() if case in ("loop", "pytest") else out.strip().splitlines()[-1])
 
 
 def parser() -> Parser:

@@ -860,6 +860,29 @@ def test_a_signal_while_the_compile_forks_is_not_lost(tmp_path):
     assert (r.returncode, r.stderr, r.stdout) == (128 + signal.SIGTERM, "terminated\n", "logging's lock free: [True]\n")
 
 
+SIGNAL_DURING_START = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import cli
+os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signal.SIGTERM))  # a SIGTERM in the fork's hooks
+try:
+    with cli.terminated_raises():
+        p = cli.start_child(["sleep", "30"])
+        print("the signal was lost")
+        cli.stop_child(p)
+except cli.Terminated:
+    print("terminated")
+"""
+
+
+def test_a_signal_while_a_child_starts_is_not_lost():
+    """cli.start_child forks through Python's hooks (its preexec_fn): a SIGTERM arriving there is raised after the
+    fork, not lost inside a hook."""
+    r = subprocess.run([sys.executable, "-c", SIGNAL_DURING_START, str(REPO)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.stdout == "terminated\n", r.stdout + r.stderr
+
+
 def long_atomic_write(tmp_path, signum):
     """files.write_atomic signalled while it writes its temporary file."""
     import files
@@ -939,17 +962,16 @@ def signal_once_children_run(cmd: list[str], signum, want=lambda pid: True, **kw
 
 
 FAKE_BENCH_THREADS = """
-import json, subprocess, sys, time
+import json, os, sys
 sys.path.insert(0, {repo!r})
 from scripts import bench_threads
 calls = []
-def run_child(cmd, env):  # the untimed run, then the busy one, beside its spinner: it never ends
+stats = dict(decode_tok_s=1.0, prefill_tok_s=1.0, threads=1, thread_policy="fixed", thread_changes=[])
+def command(setting, mode, case, prompt, a):  # the untimed run, then the busy one, beside its spinner: it never ends
     calls.append(1)
-    if len(calls) == 2:
-        time.sleep(600)
-    stats = dict(decode_tok_s=1.0, prefill_tok_s=1.0, threads=1, thread_policy="fixed", thread_changes=[])
-    return subprocess.CompletedProcess(cmd, 0, json.dumps(stats), "")
-bench_threads.run_child = run_child
+    code = "import time; time.sleep(600)" if len(calls) == 2 else f"print({{json.dumps(stats)!r}})"
+    return [sys.executable, "-c", code], dict(os.environ)
+bench_threads.command = command
 sys.exit(bench_threads.main(["--modes", "eager", "--settings", "default", "--cases", "busy", "--repeats", "1"]))
 """
 
@@ -969,6 +991,35 @@ def test_bench_threads_leaves_no_process_behind(child, signum):
     assert ended, f"left behind: {kids}"
     if signum == signal.SIGTERM:
         assert p.returncode == 143 and err.strip().splitlines()[-1] == "terminated", (p.returncode, err)
+
+
+SPINNERS_SEEN = """
+import json, os, time
+def spinners():  # busy processes that the bench (this run's parent) has running now
+    n = 0
+    for d in set(filter(str.isdigit, os.listdir("/proc"))) - {str(os.getpid())}:
+        try:
+            ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            n += ppid == os.getppid() and b"while True: pass" in open(f"/proc/{d}/cmdline", "rb").read()
+        except (OSError, IndexError, ValueError):
+            pass
+    return n
+seen = []
+for t in (0.5, 3.5):
+    time.sleep(t - (seen and 0.5 or 0))
+    seen.append(spinners())
+print(json.dumps({"seen": seen}))
+"""
+
+
+@pytest.mark.parametrize("case,seen", [("busy", [1, 1]), ("busy later", [0, 1]), ("busy ends", [1, 0])])
+def test_bench_threads_busy_process_spins_when_its_case_says(monkeypatch, tmp_path, case, seen):
+    """bench_threads' busy process, seen from the run at 0.5 s and 3.5 s: there throughout (`busy`), from 2 s
+    (`busy later`: started from the main thread, since a child dies with the thread that started it), until 2 s
+    (`busy ends`)."""
+    from scripts import bench_threads
+    monkeypatch.setattr(bench_threads, "command", lambda *a: ([sys.executable, "-c", SPINNERS_SEEN], dict(os.environ)))
+    assert bench_threads.run_generate("default", "eager", case, tmp_path / "prompt.txt", None) == {"seen": seen}
 
 
 def test_bench_leaves_no_measuring_child_behind(tiny_ckpt, tmp_path):
