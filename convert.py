@@ -56,6 +56,13 @@ def hf_to_engine(get, names: set[str], n_layers: int, tied: bool, on_layer=None)
             raise CheckpointError(f"the checkpoint lacks tensor {name!r}")
         return get(name)
 
+    def fuse(prefix, parts):
+        tensors = [need(prefix + part) for part in parts]
+        if len({(t.dim(), t.shape[1:]) for t in tensors}) > 1:
+            shown = ", ".join(f"{prefix + part} {list(t.shape)}" for part, t in zip(parts, tensors))
+            raise CheckpointError(f"the checkpoint's tensors to fuse disagree in shape: {shown}")
+        return torch.cat(tensors)
+
     out = {"tok_embeddings.weight": need("model.embed_tokens.weight"), "norm.weight": need("model.norm.weight")}
     if not tied:
         out["output.weight"] = need("lm_head.weight")
@@ -63,13 +70,13 @@ def hf_to_engine(get, names: set[str], n_layers: int, tied: bool, on_layer=None)
         p, e = f"model.layers.{i}.", f"layers.{i}."
         out[e + "attention_norm.weight"] = need(p + "input_layernorm.weight")
         out[e + "ffn_norm.weight"] = need(p + "post_attention_layernorm.weight")
-        out[e + "attention.wqkv.weight"] = torch.cat([need(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        out[e + "attention.wqkv.weight"] = fuse(p + "self_attn.", [f"{x}_proj.weight" for x in "qkv"])
         if p + "self_attn.q_proj.bias" in names:
-            out[e + "attention.wqkv.bias"] = torch.cat([need(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            out[e + "attention.wqkv.bias"] = fuse(p + "self_attn.", [f"{x}_proj.bias" for x in "qkv"])
         out[e + "attention.wo.weight"] = need(p + "self_attn.o_proj.weight")
         if p + "self_attn.o_proj.bias" in names:
             out[e + "attention.wo.bias"] = need(p + "self_attn.o_proj.bias")
-        out[e + "feed_forward.w13.weight"] = torch.cat([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")])
+        out[e + "feed_forward.w13.weight"] = fuse(p + "mlp.", ["gate_proj.weight", "up_proj.weight"])
         out[e + "feed_forward.w2.weight"] = need(p + "mlp.down_proj.weight")
         if on_layer is not None:
             on_layer(i + 1)
@@ -172,6 +179,8 @@ def read_hf_dir(ckpt_dir: Path, dtype: torch.dtype | None = None,
             t = where[name].get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read tensor {name} in {ckpt_dir} (truncated or corrupt?): {e}") from None
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise CheckpointError(f"tensor {name} in {ckpt_dir} is {t.dtype}, not float32, float16 or bfloat16")
         return t.to(dtype) if dtype is not None else t
 
     tied = bool(config.get("tie_word_embeddings", False)) or "lm_head.weight" not in where

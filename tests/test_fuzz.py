@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 import generate
 import generate_args
@@ -121,6 +122,17 @@ def missing_tensor(tmp, ckpt):
     del tensors["model.layers.1.mlp.down_proj.weight"]
     (bad / "model.safetensors").unlink()
     save_file(tensors, str(bad / "model.safetensors"))
+
+
+def edited_tensor(name: str, edit):
+    def setup(tmp, ckpt):
+        from safetensors.torch import load_file, save_file
+        bad = broken_copy(tmp, ckpt)
+        tensors = load_file(str(ckpt / "model.safetensors"))
+        tensors[name] = edit(tensors[name])
+        (bad / "model.safetensors").unlink()
+        save_file(tensors, str(bad / "model.safetensors"))
+    return setup
 
 
 def gguf(name: str, **meta):
@@ -639,6 +651,12 @@ CASES += [
      "no *.safetensors"),
     ("convert-hf-truncated", "convert", ["--checkpoint", "{bad}"], truncated_weights, 2, "truncated or corrupt"),
     ("convert-hf-missing-tensor", "convert", ["--checkpoint", "{bad}"], missing_tensor, 2, "lacks tensor"),
+    ("convert-hf-fused-shapes", "convert", ["--checkpoint", "{bad}"],
+     edited_tensor("model.layers.0.self_attn.k_proj.weight", lambda t: t.reshape(t.shape[0] * 2, -1)), 2,
+     "tensors to fuse disagree in shape"),
+    ("convert-hf-int-weights", "convert", ["--checkpoint", "{bad}"],
+     edited_tensor("model.layers.0.mlp.down_proj.weight", lambda t: t.to(torch.int8)), 2,
+     "is torch.int8, not float32"),
     ("convert-hf-layers", "convert", ["--checkpoint", "{bad}"], config(num_hidden_layers="2"), 2,
      "num_hidden_layers"),
     ("convert-hf-layers-huge", "convert", ["--checkpoint", "{bad}"], config(num_hidden_layers=2 ** 31 - 1), 2,
