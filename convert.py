@@ -117,12 +117,14 @@ def write_hf(ckpt_dir: Path, out_dir: Path) -> Path:
         raise CheckpointError(f"cannot read {ckpt_dir / ENGINE_FILE} (not a converted checkpoint?): {e}") from None
     if any(name.endswith((".scales", ".scales_and_zeros")) for name in engine):
         raise CheckpointError(f"{ckpt_dir} is quantized: write the HF copy from the float checkpoint it came from")
-    D = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * D, config["num_key_value_heads"] * D
+    from config import parse_config
+    args = parse_config(config)
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    engine = checked_engine(engine, ckpt_dir / ENGINE_FILE, args.n_layers, q + 2 * kv)
     out = {"model.embed_tokens.weight": engine["tok_embeddings.weight"], "model.norm.weight": engine["norm.weight"]}
     if "output.weight" in engine:
         out["lm_head.weight"] = engine["output.weight"]
-    for i in range(config["num_hidden_layers"]):
+    for i in range(args.n_layers):
         p, e = f"model.layers.{i}.", f"layers.{i}."
         out[p + "input_layernorm.weight"] = engine[e + "attention_norm.weight"]
         out[p + "post_attention_layernorm.weight"] = engine[e + "ffn_norm.weight"]
@@ -153,6 +155,22 @@ def write_hf(ckpt_dir: Path, out_dir: Path) -> Path:
     write_atomic(out_dir / "model.safetensors", lambda tmp: save_file(
         {k: v.contiguous() for k, v in out.items()}, str(tmp), metadata={"format": "pt"}))
     return out_dir
+
+
+def checked_engine(engine: dict, path: Path, n_layers: int, qkv_rows: int) -> dict:
+    """engine, when it holds every tensor write_hf splits and its fused q/k/v rows match the config's heads."""
+    names = ["tok_embeddings.weight", "norm.weight"] + [f"layers.{i}.{n}" for i in range(n_layers) for n in (
+        "attention_norm.weight", "ffn_norm.weight", "attention.wqkv.weight", "feed_forward.w13.weight",
+        "feed_forward.w2.weight")]
+    missing = [n for n in names if n not in engine]
+    if missing:
+        raise CheckpointError(f"{path} lacks tensor {missing[0]!r} (not this config.json's checkpoint?)")
+    for i in range(n_layers):
+        rows = engine[f"layers.{i}.attention.wqkv.weight"].shape[0]
+        if rows != qkv_rows:
+            raise CheckpointError(f"{path}: layers.{i}.attention.wqkv.weight has {rows} rows, its config.json's "
+                                  f"heads make {qkv_rows}")
+    return engine
 
 
 def read_hf_dir(ckpt_dir: Path, dtype: torch.dtype | None = None,

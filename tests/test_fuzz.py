@@ -135,6 +135,15 @@ def edited_tensor(name: str, edit):
     return setup
 
 
+def converted(setup):
+    """Setup: `setup`'s broken copy, converted in place (as generate.py would) before the command runs."""
+    def run(tmp, ckpt):
+        from convert import convert_hf_dir
+        setup(tmp, ckpt)
+        convert_hf_dir(tmp / "bad")
+    return run
+
+
 def gguf(name: str, **meta):
     """Setup: tmp/<name>, test_gguf_convert's 1-layer llama GGUF with those metadata values."""
     def setup(tmp, ckpt):
@@ -651,6 +660,10 @@ CASES += [
      "no *.safetensors"),
     ("convert-hf-truncated", "convert", ["--checkpoint", "{bad}"], truncated_weights, 2, "truncated or corrupt"),
     ("convert-hf-missing-tensor", "convert", ["--checkpoint", "{bad}"], missing_tensor, 2, "lacks tensor"),
+    ("convert-to-hf-kv-heads", "convert", ["--checkpoint", "{bad}", "--to-hf", "{tmp}/o"],
+     converted(config(num_key_value_heads=DROP)), 2, "wqkv.weight has 128 rows, its config.json's heads make 192"),
+    ("convert-to-hf-head-dim", "convert", ["--checkpoint", "{bad}", "--to-hf", "{tmp}/o"], converted(config(head_dim=32)), 2,
+     "wqkv.weight has 128 rows, its config.json's heads make 256"),
     ("convert-hf-fused-shapes", "convert", ["--checkpoint", "{bad}"],
      edited_tensor("model.layers.0.self_attn.k_proj.weight", lambda t: t.reshape(t.shape[0] * 2, -1)), 2,
      "tensors to fuse disagree in shape"),
