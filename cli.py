@@ -56,6 +56,11 @@ class Parser(argparse.ArgumentParser):
                                f"{log_dir() / 'error.log'} "
                                "(also BUDGETKV_VERBOSE=1)")
 
+    def parse_known_args(self, args=None, namespace=None):
+        a, rest = super().parse_known_args(args, namespace)
+        PARSED_SECRETS.extend(v for k, v in vars(a).items() if is_secret(k) and isinstance(v, str))
+        return a, rest
+
     def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
@@ -134,6 +139,7 @@ def free_bytes(folder: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+PARSED_SECRETS: list[str] = []  # the values of secret flags as parsed (an abbreviation too: --hf-tok X)
 SECRET_WORDS = {"token", "secret", "password", "passwd", "credentials", "key", "apikey"}
 
 
@@ -163,10 +169,11 @@ def redact(argv: list[str], text: str) -> str:
     """The command line (secrets redacted) and `text`, in which every secret of the command line and of the
     environment (a variable named as is_secret says) long enough not to be an ordinary word is replaced by ***."""
     line, values = redacted(argv)
-    values += [v for k, v in os.environ.items() if is_secret(k)]
+    values += PARSED_SECRETS + [v for k, v in os.environ.items() if is_secret(k)]
+    text = " ".join(line) + "\n" + text
     for value in sorted((v for v in values if len(v) >= 8), key=len, reverse=True):
         text = text.replace(value, "***")
-    return " ".join(line) + "\n" + text
+    return text
 
 
 def internal_error(e: BaseException, verbose: bool) -> int:

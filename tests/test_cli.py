@@ -1087,3 +1087,21 @@ def test_make_vectors_help_writes_nothing(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "tests/vectors" in r.stdout, r.stderr
     assert list(tmp_path.iterdir()) == []  # it wrote 81 cases into a folder named --help
+
+
+@pytest.mark.parametrize("flag", [["--hf-tok", "hf_abbreviated_flag"], ["--hf=hf_abbreviated_flag"]],
+                         ids=["apart", "equals"])
+def test_the_error_log_redacts_an_abbreviated_secret_flag(tmp_path, monkeypatch, capfd, flag):
+    """argparse takes --hf-tok or --hf for --hf-token: the parsed value is redacted, not only --hf-token's."""
+    import tempfile
+
+    import cli
+    from scripts import download
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(cli, "PARSED_SECRETS", [])
+    argv = ["--repo-id", "a/b", *flag]
+    monkeypatch.setattr(sys, "argv", ["scripts/download.py", *argv])
+    assert download.parse_args(argv).hf_token == "hf_abbreviated_flag"
+    assert cli.internal_error(ValueError("refused for hf_abbreviated_flag"), False) == 1
+    log = (tmp_path / f"budgetkv-{os.getuid()}" / "error.log").read_text()
+    assert "hf_abbreviated_flag" not in log and "ValueError: refused for ***" in log
