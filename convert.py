@@ -185,16 +185,19 @@ def read_hf_dir(ckpt_dir: Path, dtype: torch.dtype | None = None,
         raise CheckpointError(f"{ckpt_dir} has no *.safetensors weights")
     where = {}
     try:
-        handles = [safe_open(str(f), "pt", device="cpu") for f in files]
-        for h in handles:
+        for f in files:
+            h = safe_open(str(f), "pt", device="cpu")
             for name in h.keys():
-                where[name] = h
+                if name in where:
+                    raise CheckpointError(f"tensor {name} is in two weight files of {ckpt_dir} ({where[name][1].name} "
+                                          f"and {f.name}): which one holds the model's?")
+                where[name] = (h, f)
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read the safetensors in {ckpt_dir} (truncated or corrupt?): {e}") from None
 
     def get(name):
         try:
-            t = where[name].get_tensor(name)
+            t = where[name][0].get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read tensor {name} in {ckpt_dir} (truncated or corrupt?): {e}") from None
         if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):

@@ -135,6 +135,12 @@ def edited_tensor(name: str, edit):
     return setup
 
 
+def second_shard(tmp, ckpt):
+    from safetensors.torch import save_file
+    bad = broken_copy(tmp, ckpt)
+    save_file({"model.norm.weight": torch.zeros(64)}, str(bad / "model-extra.safetensors"))
+
+
 def converted(setup):
     """Setup: `setup`'s broken copy, converted in place (as generate.py would) before the command runs."""
     def run(tmp, ckpt):
@@ -664,6 +670,8 @@ CASES += [
      converted(config(num_key_value_heads=DROP)), 2, "wqkv.weight has 128 rows, its config.json's heads make 192"),
     ("convert-to-hf-head-dim", "convert", ["--checkpoint", "{bad}", "--to-hf", "{tmp}/o"], converted(config(head_dim=32)), 2,
      "wqkv.weight has 128 rows, its config.json's heads make 256"),
+    ("convert-hf-tensor-twice", "convert", ["--checkpoint", "{bad}"], second_shard, 2,
+     "tensor model.norm.weight is in two weight files"),
     ("convert-hf-fused-shapes", "convert", ["--checkpoint", "{bad}"],
      edited_tensor("model.layers.0.self_attn.k_proj.weight", lambda t: t.reshape(t.shape[0] * 2, -1)), 2,
      "tensors to fuse disagree in shape"),
