@@ -395,9 +395,19 @@ def open_tensors(ckpt: Path):
     try:
         handle = safe_open(str(engine), "pt", device="cpu")
         check_loaded(engine, handle.metadata())
-        return handle.get_tensor, list(handle.keys())
+        names = list(handle.keys())
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read {engine} (truncated or corrupt?): {e}") from None
+
+    def get(name):
+        try:
+            t = handle.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read tensor {name} in {engine} (truncated or corrupt?): {e}") from None
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise CheckpointError(f"tensor {name} in {engine} is {t.dtype}, not float32, float16 or bfloat16")
+        return t
+    return get, names
 
 
 def quantize_checkpoint(ckpt: Path, args: ModelArgs, mode: str, groupsize: int | None,

@@ -150,6 +150,18 @@ def converted(setup):
     return run
 
 
+def int_engine_tensor(tmp, ckpt):
+    """A converted copy whose engine file holds an int32 weight under the identity its conversion wrote."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    converted(broken_copy)(tmp, ckpt)
+    engine = tmp / "bad" / "budgetkv.safetensors"
+    with safe_open(str(engine), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    tensors["layers.0.feed_forward.w2.weight"] = tensors["layers.0.feed_forward.w2.weight"].to(torch.int32)
+    save_file(tensors, str(engine), metadata=meta)
+
+
 def gguf(name: str, **meta):
     """Setup: tmp/<name>, test_gguf_convert's 1-layer llama GGUF with those metadata values."""
     def setup(tmp, ckpt):
@@ -573,6 +585,8 @@ CASES += [
 ]
 
 CASES += [
+    ("quantize-int-engine-tensor", "quantize", ["--checkpoint", "{bad}", "--out", "{tmp}/q", "--mode", "int8"],
+     int_engine_tensor, 2, "layers.0.feed_forward.w2.weight in"),
     ("quantize-no-mode", "quantize", ["--checkpoint", "{ckpt}", "--out", "{tmp}/q"], None, 2, "--mode"),
     ("quantize-mode", "quantize", ["--checkpoint", "{ckpt}", "--mode", "int3"], None, 2, "invalid choice"),
     ("quantize-groupsize-int8", "quantize", ["--checkpoint", "{ckpt}", "--out", "{tmp}/q", "--mode", "int8",
