@@ -165,6 +165,9 @@ def checked_engine(engine: dict, path: Path, n_layers: int, qkv_rows: int) -> di
     missing = [n for n in names if n not in engine]
     if missing:
         raise CheckpointError(f"{path} lacks tensor {missing[0]!r} (not this config.json's checkpoint?)")
+    bad = next((n for n, t in engine.items() if t.dtype not in (torch.float32, torch.float16, torch.bfloat16)), None)
+    if bad is not None:
+        raise CheckpointError(f"tensor {bad} in {path} is {engine[bad].dtype}, not float32, float16 or bfloat16")
     for i in range(n_layers):
         rows = engine[f"layers.{i}.attention.wqkv.weight"].shape[0]
         if rows != qkv_rows:

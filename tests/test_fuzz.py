@@ -686,6 +686,8 @@ CASES += [
      "wqkv.weight has 128 rows, its config.json's heads make 256"),
     ("convert-hf-tensor-twice", "convert", ["--checkpoint", "{bad}"], second_shard, 2,
      "tensor model.norm.weight is in two weight files"),
+    ("convert-to-hf-int-engine-tensor", "convert", ["--checkpoint", "{bad}", "--to-hf", "{tmp}/o"], int_engine_tensor,
+     2, "tensor layers.0.feed_forward.w2.weight in"),
     ("convert-hf-fused-shapes", "convert", ["--checkpoint", "{bad}"],
      edited_tensor("model.layers.0.self_attn.k_proj.weight", lambda t: t.reshape(t.shape[0] * 2, -1)), 2,
      "tensors to fuse disagree in shape"),
