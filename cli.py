@@ -168,9 +168,14 @@ def redacted(argv: list[str]) -> tuple[list[str], list[str]]:
 def redact(argv: list[str], text: str) -> str:
     """The command line (secrets redacted) and `text`, in which every secret of the command line and of the
     environment (a variable named as is_secret says) long enough not to be an ordinary word is replaced by ***."""
-    line, values = redacted(argv)
-    values += PARSED_SECRETS + [v for k, v in os.environ.items() if is_secret(k)]
-    text = " ".join(line) + "\n" + text
+    return scrub(" ".join(redacted(argv)[0]) + "\n" + text, argv)
+
+
+def scrub(text: str, argv: list[str] | None = None) -> str:
+    """text with every secret of the command line (argv, default sys.argv) and of the environment replaced by ***
+    (values of 8 characters or more)."""
+    values = redacted(sys.argv if argv is None else argv)[1] + PARSED_SECRETS
+    values += [v for k, v in os.environ.items() if is_secret(k)]
     for value in sorted((v for v in values if len(v) >= 8), key=len, reverse=True):
         text = text.replace(value, "***")
     return text
@@ -180,7 +185,7 @@ def internal_error(e: BaseException, verbose: bool) -> int:
     """A bug: one line plus where the traceback is (the error log, headed by the command line, secrets redacted), or
     the traceback itself with -v."""
     if verbose:
-        traceback.print_exception(e, file=sys.stderr)
+        print(scrub("".join(traceback.format_exception(e))), end="", file=sys.stderr)
         return 1
     try:
         fd, log, note = open_log("error.log")
@@ -189,7 +194,7 @@ def internal_error(e: BaseException, verbose: bool) -> int:
         where = f"traceback in {log}{f' ({note})' if note else ''}; or rerun with -v"
     except OSError as log_error:
         where = f"could not write the traceback to {log_dir() / 'error.log'} ({log_error.strerror}); rerun with -v"
-    print(f"internal error: {type(e).__name__}: {one_line(e)} ({where})", file=sys.stderr)
+    print(f"internal error: {type(e).__name__}: {scrub(one_line(e))} ({where})", file=sys.stderr)
     return 1
 
 
@@ -291,7 +296,7 @@ def run_cli(run_fn, a) -> int:
             pass
         return 128 + e.args[0]
     except (UserError, EnvironmentFailure) as e:
-        print(f"error: {as_flags(one_line(e), a)}", file=sys.stderr)
+        print(f"error: {scrub(as_flags(one_line(e), a))}", file=sys.stderr)
         return 1 if isinstance(e, EnvironmentFailure) else 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
@@ -304,7 +309,7 @@ def run_cli(run_fn, a) -> int:
         print("error: output closed early (broken pipe)", file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        print(f"error: {scrub(os_error_line(e))}", file=sys.stderr)
         return 1
     except MemoryError:
         print("error: out of memory (MemoryError)", file=sys.stderr)

@@ -1,4 +1,5 @@
 """generate.py as a user runs it: bad input gets one line on stderr and exit code 2, good input a summary."""
+import argparse
 import json
 import os
 import re
@@ -1105,3 +1106,22 @@ def test_the_error_log_redacts_an_abbreviated_secret_flag(tmp_path, monkeypatch,
     assert cli.internal_error(ValueError("refused for hf_abbreviated_flag"), False) == 1
     log = (tmp_path / f"budgetkv-{os.getuid()}" / "error.log").read_text()
     assert "hf_abbreviated_flag" not in log and "ValueError: refused for ***" in log
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["line", "verbose"])
+def test_an_error_line_holds_no_secret(tmp_path, monkeypatch, capfd, verbose):
+    """A secret of the command line in an exception's message is *** on stderr too: the internal error's line or
+    -v's traceback, and a bad input's line."""
+    import tempfile
+
+    import cli
+    from errors import UserError
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["scripts/download.py", "--hf-token", "hf_in_the_message"])
+    cli.internal_error(ValueError("refused for hf_in_the_message"), verbose)
+
+    def refuse(a):
+        raise UserError("bad token hf_in_the_message")
+    assert cli.run_cli(refuse, argparse.Namespace(verbose=verbose)) == 2
+    err = capfd.readouterr().err
+    assert "hf_in_the_message" not in err and "refused for ***" in err and "bad token ***" in err
