@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from config import parse_config
 from errors import UserError
 from files import (TMP_PREFIX, fsync_path, parse_json, read_json, regular_file, remove_stale_tmp, tmp_path,
                    write_atomic, write_error, write_text)
@@ -117,7 +118,6 @@ def write_hf(ckpt_dir: Path, out_dir: Path) -> Path:
         raise CheckpointError(f"cannot read {ckpt_dir / ENGINE_FILE} (not a converted checkpoint?): {e}") from None
     if any(name.endswith((".scales", ".scales_and_zeros")) for name in engine):
         raise CheckpointError(f"{ckpt_dir} is quantized: write the HF copy from the float checkpoint it came from")
-    from config import parse_config
     args = parse_config(config)
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     engine = checked_engine(engine, ckpt_dir / ENGINE_FILE, args.n_layers, q + 2 * kv)
