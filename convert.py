@@ -157,6 +157,12 @@ def write_hf(ckpt_dir: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def check_float(t: torch.Tensor, name: str, where: Path) -> None:
+    """A checkpoint's weight is float32, float16 or bfloat16 (CheckpointError naming it and `where` otherwise)."""
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise CheckpointError(f"tensor {name} in {where} is {t.dtype}, not float32, float16 or bfloat16")
+
+
 def checked_engine(engine: dict, path: Path, n_layers: int, qkv_rows: int) -> dict:
     """engine, when it holds every tensor write_hf splits and its fused q/k/v rows match the config's heads."""
     names = ["tok_embeddings.weight", "norm.weight"] + [f"layers.{i}.{n}" for i in range(n_layers) for n in (
@@ -165,9 +171,8 @@ def checked_engine(engine: dict, path: Path, n_layers: int, qkv_rows: int) -> di
     missing = [n for n in names if n not in engine]
     if missing:
         raise CheckpointError(f"{path} lacks tensor {missing[0]!r} (not this config.json's checkpoint?)")
-    bad = next((n for n, t in engine.items() if t.dtype not in (torch.float32, torch.float16, torch.bfloat16)), None)
-    if bad is not None:
-        raise CheckpointError(f"tensor {bad} in {path} is {engine[bad].dtype}, not float32, float16 or bfloat16")
+    for name, t in engine.items():
+        check_float(t, name, path)
     for i in range(n_layers):
         rows = engine[f"layers.{i}.attention.wqkv.weight"].shape[0]
         if rows != qkv_rows:
@@ -203,8 +208,7 @@ def read_hf_dir(ckpt_dir: Path, dtype: torch.dtype | None = None,
             t = where[name][0].get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read tensor {name} in {ckpt_dir} (truncated or corrupt?): {e}") from None
-        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise CheckpointError(f"tensor {name} in {ckpt_dir} is {t.dtype}, not float32, float16 or bfloat16")
+        check_float(t, name, ckpt_dir)
         return t.to(dtype) if dtype is not None else t
 
     tied = bool(config.get("tie_word_embeddings", False)) or "lm_head.weight" not in where

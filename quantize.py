@@ -51,8 +51,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from config import parse_config
-from convert import (ENGINE_FILE, TOKENIZER_FILES, CheckpointError, check_loaded, checkpoint_files, file_sha256,
-                     identity, load_stats, read_config, read_hf_dir, save_engine, save_stats)
+from convert import (ENGINE_FILE, TOKENIZER_FILES, CheckpointError, check_float, check_loaded, checkpoint_files,
+                     file_sha256, identity, load_stats, read_config, read_hf_dir, save_engine, save_stats)
 from errors import UserError
 from files import remove_stale_tmp, write_atomic, write_text
 from kernels import rowwise_linear, rowwise_rows
@@ -404,8 +404,7 @@ def open_tensors(ckpt: Path):
             t = handle.get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read tensor {name} in {engine} (truncated or corrupt?): {e}") from None
-        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise CheckpointError(f"tensor {name} in {engine} is {t.dtype}, not float32, float16 or bfloat16")
+        check_float(t, name, engine)
         return t
     return get, names
 
